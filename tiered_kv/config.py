@@ -1,0 +1,252 @@
+"""Configuration: one frozen dataclass, built once at the edge from ``TIERED_KV_*`` variables.
+
+Nothing below the CLI / server entry points reads ``os.environ``; they receive a :class:`Config`.
+A bad value raises :class:`ConfigError` whose message names the variable and the accepted form.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_FORM = "a byte count or a size such as 512MB, 8GiB, 1.5GB"
+
+
+class ConfigError(ValueError):
+    """A TIERED_KV_* value is malformed; the message names the variable and the accepted form."""
+
+
+def parse_size(text: str) -> int:
+    """``'8GiB'`` → 8589934592, ``'512MB'`` → 512000000, ``'1024'`` → 1024. Raises ValueError."""
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_root() -> Path:
+    """Per-user base directory: ``$XDG_CACHE_HOME/tiered-kv`` or ``~/.cache/tiered-kv``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tiered-kv"
+
+
+TIERS = ("hot", "cold")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every tunable of the cache and the server. Field docs double as the README's env-var table."""
+
+    #: TIERED_KV_DIR — cold-tier directory (index + entry files).
+    cache_dir: Path = field(default_factory=lambda: default_root() / "kv")
+    #: TIERED_KV_MODELS_DIR — where `tiered-kv model` puts converted / generated models.
+    models_dir: Path = field(default_factory=lambda: default_root() / "models")
+    #: TIERED_KV_TIERS — which tiers are on: "hot,cold", "hot", "cold" or "none" (cache disabled).
+    tiers: tuple[str, ...] = ("hot", "cold")
+    #: TIERED_KV_HOT_BYTES — byte budget of the in-memory tier.
+    hot_bytes: int = 4 * 1024**3
+    #: TIERED_KV_MEMORY_THRESHOLD — evict when MLX active memory passes this share of device memory.
+    memory_threshold: float = 0.85
+    #: TIERED_KV_MIN_CONTINUATION_TOKENS — a hit at least this long (and ≥ half the prompt)
+    #: that extends an entry replaces it instead of duplicating it.
+    min_continuation_tokens: int = 1000
+    #: TIERED_KV_PREFILL_CHUNK — tokens per prefill step (evaluated per chunk).
+    prefill_chunk: int = 512
+    #: TIERED_KV_DISK_BYTES — byte budget of everything under TIERED_KV_DIR.
+    disk_bytes: int = 20 * 1024**3
+    #: TIERED_KV_DISK_FREE_FLOOR — keep at least this much free space on the cache disk.
+    disk_free_floor: int = 1024**3
+    #: TIERED_KV_BLOCK_TOKENS — tokens per hashed block of the cold index.
+    block_tokens: int = 256
+    #: TIERED_KV_SPILL_QUEUE_BYTES — bound of the write-behind queue; oldest spill dropped past it.
+    spill_queue_bytes: int = 2 * 1024**3
+    #: TIERED_KV_WRITE_THROUGH — persist every finished turn (crash loses at most the turn in flight).
+    write_through: bool = False
+    #: TIERED_KV_PREFETCH — warm start loads this many most recent entries ("4") or bytes ("2GiB").
+    prefetch_entries: int = 0
+    prefetch_bytes: int = 0
+    #: TIERED_KV_KV_BITS — quantise stored entries to 4 or 8 bits (0 = keep the model's dtype).
+    kv_bits: int = 0
+    #: TIERED_KV_KV_GROUP_SIZE — quantisation group size (32, 64 or 128).
+    kv_group_size: int = 64
+    #: TIERED_KV_CACHE_SALT — mixed into every key: tenants with different salts share nothing.
+    cache_salt: str = ""
+    #: TIERED_KV_API_KEY — when set, required as a Bearer token on every endpoint but /health.
+    api_key: str = ""
+    #: TIERED_KV_MAX_BODY_BYTES — largest accepted HTTP request body.
+    max_body_bytes: int = 16 * 1024**2
+
+    @property
+    def hot_enabled(self) -> bool:
+        return "hot" in self.tiers
+
+    @property
+    def cold_enabled(self) -> bool:
+        return "cold" in self.tiers
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
+
+
+def _tiers(text: str) -> tuple[str, ...]:
+    t = text.strip().lower()
+    if t in ("none", "off", ""):
+        return ()
+    parts = tuple(p.strip() for p in t.split(","))
+    if not parts or any(p not in TIERS for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(text)
+    return parts
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(text)
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise ValueError(text)
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise ValueError(text)
+    return v
+
+
+def _kv_bits(text: str) -> int:
+    v = int(text)
+    if v not in (0, 4, 8):
+        raise ValueError(text)
+    return v
+
+
+def _group(text: str) -> int:
+    v = int(text)
+    if v not in (32, 64, 128):
+        raise ValueError(text)
+    return v
+
+
+def _path(text: str) -> Path:
+    if not text.strip():
+        raise ValueError(text)
+    return Path(text).expanduser()
+
+
+def _size(text: str) -> int:
+    return parse_size(text)
+
+
+def _chunk(text: str) -> int:
+    v = int(text)
+    if not 16 <= v <= 65536:
+        raise ValueError(text)
+    return v
+
+
+def _block(text: str) -> int:
+    v = int(text)
+    if not 16 <= v <= 8192:
+        raise ValueError(text)
+    return v
+
+
+# variable → (field, parser, accepted form)
+_SPEC: dict[str, tuple[str, object, str]] = {
+    "TIERED_KV_DIR": ("cache_dir", _path, "a directory path"),
+    "TIERED_KV_MODELS_DIR": ("models_dir", _path, "a directory path"),
+    "TIERED_KV_TIERS": ("tiers", _tiers, '"hot,cold", "hot", "cold" or "none"'),
+    "TIERED_KV_HOT_BYTES": ("hot_bytes", _size, SIZE_FORM),
+    "TIERED_KV_MEMORY_THRESHOLD": ("memory_threshold", _fraction, "a number in (0, 1], e.g. 0.85"),
+    "TIERED_KV_MIN_CONTINUATION_TOKENS": ("min_continuation_tokens", _nonneg_int, "an integer ≥ 0"),
+    "TIERED_KV_PREFILL_CHUNK": ("prefill_chunk", _chunk, "an integer from 16 to 65536"),
+    "TIERED_KV_DISK_BYTES": ("disk_bytes", _size, SIZE_FORM),
+    "TIERED_KV_DISK_FREE_FLOOR": ("disk_free_floor", _size, SIZE_FORM),
+    "TIERED_KV_BLOCK_TOKENS": ("block_tokens", _block, "an integer from 16 to 8192"),
+    "TIERED_KV_SPILL_QUEUE_BYTES": ("spill_queue_bytes", _size, SIZE_FORM),
+    "TIERED_KV_WRITE_THROUGH": ("write_through", _bool, "1/0, true/false, yes/no, on/off"),
+    "TIERED_KV_KV_BITS": ("kv_bits", _kv_bits, "0, 4 or 8"),
+    "TIERED_KV_KV_GROUP_SIZE": ("kv_group_size", _group, "32, 64 or 128"),
+    "TIERED_KV_CACHE_SALT": ("cache_salt", str, "any string"),
+    "TIERED_KV_API_KEY": ("api_key", str, "any string"),
+    "TIERED_KV_MAX_BODY_BYTES": ("max_body_bytes", _size, SIZE_FORM),
+}
+PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'
+
+
+def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Config:
+    """Build the Config from ``env`` (default ``os.environ``); ``overrides`` (CLI flags) win.
+
+    Raises ConfigError naming the first bad variable. Unknown ``TIERED_KV_*`` names are errors too,
+    so a typo does not silently fall back to a default.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    known = set(_SPEC) | {"TIERED_KV_PREFETCH"}
+    for name in sorted(env):
+        if name.startswith("TIERED_KV_") and name not in known:
+            raise ConfigError(f"{name}: unknown variable (known: {', '.join(sorted(known))})")
+    for name, (attr, parse, form) in _SPEC.items():
+        if name in env:
+            try:
+                values[attr] = parse(env[name])  # type: ignore[operator]
+            except (ValueError, TypeError):
+                raise ConfigError(f"{name}={env[name]!r}: expected {form}") from None
+    if "TIERED_KV_PREFETCH" in env:
+        raw = env["TIERED_KV_PREFETCH"].strip()
+        try:
+            if raw.isdigit():
+                values["prefetch_entries"] = int(raw)
+            else:
+                values["prefetch_bytes"] = parse_size(raw)
+        except ValueError:
+            raise ConfigError(f"TIERED_KV_PREFETCH={raw!r}: expected {PREFETCH_FORM}") from None
+    names = {f.name for f in fields(Config)}
+    for key, value in overrides.items():
+        if key not in names:
+            raise TypeError(f"unknown Config field {key}")
+        if value is not None:
+            values[key] = value
+    return Config(**values)  # type: ignore[arg-type]
+
+
+def env_table() -> list[tuple[str, str, str]]:
+    """(variable, default, accepted form) rows for the README and `tiered-kv --help`."""
+    default = Config()
+    rows = []
+    for name, (attr, _, form) in _SPEC.items():
+        rows.append((name, str(getattr(default, attr)), form))
+    rows.append(("TIERED_KV_PREFETCH", "0", PREFETCH_FORM))
+    return rows

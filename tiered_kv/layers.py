@@ -1,0 +1,356 @@
+"""Per-layer cache types: an explicit registry of what each mlx-lm cache class supports.
+
+For every supported class a :class:`Codec` says
+
+* ``length``  — how many tokens the layer state represents (``None``: the class does not know,
+  e.g. recurrent ``ArraysCache`` state; then the entry's token count is authoritative);
+* ``view``    — a *new* cache object that represents the first ``n`` tokens and **shares** the
+  stored arrays (no copy). MLX arrays are values: a later ``update_and_fetch`` on the view
+  (slice assignment, concatenate) produces new buffers and never writes into a buffer that the
+  stored entry still references, so a stored entry is never mutated by generation on a view.
+  ``None`` when the state cannot be served at ``n`` (wrapped rotating window, recurrent state
+  at another length);
+* ``encode`` / ``decode`` — the valid region as named arrays plus string meta (class, offset,
+  quantisation parameters), the cold tier's on-disk form.
+
+Unknown classes raise :class:`UnsupportedCache`; callers turn that into "do not cache" (logged once).
+No ``globals()`` lookup: decoding only instantiates classes named in ``CODECS``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as C
+
+Arrays = dict[str, mx.array]
+Meta = dict[str, Any]
+
+
+class UnsupportedCache(TypeError):
+    """A cache class this project does not know how to share or persist."""
+
+
+class CorruptState(ValueError):
+    """Encoded layer state that does not decode into a consistent cache (bad shapes, missing arrays)."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    cls: type
+    length: Callable[[Any], int | None]
+    view: Callable[[Any, int, int], Any | None]
+    encode: Callable[[Any], tuple[Arrays, Meta]]
+    decode: Callable[[Arrays, Meta], Any]
+
+
+def _sl(x: mx.array, start: int, stop: int) -> mx.array:
+    return x[..., start:stop, :]
+
+
+# -- KVCache ---------------------------------------------------------------------------------
+def _kv_view(c: C.KVCache, n: int, total: int) -> C.KVCache | None:
+    out = C.KVCache()
+    if n > c.offset:
+        return None
+    if n > 0:
+        out.keys, out.values, out.offset = _sl(c.keys, 0, n), _sl(c.values, 0, n), n
+    return out
+
+
+def _kv_encode(c: C.KVCache) -> tuple[Arrays, Meta]:
+    if c.keys is None:
+        return {}, {"offset": 0}
+    return {"keys": _sl(c.keys, 0, c.offset), "values": _sl(c.values, 0, c.offset)}, {
+        "offset": c.offset
+    }
+
+
+def _kv_decode(a: Arrays, m: Meta) -> C.KVCache:
+    c = C.KVCache()
+    off = int(m["offset"])
+    if off:
+        k, v = a["keys"], a["values"]
+        if k.ndim != 4 or k.shape[2] != off or v.shape[2] != off:
+            raise CorruptState(f"KVCache arrays do not match offset {off}")
+        c.keys, c.values, c.offset = k, v, off
+    return c
+
+
+# -- QuantizedKVCache ------------------------------------------------------------------------
+def _q_view(c: C.QuantizedKVCache, n: int, total: int) -> C.QuantizedKVCache | None:
+    out = C.QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+    if n > c.offset:
+        return None
+    if n > 0:
+        out.keys = tuple(_sl(x, 0, n) for x in c.keys)
+        out.values = tuple(_sl(x, 0, n) for x in c.values)
+        out.offset = n
+    return out
+
+
+def _q_encode(c: C.QuantizedKVCache) -> tuple[Arrays, Meta]:
+    meta = {"offset": c.offset, "group_size": c.group_size, "bits": c.bits}
+    if c.keys is None:
+        meta["offset"] = 0
+        return {}, meta
+    arrays: Arrays = {}
+    for name, parts in (("keys", c.keys), ("values", c.values)):
+        for i, x in enumerate(parts):
+            arrays[f"{name}.{i}"] = _sl(x, 0, c.offset)
+    return arrays, meta
+
+
+def _q_decode(a: Arrays, m: Meta) -> C.QuantizedKVCache:
+    c = C.QuantizedKVCache(group_size=int(m["group_size"]), bits=int(m["bits"]))
+    off = int(m["offset"])
+    if off:
+        try:
+            c.keys = tuple(a[f"keys.{i}"] for i in range(3))
+            c.values = tuple(a[f"values.{i}"] for i in range(3))
+        except KeyError as e:
+            raise CorruptState(f"QuantizedKVCache missing {e}") from None
+        if any(x.shape[2] != off for x in (*c.keys, *c.values)):
+            raise CorruptState("QuantizedKVCache arrays do not match offset")
+        c.offset = off
+    return c
+
+
+# -- RotatingKVCache (sliding window) --------------------------------------------------------
+def _rot_length(c: C.RotatingKVCache) -> int:
+    return int(c.offset)
+
+
+def _rot_view(c: C.RotatingKVCache, n: int, total: int) -> C.RotatingKVCache | None:
+    out = C.RotatingKVCache(max_size=c.max_size, keep=c.keep)
+    if n > c.offset:
+        return None
+    if n == 0:
+        return out
+    if c.offset <= c.max_size and c.keys is not None and c._idx == c.offset:
+        # Not wrapped yet: the buffer is in temporal order, so the first n tokens are a slice.
+        out.keys, out.values = _sl(c.keys, 0, n), _sl(c.values, 0, n)
+        out.offset, out._idx = n, n
+        return out
+    if n == c.offset:
+        # Wrapped: only the exact state is valid; share the arrays (writes make new buffers).
+        out.keys, out.values, out.offset, out._idx = c.keys, c.values, c.offset, c._idx
+        return out
+    return None
+
+
+def _rot_encode(c: C.RotatingKVCache) -> tuple[Arrays, Meta]:
+    meta = {"offset": c.offset, "keep": c.keep, "max_size": c.max_size, "idx": c._idx}
+    if c.keys is None:
+        return {}, meta
+    stored = c.keys.shape[2] if c.offset > c.max_size or c._idx != c.offset else c.offset
+    meta["stored"] = stored
+    return {"keys": _sl(c.keys, 0, stored), "values": _sl(c.values, 0, stored)}, meta
+
+
+def _rot_decode(a: Arrays, m: Meta) -> C.RotatingKVCache:
+    c = C.RotatingKVCache(max_size=int(m["max_size"]), keep=int(m["keep"]))
+    c.offset, c._idx = int(m["offset"]), int(m["idx"])
+    if "keys" in a:
+        c.keys, c.values = a["keys"], a["values"]
+        if c.keys.shape[2] != int(m["stored"]) or c.values.shape[2] != int(m["stored"]):
+            raise CorruptState("RotatingKVCache arrays do not match meta")
+    elif c.offset:
+        raise CorruptState("RotatingKVCache without arrays")
+    return c
+
+
+# -- ArraysCache (recurrent / SSM state: exact length only) ----------------------------------
+def _arr_view(c: C.ArraysCache, n: int, total: int) -> C.ArraysCache | None:
+    if n != total:
+        return None
+    out = C.ArraysCache(len(c.cache))
+    out.cache = list(c.cache)
+    return out
+
+
+def _arr_encode(c: C.ArraysCache) -> tuple[Arrays, Meta]:
+    if c.left_padding is not None or c.lengths is not None:
+        raise UnsupportedCache("batched ArraysCache (left_padding / lengths) is not cached")
+    arrays = {f"s{i}": x for i, x in enumerate(c.cache) if x is not None}
+    return arrays, {"size": len(c.cache)}
+
+
+def _arr_decode(a: Arrays, m: Meta) -> C.ArraysCache:
+    c = C.ArraysCache(int(m["size"]))
+    c.cache = [a.get(f"s{i}") for i in range(int(m["size"]))]
+    return c
+
+
+# -- ChunkedKVCache --------------------------------------------------------------------------
+def _ch_view(c: C.ChunkedKVCache, n: int, total: int) -> C.ChunkedKVCache | None:
+    out = C.ChunkedKVCache(c.chunk_size)
+    if n > c.offset or (n < c.offset and n < c.start_position):
+        return None
+    if n == 0:
+        return out
+    s = c.start_position
+    out.keys, out.values = _sl(c.keys, 0, n - s), _sl(c.values, 0, n - s)
+    out.offset, out.start_position = n, s
+    return out
+
+
+def _ch_encode(c: C.ChunkedKVCache) -> tuple[Arrays, Meta]:
+    meta = {"offset": c.offset, "chunk_size": c.chunk_size, "start": c.start_position}
+    if c.keys is None:
+        return {}, meta
+    end = c.offset - c.start_position
+    return {"keys": _sl(c.keys, 0, end), "values": _sl(c.values, 0, end)}, meta
+
+
+def _ch_decode(a: Arrays, m: Meta) -> C.ChunkedKVCache:
+    c = C.ChunkedKVCache(int(m["chunk_size"]))
+    c.offset, c.start_position = int(m["offset"]), int(m["start"])
+    if "keys" in a:
+        c.keys, c.values = a["keys"], a["values"]
+        if c.keys.shape[2] != c.offset - c.start_position:
+            raise CorruptState("ChunkedKVCache arrays do not match meta")
+    return c
+
+
+CODECS: dict[str, Codec] = {
+    "KVCache": Codec(C.KVCache, lambda c: int(c.offset), _kv_view, _kv_encode, _kv_decode),
+    "QuantizedKVCache": Codec(
+        C.QuantizedKVCache, lambda c: int(c.offset), _q_view, _q_encode, _q_decode
+    ),
+    "RotatingKVCache": Codec(C.RotatingKVCache, _rot_length, _rot_view, _rot_encode, _rot_decode),
+    "ArraysCache": Codec(C.ArraysCache, lambda c: None, _arr_view, _arr_encode, _arr_decode),
+    "ChunkedKVCache": Codec(
+        C.ChunkedKVCache, lambda c: int(c.offset), _ch_view, _ch_encode, _ch_decode
+    ),
+}
+
+
+def codec_for(layer: Any) -> Codec:
+    """The codec of ``layer``'s exact class (subclasses are not assumed compatible)."""
+    codec = CODECS.get(type(layer).__name__)
+    if codec is None or type(layer) is not codec.cls:
+        raise UnsupportedCache(f"cache class {type(layer).__module__}.{type(layer).__name__}")
+    return codec
+
+
+# -- whole-model helpers (a model's cache is a list of layers; CacheList nests) ----------------
+def _leaves(caches: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for c in caches:
+        if isinstance(c, C.CacheList) and type(c) is C.CacheList:
+            out.extend(_leaves(c.caches))
+        else:
+            out.append(c)
+    return out
+
+
+def check_supported(caches: Sequence[Any]) -> None:
+    """Raise UnsupportedCache if any layer (CacheList members included) has no codec."""
+    for leaf in _leaves(caches):
+        codec_for(leaf)
+
+
+def nbytes(caches: Sequence[Any]) -> int:
+    """Bytes of the valid state (not buffer capacity): what a copy or a file would hold."""
+    arrays, _ = encode(caches)
+    return sum(a.nbytes for a in arrays.values())
+
+
+def can_trim(caches: Sequence[Any]) -> bool:
+    """True when every layer can be cut back to any shorter length (plain attention KV)."""
+    return all(codec_for(c).length(c) is not None and _trimmable(c) for c in _leaves(caches))
+
+
+def _trimmable(c: Any) -> bool:
+    if isinstance(c, C.RotatingKVCache):
+        return c.offset < c.max_size and c._idx == c.offset
+    return True
+
+
+def view(caches: Sequence[Any], n: int, total: int) -> list[Any] | None:
+    """New cache objects for the first ``n`` of ``total`` tokens, sharing arrays; None if any
+    layer cannot serve ``n``."""
+    out: list[Any] = []
+    for c in caches:
+        if type(c) is C.CacheList:
+            sub = view(c.caches, n, total)
+            if sub is None:
+                return None
+            out.append(C.CacheList(*sub))
+            continue
+        v = codec_for(c).view(c, n, total)
+        if v is None:
+            return None
+        out.append(v)
+    return out
+
+
+def encode(caches: Sequence[Any]) -> tuple[Arrays, dict[str, str]]:
+    """Flatten a model cache into named arrays (``"<path>.<name>"``) and string metadata.
+
+    ``metadata["layers"]`` is a JSON tree of ``{"cls": name, "meta": {...}}`` or
+    ``{"cls": "CacheList", "items": [...]}``; arrays are the valid regions only (lazy slices:
+    ``mx.eval`` them before they cross threads).
+    """
+    arrays: Arrays = {}
+
+    def walk(items: Sequence[Any], prefix: str) -> list[dict[str, Any]]:
+        tree: list[dict[str, Any]] = []
+        for i, c in enumerate(items):
+            path = f"{prefix}{i}"
+            if type(c) is C.CacheList:
+                tree.append({"cls": "CacheList", "items": walk(c.caches, path + ".")})
+                continue
+            codec = codec_for(c)
+            a, m = codec.encode(c)
+            for k, x in a.items():
+                arrays[f"{path}.{k}"] = x
+            tree.append({"cls": type(c).__name__, "meta": m})
+        return tree
+
+    tree = walk(caches, "")
+    return arrays, {"layers": json.dumps(tree, separators=(",", ":"))}
+
+
+def decode(arrays: Arrays, metadata: dict[str, str]) -> list[Any]:
+    """Inverse of :func:`encode`. Raises CorruptState / UnsupportedCache on foreign content."""
+    try:
+        tree = json.loads(metadata["layers"])
+    except (KeyError, ValueError) as e:
+        raise CorruptState(f"bad layer metadata: {e}") from None
+
+    def build(items: list[dict[str, Any]], prefix: str) -> list[Any]:
+        out: list[Any] = []
+        for i, node in enumerate(items):
+            path = f"{prefix}{i}"
+            cls = node.get("cls")
+            if cls == "CacheList":
+                out.append(C.CacheList(*build(node["items"], path + ".")))
+                continue
+            codec = CODECS.get(cls)  # type: ignore[arg-type]
+            if codec is None:
+                raise UnsupportedCache(f"stored cache class {cls!r}")
+            mine = {
+                k[len(path) + 1 :]: v
+                for k, v in arrays.items()
+                if k.startswith(path + ".") and "." not in k[len(path) + 1 :].split(".", 1)[0]
+            }
+            try:
+                out.append(codec.decode(mine, node["meta"]))
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                if isinstance(e, CorruptState):
+                    raise
+                raise CorruptState(f"layer {path}: {e!r}") from None
+        return out
+
+    return build(tree, "")
+
+
+def layout(caches: Sequence[Any]) -> str:
+    """A short description of the per-layer classes, part of the cold tier's fingerprint."""
+    return ",".join(type(c).__name__ for c in _leaves(caches))
