@@ -1,0 +1,134 @@
+"""Hot tier: model caches held in MLX memory, found by longest common token prefix.
+
+Ownership: a HotTier is owned by the one thread that runs MLX (the request / generation thread).
+Entries are immutable while stored: lookups hand out *views* (new cache objects sharing the stored
+arrays, see ``layers.view``) or *take* the entry out of the tier (continuation: the caller then owns
+its buffers and writes into them in place). Evicted entries are passed to ``on_evict`` (the cold
+tier's spill hand-off) before the tier drops its reference, then MLX's buffer cache is released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from tiered_kv import policy
+from tiered_kv.memory import MemoryProbe
+from tiered_kv.prefix import TokenArray, common_prefix
+
+log = logging.getLogger(__name__)
+_ids = itertools.count(1)
+
+
+def cache_bytes(caches: list[Any]) -> int:
+    """Memory the caches' buffers occupy (capacity, not just the valid tokens)."""
+    return int(sum(c.nbytes for c in caches))
+
+
+@dataclass(eq=False)
+class Entry:
+    """Token ids whose KV the caches hold, and the per-layer caches. Never mutated while stored."""
+
+    tokens: TokenArray
+    caches: list[Any]
+    nbytes: int
+    persisted: bool = False  # an identical copy is (being) written to the cold tier
+    id: int = field(default_factory=lambda: next(_ids))
+    last_used: int = 0
+
+
+@dataclass
+class HotStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    replaced: int = 0
+
+
+class HotTier:
+    """LRU set of entries under a byte budget and a device-memory threshold."""
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        memory_threshold: float,
+        on_evict: Callable[[Entry], None],
+        probe: MemoryProbe | None = None,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.memory_threshold = memory_threshold
+        self.on_evict = on_evict
+        self.probe = probe or MemoryProbe()
+        self.entries: dict[int, Entry] = {}
+        self.stats = HotStats()
+        self._clock = itertools.count(1)
+
+    # -- lookup ----------------------------------------------------------------------------
+    def best(self, prompt: TokenArray) -> tuple[Entry, int] | None:
+        """The entry sharing the longest token prefix with ``prompt`` (ties: most recent)."""
+        best: tuple[Entry, int] | None = None
+        for e in self.entries.values():
+            n = common_prefix(e.tokens, prompt)
+            if n > 0 and (best is None or (n, e.last_used) > (best[1], best[0].last_used)):
+                best = (e, n)
+        if best is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+        return best
+
+    def touch(self, entry: Entry) -> None:
+        entry.last_used = next(self._clock)
+
+    # -- membership ------------------------------------------------------------------------
+    def take(self, entry: Entry) -> Entry:
+        """Remove ``entry`` without spilling: the caller now owns its caches."""
+        del self.entries[entry.id]
+        return entry
+
+    def insert(self, entry: Entry) -> None:
+        """Store ``entry`` as the most recent, drop stored entries it supersedes, then evict."""
+        self.touch(entry)
+        self.entries[entry.id] = entry
+        self.enforce(keep=1)
+
+    def discard(self, entry: Entry) -> None:
+        """Drop a superseded entry (no spill: its tokens live on in a longer entry)."""
+        if self.entries.pop(entry.id, None) is not None:
+            self.stats.replaced += 1
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    # -- eviction --------------------------------------------------------------------------
+    def enforce(self, keep: int = 0) -> None:
+        """Evict LRU entries while over the byte budget or over the memory threshold."""
+        items = [policy.Item(e.id, e.nbytes, e.last_used) for e in self.entries.values()]
+        over = self.probe.over_threshold(self.memory_threshold)
+        victims = policy.lru_victims(items, self.budget_bytes, over, keep=keep)
+        for key in victims:
+            self._evict(self.entries[key])
+        if victims:
+            mx.clear_cache()
+
+    def evict_all(self) -> None:
+        """Hand every entry to ``on_evict`` (shutdown: spill what memory holds)."""
+        for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
+            self._evict(entry)
+        mx.clear_cache()
+
+    def _evict(self, entry: Entry) -> None:
+        del self.entries[entry.id]
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += entry.nbytes
+        self.on_evict(entry)  # the cold tier's spill never raises into the request path

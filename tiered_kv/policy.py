@@ -1,0 +1,60 @@
+"""Eviction policy as pure functions over metadata (no MLX, no I/O).
+
+Rules (one place each):
+* :func:`is_continuation` — when a hit makes the request a continuation of the stored entry.
+* :func:`servable_tokens` — a full hit still recomputes the last prompt token (its logits are needed).
+* :func:`lru_victims` — least recently used first until the byte budget and the memory threshold hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def servable_tokens(common_prefix: int, prompt_len: int) -> int:
+    """Tokens a cache hit may serve: the common prefix, but never the last prompt token.
+
+    The last prompt token is always recomputed because its logits start the generation.
+    """
+    return max(0, min(common_prefix, prompt_len - 1))
+
+
+def is_continuation(hit_tokens: int, prompt_len: int, min_tokens: int) -> bool:
+    """A hit at least ``min_tokens`` long that covers at least half of the prompt.
+
+    Then the request continues the stored entry: the entry is handed over (no copy) and the
+    longer result replaces it instead of duplicating it. Short hits (a shared system prompt of
+    another conversation, a title request) share the entry read-only and store a new one.
+    """
+    return hit_tokens > 0 and hit_tokens >= min_tokens and 2 * hit_tokens >= prompt_len
+
+
+@dataclass(frozen=True)
+class Item:
+    key: int  # entry id
+    nbytes: int
+    last_used: int  # monotonically increasing use stamp
+
+
+def lru_victims(
+    items: Sequence[Item], budget_bytes: int, over_memory_bytes: int = 0, keep: int = 0
+) -> list[int]:
+    """Entry ids to evict, least recently used first.
+
+    Evicts until the items' total fits ``budget_bytes`` and at least ``over_memory_bytes`` were
+    freed (the amount by which device memory exceeds its threshold). ``keep`` most recent items
+    are never chosen (e.g. 1 to keep the entry just stored).
+    """
+    order = sorted(items, key=lambda it: it.last_used)
+    candidates = order[: max(0, len(order) - keep)]
+    total = sum(it.nbytes for it in items)
+    freed = 0
+    victims: list[int] = []
+    for it in candidates:
+        if total <= budget_bytes and freed >= over_memory_bytes:
+            break
+        victims.append(it.key)
+        total -= it.nbytes
+        freed += it.nbytes
+    return victims

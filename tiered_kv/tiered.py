@@ -1,0 +1,287 @@
+"""TieredCache: the engine's one door to the cache — hot tier first, then the cold tier.
+
+Ownership: every method runs on the single thread that runs MLX (the generation worker). A
+:class:`Lease` from :meth:`TieredCache.fetch` is owned by the caller until it is given back with
+:meth:`TieredCache.store`; the caches in it are either views sharing a stored entry's arrays (the
+entry stays unchanged: MLX writes make new buffers) or a whole entry taken out of the tier
+(continuation: written in place, and the longer result replaces it on ``store``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import trim_prompt_cache
+
+from tiered_kv import layers, policy
+from tiered_kv.config import Config
+from tiered_kv.hot import Entry, HotTier, cache_bytes
+from tiered_kv.memory import MemoryProbe
+from tiered_kv.prefix import TokenArray, as_tokens, common_prefix
+
+log = logging.getLogger(__name__)
+
+
+class ColdHitLike(Protocol):
+    entry_id: str
+    tokens: int
+    entry_tokens: int
+
+
+class ColdStore(Protocol):
+    """What TieredCache needs of ``tiered_kv.cold.tier.ColdTier``."""
+
+    def lookup(self, prompt_ids: Sequence[int]) -> ColdHitLike | None: ...
+    def load(self, hit: Any) -> tuple[list[Any], np.ndarray] | None: ...
+    def spill(self, token_ids: np.ndarray, caches: list[Any]) -> None: ...
+    def persist(self, token_ids: np.ndarray, caches: list[Any]) -> None: ...
+    def recent(self, limit_entries: int, limit_bytes: int) -> list[Any]: ...
+    def flush(self, timeout: float | None = None) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class HitInfo:
+    tokens: int = 0  # prompt tokens served from the cache
+    tier: str = "none"  # "hot" | "cold" | "none"
+    load_seconds: float = 0.0
+    load_bytes: int = 0
+
+
+@dataclass
+class Lease:
+    """Caches holding ``hit.tokens`` tokens of the prompt, and the ids still to prefill."""
+
+    caches: list[Any]
+    remaining: list[int]
+    hit: HitInfo
+    taken: Entry | None = field(default=None, repr=False)  # entry moved out of the hot tier
+
+
+@dataclass
+class _Candidate:
+    entry: Entry
+    common: int
+    tier: str
+    load_seconds: float = 0.0
+    load_bytes: int = 0
+
+
+class TieredCache:
+    """Hot tier + optional cold tier behind ``fetch`` / ``store``."""
+
+    def __init__(
+        self,
+        config: Config,
+        make_cache: Callable[[], list[Any]],
+        cold: ColdStore | None = None,
+        probe: MemoryProbe | None = None,
+    ) -> None:
+        self.config = config
+        self.make_cache = make_cache
+        self.cold = cold if config.cold_enabled else None
+        self.hot = HotTier(config.hot_bytes, config.memory_threshold, self._spill, probe)
+        self._unsupported_logged = False
+        self.counters = {"fetches": 0, "hit_tokens_hot": 0, "hit_tokens_cold": 0, "stores": 0}
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.hot_enabled or self.cold is not None
+
+    # -- fetch -----------------------------------------------------------------------------
+    def fetch(self, prompt_ids: Sequence[int]) -> Lease:
+        """Caches for the longest cached prefix of ``prompt_ids`` (never the last token)."""
+        prompt = as_tokens(prompt_ids)
+        if len(prompt) == 0:
+            raise ValueError("empty prompt")
+        self.counters["fetches"] += 1
+        cand = self._find(prompt) if self.enabled else None
+        if cand is not None:
+            lease = self._lease_from(cand, prompt)
+            if lease is not None:
+                key = "hit_tokens_hot" if lease.hit.tier == "hot" else "hit_tokens_cold"
+                self.counters[key] += lease.hit.tokens
+                return lease
+        return Lease(self.make_cache(), prompt.tolist(), HitInfo())
+
+    def _find(self, prompt: TokenArray) -> _Candidate | None:
+        best = self.hot.best(prompt) if self.config.hot_enabled else None
+        hot_n = policy.servable_tokens(best[1], len(prompt)) if best else 0
+        cand = _Candidate(best[0], best[1], "hot") if best else None
+        if self.cold is not None and hot_n < len(prompt) - 1:
+            hit = self.cold.lookup(prompt)
+            if hit is not None and policy.servable_tokens(hit.tokens, len(prompt)) > hot_n:
+                loaded = self._load(hit, prompt)
+                if loaded is not None:
+                    cand = loaded
+        return cand
+
+    def _load(self, hit: ColdHitLike, prompt: TokenArray) -> _Candidate | None:
+        assert self.cold is not None
+        t0 = time.perf_counter()
+        got = self.cold.load(hit)
+        if got is None:
+            return None  # corrupt or vanished: the cold tier quarantined it and counted
+        caches, ids = got
+        tokens = as_tokens(ids)
+        entry = Entry(tokens, caches, cache_bytes(caches), persisted=True)
+        seconds = time.perf_counter() - t0
+        common = common_prefix(tokens, prompt)
+        return _Candidate(entry, common, "cold", seconds, entry.nbytes)
+
+    def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
+        entry, total = cand.entry, len(cand.entry.tokens)
+        n = policy.servable_tokens(cand.common, len(prompt))
+        stored = entry.id in self.hot.entries
+        taken: Entry | None = None
+        caches: list[Any] | None = None
+        if n == 0:
+            return None
+        if policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens) or (
+            not self.config.hot_enabled
+        ):
+            # Hand the entry over: the caller writes into its buffers; the result replaces it.
+            if _trim_owned(entry.caches, total, n):
+                if stored:
+                    self.hot.take(entry)
+                taken, caches = entry, entry.caches
+        if caches is None:
+            caches = layers.view(entry.caches, n, total)
+            if caches is None:
+                return None  # e.g. recurrent state that only exists at the entry's full length
+            if stored:
+                self.hot.touch(entry)
+            elif self.config.hot_enabled:
+                self.hot.insert(entry)  # a reloaded cold entry stays in memory for the next turn
+        hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes)
+        return Lease(caches, prompt[n:].tolist(), hit, taken)
+
+    # -- store -----------------------------------------------------------------------------
+    def store(self, lease: Lease, token_ids: Sequence[int]) -> None:
+        """Keep ``lease.caches`` as the entry for ``token_ids`` (the ids whose KV they hold).
+
+        Inconsistent caches (a failure in the middle of a forward pass) are cut back to
+        ``token_ids`` when possible and dropped otherwise — never stored at a wrong length.
+        """
+        ids = as_tokens(token_ids)
+        if not self.enabled or len(ids) == 0:
+            return
+        try:
+            layers.check_supported(lease.caches)
+        except layers.UnsupportedCache as e:
+            if not self._unsupported_logged:
+                log.warning("not caching: %s", e)
+                self._unsupported_logged = True
+            return
+        if not _make_consistent(lease.caches, len(ids)):
+            log.warning("dropping a cache whose layers disagree on its length")
+            return
+        self.counters["stores"] += 1
+        entry = Entry(ids, lease.caches, cache_bytes(lease.caches))
+        if not self.config.hot_enabled:
+            self._persist(entry)
+            return
+        for other in list(self.hot.entries.values()):
+            if _supersedes(ids, other):
+                self.hot.discard(other)
+        if self.config.write_through and self.cold is not None:
+            self._persist(entry)
+        self.hot.insert(entry)
+
+    def _persist(self, entry: Entry) -> None:
+        if self.cold is not None:
+            self.cold.persist(entry.tokens, entry.caches)
+            entry.persisted = True
+
+    def _spill(self, entry: Entry) -> None:
+        """Hot-tier eviction hand-off: write-behind to the cold tier unless already there."""
+        if self.cold is not None and not entry.persisted:
+            self.cold.spill(entry.tokens, entry.caches)
+            entry.persisted = True
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def prefetch(self) -> int:
+        """Warm start: load the most recently used cold entries into the hot tier."""
+        if self.cold is None or not self.config.hot_enabled:
+            return 0
+        c = self.config
+        if c.prefetch_entries <= 0 and c.prefetch_bytes <= 0:
+            return 0
+        limit_entries = c.prefetch_entries if c.prefetch_entries > 0 else 1 << 30
+        limit_bytes = c.prefetch_bytes if c.prefetch_bytes > 0 else 1 << 62
+        loaded = 0
+        for hit in reversed(self.cold.recent(limit_entries, limit_bytes)):
+            got = self.cold.load(hit)
+            if got is not None:
+                caches, ids = got
+                self.hot.insert(Entry(as_tokens(ids), caches, cache_bytes(caches), persisted=True))
+                loaded += 1
+        return loaded
+
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = dict(self.counters)
+        h = self.hot.stats
+        s.update(
+            hot_entries=len(self.hot),
+            hot_bytes=self.hot.nbytes,
+            hot_hits=h.hits,
+            hot_misses=h.misses,
+            evictions=h.evictions,
+            evicted_bytes=h.evicted_bytes,
+            replaced=h.replaced,
+        )
+        if self.cold is not None:
+            s.update({f"cold_{k}": v for k, v in self.cold.stats().items()})
+        return s
+
+    def close(self) -> None:
+        """Spill everything memory holds that the cold tier lacks, and flush the queue."""
+        if self.cold is not None:
+            self.hot.evict_all()
+            self.cold.flush()
+            self.cold.close()
+
+
+def _known_lengths(caches: list[Any]) -> list[int]:
+    out = []
+    for c in layers._leaves(caches):
+        n = layers.codec_for(c).length(c)
+        if n is not None:
+            out.append(n)
+    return out
+
+
+def _trim_owned(caches: list[Any], have: int, n: int) -> bool:
+    """Cut owned caches from ``have`` back to ``n`` tokens in place; False if impossible."""
+    if have == n:
+        return True
+    if not layers.can_trim(caches):
+        return False
+    trim_prompt_cache(caches, have - n)
+    return True
+
+
+def _make_consistent(caches: list[Any], n: int) -> bool:
+    lengths = _known_lengths(caches)
+    if all(x == n for x in lengths):
+        return True
+    if any(x < n for x in lengths) or not layers.can_trim(caches):
+        return False
+    for c in layers._leaves(caches):
+        c.trim(layers.codec_for(c).length(c) - n)
+    mx.eval([a for a in layers.encode(caches)[0].values()])
+    return True
+
+
+def _supersedes(ids: TokenArray, other: Entry) -> bool:
+    """A stored trimmable entry whose ids are a prefix of ``ids`` is redundant: the new entry
+    serves every request it served (by a view at the shorter length)."""
+    n = len(other.tokens)
+    return n <= len(ids) and common_prefix(other.tokens, ids) == n and layers.can_trim(other.caches)
