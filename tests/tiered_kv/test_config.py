@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+
+from tiered_kv.config import Config, ConfigError, env_table, from_env, parse_size
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("1024", 1024), ("8GiB", 8 * 1024**3), ("512MB", 512 * 10**6), ("1.5GB", 1_500_000_000), ("4 kib", 4096)],
+)
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+def test_defaults_without_env():
+    c = from_env({})
+    assert c == Config()
+    assert c.memory_threshold == 0.85 and c.block_tokens == 256 and c.tiers == ("hot", "cold")
+
+
+def test_values_from_env(tmp_path):
+    c = from_env(
+        {
+            "TIERED_KV_DIR": str(tmp_path),
+            "TIERED_KV_HOT_BYTES": "8GiB",
+            "TIERED_KV_TIERS": "cold",
+            "TIERED_KV_WRITE_THROUGH": "yes",
+            "TIERED_KV_PREFETCH": "2GiB",
+        }
+    )
+    assert c.cache_dir == Path(tmp_path) and c.hot_bytes == 8 * 1024**3
+    assert c.tiers == ("cold",) and c.write_through and c.prefetch_bytes == 2 * 1024**3
+    assert from_env({"TIERED_KV_PREFETCH": "3"}).prefetch_entries == 3
+    assert from_env({"TIERED_KV_TIERS": "none"}).tiers == ()
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("TIERED_KV_HOT_BYTES", "lots"),
+        ("TIERED_KV_MEMORY_THRESHOLD", "1.5"),
+        ("TIERED_KV_BLOCK_TOKENS", "0"),
+        ("TIERED_KV_TIERS", "warm"),
+        ("TIERED_KV_WRITE_THROUGH", "maybe"),
+        ("TIERED_KV_KV_BITS", "3"),
+        ("TIERED_KV_PREFETCH", "-1"),
+        ("TIERED_KV_DISK_BYTES", "-5GB"),
+        ("TIERED_KV_TYPO", "1"),
+    ],
+)
+def test_bad_value_names_the_variable(name, value):
+    with pytest.raises(ConfigError) as e:
+        from_env({name: value})
+    assert name in str(e.value) and "\n" not in str(e.value)
+
+
+def test_env_table_lists_every_variable():
+    names = {row[0] for row in env_table()}
+    assert "TIERED_KV_DIR" in names and "TIERED_KV_PREFETCH" in names and len(names) >= 17

@@ -1,0 +1,23 @@
+from tiered_kv.policy import Item, is_continuation, lru_victims, servable_tokens
+
+
+def test_full_hit_still_recomputes_last_token():
+    assert servable_tokens(100, 100) == 99
+    assert servable_tokens(150, 100) == 99
+    assert servable_tokens(40, 100) == 40
+    assert servable_tokens(0, 1) == 0
+
+
+def test_continuation_needs_long_hit_and_half_the_prompt():
+    assert is_continuation(1000, 1900, 1000)
+    assert not is_continuation(999, 1000, 1000)
+    assert not is_continuation(1000, 2100, 1000)
+    assert not is_continuation(0, 10, 0)
+
+
+def test_lru_victims_budget_and_memory():
+    items = [Item(1, 100, 5), Item(2, 100, 1), Item(3, 100, 9)]
+    assert lru_victims(items, 300) == []
+    assert lru_victims(items, 200) == [2]
+    assert lru_victims(items, 1000, over_memory_bytes=150) == [2, 1]
+    assert lru_victims(items, 0, keep=1) == [2, 1]
