@@ -1,0 +1,15 @@
+PY ?= .venv/bin/python
+.PHONY: setup test test-slow lint bench serve
+setup:
+	bash scripts/setup.sh
+test:
+	bash scripts/test.sh
+test-slow:
+	bash scripts/test.sh -m slow
+lint:
+	$(PY) -m ruff check tiered_kv engine tests
+	$(PY) -m mypy tiered_kv engine
+bench:
+	.venv/bin/tiered-kv bench
+serve:
+	.venv/bin/tiered-kv serve
