@@ -1,0 +1,80 @@
+"""Disk usage of the whole cache dir, as deletable units for :mod:`budget` (I/O, no policy)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiered_kv.cold.budget import Item
+from tiered_kv.cold.index import Record
+
+QUARANTINE = "quarantine"
+
+
+@dataclass(frozen=True)
+class Usage:
+    used: int  # every byte under the cache dir
+    items: list[Item]  # deletable units; keys: ("entry", id) | ("path", Path)
+
+
+def tree_size(path: Path) -> tuple[int, float]:
+    """(bytes, newest mtime) of a file or directory tree; vanished files count as 0."""
+    total, newest = 0, 0.0
+    stack = [path]
+    while stack:
+        p = stack.pop()
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        newest = max(newest, st.st_mtime)
+        if os.path.isdir(p) and not os.path.islink(p):
+            try:
+                stack.extend(Path(e.path) for e in os.scandir(p))
+            except FileNotFoundError:
+                continue
+        else:
+            total += st.st_blocks * 512 if st.st_blocks else st.st_size
+    return total, newest
+
+
+def scan(root: Path, own: str, records: Iterable[Record]) -> Usage:
+    """Own entries by index ``last_used``; other fingerprint dirs as whole units; quarantined
+    and stray files one by one (mtime). The live index and temp files count but are kept."""
+    used = 0
+    items: list[Item] = []
+    own_files: set[str] = set()
+    for r in records:
+        items.append(Item(("entry", r.entry_id), r.nbytes, r.last_used))
+        used += r.nbytes
+        own_files.add(r.file)
+    try:
+        children = list(os.scandir(root))
+    except FileNotFoundError:
+        return Usage(used, items)
+    for child in children:
+        path = Path(child.path)
+        if child.name == own:
+            for sub in os.scandir(path):
+                if sub.name not in own_files:
+                    used += tree_size(Path(sub.path))[0]
+        elif child.name == QUARANTINE and child.is_dir():
+            for sub in os.scandir(path):
+                size, mtime = tree_size(Path(sub.path))
+                items.append(Item(("path", Path(sub.path)), size, mtime))
+                used += size
+        else:
+            size, mtime = tree_size(path)
+            items.append(Item(("path", path), size, mtime))
+            used += size
+    return Usage(used, items)
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

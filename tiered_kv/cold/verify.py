@@ -1,0 +1,163 @@
+"""Check and repair a fingerprint directory: reconcile at open, full verify, quarantine.
+
+Works on files and the index only (no model, no MLX), so the ``cache`` CLI can use it. Callers
+serialise it with writes (the tier runs it on its writer thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiered_kv import keys
+from tiered_kv.cold import store
+from tiered_kv.cold.index import Index, Record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyReport:
+    fingerprint: str
+    ok: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)  # files without an index record
+    corrupt: list[str] = field(default_factory=list)  # short / truncated / checksum mismatch
+    foreign: list[str] = field(default_factory=list)  # other fingerprint or format version
+    missing: list[str] = field(default_factory=list)  # records whose file is gone
+    temp: list[str] = field(default_factory=list)  # leftover temp files
+    fixed: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not (self.orphans or self.corrupt or self.foreign or self.missing or self.temp)
+
+
+def entry_files(fp_dir: Path) -> list[Path]:
+    return sorted(p for p in fp_dir.glob(f"*{store.SUFFIX}") if p.is_file())
+
+
+def temp_files(fp_dir: Path) -> list[Path]:
+    return sorted(p for p in fp_dir.glob(f".*{store.TMP_SUFFIX}") if p.is_file())
+
+
+def quarantine(path: Path, qdir: Path, fingerprint: str) -> None:
+    """Move ``path`` to ``qdir/<fingerprint>-<name>`` (0700 dir); a vanished file is fine."""
+    try:
+        qdir.mkdir(mode=store.DIR_MODE, parents=True, exist_ok=True)
+        os.replace(path, qdir / f"{fingerprint}-{path.name}")
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # cannot move (read-only fs...): try to delete so it is not re-read
+        log.warning("cannot quarantine %s: %s", path, e)
+        path.unlink(missing_ok=True)
+
+
+def record_from_file(
+    path: Path, fingerprint: str, seed: str, block_tokens: int
+) -> tuple[Record, bytes]:
+    """Rebuild an index record from a file's header and tokens (data checked later, on load)."""
+    header = store.read_header(path, fingerprint)
+    tokens = store.read_tokens(path, header)
+    st = path.stat()
+    created = float(header.metadata.get("created", st.st_mtime))
+    blocks = tuple(keys.block_hashes(tokens, block_tokens, seed))
+    rec = Record(path.stem, path.name, len(tokens), st.st_size, created, st.st_mtime, blocks)
+    return rec, tokens.tobytes()
+
+
+def reconcile(
+    fp_dir: Path, fingerprint: str, index: Index, qdir: Path, rebuild: bool, seed: str,
+    block_tokens: int,
+) -> dict[str, int]:  # fmt: skip
+    """At open: remove temp files; with ``rebuild`` index every valid file (bad ones are
+    quarantined), otherwise drop records whose file is gone and remove orphan files."""
+    counts = {"quarantined": 0, "orphans": 0, "missing": 0, "rebuilt": 0}
+    for tmp in temp_files(fp_dir):
+        tmp.unlink(missing_ok=True)
+    files = entry_files(fp_dir)
+    if rebuild:
+        items = []
+        for path in files:
+            try:
+                rec, tokens = record_from_file(path, fingerprint, seed, block_tokens)
+            except (store.CorruptEntry, OSError) as e:
+                log.warning("rebuild: quarantining %s: %s", path.name, e)
+                quarantine(path, qdir, fingerprint)
+                counts["quarantined"] += 1
+                continue
+            if len(rec.blocks) == 0:
+                path.unlink(missing_ok=True)
+                continue
+            items.append((rec, tokens))
+        index.add_many(items)
+        counts["rebuilt"] = len(items)
+        return counts
+    names = {p.name for p in files}
+    missing = [r.entry_id for r in index.records() if r.file not in names]
+    index.remove(missing)
+    known = {r.file for r in index.records()}
+    for path in files:
+        if path.name not in known:
+            path.unlink(missing_ok=True)
+            counts["orphans"] += 1
+    counts["missing"] = len(missing)
+    return counts
+
+
+def verify_dir(
+    fp_dir: Path, fingerprint: str, index: Index | None, qdir: Path, fix: bool = False
+) -> VerifyReport:
+    """Full check: every file's header and data checksum, tokens against the index."""
+    report = VerifyReport(fingerprint, fixed=fix)
+    by_file = {r.file: r for r in index.records()} if index is not None else {}
+    report.temp = [p.name for p in temp_files(fp_dir)]
+    files = entry_files(fp_dir)
+    names = {p.name for p in files}
+    report.missing = [r.file for r in by_file.values() if r.file not in names]
+    bad: list[Path] = []
+    for path in files:
+        try:
+            header = store.read_header(path, fingerprint)
+            store.check_data(path, header)
+            rec = by_file.get(path.name)
+            if rec is not None and index is not None:
+                stored = index.tokens(rec.entry_id)
+                if stored is None or stored.tobytes() != store.read_tokens(path, header).tobytes():
+                    raise store.CorruptEntry("tokens differ from the index")
+        except store.ForeignEntry:
+            report.foreign.append(path.name)
+            bad.append(path)
+            continue
+        except (store.CorruptEntry, OSError):
+            report.corrupt.append(path.name)
+            bad.append(path)
+            continue
+        (report.ok if path.name in by_file or index is None else report.orphans).append(path.name)
+    if fix:
+        _fix(fp_dir, fingerprint, index, qdir, report, bad, by_file)
+    return report
+
+
+def _fix(
+    fp_dir: Path, fingerprint: str, index: Index | None, qdir: Path, report: VerifyReport,
+    bad: list[Path], by_file: dict[str, Record],
+) -> None:  # fmt: skip
+    if index is not None:
+        drop = [by_file[n].entry_id for n in report.missing]
+        drop += [by_file[p.name].entry_id for p in bad if p.name in by_file]
+        index.remove(drop)  # index first, then files
+    for path in bad:
+        quarantine(path, qdir, fingerprint)
+    for name in report.orphans:
+        (fp_dir / name).unlink(missing_ok=True)
+    now = time.time()
+    for name in report.temp:  # only stale temp files: a live writer may own a fresh one
+        p = fp_dir / name
+        try:
+            if now - p.stat().st_mtime > 60:
+                p.unlink()
+        except FileNotFoundError:
+            pass
