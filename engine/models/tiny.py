@@ -276,7 +276,7 @@ def build(out_dir: Path, size: str = "test", seed: int = 0) -> Path:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     except OSError as e:
-        raise TinyModelError(f"cannot write to {out_dir.parent}: {e.strerror or e}") from e
+        raise TinyModelError(f"cannot create {out_dir}: {e.strerror or e}") from e
     try:
         tok = train_tokenizer()
         vocab = tok.get_vocab_size()
@@ -285,6 +285,7 @@ def build(out_dir: Path, size: str = "test", seed: int = 0) -> Path:
         _write_json(tmp / "config.json", model_config(SIZES[size], vocab))
         weights = random_weights(SIZES[size], vocab, seed)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "mlx"})
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is meant to be shared
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
