@@ -1,0 +1,112 @@
+"""Engine: greedy output through the cache equals a cold run; sampling params; early stop stores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.generate import Engine, SamplingParams
+from tiered_kv.config import Config
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    cached = Engine(tiny_model_dir, Config(tiers=("hot",), min_continuation_tokens=16, prefill_chunk=16))
+    cold = Engine(tiny_model_dir, Config(tiers=()))
+    return cached, cold
+
+
+def ids_of(engine: Engine, text: str) -> list[int]:
+    return engine.encode_text(text)
+
+
+def run(engine: Engine, ids: list[int], **kw):
+    chunks = list(engine.generate(ids, SamplingParams(**kw)))
+    return "".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None], chunks[-1]
+
+
+TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 6
+
+
+def test_greedy_equal_with_and_without_cache(engines):
+    cached, cold = engines
+    ids = ids_of(cold, TEXT)
+    first = run(cached, ids, max_tokens=12)
+    again = run(cached, ids, max_tokens=12)  # exact hit
+    ref = run(cold, ids, max_tokens=12)
+    assert first[1] == ref[1] == again[1]
+    assert again[2].usage.cached_tokens == len(ids) - 1 and again[2].usage.cache_tier == "hot"
+    longer = ids + ids_of(cold, " and then the story goes on")
+    assert run(cached, longer, max_tokens=12)[1] == run(cold, longer, max_tokens=12)[1]
+
+
+def test_logits_equal_for_prefix_divergence_and_continuation(engines):
+    cached, cold = engines
+    base = ids_of(cold, TEXT + " zebra")
+    cases = [base, base[:40] + ids_of(cold, " something else entirely"), base + [5, 6, 7], base[:30]]
+    for ids in cases:
+        got, hit = cached.logits(ids)
+        want, _ = cold.logits(ids)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert hit.tokens > 0
+
+
+def test_cold_engine_reports_no_cache(engines):
+    _, cold = engines
+    ids = ids_of(cold, TEXT)
+    run(cold, ids, max_tokens=2)
+    assert run(cold, ids, max_tokens=2)[2].usage.cached_tokens == 0
+
+
+def test_max_tokens_and_usage(engines):
+    cached, _ = engines
+    text, toks, last = run(cached, ids_of(cached, "hello world"), max_tokens=5)
+    assert last.finish_reason in ("length", "stop")
+    assert last.usage.completion_tokens == len(toks) <= 5
+    assert last.usage.prompt_tokens == len(ids_of(cached, "hello world"))
+
+
+def test_stop_string_cuts_text(engines):
+    cached, _ = engines
+    ids = ids_of(cached, "count: one two three")
+    text, toks, last = run(cached, ids, max_tokens=30)
+    assert len(text) > 4
+    stop = text[2:4]
+    cut, _, last = run(cached, ids, max_tokens=30, stop=(stop,))
+    assert last.finish_reason == "stop"
+    assert cut == text[: text.find(stop)]
+
+
+def test_seeded_sampling_is_reproducible(engines):
+    cached, _ = engines
+    ids = ids_of(cached, "random words please")
+    a = run(cached, ids, max_tokens=10, temperature=1.0, top_p=0.9, seed=7)[1]
+    b = run(cached, ids, max_tokens=10, temperature=1.0, top_p=0.9, seed=7)[1]
+    assert a == b
+
+
+def test_early_close_stores_what_was_computed(engines):
+    cached, cold = engines
+    ids = ids_of(cold, "a fresh prompt that nobody has sent before " * 3)
+    gen = cached.generate(ids, SamplingParams(max_tokens=50))
+    got = [next(gen) for _ in range(4)]
+    gen.close()  # the client went away
+    assert all(c.finish_reason is None for c in got)
+    hit = cached.cache.fetch(ids + [9])
+    assert hit.hit.tokens >= len(ids)
+    cached.cache.store(hit, (ids + [9])[: hit.hit.tokens])
+
+
+def test_should_stop_cancels_and_progress_reports(engines):
+    cached, cold = engines
+    ids = ids_of(cold, "progress " * 40)
+    seen = []
+    chunks = list(
+        cached.generate(ids, SamplingParams(max_tokens=50), on_progress=lambda d, t: seen.append((d, t)),
+                        should_stop=lambda: len(seen) >= 2)
+    )
+    assert chunks[-1].finish_reason == "cancelled"
+    assert seen[0][1] == len(ids) and seen[-1][0] < len(ids)
+    lease = cached.cache.fetch(ids)  # the partial prefill was stored
+    assert lease.hit.tokens == seen[-1][0]
+    cached.cache.store(lease, ids[: lease.hit.tokens])
