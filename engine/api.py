@@ -1,0 +1,331 @@
+"""OpenAI-compatible request/response schemas and validation (no transport, no MLX).
+
+Every client mistake becomes an :class:`ApiError` carrying the HTTP status and the OpenAI error body
+``{"error": {"message", "type", "param", "code"}}``; the server turns it into a response. Request models
+accept (and ignore) unknown fields, as agent clients send many provider-specific extras.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+DEFAULT_MAX_TOKENS = 256
+
+
+class ApiError(Exception):
+    """A request the server refuses: ``status`` 4xx for client errors, 5xx for ours."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type_,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+
+class ToolFunction(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class Message(_Request):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise ValueError(f"unknown role {v!r}; expected one of {', '.join(ROLES)}")
+        return v
+
+
+class _Sampling(_Request):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("max_tokens must be a positive integer")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    def stop_tuple(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return tuple(s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive2(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("max_completion_tokens must be a positive integer")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, str) and v not in ("auto", "none", "required"):
+            raise ValueError('tool_choice must be "auto", "none", "required" or a named function')
+        if isinstance(v, dict) and not isinstance((v.get("function") or {}).get("name"), str):
+            raise ValueError(
+                'a named tool_choice needs {"type": "function", "function": {"name": ...}}'
+            )
+        return v
+
+    def requested_max(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def forced_tool(self) -> str | None:
+        """The function name of a named ``tool_choice``."""
+        if isinstance(self.tool_choice, dict):
+            return str(self.tool_choice["function"]["name"])
+        return None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and len(v) != 1:
+            raise ValueError("prompt must be a string (or a list of exactly one string)")
+        return v
+
+    def requested_max(self) -> int | None:
+        return self.max_tokens
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+def parse_body(raw: bytes, model: type[_Request]) -> Any:
+    """JSON bytes → a validated request model, or ApiError(400) naming the offending field."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        msg = str(err.get("msg", "invalid value"))
+        msg = msg.removeprefix("Value error, ")
+        raise ApiError(
+            400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value"
+        ) from None
+
+
+def check_length(prompt_tokens: int, requested_max: int | None, context_length: int) -> int:
+    """Max new tokens for a prompt: the request's (default 256), capped by what the context leaves.
+
+    A prompt that fills the context is a 400 ``context_length_exceeded``.
+    """
+    room = context_length - prompt_tokens
+    if room <= 0:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {context_length} tokens; "
+            f"the prompt has {prompt_tokens} tokens",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return min(requested_max or DEFAULT_MAX_TOKENS, room)
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage_dict(usage: Any) -> dict[str, Any]:
+    """engine Usage → OpenAI usage with ``prompt_tokens_details.cached_tokens`` and our ``cache_tier``."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "cache_tier": usage.cache_tier,
+    }
+
+
+def openai_finish(reason: str | None, has_tool_calls: bool) -> str | None:
+    """Engine finish reason → OpenAI's ("cancelled" happens only when nobody listens)."""
+    if reason is None:
+        return None
+    if has_tool_calls and reason == "stop":
+        return "tool_calls"
+    return "length" if reason == "length" else "stop"
+
+
+def chat_chunk(
+    rid: str, created: int, model: str, delta: dict[str, Any], finish: str | None = None
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, usage: Any) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_dict(usage),
+    }
+
+
+def chat_response(
+    rid: str,
+    model: str,
+    content: str,
+    tool_calls: list[dict[str, Any]],
+    finish: str | None,
+    usage: Any,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content or (None if tool_calls else ""),
+    }
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": usage_dict(usage),
+    }
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, text: str, finish: str | None = None
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def completion_response(
+    rid: str, model: str, text: str, finish: str | None, usage: Any
+) -> dict[str, Any]:
+    body = completion_chunk(rid, now(), model, text, finish)
+    body["usage"] = usage_dict(usage)
+    return body
+
+
+def models_response(model_id: str, created: int) -> dict[str, Any]:
+    entry = {"id": model_id, "object": "model", "created": created, "owned_by": "tiered-kv"}
+    return {"object": "list", "data": [entry]}

@@ -1,0 +1,69 @@
+"""`tiered-kv serve`: load a model directory and serve the OpenAI-compatible API with uvicorn.
+
+uvicorn handles SIGINT/SIGTERM: it stops accepting connections, waits a few seconds for open responses,
+then runs the app's lifespan shutdown, which cancels queued work and closes the engine (flushing the
+spill queue to disk), so a restart on the same ``TIERED_KV_DIR`` warm-starts from the disk tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible API (/v1/chat/completions, ...)"
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help=f"mlx-lm model directory (default: $TIERED_KV_MODELS_DIR/{DEFAULT_MODEL})",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=5.0,
+        help="seconds between SSE keep-alive comments while waiting for tokens (default 5)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = args.config
+    model_dir = args.model or config.models_dir / DEFAULT_MODEL
+    if not (model_dir / "config.json").is_file():
+        hint = (
+            "run `tiered-kv model fetch smollm2`"
+            if args.model is None
+            else "pass an mlx-lm model directory"
+        )
+        print(f"tiered-kv serve: no model at {model_dir}; {hint}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from engine.generate import Engine
+    from engine.server import create_app
+
+    log.info(
+        "loading %s (tiers: %s, cache dir %s)",
+        model_dir,
+        ",".join(config.tiers) or "none",
+        config.cache_dir,
+    )
+    engine = Engine(model_dir, config)
+    if config.api_key == "" and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "serving on %s without TIERED_KV_API_KEY: anyone who can reach it can use it", args.host
+        )
+    app = create_app(engine, config, keepalive_seconds=args.keepalive)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    return 0

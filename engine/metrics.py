@@ -1,0 +1,104 @@
+"""Prometheus metrics of one server: request counters, token counters, TTFT, and the cache's own stats.
+
+Each :class:`Metrics` owns a private ``CollectorRegistry`` (several servers may live in one test process).
+Cache gauges are read from ``stats()`` at scrape time; the stats dict holds plain numbers that the worker
+thread updates, so a scrape may see values from just before or just after a request — never torn ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# stats() key → (metric name, help); other numeric keys are exported as tiered_kv_cache_<key>
+_NAMED = {
+    "hot_entries": ("tiered_kv_hot_entries", "Entries in the in-memory tier"),
+    "hot_bytes": ("tiered_kv_hot_bytes", "Bytes held by the in-memory tier"),
+    "cold_entries": ("tiered_kv_cold_entries", "Entries in the disk tier"),
+    "cold_bytes": ("tiered_kv_cold_bytes", "Bytes held by the disk tier"),
+    "cold_spills": ("tiered_kv_spills", "Entries spilled from memory to disk"),
+    "cold_drops": ("tiered_kv_spill_drops", "Spills dropped (queue full or disk budget)"),
+    "evictions": ("tiered_kv_hot_evictions", "Entries evicted from the in-memory tier"),
+    "cold_load_bytes": ("tiered_kv_reload_bytes", "Bytes reloaded from the disk tier"),
+    "cold_load_seconds": ("tiered_kv_reload_seconds", "Seconds spent reloading from the disk tier"),
+}
+
+
+class _CacheCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            stats = self._stats()
+        except Exception:  # a scrape must not fail because the cache is closing
+            log.exception("cache stats failed")
+            return
+        for key, value in sorted(stats.items()):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            name, doc = _NAMED.get(key, (f"tiered_kv_cache_{key}", f"cache stat {key}"))
+            yield GaugeMetricFamily(name, doc, value=float(value))
+
+
+class Metrics:
+    """The server's metrics; ``render()`` gives the /metrics body."""
+
+    def __init__(self, cache_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tiered_kv_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tiered_kv_prompt_tokens", "Prompt tokens received", registry=r
+        )
+        self.completion_tokens = Counter(
+            "tiered_kv_completion_tokens", "Tokens generated", registry=r
+        )
+        self.cached_tokens = Counter(
+            "tiered_kv_cached_tokens",
+            "Prompt tokens served from the cache, by tier",
+            ["tier"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tiered_kv_ttft_seconds",
+            "Time to first token (queue excluded)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "tiered_kv_queue_wait_seconds",
+            "Time a request waited for the worker",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        if cache_stats is not None:
+            r.register(_CacheCollector(cache_stats))
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def generation(self, usage: Any) -> None:
+        """Record a finished generation's engine Usage."""
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.completion_tokens.inc(usage.completion_tokens)
+        if usage.cached_tokens:
+            self.cached_tokens.labels(tier=usage.cache_tier).inc(usage.cached_tokens)
+        self.ttft.observe(usage.ttft_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

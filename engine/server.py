@@ -1,0 +1,388 @@
+"""OpenAI-compatible HTTP transport (FastAPI): parse → tokenize → queue on the worker → JSON or SSE.
+
+Ownership: handlers run on the asyncio loop and never touch MLX; tokenizing runs in the thread pool, and
+generation on the single :class:`engine.worker.Worker` thread. Schemas and validation live in
+``engine/api.py``, prompt rendering and tool-call parsing in ``engine/chat.py``. This is the HTTP edge: any
+exception becomes an OpenAI-shaped error body here, never a traceback to the client.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine import api, chat
+from engine.api import ApiError, ChatRequest, CompletionRequest
+from engine.generate import Chunk, SamplingParams
+from engine.metrics import CONTENT_TYPE, Metrics
+from engine.worker import END, Job, Worker
+from tiered_kv.config import Config
+from tiered_kv.tiered import HitInfo
+
+log = logging.getLogger(__name__)
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+KEEPALIVE = b": keep-alive\n\n"
+
+
+@dataclass
+class _Ctx:
+    """One generation request as the transport sees it."""
+
+    rid: str
+    created: int
+    model: str
+    job: Job
+    request: Request
+    include_usage: bool
+    parser: chat.ToolCallParser | None = None  # chat only
+    hit: HitInfo | None = None
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _tier_headers(hit: HitInfo | None) -> dict[str, str]:
+    if hit is None:
+        return {}
+    return {"x-tiered-kv-cache-tier": hit.tier, "x-tiered-kv-cached-tokens": str(hit.tokens)}
+
+
+class _Auth:
+    """ASGI middleware: ``Authorization: Bearer <api_key>`` on every path except /health."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.key and scope["path"] != "/health":
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                body = api.error_body(
+                    "invalid or missing API key", "invalid_request_error", None, "invalid_api_key"
+                )
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+class Server:
+    """Routes bound to one engine + worker + metrics."""
+
+    def __init__(
+        self,
+        engine: Any,
+        config: Config,
+        keepalive_seconds: float = 5.0,
+        model_id: str | None = None,
+    ):
+        self.engine, self.config, self.keepalive = engine, config, keepalive_seconds
+        self.model_id = model_id or engine.model_dir.name
+        self.created = api.now()
+        self.metrics = Metrics(engine.cache.stats)
+        self.worker = Worker(engine, on_wait=self.metrics.queue_wait.observe)
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _error(self, endpoint: str, e: Exception) -> JSONResponse:
+        if isinstance(e, ApiError):
+            self.metrics.request(endpoint, e.status)
+            return JSONResponse(e.body(), status_code=e.status)
+        log.exception("internal error on %s", endpoint)
+        self.metrics.request(endpoint, 500)
+        return JSONResponse(api.error_body(f"internal error: {e}", "server_error"), status_code=500)
+
+    def _params(self, req: Any, prompt_len: int) -> SamplingParams:
+        max_tokens = api.check_length(prompt_len, req.requested_max(), self.engine.context_length)
+        return SamplingParams(max_tokens, req.temperature, req.top_p, req.seed, req.stop_tuple())
+
+    async def _wait_hit(self, ctx: _Ctx) -> list[Any]:
+        """Events up to the cache hit (so headers can name the tier), waiting at most one keep-alive."""
+        got: list[Any] = []
+        while ctx.hit is None:
+            item = await ctx.job.get(self.keepalive)
+            if item is None:
+                break
+            if isinstance(item, HitInfo):
+                ctx.hit = item
+            else:
+                got.append(item)
+                if item is END or isinstance(item, Exception):
+                    break
+        return got
+
+    async def _events(self, ctx: _Ctx, early: list[Any]) -> AsyncIterator[Any]:
+        """Chunks / exception of a job; None on each idle keep-alive interval."""
+        for item in early:
+            if item is END:
+                return
+            yield item
+        while True:
+            item = await ctx.job.get(self.keepalive)
+            if item is END:
+                return
+            if isinstance(item, HitInfo):
+                ctx.hit = item
+                continue
+            yield item
+
+    async def _collect(self, ctx: _Ctx, early: list[Any]) -> tuple[str, Chunk]:
+        """Non-streaming: all text and the last chunk; a client gone away cancels the job."""
+        text = []
+        async for item in self._events(ctx, early):
+            if item is None:
+                if await ctx.request.is_disconnected():
+                    ctx.job.cancel.set()
+                continue
+            if isinstance(item, Exception):
+                raise item
+            text.append(item.text)
+            if item.finish_reason is not None:
+                if item.usage is not None:
+                    self.metrics.generation(item.usage)
+                return "".join(text), item
+        raise RuntimeError("generation ended without a final chunk")
+
+    # -- chat ------------------------------------------------------------------------------------
+    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], str]:
+        tools = req.tool_dicts()
+        prefix = chat.forced_prefix(req.tool_choice) if tools else ""
+        text = chat.render_chat(self.engine.tokenizer, req.message_dicts(), tools)
+        return self.engine.encode_text(text + prefix), prefix
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            req = api.parse_body(await _read_body(request, self.config.max_body_bytes), ChatRequest)
+            ids, prefix = await run_in_threadpool(self._chat_prompt, req)
+            params = self._params(req, len(ids))
+            ctx = _Ctx(
+                api.new_id("chatcmpl"),
+                api.now(),
+                self.model_id,
+                self.worker.submit(ids, params, "chat"),
+                request,
+                req.include_usage,
+            )
+            parse = bool(req.tools) and req.tool_choice != "none"
+            ctx.parser = chat.ToolCallParser(enabled=parse)
+            ctx.parser.feed(prefix)  # a forced call's opener is held until the model closes it
+            early = await self._wait_hit(ctx)
+            if req.stream:
+                self.metrics.request("chat", 200)
+                stream = self._chat_stream(ctx, early)
+                return StreamingResponse(
+                    stream,
+                    media_type="text/event-stream",
+                    headers={**SSE_HEADERS, **_tier_headers(ctx.hit)},
+                )
+            try:
+                text, last = await self._collect(ctx, early)
+            finally:
+                ctx.job.cancel.set()
+            content, calls = ctx.parser.feed(text)
+            tail, more = ctx.parser.finish()
+            calls = _limit_calls(calls + more, req.parallel_tool_calls)
+            finish = api.openai_finish(last.finish_reason, bool(calls))
+            body = api.chat_response(ctx.rid, ctx.model, content + tail, calls, finish, last.usage)
+            self.metrics.request("chat", 200)
+            return JSONResponse(body, headers=_tier_headers(ctx.hit))
+        except Exception as e:
+            return self._error("chat", e)
+
+    async def _chat_stream(self, ctx: _Ctx, early: list[Any]) -> AsyncIterator[bytes]:
+        assert ctx.parser is not None
+        n_calls = 0
+
+        def delta(d: dict[str, Any], finish: str | None = None) -> bytes:
+            return _sse(api.chat_chunk(ctx.rid, ctx.created, ctx.model, d, finish))
+
+        def tool_deltas(calls: list[dict[str, Any]]) -> list[bytes]:
+            nonlocal n_calls
+            out = []
+            for call in calls:
+                out.append(delta({"tool_calls": [{"index": n_calls, **call}]}))
+                n_calls += 1
+            return out
+
+        try:
+            yield delta({"role": "assistant", "content": ""})
+            async for item in self._events(ctx, early):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                if isinstance(item, Exception):
+                    yield _sse(_stream_error(item))
+                    break
+                text, calls = ctx.parser.feed(item.text)
+                if text:
+                    yield delta({"content": text})
+                for b in tool_deltas(calls):
+                    yield b
+                if item.finish_reason is not None:
+                    tail, more = ctx.parser.finish()
+                    if tail:
+                        yield delta({"content": tail})
+                    for b in tool_deltas(more):
+                        yield b
+                    yield delta({}, api.openai_finish(item.finish_reason, n_calls > 0))
+                    if item.usage is not None:
+                        self.metrics.generation(item.usage)
+                        if ctx.include_usage:
+                            yield _sse(
+                                api.usage_chunk(
+                                    ctx.rid,
+                                    ctx.created,
+                                    ctx.model,
+                                    "chat.completion.chunk",
+                                    item.usage,
+                                )
+                            )
+            yield b"data: [DONE]\n\n"
+        finally:
+            ctx.job.cancel.set()  # no-op after the end; stops the engine if the client went away
+
+    # -- completions -----------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = api.parse_body(
+                await _read_body(request, self.config.max_body_bytes), CompletionRequest
+            )
+            ids = await run_in_threadpool(self.engine.encode_text, req.prompt_text())
+            if not ids:
+                raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+            params = self._params(req, len(ids))
+            ctx = _Ctx(
+                api.new_id("cmpl"),
+                api.now(),
+                self.model_id,
+                self.worker.submit(ids, params, "completion"),
+                request,
+                req.include_usage,
+            )
+            early = await self._wait_hit(ctx)
+            if req.stream:
+                self.metrics.request("completions", 200)
+                return StreamingResponse(
+                    self._completion_stream(ctx, early),
+                    media_type="text/event-stream",
+                    headers={**SSE_HEADERS, **_tier_headers(ctx.hit)},
+                )
+            try:
+                text, last = await self._collect(ctx, early)
+            finally:
+                ctx.job.cancel.set()
+            finish = api.openai_finish(last.finish_reason, False)
+            self.metrics.request("completions", 200)
+            body = api.completion_response(ctx.rid, ctx.model, text, finish, last.usage)
+            return JSONResponse(body, headers=_tier_headers(ctx.hit))
+        except Exception as e:
+            return self._error("completions", e)
+
+    async def _completion_stream(self, ctx: _Ctx, early: list[Any]) -> AsyncIterator[bytes]:
+        try:
+            async for item in self._events(ctx, early):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                if isinstance(item, Exception):
+                    yield _sse(_stream_error(item))
+                    break
+                finish = api.openai_finish(item.finish_reason, False)
+                if item.text or finish:
+                    yield _sse(
+                        api.completion_chunk(ctx.rid, ctx.created, ctx.model, item.text, finish)
+                    )
+                if item.usage is not None:
+                    self.metrics.generation(item.usage)
+                    if ctx.include_usage:
+                        yield _sse(
+                            api.usage_chunk(
+                                ctx.rid, ctx.created, ctx.model, "text_completion", item.usage
+                            )
+                        )
+            yield b"data: [DONE]\n\n"
+        finally:
+            ctx.job.cancel.set()
+
+    # -- small endpoints -------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        self.metrics.request("models", 200)
+        return JSONResponse(api.models_response(self.model_id, self.created))
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {"status": "ok", "model": self.model_id, "queued": self.worker.pending()}
+        )
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _limit_calls(calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
+    return calls if parallel else calls[:1]
+
+
+def _stream_error(e: Exception) -> dict[str, Any]:
+    if isinstance(e, ApiError):
+        return e.body()
+    log.error("generation failed mid-stream: %s", e)
+    return api.error_body(f"internal error: {e}", "server_error")
+
+
+def create_app(
+    engine: Any, config: Config, keepalive_seconds: float = 5.0, model_id: str | None = None
+) -> FastAPI:
+    """The ASGI app. Its lifespan starts the worker; shutdown cancels jobs and closes the engine."""
+    server = Server(engine, config, keepalive_seconds, model_id)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.worker.start()
+        yield
+        await run_in_threadpool(server.worker.close)
+
+    app = FastAPI(
+        title="tiered-kv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.server = server
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(
+            api.error_body(str(exc.detail), "invalid_request_error", None, code),
+            status_code=exc.status_code,
+        )
+
+    if config.api_key:
+        app.add_middleware(_Auth, api_key=config.api_key)
+    return app

@@ -1,0 +1,197 @@
+"""The single generation thread: a FIFO of jobs, one Engine, cancellation by flag.
+
+Ownership: the worker thread is the only thread that touches MLX — it runs ``engine.generate`` for one job
+at a time and finally ``engine.close()`` (which flushes the spill queue). Request handlers (asyncio) submit a
+:class:`Job` and read its events (``Chunk``, an exception, or the end) from an ``asyncio.Queue`` that the
+worker fills through ``loop.call_soon_threadsafe``. A handler whose client went away sets ``job.cancel``;
+the engine sees it through ``should_stop()`` between prefill chunks and decode steps, stops, and stores
+what it computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.generate import SamplingParams
+from tiered_kv.tiered import HitInfo
+
+log = logging.getLogger(__name__)
+END = object()  # marks the end of a job's events
+
+
+@dataclass
+class Job:
+    """One generation request; created on the event loop by :meth:`Worker.submit`."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    label: str = ""
+    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
+
+    def put(self, item: Any) -> None:
+        """Worker side: hand an event (HitInfo, Chunk, exception, END) to the request's loop (a closed loop means nobody listens)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:
+            self.cancel.set()
+
+    async def get(self, timeout: float) -> Any:
+        """Request side: the next event, or None after ``timeout`` seconds without one."""
+        try:
+            return await asyncio.wait_for(self.events.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+
+class _ObservedCache:
+    """Forwards everything to the TieredCache; reports each ``fetch``'s HitInfo to ``on_hit``."""
+
+    def __init__(self, cache: Any, on_hit: Callable[[HitInfo], None]) -> None:
+        self._cache, self._on_hit = cache, on_hit
+
+    def fetch(self, prompt_ids: Any) -> Any:
+        lease = self._cache.fetch(prompt_ids)
+        self._on_hit(lease.hit)
+        return lease
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+class _Progress:
+    """Logs long prefills: tokens done / total and tok/s, at most every ``interval`` seconds."""
+
+    def __init__(self, label: str, interval: float) -> None:
+        self.label, self.interval = label, interval
+        self.t0 = self.last = time.perf_counter()
+        self.first_done: int | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if self.first_done is None:
+            self.first_done = done
+            self.start_done = done
+        if now - self.last < self.interval and done < total:
+            return
+        if done >= total and now - self.t0 < self.interval:
+            return  # short prefill: not worth a line
+        self.last = now
+        rate = (done - self.start_done) / max(now - self.t0, 1e-9)
+        log.info("%s prefill %d/%d tokens (%.0f tok/s)", self.label, done, total, rate)
+
+
+class Worker:
+    """Owns ``engine`` and the thread that runs it; ``submit`` from the event loop, ``close`` at shutdown."""
+
+    def __init__(
+        self,
+        engine: Any,
+        on_wait: Callable[[float], None] | None = None,
+        progress_interval: float = 2.0,
+    ) -> None:
+        self.engine = engine
+        self._on_wait = on_wait
+        self._progress_interval = progress_interval
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._current: Job | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tiered-kv-worker", daemon=True)
+        # Engine.generate reveals the cache hit only in the last chunk's usage; the server wants it for
+        # response headers as soon as the lookup is done, so fetch() is observed (worker thread only).
+        engine.cache = _ObservedCache(engine.cache, self._on_hit)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, label: str = "") -> Job:
+        """Queue a job (FIFO). Must be called on the event loop that will read the job's events."""
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), label)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("server is shutting down")
+            self._queue.put(job)
+        return job
+
+    def _on_hit(self, hit: HitInfo) -> None:
+        job = self._current
+        if job is not None:
+            job.put(hit)
+
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Cancel the running and queued jobs, then let the thread close the engine and exit."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._current is not None:
+                self._current.cancel.set()
+            self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("worker did not stop within %ss; cache may not be flushed", timeout)
+        else:
+            self.engine.close()
+
+    def _run(self) -> None:
+        try:
+            while (job := self._queue.get()) is not None:
+                with self._lock:
+                    if self._closed:
+                        job.cancel.set()
+                    self._current = job
+                try:
+                    self._generate(job)
+                finally:
+                    with self._lock:
+                        self._current = None
+            self._drain()
+        finally:
+            log.info("worker stopping: closing the engine (flushing the spill queue)")
+            self.engine.close()
+
+    def _drain(self) -> None:
+        """After close(): jobs still queued end as cancelled without running."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.put(RuntimeError("server is shutting down"))
+                job.put(END)
+
+    def _generate(self, job: Job) -> None:
+        job.started = time.perf_counter()
+        if self._on_wait is not None:
+            self._on_wait(job.started - job.enqueued)
+        if job.cancel.is_set():
+            job.put(END)
+            return
+        progress = _Progress(job.label, self._progress_interval)
+        try:
+            it = self.engine.generate(job.prompt_ids, job.params, progress, job.cancel.is_set)
+            try:
+                for chunk in it:  # a set cancel flag ends the iterator with "cancelled"
+                    job.put(chunk)
+            finally:
+                it.close()
+        except Exception as e:  # the request's handler (the HTTP edge) turns it into an error body
+            log.exception("%s generation failed", job.label)
+            job.put(e)
+        job.put(END)
