@@ -211,22 +211,23 @@ class ToolCallParser:
         shown, new = "", []
         while (start := self._buf.find(OPEN)) >= 0:
             before = self._buf[:start]
+            text = before.rstrip()  # whitespace next to a call is not content
             end = self._buf.find(CLOSE, start)
             if end < 0:
-                shown += before if before.strip() else ""
-                self._buf = self._buf[start:]
+                shown += text
+                self._buf = self._buf[len(text) :]
                 return shown, new
             call = parse_call(self._buf[start + len(OPEN) : end])
             if call is None:  # not a call after all: show the block as text
                 shown += self._buf[: end + len(CLOSE)]
             else:
-                shown += before if before.strip() else ""  # whitespace between calls is not content
+                shown += text
                 new.append(call)
                 self.calls.append(call)
             self._buf = self._buf[end + len(CLOSE) :]
         # hold a partial opener and trailing whitespace (it may precede a call)
-        keep = max(_partial_suffix(self._buf, OPEN), len(self._buf) - len(self._buf.rstrip()))
-        cut = len(self._buf) - keep
+        cut = len(self._buf) - _partial_suffix(self._buf, OPEN)
+        cut = len(self._buf[:cut].rstrip())
         shown += self._buf[:cut]
         self._buf = self._buf[cut:]
         return shown, new
@@ -234,8 +235,8 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """End of output: an unclosed block is parsed if its JSON is complete, else shown as text."""
         rest, self._buf = self._buf, ""
-        if rest.startswith(OPEN):
-            call = parse_call(rest[len(OPEN) :])
+        if rest.lstrip().startswith(OPEN):
+            call = parse_call(rest.lstrip()[len(OPEN) :])
             if call is not None:
                 self.calls.append(call)
                 return "", [call]
