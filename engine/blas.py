@@ -96,9 +96,27 @@ def blas_status() -> str:
     return f"blas: reference (OpenBLAS at {lib} not preloaded; start with LD_PRELOAD={lib})"
 
 
+def matmul_gflops(n: int = 2048, repeats: int = 3) -> float:
+    """Measured float32 ``n x n`` matmul throughput of MLX's CPU device in this process (GFLOP/s)."""
+    import time
+
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n), key=mx.random.key(0), stream=mx.cpu)
+    b = mx.random.normal((n, n), key=mx.random.key(1), stream=mx.cpu)
+    mx.eval(mx.matmul(a, b, stream=mx.cpu))  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(mx.matmul(a, b, stream=mx.cpu))
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.blas [--preload-env]``: print the LD_PRELOAD assignment, or the status line."""
+    """``python -m engine.blas [--preload-env | --matmul]``: LD_PRELOAD line, matmul speed, or status."""
     args = sys.argv[1:] if argv is None else argv
+    if args == ["--matmul"]:
+        print(f"{blas_status()}\nfloat32 2048x2048 matmul: {matmul_gflops():.1f} GFLOP/s")
+        return 0
     if args == ["--preload-env"]:
         lib = find_openblas()
         if lib is not None:
@@ -107,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     if args:
-        print("usage: python -m engine.blas [--preload-env]", file=sys.stderr)
+        print("usage: python -m engine.blas [--preload-env | --matmul]", file=sys.stderr)
         return 2
     print(blas_status())
     return 0

