@@ -20,12 +20,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from engine.loading import context_length, fingerprint_parts, load_model
+from engine.prefill import PrefillStopped, Progress, checkpoint_positions, prefill
 from tiered_kv.config import Config
 from tiered_kv.keys import fingerprint
 from tiered_kv.tiered import HitInfo, Lease, TieredCache
 
 log = logging.getLogger(__name__)
-Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,6 @@ class Chunk:
     usage: Usage | None = None
 
 
-class _Stopped(Exception):
-    """should_stop() turned true during prefill."""
-
-
 class Engine:
     """A loaded model with its tiered prompt cache."""
 
@@ -79,7 +75,9 @@ class Engine:
         self.cache = TieredCache(config, lambda: make_prompt_cache(self.model), cold)
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None = None
+    ) -> list[int]:
         from engine.chat import render_chat  # the server's module owns template quirks
 
         return self.encode_text(render_chat(self.tokenizer, messages, tools))
@@ -89,29 +87,21 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------------------
     def _prefill(
-        self, lease: Lease, fed: list[int], on_progress: Progress | None, should_stop: Callable[[], bool]
+        self,
+        lease: Lease,
+        fed: list[int],
+        on_progress: Progress | None,
+        should_stop: Callable[[], bool],
     ) -> mx.array:
-        """Feed ``lease.remaining`` in chunks; ``fed`` grows with each evaluated chunk.
-
-        Returns the last position's logits (1-D).
-        """
-        rem, step = lease.remaining, self.config.prefill_chunk
-        total = len(fed) + len(rem)
-        logits: mx.array | None = None
-        for i in range(0, len(rem), step):
-            if should_stop():
-                raise _Stopped
-            chunk = rem[i : i + step]
-            out = self.model(mx.array([chunk]), cache=lease.caches)
-            logits = out[0, -1, :]
-            mx.eval([logits] + [c.state for c in lease.caches])
-            fed.extend(chunk)
-            if on_progress:
-                on_progress(len(fed), total)
-            if len(rem) > step:
-                mx.clear_cache()
-        assert logits is not None, "a lease always leaves at least one token to prefill"
-        return logits
+        cuts: list[int] = []
+        if lease.needs_checkpoints:
+            eos = set(self.tokenizer.eos_token_ids)
+            cuts = checkpoint_positions(
+                len(fed), lease.remaining, eos, self.config.checkpoint_tokens
+            )
+        return prefill(
+            self.model, lease, fed, self.config.prefill_chunk, cuts, on_progress, should_stop
+        )
 
     def logits(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, HitInfo]:
         """Next-token logits after ``prompt_ids`` through the cache (stores the entry)."""
@@ -140,7 +130,7 @@ class Engine:
         try:
             try:
                 logits = self._prefill(lease, fed, on_progress, stop_check)
-            except _Stopped:
+            except PrefillStopped:
                 yield out.finish("cancelled", t0)
                 return
             out.prefill_done(t0)
@@ -209,7 +199,11 @@ class _Decode:
             fed.append(tok)
 
     def _stop_at(self) -> int | None:
-        cuts = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.p.stop if s) if i >= 0]
+        cuts = [
+            i
+            for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.p.stop if s)
+            if i >= 0
+        ]
         return min(cuts) if cuts else None
 
     def finish(self, reason: str, t0: float, flush: bool = True) -> Chunk:

@@ -70,6 +70,11 @@ class Config:
     #: TIERED_KV_MIN_CONTINUATION_TOKENS — a hit at least this long (and ≥ half the prompt)
     #: that extends an entry replaces it instead of duplicating it.
     min_continuation_tokens: int = 1000
+    #: TIERED_KV_CHECKPOINT_TOKENS — for recurrent / sliding-window layers: snapshot their state
+    #: every this many prompt tokens (and at each end-of-message token) during prefill.
+    checkpoint_tokens: int = 1024
+    #: TIERED_KV_CHECKPOINT_SHARE — share of TIERED_KV_HOT_BYTES that checkpoints may occupy.
+    checkpoint_share: float = 0.25
     #: TIERED_KV_PREFILL_CHUNK — tokens per prefill step (evaluated per chunk).
     prefill_chunk: int = 512
     #: TIERED_KV_DISK_BYTES — byte budget of everything under TIERED_KV_DIR.
@@ -191,6 +196,8 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_HOT_BYTES": ("hot_bytes", _size, SIZE_FORM),
     "TIERED_KV_MEMORY_THRESHOLD": ("memory_threshold", _fraction, "a number in (0, 1], e.g. 0.85"),
     "TIERED_KV_MIN_CONTINUATION_TOKENS": ("min_continuation_tokens", _nonneg_int, "an integer ≥ 0"),
+    "TIERED_KV_CHECKPOINT_TOKENS": ("checkpoint_tokens", _block, "an integer from 16 to 8192"),
+    "TIERED_KV_CHECKPOINT_SHARE": ("checkpoint_share", _fraction, "a number in (0, 1], e.g. 0.25"),
     "TIERED_KV_PREFILL_CHUNK": ("prefill_chunk", _chunk, "an integer from 16 to 65536"),
     "TIERED_KV_DISK_BYTES": ("disk_bytes", _size, SIZE_FORM),
     "TIERED_KV_DISK_FREE_FLOOR": ("disk_free_floor", _size, SIZE_FORM),

@@ -30,13 +30,21 @@ def cache_bytes(caches: list[Any]) -> int:
     return int(sum(c.nbytes for c in caches))
 
 
+def checkpoint_bytes(snapshot: list[Any]) -> int:
+    return int(sum(c.nbytes for c in snapshot if c is not None))
+
+
 @dataclass(eq=False)
 class Entry:
     """Token ids whose KV the caches hold, and the per-layer caches. Never mutated while stored."""
 
     tokens: TokenArray
     caches: list[Any]
-    nbytes: int
+    nbytes: int  # caches + checkpoints
+    trimmable: bool = True  # every layer can be cut back to any shorter length
+    #: position → snapshot of the non-positional layers at exactly that many tokens
+    checkpoints: dict[int, list[Any]] = field(default_factory=dict)
+    checkpoint_bytes: int = 0
     persisted: bool = False  # an identical copy is (being) written to the cold tier
     id: int = field(default_factory=lambda: next(_ids))
     last_used: int = 0
@@ -60,8 +68,10 @@ class HotTier:
         memory_threshold: float,
         on_evict: Callable[[Entry], None],
         probe: MemoryProbe | None = None,
+        checkpoint_share: float = 0.25,
     ) -> None:
         self.budget_bytes = budget_bytes
+        self.checkpoint_share = checkpoint_share
         self.memory_threshold = memory_threshold
         self.on_evict = on_evict
         self.probe = probe or MemoryProbe()
@@ -71,12 +81,15 @@ class HotTier:
 
     # -- lookup ----------------------------------------------------------------------------
     def best(self, prompt: TokenArray) -> tuple[Entry, int] | None:
-        """The entry sharing the longest token prefix with ``prompt`` (ties: most recent)."""
+        """(entry, common prefix) of the entry that can serve the most tokens of ``prompt``
+        (ties: the longest common prefix, then the most recent)."""
         best: tuple[Entry, int] | None = None
+        score = (0, 0, 0)
         for e in self.entries.values():
-            n = common_prefix(e.tokens, prompt)
-            if n > 0 and (best is None or (n, e.last_used) > (best[1], best[0].last_used)):
-                best = (e, n)
+            common = common_prefix(e.tokens, prompt)
+            n = policy.servable(common, len(prompt), len(e.tokens), e.trimmable, e.checkpoints)
+            if n > 0 and (n, common, e.last_used) > score:
+                best, score = (e, common), (n, common, e.last_used)
         if best is None:
             self.stats.misses += 1
         else:
@@ -113,6 +126,7 @@ class HotTier:
     # -- eviction --------------------------------------------------------------------------
     def enforce(self, keep: int = 0) -> None:
         """Evict LRU entries while over the byte budget or over the memory threshold."""
+        self._thin_checkpoints()
         items = [policy.Item(e.id, e.nbytes, e.last_used) for e in self.entries.values()]
         over = self.probe.over_threshold(self.memory_threshold)
         victims = policy.lru_victims(items, self.budget_bytes, over, keep=keep)
@@ -120,6 +134,22 @@ class HotTier:
             self._evict(self.entries[key])
         if victims:
             mx.clear_cache()
+
+    def _thin_checkpoints(self) -> None:
+        """Keep checkpoints within their share of the budget: drop the least recently used
+        entries' earliest checkpoints first (a later one serves more of a diverging prompt)."""
+        limit = int(self.checkpoint_share * self.budget_bytes)
+        total = sum(e.checkpoint_bytes for e in self.entries.values())
+        if total <= limit:
+            return
+        for e in sorted(self.entries.values(), key=lambda e: e.last_used):
+            for pos in sorted(e.checkpoints):
+                if total <= limit:
+                    return
+                size = checkpoint_bytes(e.checkpoints.pop(pos))
+                e.checkpoint_bytes -= size
+                e.nbytes -= size
+                total -= size
 
     def evict_all(self) -> None:
         """Hand every entry to ``on_evict`` (shutdown: spill what memory holds)."""

@@ -46,6 +46,9 @@ class Codec:
     view: Callable[[Any, int, int], Any | None]
     encode: Callable[[Any], tuple[Arrays, Meta]]
     decode: Callable[[Arrays, Meta], Any]
+    #: True when any prefix of the state is a slice of it (plain attention KV). False for state
+    #: that only exists at its own length (recurrent, sliding window): those layers need checkpoints.
+    positional: bool = True
 
 
 def _sl(x: mx.array, start: int, stop: int) -> mx.array:
@@ -222,10 +225,14 @@ CODECS: dict[str, Codec] = {
     "QuantizedKVCache": Codec(
         C.QuantizedKVCache, lambda c: int(c.offset), _q_view, _q_encode, _q_decode
     ),
-    "RotatingKVCache": Codec(C.RotatingKVCache, _rot_length, _rot_view, _rot_encode, _rot_decode),
-    "ArraysCache": Codec(C.ArraysCache, lambda c: None, _arr_view, _arr_encode, _arr_decode),
+    "RotatingKVCache": Codec(
+        C.RotatingKVCache, _rot_length, _rot_view, _rot_encode, _rot_decode, positional=False
+    ),
+    "ArraysCache": Codec(
+        C.ArraysCache, lambda c: None, _arr_view, _arr_encode, _arr_decode, positional=False
+    ),
     "ChunkedKVCache": Codec(
-        C.ChunkedKVCache, lambda c: int(c.offset), _ch_view, _ch_encode, _ch_decode
+        C.ChunkedKVCache, lambda c: int(c.offset), _ch_view, _ch_encode, _ch_decode, False
     ),
 }
 
@@ -303,6 +310,9 @@ def encode(caches: Sequence[Any]) -> tuple[Arrays, dict[str, str]]:
         tree: list[dict[str, Any]] = []
         for i, c in enumerate(items):
             path = f"{prefix}{i}"
+            if c is None:  # a checkpoint's placeholder for a layer served from the entry itself
+                tree.append({"cls": None})
+                continue
             if type(c) is C.CacheList:
                 tree.append({"cls": "CacheList", "items": walk(c.caches, path + ".")})
                 continue
@@ -329,6 +339,9 @@ def decode(arrays: Arrays, metadata: dict[str, str]) -> list[Any]:
         for i, node in enumerate(items):
             path = f"{prefix}{i}"
             cls = node.get("cls")
+            if cls is None:
+                out.append(None)
+                continue
             if cls == "CacheList":
                 out.append(C.CacheList(*build(node["items"], path + ".")))
                 continue
@@ -354,3 +367,78 @@ def decode(arrays: Arrays, metadata: dict[str, str]) -> list[Any]:
 def layout(caches: Sequence[Any]) -> str:
     """A short description of the per-layer classes, part of the cold tier's fingerprint."""
     return ",".join(type(c).__name__ for c in _leaves(caches))
+
+
+# -- checkpoints (non-positional layers) -----------------------------------------------------
+def needs_checkpoints(caches: Sequence[Any]) -> bool:
+    """True when some layer's state cannot be cut back to an earlier length."""
+    return any(not codec_for(c).positional for c in _leaves(caches))
+
+
+def snapshot(caches: Sequence[Any]) -> list[Any]:
+    """The non-positional leaves' current state (shared arrays, no copy); None for the others.
+
+    Positional layers are restored from the entry itself by slicing, so a checkpoint costs only
+    the recurrent / sliding-window state.
+    """
+    out: list[Any] = []
+    for c in _leaves(caches):
+        codec = codec_for(c)
+        if codec.positional:
+            out.append(None)
+            continue
+        n = codec.length(c) or 0
+        v = codec.view(c, n, n)
+        assert v is not None, "a layer can always be viewed at its own length"
+        out.append(v)
+    return out
+
+
+def restore(
+    caches: Sequence[Any], n: int, total: int, checkpoint: Sequence[Any] | None
+) -> list[Any] | None:
+    """Caches for the first ``n`` tokens: positional leaves viewed from ``caches``, the others
+    from ``checkpoint`` (taken at exactly ``n``). None when some layer cannot serve ``n``."""
+    if checkpoint is None:
+        return view(caches, n, total)
+    leaves = iter(checkpoint)
+
+    def build(items: Sequence[Any]) -> list[Any] | None:
+        out: list[Any] = []
+        for c in items:
+            if type(c) is C.CacheList:
+                sub = build(c.caches)
+                if sub is None:
+                    return None
+                out.append(C.CacheList(*sub))
+                continue
+            snap = next(leaves)
+            if snap is None:
+                v = codec_for(c).view(c, n, total)
+            else:
+                length = codec_for(snap).length(snap)
+                v = codec_for(snap).view(snap, length or 0, length or 0)
+            if v is None:
+                return None
+            out.append(v)
+        return out
+
+    return build(caches)
+
+
+def quantize(caches: Sequence[Any], bits: int, group_size: int) -> list[Any]:
+    """Plain KVCache leaves converted to mlx-lm's QuantizedKVCache (others unchanged)."""
+    out: list[Any] = []
+    for c in caches:
+        if type(c) is C.CacheList:
+            out.append(C.CacheList(*quantize(c.caches, bits, group_size)))
+        elif type(c) is C.KVCache and c.keys is not None and c.keys.shape[-1] % group_size == 0:
+            q = C.QuantizedKVCache(group_size=group_size, bits=bits)
+            k, v = _sl(c.keys, 0, c.offset), _sl(c.values, 0, c.offset)
+            q.keys = mx.quantize(k, group_size=group_size, bits=bits)
+            q.values = mx.quantize(v, group_size=group_size, bits=bits)
+            q.offset = c.offset
+            out.append(q)
+        else:
+            out.append(c)
+    return out

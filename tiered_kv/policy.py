@@ -20,6 +20,17 @@ def servable_tokens(common_prefix: int, prompt_len: int) -> int:
     return max(0, min(common_prefix, prompt_len - 1))
 
 
+def servable(
+    common_prefix: int, prompt_len: int, entry_len: int, trimmable: bool, checkpoints=()
+) -> int:
+    """Tokens a stored entry can serve: trimmable entries any prefix, others their full length
+    or the nearest checkpoint at or before the common prefix (0: it cannot serve this prompt)."""
+    n = servable_tokens(common_prefix, prompt_len)
+    if trimmable or n == entry_len:
+        return n
+    return max((p for p in checkpoints if p <= n), default=0)
+
+
 def is_continuation(hit_tokens: int, prompt_len: int, min_tokens: int) -> bool:
     """A hit at least ``min_tokens`` long that covers at least half of the prompt.
 

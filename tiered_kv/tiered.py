@@ -21,7 +21,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from tiered_kv import layers, policy
 from tiered_kv.config import Config
-from tiered_kv.hot import Entry, HotTier, cache_bytes
+from tiered_kv.hot import Entry, HotTier, cache_bytes, checkpoint_bytes
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.prefix import TokenArray, as_tokens, common_prefix
 
@@ -63,6 +63,10 @@ class Lease:
     remaining: list[int]
     hit: HitInfo
     taken: Entry | None = field(default=None, repr=False)  # entry moved out of the hot tier
+    #: position → snapshot of the non-positional layers (recurrent / sliding window); the engine
+    #: adds one at each checkpoint position it prefills past, store() keeps them with the entry.
+    checkpoints: dict[int, list[Any]] = field(default_factory=dict, repr=False)
+    needs_checkpoints: bool = False
 
 
 @dataclass
@@ -87,7 +91,10 @@ class TieredCache:
         self.config = config
         self.make_cache = make_cache
         self.cold = cold if config.cold_enabled else None
-        self.hot = HotTier(config.hot_bytes, config.memory_threshold, self._spill, probe)
+        self.hot = HotTier(
+            config.hot_bytes, config.memory_threshold, self._spill, probe, config.checkpoint_share
+        )
+        self.needs_checkpoints = layers.needs_checkpoints(make_cache())
         self._unsupported_logged = False
         self.counters = {"fetches": 0, "hit_tokens_hot": 0, "hit_tokens_cold": 0, "stores": 0}
 
@@ -109,7 +116,9 @@ class TieredCache:
                 key = "hit_tokens_hot" if lease.hit.tier == "hot" else "hit_tokens_cold"
                 self.counters[key] += lease.hit.tokens
                 return lease
-        return Lease(self.make_cache(), prompt.tolist(), HitInfo())
+        return Lease(
+            self.make_cache(), prompt.tolist(), HitInfo(), None, {}, self.needs_checkpoints
+        )
 
     def _find(self, prompt: TokenArray) -> _Candidate | None:
         best = self.hot.best(prompt) if self.config.hot_enabled else None
@@ -130,22 +139,24 @@ class TieredCache:
         if got is None:
             return None  # corrupt or vanished: the cold tier quarantined it and counted
         caches, ids = got
-        tokens = as_tokens(ids)
-        entry = Entry(tokens, caches, cache_bytes(caches), persisted=True)
+        entry = new_entry(ids, caches, persisted=True)
         seconds = time.perf_counter() - t0
-        common = common_prefix(tokens, prompt)
+        common = common_prefix(entry.tokens, prompt)
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
 
     def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
         entry, total = cand.entry, len(cand.entry.tokens)
-        n = policy.servable_tokens(cand.common, len(prompt))
+        n = policy.servable(cand.common, len(prompt), total, entry.trimmable, entry.checkpoints)
         stored = entry.id in self.hot.entries
         taken: Entry | None = None
         caches: list[Any] | None = None
         if n == 0:
             return None
-        if policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens) or (
-            not self.config.hot_enabled
+        inherited = {p: snap for p, snap in entry.checkpoints.items() if p <= n}
+        direct = entry.trimmable or n == total  # no checkpoint needed to serve n
+        if direct and (
+            policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens)
+            or not self.config.hot_enabled
         ):
             # Hand the entry over: the caller writes into its buffers; the result replaces it.
             if _trim_owned(entry.caches, total, n):
@@ -153,7 +164,8 @@ class TieredCache:
                     self.hot.take(entry)
                 taken, caches = entry, entry.caches
         if caches is None:
-            caches = layers.view(entry.caches, n, total)
+            ckpt = None if direct else entry.checkpoints[n]
+            caches = layers.restore(entry.caches, n, total, ckpt)
             if caches is None:
                 return None  # e.g. recurrent state that only exists at the entry's full length
             if stored:
@@ -161,7 +173,9 @@ class TieredCache:
             elif self.config.hot_enabled:
                 self.hot.insert(entry)  # a reloaded cold entry stays in memory for the next turn
         hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes)
-        return Lease(caches, prompt[n:].tolist(), hit, taken)
+        if self.needs_checkpoints and n not in inherited:
+            inherited[n] = layers.snapshot(caches)  # the state we start from is a checkpoint too
+        return Lease(caches, prompt[n:].tolist(), hit, taken, inherited, self.needs_checkpoints)
 
     # -- store -----------------------------------------------------------------------------
     def store(self, lease: Lease, token_ids: Sequence[int]) -> None:
@@ -184,12 +198,16 @@ class TieredCache:
             log.warning("dropping a cache whose layers disagree on its length")
             return
         self.counters["stores"] += 1
-        entry = Entry(ids, lease.caches, cache_bytes(lease.caches))
+        caches = lease.caches
+        if self.config.kv_bits:
+            caches = layers.quantize(caches, self.config.kv_bits, self.config.kv_group_size)
+        ckpts = {p: snap for p, snap in lease.checkpoints.items() if 0 < p <= len(ids)}
+        entry = new_entry(ids, caches, ckpts)
         if not self.config.hot_enabled:
             self._persist(entry)
             return
         for other in list(self.hot.entries.values()):
-            if _supersedes(ids, other):
+            if _supersedes(entry, other):
                 self.hot.discard(other)
         if self.config.write_through and self.cold is not None:
             self._persist(entry)
@@ -221,7 +239,7 @@ class TieredCache:
             got = self.cold.load(hit)
             if got is not None:
                 caches, ids = got
-                self.hot.insert(Entry(as_tokens(ids), caches, cache_bytes(caches), persisted=True))
+                self.hot.insert(new_entry(ids, caches, persisted=True))
                 loaded += 1
         return loaded
 
@@ -280,8 +298,35 @@ def _make_consistent(caches: list[Any], n: int) -> bool:
     return True
 
 
-def _supersedes(ids: TokenArray, other: Entry) -> bool:
-    """A stored trimmable entry whose ids are a prefix of ``ids`` is redundant: the new entry
-    serves every request it served (by a view at the shorter length)."""
+def new_entry(
+    ids: Sequence[int] | np.ndarray,
+    caches: list[Any],
+    checkpoints: dict[int, list[Any]] | None = None,
+    persisted: bool = False,
+) -> Entry:
+    """An Entry with its derived facts (byte size, trimmability) computed once."""
+    ckpts = checkpoints or {}
+    ck_bytes = sum(checkpoint_bytes(s) for s in ckpts.values())
+    return Entry(
+        as_tokens(ids),
+        caches,
+        cache_bytes(caches) + ck_bytes,
+        trimmable=layers.can_trim(caches),
+        checkpoints=ckpts,
+        checkpoint_bytes=ck_bytes,
+        persisted=persisted,
+    )
+
+
+def _supersedes(new: Entry, other: Entry) -> bool:
+    """A stored entry whose ids are a prefix of the new entry's is redundant when the new entry
+    serves every request it served: by a view at the shorter length (trimmable), or from a
+    checkpoint at exactly that length."""
     n = len(other.tokens)
-    return n <= len(ids) and common_prefix(other.tokens, ids) == n and layers.can_trim(other.caches)
+    if n > len(new.tokens) or common_prefix(other.tokens, new.tokens) != n:
+        return False
+    return (
+        new.trimmable
+        or n == len(new.tokens)
+        or (n in new.checkpoints and set(other.checkpoints) <= set(new.checkpoints))
+    )

@@ -11,7 +11,9 @@ from tiered_kv.config import Config
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    cached = Engine(tiny_model_dir, Config(tiers=("hot",), min_continuation_tokens=16, prefill_chunk=16))
+    cached = Engine(
+        tiny_model_dir, Config(tiers=("hot",), min_continuation_tokens=16, prefill_chunk=16)
+    )
     cold = Engine(tiny_model_dir, Config(tiers=()))
     return cached, cold
 
@@ -22,7 +24,11 @@ def ids_of(engine: Engine, text: str) -> list[int]:
 
 def run(engine: Engine, ids: list[int], **kw):
     chunks = list(engine.generate(ids, SamplingParams(**kw)))
-    return "".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None], chunks[-1]
+    return (
+        "".join(c.text for c in chunks),
+        [c.token for c in chunks if c.token is not None],
+        chunks[-1],
+    )
 
 
 TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 6
@@ -43,7 +49,12 @@ def test_greedy_equal_with_and_without_cache(engines):
 def test_logits_equal_for_prefix_divergence_and_continuation(engines):
     cached, cold = engines
     base = ids_of(cold, TEXT + " zebra")
-    cases = [base, base[:40] + ids_of(cold, " something else entirely"), base + [5, 6, 7], base[:30]]
+    cases = [
+        base,
+        base[:40] + ids_of(cold, " something else entirely"),
+        base + [5, 6, 7],
+        base[:30],
+    ]
     for ids in cases:
         got, hit = cached.logits(ids)
         want, _ = cold.logits(ids)
@@ -102,8 +113,12 @@ def test_should_stop_cancels_and_progress_reports(engines):
     ids = ids_of(cold, "progress " * 40)
     seen = []
     chunks = list(
-        cached.generate(ids, SamplingParams(max_tokens=50), on_progress=lambda d, t: seen.append((d, t)),
-                        should_stop=lambda: len(seen) >= 2)
+        cached.generate(
+            ids,
+            SamplingParams(max_tokens=50),
+            on_progress=lambda d, t: seen.append((d, t)),
+            should_stop=lambda: len(seen) >= 2,
+        )
     )
     assert chunks[-1].finish_reason == "cancelled"
     assert seen[0][1] == len(ids) and seen[-1][0] < len(ids)

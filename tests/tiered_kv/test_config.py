@@ -7,7 +7,13 @@ from tiered_kv.config import Config, ConfigError, env_table, from_env, parse_siz
 
 @pytest.mark.parametrize(
     "text,value",
-    [("1024", 1024), ("8GiB", 8 * 1024**3), ("512MB", 512 * 10**6), ("1.5GB", 1_500_000_000), ("4 kib", 4096)],
+    [
+        ("1024", 1024),
+        ("8GiB", 8 * 1024**3),
+        ("512MB", 512 * 10**6),
+        ("1.5GB", 1_500_000_000),
+        ("4 kib", 4096),
+    ],
 )
 def test_parse_size(text, value):
     assert parse_size(text) == value

@@ -1,0 +1,69 @@
+"""Suffix-only prefill: feed the ids a cache lease lacks, in evaluated chunks.
+
+Runs on the thread that owns MLX. Chunks end at checkpoint positions when the model has
+recurrent / sliding-window layers, whose state is then recorded in ``lease.checkpoints``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tiered_kv.layers import snapshot
+from tiered_kv.tiered import Lease
+
+Progress = Callable[[int, int], None]
+
+
+class PrefillStopped(Exception):
+    """should_stop() turned true between two chunks; ``fed`` holds what was evaluated."""
+
+
+def checkpoint_positions(
+    start: int, rem: list[int], eos_ids: Iterable[int], every: int
+) -> list[int]:
+    """Where to snapshot non-positional layers: after each end-of-message token, every ``every``
+    tokens, and at the end of the prompt (positions in ``(start, start + len(rem)]``)."""
+    eos = set(eos_ids)
+    end = start + len(rem)
+    cuts = {start + j + 1 for j, t in enumerate(rem) if t in eos}
+    cuts.update(range((start // every + 1) * every, end, every))
+    cuts.add(end)
+    return sorted(c for c in cuts if start < c <= end)
+
+
+def prefill(
+    model: nn.Module,
+    lease: Lease,
+    fed: list[int],
+    chunk_size: int,
+    cuts: list[int] = (),  # type: ignore[assignment]
+    on_progress: Progress | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> mx.array:
+    """Feed ``lease.remaining`` into ``lease.caches``; ``fed`` (ids the caches hold) grows with
+    each evaluated chunk. Returns the last position's logits (1-D). Raises PrefillStopped."""
+    rem = lease.remaining
+    start, total = len(fed), len(fed) + len(rem)
+    logits: mx.array | None = None
+    i = 0
+    while i < len(rem):
+        if should_stop():
+            raise PrefillStopped
+        end = min([i + chunk_size, len(rem)] + [c - start for c in cuts if c - start > i])
+        chunk = rem[i:end]
+        out = model(mx.array([chunk]), cache=lease.caches)
+        logits = out[0, -1, :]
+        mx.eval([logits] + [c.state for c in lease.caches])
+        fed.extend(chunk)
+        i = end
+        if len(fed) in cuts:
+            lease.checkpoints[len(fed)] = snapshot(lease.caches)
+        if on_progress:
+            on_progress(len(fed), total)
+        if len(rem) > chunk_size:
+            mx.clear_cache()
+    assert logits is not None, "a lease always leaves at least one token to prefill"
+    return logits
