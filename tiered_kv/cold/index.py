@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -82,7 +82,7 @@ class Index:
         raw = self._db.get(("tok", entry_id))
         return None if raw is None else np.frombuffer(raw, dtype="<i4")
 
-    def candidates(self, keys: list[int]) -> list[tuple[str, int]]:
+    def candidates(self, keys: Sequence[int]) -> list[tuple[str, int]]:
         """(entry id, matched full blocks), deepest first: the newest entry at the deepest
         present block, then shallower ones (a collision fallback), at most 4, distinct."""
         with self._lock:
@@ -100,7 +100,7 @@ class Index:
                         break
             return out
 
-    def prefixes_of(self, keys: list[int]) -> list[Record]:
+    def prefixes_of(self, keys: Sequence[int]) -> list[Record]:
         """Records whose full blocks are a prefix of ``keys`` (exact token check is the caller's)."""
         with self._lock:
             found: dict[str, Record] = {}

@@ -233,7 +233,9 @@ def load_entry(path: Path, fingerprint: str) -> tuple[dict[str, mx.array], Heade
     header = read_header(path, fingerprint)
     check_data(path, header)
     try:
-        arrays, _ = mx.load(str(path), return_metadata=True)  # type: ignore[misc]
+        loaded = mx.load(str(path), return_metadata=True)
+        assert isinstance(loaded, tuple)
+        arrays: dict[str, mx.array] = loaded[0]
         mx.eval(list(arrays.values()))
     except (RuntimeError, ValueError) as e:  # changed between the check and the load
         raise CorruptEntry(f"mx.load failed: {e}") from None

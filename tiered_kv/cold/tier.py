@@ -235,8 +235,9 @@ class ColdTier:
 
     def _is_prefix(self, r: Record, job: _Spill) -> bool:
         stored = self.index.tokens(r.entry_id)
-        n = len(stored) if stored is not None else -1
-        return 0 < n <= len(job.tokens) and np.array_equal(stored, job.tokens[:n])
+        if stored is None or not 0 < len(stored) <= len(job.tokens):
+            return False
+        return bool(np.array_equal(stored, job.tokens[: len(stored)]))
 
     def _make_room(self, incoming: int) -> bool:
         use = usage.scan(self.root, self.fingerprint, self.index.records())
