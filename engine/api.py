@@ -8,6 +8,7 @@ accept (and ignore) unknown fields, as agent clients send many provider-specific
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 256
+# pydantic puts union member types into error locations ("content.str"); a param names fields only
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|literal\[.*)$")
 
 
 class ApiError(Exception):
@@ -199,7 +202,7 @@ def parse_body(raw: bytes, model: type[_Request]) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        param = ".".join(str(p) for p in err.get("loc", ()) if not _TYPE_TAG.match(str(p))) or None
         msg = str(err.get("msg", "invalid value"))
         msg = msg.removeprefix("Value error, ")
         raise ApiError(

@@ -74,6 +74,8 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+        for tier in ("hot", "cold"):
+            self.cached_tokens.labels(tier=tier)  # exported at 0 before the first hit
         self.ttft = Histogram(
             "tiered_kv_ttft_seconds",
             "Time to first token (queue excluded)",

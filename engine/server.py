@@ -335,7 +335,12 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse(
-            {"status": "ok", "model": self.model_id, "queued": self.worker.pending()}
+            {
+                "status": "ok",
+                "model": self.model_id,
+                "busy": self.worker.busy(),
+                "queued": self.worker.pending(),
+            }
         )
 
     async def metrics_endpoint(self, request: Request) -> Response:

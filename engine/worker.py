@@ -130,7 +130,12 @@ class Worker:
             job.put(hit)
 
     def pending(self) -> int:
+        """Jobs waiting for the worker (the running one excluded)."""
         return self._queue.qsize()
+
+    def busy(self) -> bool:
+        """Whether a job is running now."""
+        return self._current is not None
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Cancel the running and queued jobs, then let the thread close the engine and exit."""

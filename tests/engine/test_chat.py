@@ -16,7 +16,11 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Weather of a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -46,7 +50,12 @@ def ids(tok, text):
 
 
 def test_content_parts_become_text():
-    assert chat.content_text([{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]) == "ab"
+    assert (
+        chat.content_text(
+            [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]
+        )
+        == "ab"
+    )
     assert chat.content_text(None) == ""
 
 
@@ -58,14 +67,20 @@ def test_opencode_messages_normalised():
             "role": "assistant",
             "content": None,
             "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
     ]
     out = chat.normalise_messages(msgs)
     assert out[0] == {"role": "system", "content": "be brief"}
-    assert out[2]["content"] == "" and out[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert out[2]["content"] == "" and out[2]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Paris"
+    }
     assert out[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
@@ -84,14 +99,26 @@ def test_plain_template_gets_hermes_tools_injected(tiny_tok):
     msgs = [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c", "content": "sunny"},
         {"role": "tool", "tool_call_id": "d", "content": "windy"},
     ]
     text = chat.render_chat(plain, msgs, TOOLS)
     assert text.startswith("<|im_start|>system\nsys\n\n# Tools") and '"name": "get_weather"' in text
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>' in text
-    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwindy\n</tool_response><|im_end|>" in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+        in text
+    )
+    assert (
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwindy\n</tool_response><|im_end|>"
+        in text
+    )
 
 
 def test_forced_prefix():
@@ -128,7 +155,15 @@ def test_invalid_block_stays_text():
 
 def test_streaming_holds_text_from_opener():
     p = chat.ToolCallParser()
-    pieces = ["Sure", " <tool", "_call>\n{\"name\": ", '"a", "arguments": {}}', "\n</tool_", "call>", " bye"]
+    pieces = [
+        "Sure",
+        " <tool",
+        '_call>\n{"name": ',
+        '"a", "arguments": {}}',
+        "\n</tool_",
+        "call>",
+        " bye",
+    ]
     shown, calls = [], []
     for piece in pieces:
         s, c = p.feed(piece)

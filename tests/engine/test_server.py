@@ -1,0 +1,441 @@
+"""engine/server.py over real HTTP: uvicorn in a thread on a free 127.0.0.1 port, the official openai client
+for the happy paths and httpx for errors and raw SSE."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.generate import Chunk, Engine, SamplingParams, Usage
+from engine.server import create_app
+from tiered_kv.config import Config
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TOOL_TEXT = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Live:
+    """A running server: ``url``, ``client`` (openai), ``app``."""
+
+    def __init__(self, app, port: int):
+        self.app, self.url = app, f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="sekret", max_retries=0)
+
+
+@contextmanager
+def serve(engine, config: Config, keepalive: float = 0.2) -> Iterator[Live]:
+    app = create_app(engine, config, keepalive_seconds=keepalive)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield Live(app, port)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def hot_config(tmp: Path, **kw) -> Config:
+    return Config(cache_dir=tmp, tiers=("hot",), min_continuation_tokens=16, prefill_chunk=16, **kw)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir, tmp_path_factory):
+    config = hot_config(tmp_path_factory.mktemp("kv"))
+    with serve(Engine(tiny_model_dir, config), config) as s:
+        yield s
+
+
+@pytest.fixture()
+def fresh(tiny_model_dir, tmp_path):
+    config = hot_config(tmp_path)
+    with serve(Engine(tiny_model_dir, config), config) as s:
+        yield s
+
+
+class Scripted:
+    """The real engine, except that generate() replays ``script`` (the random tiny model never writes a
+    tool call, nor sleeps before its first token)."""
+
+    def __init__(self, engine: Engine, script: list[str], delay: float = 0.0):
+        self._engine, self.script, self.delay = engine, script, delay
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, prompt_ids, params: SamplingParams, on_progress=None, should_stop=None):
+        time.sleep(self.delay)
+        for piece in self.script:
+            yield Chunk(piece, 7)
+        usage = Usage(
+            len(prompt_ids), len(self.script), 0, "none", self.delay, self.delay, 0.0, 0.0
+        )
+        yield Chunk("", None, "stop", usage)
+
+
+USER = [{"role": "user", "content": "what is the weather in paris and in london today?"}]
+
+
+# --- chat -----------------------------------------------------------------------------------------
+
+
+def test_chat_non_stream(live):
+    r = live.client.chat.completions.with_raw_response.create(
+        model="tiny", messages=USER, max_tokens=8, temperature=0
+    )
+    body = r.parse()
+    assert body.object == "chat.completion" and body.choices[0].message.role == "assistant"
+    assert isinstance(body.choices[0].message.content, str)
+    assert body.choices[0].finish_reason in ("stop", "length")
+    assert body.usage.completion_tokens <= 8 and body.usage.prompt_tokens > 10
+    assert r.headers["x-tiered-kv-cache-tier"] in ("hot", "none")
+    assert (
+        int(r.headers["x-tiered-kv-cached-tokens"])
+        == body.usage.prompt_tokens_details.cached_tokens
+    )
+
+
+def test_cached_tokens_zero_then_cover_previous_turn(fresh):
+    c = fresh.client
+    first = c.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.model_extra["cache_tier"] == "none"
+    history = USER + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and tomorrow?"},
+    ]
+    r = c.chat.completions.with_raw_response.create(
+        model="tiny", messages=history, max_tokens=4, temperature=0
+    )
+    second = r.parse()
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens
+    assert (
+        second.usage.model_extra["cache_tier"] == "hot"
+        and r.headers["x-tiered-kv-cache-tier"] == "hot"
+    )
+
+
+def test_stream_chunks_like_openai(live):
+    stream = live.client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert (
+        chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    )
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 6
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    again = live.client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=6, temperature=0
+    )
+    assert again.choices[0].message.content == text
+
+
+def test_stream_raw_sse_and_done(live):
+    body = {"messages": USER, "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1] if line.startswith("data: ")]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert not any("usage" in e and e["usage"] for e in events)  # no include_usage → no usage chunk
+
+
+def test_greedy_same_with_and_without_cache(tiny_model_dir, tmp_path, live):
+    none = Config(cache_dir=tmp_path, tiers=())
+    turn = USER + [
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "and in tokyo?"},
+    ]
+    with serve(Engine(tiny_model_dir, none), none) as plain:
+        for msgs in (USER, turn, turn):
+            a = live.client.chat.completions.create(
+                model="t", messages=msgs, max_tokens=10, temperature=0
+            )
+            b = plain.client.chat.completions.create(
+                model="t", messages=msgs, max_tokens=10, temperature=0
+            )
+            assert a.choices[0].message.content == b.choices[0].message.content
+            assert b.usage.prompt_tokens_details.cached_tokens == 0
+        assert a.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_tool_history_round_trip(live):
+    """OpenCode's shape: assistant tool_calls with null content, then the tool result; next turn works."""
+    call = {
+        "id": "call_abc",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+    }
+    msgs = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_abc",
+            "content": [{"type": "text", "text": "sunny, 21C"}],
+        },
+    ]
+    r = live.client.chat.completions.create(
+        model="tiny", messages=msgs, tools=TOOLS, tool_choice="auto", max_tokens=5, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    again = live.client.chat.completions.create(
+        model="tiny", messages=msgs, tools=TOOLS, max_tokens=5, temperature=0
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+
+
+@pytest.fixture()
+def scripted(tiny_model_dir, tmp_path):
+    config = hot_config(tmp_path)
+    engine = Scripted(Engine(tiny_model_dir, config), [])
+    with serve(engine, config) as s:
+        yield s, engine
+
+
+def test_emitted_tool_call_non_stream(scripted):
+    live, engine = scripted
+    engine.script = [TOOL_TEXT[:20], TOOL_TEXT[20:33], TOOL_TEXT[33:]]
+    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Let me look."
+    assert msg.tool_calls[0].function.name == "get_weather"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
+    # tool_choice "none": the same text is plain content
+    r = live.client.chat.completions.create(
+        model="t", messages=USER, tools=TOOLS, tool_choice="none"
+    )
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+
+
+def test_emitted_parallel_tool_calls_stream(scripted):
+    live, engine = scripted
+    second = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    engine.script = [TOOL_TEXT[:25], TOOL_TEXT[25:], second]
+    stream = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS, stream=True)
+    chunks = list(stream)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.index for tc in calls] == [0, 1]
+    assert [json.loads(tc.function.arguments)["city"] for tc in calls] == ["Paris", "Oslo"]
+    assert all(tc.id.startswith("call_") and tc.type == "function" for tc in calls)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Let me look." and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_named_tool_choice_forces_the_call(scripted):
+    live, engine = scripted
+    engine.script = ['{"city": "Rome"}}', "\n</tool_call>"]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = live.client.chat.completions.create(
+        model="t", messages=USER, tools=TOOLS, tool_choice=choice
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Rome"
+    }
+
+
+def test_keepalive_while_waiting_for_first_token(scripted):
+    live, engine = scripted
+    engine.script, engine.delay = ["hi"], 0.7
+    body = {"messages": USER, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        raw = r.read().decode()
+    assert ": keep-alive\n\n" in raw and raw.rstrip().endswith("data: [DONE]")
+
+
+# --- completions, models, health, metrics ------------------------------------------------------
+
+
+def test_completions(live):
+    r = live.client.completions.create(
+        model="tiny", prompt="the cache holds the prompt", max_tokens=5, temperature=0
+    )
+    assert r.object == "text_completion" and r.usage.completion_tokens <= 5
+    parts = live.client.completions.create(
+        model="tiny",
+        prompt="the cache holds the prompt",
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(parts)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_models_health_metrics(live):
+    assert live.client.models.list().data[0].id == "tiny-test"
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+    for _ in range(2):
+        live.client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    text = httpx.get(live.url + "/metrics").text
+    hot = [
+        line
+        for line in text.splitlines()
+        if line.startswith('tiered_kv_cached_tokens_total{tier="hot"}')
+    ]
+    assert float(hot[0].split()[-1]) > 0
+    for name in (
+        'tiered_kv_requests_total{endpoint="chat",status="200"}',
+        "tiered_kv_prompt_tokens_total",
+        'tiered_kv_cached_tokens_total{tier="hot"}',
+        "tiered_kv_hot_entries",
+        "tiered_kv_hot_bytes",
+        "tiered_kv_hot_evictions",
+        "tiered_kv_ttft_seconds_bucket",
+    ):
+        assert name in text, name
+
+
+def test_fifo_concurrent_requests(live):
+    results: list[str] = []
+
+    def one(i: int) -> None:
+        r = live.client.chat.completions.create(
+            model="t",
+            messages=[{"role": "user", "content": f"question {i}"}],
+            max_tokens=4,
+            temperature=0,
+        )
+        results.append(r.choices[0].finish_reason)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 3
+
+
+def test_disconnect_cancels_generation(fresh):
+    """A client that goes away mid-stream stops the engine; the next request is not stuck behind it."""
+    body = {"messages": USER, "max_tokens": 20000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", fresh.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if '"content"' in line and '"role"' not in line:
+                break  # generation is under way: hang up
+    worker = fresh.app.state.server.worker
+    deadline = time.time() + 5
+    while worker.busy() and time.time() < deadline:
+        time.sleep(0.02)
+    assert not worker.busy(), "the engine kept generating for a client that is gone"
+    t0 = time.perf_counter()
+    r = fresh.client.chat.completions.create(model="t", messages=USER, max_tokens=2, temperature=0)
+    assert time.perf_counter() - t0 < 10 and r.usage.prompt_tokens_details.cached_tokens > 0
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir, tmp_path_factory):
+    config = Config(
+        cache_dir=tmp_path_factory.mktemp("kv"), tiers=(), api_key="sekret", max_body_bytes=4000
+    )
+    engine = Engine(tiny_model_dir, config)
+    engine.context_length = 64  # so a "too long" prompt is small
+    with serve(engine, config) as s:
+        yield s
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", None),
+        (b'"just a string"', None),
+        (json.dumps({"messages": []}).encode(), "messages"),
+        (json.dumps({"model": "x"}).encode(), "messages"),
+        (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "messages.0.role"),
+        (json.dumps({"messages": USER, "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"messages": USER, "max_tokens": "ten"}).encode(), "max_tokens"),
+        (json.dumps({"messages": USER, "stream": "maybe"}).encode(), "stream"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "word " * 200}]}).encode(),
+            "messages",
+        ),
+    ],
+)
+def test_client_errors_are_openai_shaped_400(guarded, body, param):
+    r = httpx.post(guarded.url + "/v1/chat/completions", content=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_context_length_code(guarded):
+    body = {"messages": [{"role": "user", "content": "word " * 200}]}
+    r = httpx.post(guarded.url + "/v1/chat/completions", json=body, headers=AUTH)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_oversize_body_413(guarded):
+    body = {"messages": [{"role": "user", "content": "x" * 5000}]}
+    r = httpx.post(guarded.url + "/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_api_key_required_except_health(guarded):
+    assert httpx.get(guarded.url + "/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        r = httpx.get(guarded.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(guarded.url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(guarded.url + "/metrics", headers={}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_unknown_path_and_method(guarded):
+    r = httpx.get(guarded.url + "/v1/nothing", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(guarded.url + "/v1/chat/completions", headers=AUTH)
+    assert r.status_code == 405 and "error" in r.json()
