@@ -74,12 +74,3 @@ def block_hashes(
         parent = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + buf[start : start + step])
         out.append(BlockHash(parent))
     return out
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the exact common prefix of two int32 arrays."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n

@@ -38,9 +38,9 @@ class ColdStore(Protocol):
     """What TieredCache needs of ``tiered_kv.cold.tier.ColdTier``."""
 
     def lookup(self, prompt_ids: Sequence[int]) -> ColdHitLike | None: ...
-    def load(self, hit: Any) -> tuple[list[Any], np.ndarray] | None: ...
-    def spill(self, token_ids: np.ndarray, caches: list[Any]) -> None: ...
-    def persist(self, token_ids: np.ndarray, caches: list[Any]) -> None: ...
+    def load(self, hit: Any) -> tuple[list[Any], np.ndarray, dict[int, list[Any]]] | None: ...
+    def spill(self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None) -> None: ...
+    def persist(self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None) -> None: ...
     def recent(self, limit_entries: int, limit_bytes: int) -> list[Any]: ...
     def flush(self, timeout: float | None = None) -> None: ...
     def stats(self) -> dict[str, Any]: ...
@@ -138,8 +138,8 @@ class TieredCache:
         got = self.cold.load(hit)
         if got is None:
             return None  # corrupt or vanished: the cold tier quarantined it and counted
-        caches, ids = got
-        entry = new_entry(ids, caches, persisted=True)
+        caches, ids, ckpts = got
+        entry = new_entry(ids, caches, ckpts, persisted=True)
         seconds = time.perf_counter() - t0
         common = common_prefix(entry.tokens, prompt)
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
@@ -215,13 +215,13 @@ class TieredCache:
 
     def _persist(self, entry: Entry) -> None:
         if self.cold is not None:
-            self.cold.persist(entry.tokens, entry.caches)
+            self.cold.persist(entry.tokens, entry.caches, entry.checkpoints)
             entry.persisted = True
 
     def _spill(self, entry: Entry) -> None:
         """Hot-tier eviction hand-off: write-behind to the cold tier unless already there."""
         if self.cold is not None and not entry.persisted:
-            self.cold.spill(entry.tokens, entry.caches)
+            self.cold.spill(entry.tokens, entry.caches, entry.checkpoints)
             entry.persisted = True
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -238,8 +238,8 @@ class TieredCache:
         for hit in reversed(self.cold.recent(limit_entries, limit_bytes)):
             got = self.cold.load(hit)
             if got is not None:
-                caches, ids = got
-                self.hot.insert(new_entry(ids, caches, persisted=True))
+                caches, ids, ckpts = got
+                self.hot.insert(new_entry(ids, caches, ckpts, persisted=True))
                 loaded += 1
         return loaded
 

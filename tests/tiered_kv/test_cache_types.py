@@ -222,3 +222,26 @@ def test_kv_quantization_of_stored_entries():
     assert hit == 40
     ref = cold_logits(m, p + [5, 6, 7])
     assert np.abs(got - ref).max() < 0.05 * max(1.0, np.abs(ref).max())
+
+
+def test_reuse_after_disk_reload_equals_cold(model, tmp_path):
+    from tiered_kv.cold.tier import ColdTier
+
+    def open_tc():
+        cfg = Config(cache_dir=tmp_path, block_tokens=16)
+        return TieredCache(cfg, lambda: make_prompt_cache(model), ColdTier(tmp_path, "fp", cfg))
+
+    p = with_eos(1, 40)
+    tc = open_tc()
+    run(tc, model, p)
+    tc.close()  # spills the entry with its checkpoints
+    cases = [p, p + with_eos(2, 12), p[:25] + with_eos(3, 15), p[:5] + with_eos(4, 15)]
+    tiers = []
+    for ids in cases:
+        tc = open_tc()  # a restart: nothing in memory
+        got, _ = run(tc, model, ids)
+        close(got, cold_logits(model, ids))
+        tiers.append(tc.stats()["hit_tokens_cold"] > 0)
+        tc.hot.entries.clear()  # keep the disk as the first run left it
+        tc.cold.close()
+    assert tiers[0] and tiers[1]  # exact and prefix hits come from disk for every cache type

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from tiered_kv import keys
+from tiered_kv.prefix import common_prefix
 
 
 def test_fingerprint_is_order_independent_and_versioned():
@@ -40,6 +41,6 @@ def test_keys_chain_on_the_parent_and_the_seed():
 
 def test_common_prefix_is_exact():
     a = keys.as_int32([1, 2, 3, 4])
-    assert keys.common_prefix(a, keys.as_int32([1, 2, 9])) == 2
-    assert keys.common_prefix(a, keys.as_int32([1, 2])) == 2
-    assert keys.common_prefix(a, keys.as_int32([])) == 0
+    assert common_prefix(a, keys.as_int32([1, 2, 9])) == 2
+    assert common_prefix(a, keys.as_int32([1, 2])) == 2
+    assert common_prefix(a, keys.as_int32([])) == 0

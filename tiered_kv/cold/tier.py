@@ -16,6 +16,7 @@ once per kind, never raised into the request path.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import shutil
 import sqlite3
@@ -25,7 +26,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +37,7 @@ from tiered_kv.cold.index import Index, IndexUnreadable, Record
 from tiered_kv.cold.verify import VerifyReport, quarantine, reconcile, verify_dir
 from tiered_kv.cold.writer import Writer
 from tiered_kv.config import Config
+from tiered_kv.prefix import common_prefix
 
 log = logging.getLogger(__name__)
 _HEADER_SLACK = 64 << 10  # bytes reserved for a header when checking the budget
@@ -48,12 +50,25 @@ class ColdHit:
     entry_tokens: int  # length of the stored entry
 
 
+class Loaded(NamedTuple):
+    caches: list
+    tokens: np.ndarray
+    #: position → snapshot of the non-positional layers (recurrent / sliding window) there
+    checkpoints: dict[int, list]
+
+
 @dataclass
 class _Spill:
     tokens: np.ndarray
     arrays: dict[str, mx.array]
     metadata: dict[str, str]
     nbytes: int
+    #: lengths of older entries this one may replace: any length when every layer can be cut
+    #: back, else only its checkpoint positions
+    serves: frozenset[int] | None = None
+
+
+_CKPT = "ckpt."
 
 
 class ColdTier:
@@ -115,15 +130,16 @@ class ColdTier:
             stored = self.index.tokens(eid)
             if stored is None:
                 continue
-            n = keys.common_prefix(stored, tokens)
+            n = common_prefix(stored, tokens)
             if n > 0 and (best is None or n > best.tokens):
                 best = ColdHit(eid, n, len(stored))
             if n >= depth * self.block_tokens:
                 break  # the hashes were right: nothing shallower can match further
         return best
 
-    def load(self, hit: ColdHit) -> tuple[list, np.ndarray] | None:
-        """(caches holding the whole entry, entry token ids) or None (missing / corrupt).
+    def load(self, hit: ColdHit) -> Loaded | None:
+        """(caches holding the whole entry, entry token ids, checkpoints) or None (missing /
+        corrupt).
 
         The caller trims to ``hit.tokens``. Request thread only (creates MLX arrays)."""
         rec = self.index.get(hit.entry_id)
@@ -136,7 +152,7 @@ class ColdTier:
             stored = self.index.tokens(rec.entry_id)
             if stored is None or not np.array_equal(stored, tokens):
                 raise store.CorruptEntry("file tokens differ from the index")
-            caches = layers.decode(arrays, header.metadata)
+            caches, checkpoints = _decode(arrays, header.metadata)
         except FileNotFoundError:
             self.index.remove([rec.entry_id])
             self._count("misses_missing")
@@ -152,7 +168,7 @@ class ColdTier:
         now = time.time()
         self.index.touch(rec.entry_id, now, persist=False)
         self.writer.submit(lambda: self._persist_touch(rec.entry_id, now), 0, droppable=False)
-        return caches, tokens
+        return Loaded(caches, tokens, checkpoints)
 
     def recent(self, limit_entries: int, limit_bytes: int) -> list[ColdHit]:
         """Most recently used entries first, within both limits (0 = no limit on that axis;
@@ -171,21 +187,27 @@ class ColdTier:
         return out
 
     # -- request thread: hand over to the writer ----------------------------------------------
-    def spill(self, token_ids: np.ndarray, caches: list) -> None:
+    def spill(
+        self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None = None
+    ) -> None:
         """Queue the entry for writing and return at once (oldest queued spill dropped when the
         queue passes ``spill_queue_bytes``). Entries shorter than one block are not stored."""
-        job = self._prepare(token_ids, caches)
+        job = self._prepare(token_ids, caches, checkpoints)
         if job is not None:
             self.writer.submit(lambda: self._write(job), job.nbytes)
 
-    def persist(self, token_ids: np.ndarray, caches: list) -> None:
+    def persist(
+        self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None = None
+    ) -> None:
         """Write-through: returns once the file and its index record are durable (or the write
         failed, counted and logged)."""
-        job = self._prepare(token_ids, caches)
+        job = self._prepare(token_ids, caches, checkpoints)
         if job is not None:
             self.writer.run_sync(lambda: self._write(job))
 
-    def _prepare(self, token_ids: np.ndarray, caches: list) -> _Spill | None:
+    def _prepare(
+        self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None
+    ) -> _Spill | None:
         tokens = keys.as_int32(token_ids)
         if len(tokens) < self.block_tokens:
             self._count("skipped")
@@ -193,6 +215,15 @@ class ColdTier:
         try:
             arrays, meta = layers.encode(caches)
             layout = layers.layout(caches)
+            ckpts = checkpoints or {}
+            tree = {}
+            for pos, snap in ckpts.items():
+                a, m = layers.encode(snap)
+                arrays.update({f"{_CKPT}{pos}.{k}": x for k, x in a.items()})
+                tree[str(pos)] = m["layers"]
+            if tree:
+                meta["checkpoints"] = json.dumps(tree, separators=(",", ":"))
+            serves = None if layers.can_trim(caches) else frozenset(ckpts) | {len(tokens)}
         except layers.UnsupportedCache as e:
             self._log_once("unsupported", "cold tier does not store this cache: %s", e)
             self._count("skipped")
@@ -200,7 +231,7 @@ class ColdTier:
         mx.eval(list(arrays.values()))  # slices evaluated here: the writer only reads bytes
         metadata = {**meta, "fingerprint": self.fingerprint, "layout": layout,
                     "created": repr(time.time())}  # fmt: skip
-        return _Spill(tokens, arrays, metadata, sum(a.nbytes for a in arrays.values()))
+        return _Spill(tokens, arrays, metadata, sum(a.nbytes for a in arrays.values()), serves)
 
     # -- writer thread ---------------------------------------------------------------------------
     def _write(self, job: _Spill) -> None:
@@ -237,6 +268,8 @@ class ColdTier:
         stored = self.index.tokens(r.entry_id)
         if stored is None or not 0 < len(stored) <= len(job.tokens):
             return False
+        if job.serves is not None and len(stored) not in job.serves:
+            return False  # the new entry could not serve the old one's length
         return bool(np.array_equal(stored, job.tokens[: len(stored)]))
 
     def _make_room(self, incoming: int) -> bool:
@@ -323,3 +356,20 @@ class ColdTier:
 
 
 __all__ = ["ColdHit", "ColdTier", "VerifyReport"]
+
+
+def _decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list, dict[int, list]]:
+    """The entry's caches and its checkpoints (arrays named ``ckpt.<pos>.<path>``)."""
+    main = {k: v for k, v in arrays.items() if not k.startswith(_CKPT)}
+    caches = layers.decode(main, metadata)
+    try:
+        tree = json.loads(metadata.get("checkpoints", "{}"))
+        positions = {int(p): t for p, t in tree.items()}
+    except (ValueError, AttributeError) as e:
+        raise layers.CorruptState(f"bad checkpoint metadata: {e}") from None
+    checkpoints: dict[int, list] = {}
+    for pos, layer_tree in positions.items():
+        prefix = f"{_CKPT}{pos}."
+        sub = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+        checkpoints[pos] = layers.decode(sub, {"layers": layer_tree})
+    return caches, checkpoints
