@@ -208,7 +208,8 @@ class ToolCallParser:
         if not self.enabled:
             return text, []
         self._buf += text
-        shown, new = "", []
+        shown = ""
+        new: list[dict[str, Any]] = []
         while (start := self._buf.find(OPEN)) >= 0:
             before = self._buf[:start]
             text = before.rstrip()  # whitespace next to a call is not content

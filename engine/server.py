@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -171,7 +172,12 @@ class Server:
     def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], str]:
         tools = req.tool_dicts()
         prefix = chat.forced_prefix(req.tool_choice) if tools else ""
-        text = chat.render_chat(self.engine.tokenizer, req.message_dicts(), tools)
+        try:
+            text = chat.render_chat(self.engine.tokenizer, req.message_dicts(), tools)
+        except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
+            raise ApiError(
+                400, f"the model's chat template rejected the messages: {e}", param="messages"
+            ) from None
         return self.engine.encode_text(text + prefix), prefix
 
     async def chat_completions(self, request: Request) -> Response:

@@ -178,6 +178,10 @@ def test_stream_raw_sse_and_done(live):
     body = {"messages": USER, "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
+        assert (
+            r.headers["x-tiered-kv-cache-tier"] in ("hot", "none")
+            and "x-tiered-kv-cached-tokens" in r.headers
+        )
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line[6:]) for line in lines[:-1] if line.startswith("data: ")]
@@ -439,3 +443,38 @@ def test_unknown_path_and_method(guarded):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(guarded.url + "/v1/chat/completions", headers=AUTH)
     assert r.status_code == 405 and "error" in r.json()
+
+
+# --- SmolLM2 (plain ChatML: tools injected in Hermes format) -------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_turns_hit_the_cache(smollm2_dir, tmp_path):
+    config = hot_config(tmp_path)
+    with serve(Engine(smollm2_dir, config), config) as s:
+        c = s.client
+        first = c.chat.completions.create(
+            model="s", messages=USER, tools=TOOLS, max_tokens=24, temperature=0
+        )
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        msg = first.choices[0].message
+        reply = {"role": "assistant", "content": msg.content}
+        if msg.tool_calls:  # whatever the model did, resend it the way OpenCode does
+            reply = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [tc.model_dump() for tc in msg.tool_calls],
+            }
+        history = USER + [reply]
+        if msg.tool_calls:
+            history += [
+                {"role": "tool", "tool_call_id": tc.id, "content": "sunny"} for tc in msg.tool_calls
+            ]
+        else:
+            history += [{"role": "user", "content": "and tomorrow?"}]
+        second = c.chat.completions.create(
+            model="s", messages=history, tools=TOOLS, max_tokens=8, temperature=0
+        )
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        assert second.usage.model_extra["cache_tier"] == "hot"
