@@ -1,0 +1,81 @@
+"""engine/worker.py: FIFO order, the hit event before chunks, cancellation of queued and running jobs,
+prefill progress lines, close() closes the engine on the worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from engine.generate import Chunk, Engine, SamplingParams
+from engine.worker import END, Worker
+from tiered_kv.config import Config
+from tiered_kv.tiered import HitInfo
+
+
+@pytest.fixture()
+def engine(tiny_model_dir, tmp_path):
+    return Engine(tiny_model_dir, Config(cache_dir=tmp_path, tiers=("hot",), prefill_chunk=16))
+
+
+async def drain(job) -> list:
+    out = []
+    while (item := await job.get(30)) is not END:
+        assert item is not None, "worker stalled"
+        out.append(item)
+    return out
+
+
+def test_fifo_hit_first_and_progress(engine, caplog):
+    worker = Worker(engine, progress_interval=0.0)
+    worker.start()
+    ids = engine.encode_text("the cache holds the prompt and the disk holds the rest " * 8)
+
+    async def main():
+        jobs = [worker.submit(ids, SamplingParams(max_tokens=3), label=f"job{i}") for i in range(3)]
+        return [await drain(j) for j in jobs], jobs
+
+    with caplog.at_level(logging.INFO, logger="engine.worker"):
+        results, jobs = asyncio.run(main())
+    worker.close()
+    assert [j.started for j in jobs] == sorted(j.started for j in jobs)
+    for events in results:
+        assert isinstance(events[0], HitInfo) and all(isinstance(e, Chunk) for e in events[1:])
+        assert events[-1].finish_reason == "length"
+    assert results[0][0].tier == "none" and results[1][0].tier == "hot"
+    assert any("job0 prefill" in r.message and "tok/s" in r.message for r in caplog.records)
+
+
+def test_cancel_queued_and_running(engine):
+    worker = Worker(engine)
+    worker.start()
+    ids = engine.encode_text("a long answer please " * 4)
+
+    async def main():
+        running = worker.submit(ids, SamplingParams(max_tokens=100000))
+        queued = worker.submit(ids, SamplingParams(max_tokens=5))
+        queued.cancel.set()
+        first = await running.get(30)
+        assert isinstance(first, HitInfo)
+        assert isinstance(await running.get(30), Chunk)
+        running.cancel.set()
+        return await drain(running), await drain(queued)
+
+    ran, skipped = asyncio.run(main())
+    worker.close()
+    assert ran[-1].finish_reason == "cancelled" and ran[-1].usage.completion_tokens < 100000
+    assert skipped == []
+
+
+def test_close_rejects_new_jobs(engine):
+    worker = Worker(engine)
+    worker.start()
+    worker.close()
+    assert not worker.busy()
+
+    async def main():
+        with pytest.raises(RuntimeError):
+            worker.submit([1, 2, 3], SamplingParams())
+
+    asyncio.run(main())
