@@ -125,3 +125,33 @@ def test_should_stop_cancels_and_progress_reports(engines):
     lease = cached.cache.fetch(ids)  # the partial prefill was stored
     assert lease.hit.tokens == seen[-1][0]
     cached.cache.store(lease, ids[: lease.hit.tokens])
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_hits_equal_cold(smollm2_dir, tmp_path):
+    """The real model: logits and greedy text after hot and disk hits equal a cold prefill."""
+    cfg = Config(cache_dir=tmp_path, block_tokens=16, min_continuation_tokens=32, prefill_chunk=64)
+    cached = Engine(smollm2_dir, cfg)
+    cold = Engine(smollm2_dir, Config(tiers=()))
+    msgs = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name the capital of France in one word."},
+    ]
+    ids = cached.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    first = run(cached, ids, max_tokens=8)
+    ref = run(cold, ids, max_tokens=8)
+    assert first[1] == ref[1]
+    assert run(cached, ids, max_tokens=8)[1] == ref[1]  # exact hit (hot)
+    turn2 = ids + first[1] + cached.encode_text("<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
+    for probe in (turn2, ids[:20] + cached.encode_text(" something different")):
+        got, hit = cached.logits(probe)
+        want, _ = cold.logits(probe)
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+        assert hit.tokens > 0
+    cached.close()  # spills to disk
+    restarted = Engine(smollm2_dir, cfg)
+    text, toks, last = run(restarted, turn2, max_tokens=8)
+    assert last.usage.cache_tier == "cold" and last.usage.cached_tokens >= len(ids)
+    assert toks == run(cold, turn2, max_tokens=8)[1]
+    restarted.close()
