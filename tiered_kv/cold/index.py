@@ -5,17 +5,23 @@ On disk (source of truth, survives restarts) under ``<cache_dir>/<fingerprint>/i
     ("meta",)        → {"schema": 1, "seed": str, "block_tokens": int}
     ("rec", id)      → Record fields (file, n_tokens, nbytes, created, last_used, blocks)
     ("tok", id)      → the entry's token ids, int32 LE bytes (exact comparison)
+    ("seq",)         → (epoch, n): n counts committed adds/removes; a new epoch after a clear
+    ("log", n)       → (added ids, removed ids) of commit n (the last ``LOG_KEEP`` are kept)
 
 The mirror maps every block key to the entries holding it (oldest first) and keeps the records
-without token bytes; it is rebuilt from the records at open. Thread-safety: every method takes
-the index lock, so the request thread (lookup, quarantine) and the writer thread (add, evict)
-may both call it; each mutation commits on disk before the mirror changes.
+without token bytes; it is rebuilt from the records at open. Several processes may share one
+index: :meth:`refresh` (one small read) notices other processes' commits through ``("seq",)``
+and replays their ``("log", n)`` rows into the mirror (a full reload when the log is gone or the
+epoch changed). Thread-safety: every method takes the index lock, so the request thread
+(lookup, quarantine) and the writer thread (add, evict) may both call it; each mutation commits
+on disk before the mirror changes.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +31,8 @@ import numpy as np
 
 SCHEMA = 1
 _MAX_CANDIDATES = 4
+LOG_KEEP = 4096  # change-log rows kept for other processes' incremental refresh
+_SEQ = ("seq",)
 
 
 class IndexUnreadable(RuntimeError):
@@ -55,19 +63,63 @@ class Index:
                 sqlite_synchronous=2,  # FULL: a committed record survives power loss
                 cull_limit=0,
             )
-            raw = list(self._db.iterkeys())
             meta = self._db.get(("meta",))
-            recs = [self._db.get(k) for k in raw if isinstance(k, tuple) and k[:1] == ("rec",)]
         except (sqlite3.Error, OSError, ValueError, EOFError) as e:
             raise IndexUnreadable(f"{path}: {e!r}") from None
         self.meta: dict | None = meta if isinstance(meta, dict) else None
         self._records: dict[str, Record] = {}
         self._blocks: dict[int, list[str]] = {}
+        self._seq: tuple[str, int] = ("", 0)
+        self.reloads = 0  # full mirror reloads after open (another process cleared / log gone)
+        self._reload()
+
+    def _reload(self) -> None:
+        """Rebuild the mirror from every record on disk. Raises IndexUnreadable."""
+        try:
+            # seq first: a commit racing with this read is replayed again later (idempotent)
+            seq = self._db.get(_SEQ)
+            raw = list(self._db.iterkeys())
+            recs = [self._db.get(k) for k in raw if isinstance(k, tuple) and k[:1] == ("rec",)]
+        except (sqlite3.Error, OSError, ValueError, EOFError) as e:
+            raise IndexUnreadable(f"{self.path}: {e!r}") from None
+        self._records.clear()
+        self._blocks.clear()
         try:
             for r in sorted((Record(**d) for d in recs if d), key=lambda r: r.created):
                 self._mirror_add(r)
         except TypeError as e:
-            raise IndexUnreadable(f"{path}: bad record {e!r}") from None
+            raise IndexUnreadable(f"{self.path}: bad record {e!r}") from None
+        self._seq = _as_seq(seq)
+
+    def refresh(self) -> None:
+        """Bring the mirror up to date with commits of other processes (and this one's writer).
+
+        Costs one key read when nothing changed; replays the change log otherwise, or reloads
+        everything when the log no longer reaches back (or the index was cleared meanwhile)."""
+        with self._lock:
+            seq = _as_seq(self._db.get(_SEQ))
+            if seq == self._seq:
+                return
+            epoch, n = self._seq
+            if seq[0] != epoch or not n < seq[1] <= n + LOG_KEEP:
+                self.reloads += 1
+                self._reload()
+                return
+            for i in range(n + 1, seq[1] + 1):
+                change = self._db.get(("log", i))
+                if change is None:  # trimmed meanwhile
+                    self.reloads += 1
+                    self._reload()
+                    return
+                added, removed = change
+                for eid in removed:
+                    if eid in self._records:
+                        self._mirror_remove(eid)
+                for eid in added:
+                    d = self._db.get(("rec", eid))
+                    if d is not None:
+                        self._mirror_add(Record(**d))
+            self._seq = seq
 
     # -- reads (any thread) ------------------------------------------------------------------
     def records(self) -> list[Record]:
@@ -117,6 +169,34 @@ class Index:
             self._db.set(("meta",), meta)
             self.meta = meta
 
+    def claim_meta(self, meta: dict) -> bool:
+        """Make ``meta`` the index's meta; when it differs, clear the index in the same
+        transaction (so two processes opening at once clear it once). True: it was cleared
+        (the caller rebuilds from the files)."""
+        with self._lock:
+            with self._db.transact():
+                if self._db.get(("meta",)) == meta:
+                    cleared = False
+                else:
+                    for k in list(self._db.iterkeys()):
+                        self._db.delete(k)
+                    self._db.set(("meta",), meta)
+                    self._db.set(_SEQ, (uuid.uuid4().hex, 0))
+                    cleared = True
+            self.meta = meta
+            self._reload()
+            return cleared
+
+    def _log(self, added: Sequence[str], removed: Sequence[str]) -> None:
+        """Inside a transaction: count this commit and record what it changed."""
+        prev = _as_seq(self._db.get(_SEQ))
+        new = (prev[0] or uuid.uuid4().hex, prev[1] + 1)
+        self._db.set(_SEQ, new)
+        self._db.set(("log", new[1]), (tuple(added), tuple(removed)))
+        self._db.delete(("log", new[1] - LOG_KEEP))
+        if self._seq == prev:  # nobody else committed since our last look
+            self._seq = new
+
     def add(self, rec: Record, tokens: bytes, remove: Iterable[str] = ()) -> None:
         """Insert ``rec`` and delete ``remove`` in one transaction."""
         with self._lock:
@@ -127,6 +207,7 @@ class Index:
                 for eid in gone:
                     self._db.delete(("rec", eid))
                     self._db.delete(("tok", eid))
+                self._log([rec.entry_id], gone)
             for eid in gone:
                 self._mirror_remove(eid)
             self._mirror_add(rec)
@@ -138,6 +219,7 @@ class Index:
                 for rec, tokens in items:
                     self._db.set(("rec", rec.entry_id), asdict(rec))
                     self._db.set(("tok", rec.entry_id), tokens)
+                self._log([rec.entry_id for rec, _ in items], [])
             for rec, _ in sorted(items, key=lambda i: i[0].created):
                 self._mirror_add(rec)
 
@@ -149,6 +231,8 @@ class Index:
                 for r in gone:
                     self._db.delete(("rec", r.entry_id))
                     self._db.delete(("tok", r.entry_id))
+                if gone:
+                    self._log([], [r.entry_id for r in gone])
             for r in gone:
                 self._mirror_remove(r.entry_id)
             return gone
@@ -162,13 +246,17 @@ class Index:
             r = Record(**{**asdict(r), "last_used": max(when, r.last_used)})
             self._records[entry_id] = r
             if persist:
-                self._db.set(("rec", entry_id), asdict(r))
+                with self._db.transact():  # never resurrect a record another process removed
+                    if ("rec", entry_id) in self._db:
+                        self._db.set(("rec", entry_id), asdict(r))
 
     def clear(self) -> None:
         with self._lock:
             self._db.clear()
+            self._db.set(_SEQ, (uuid.uuid4().hex, 0))
             self._records.clear()
             self._blocks.clear()
+            self._seq = ("", -1)  # differs from anything on disk: the next refresh reloads
             self.meta = None
 
     def close(self) -> None:
@@ -177,6 +265,8 @@ class Index:
 
     # -- mirror ------------------------------------------------------------------------------
     def _mirror_add(self, r: Record) -> None:
+        if r.entry_id in self._records:  # replayed from the log or adopted twice
+            self._mirror_remove(r.entry_id)
         self._records[r.entry_id] = r
         for k in r.blocks:
             self._blocks.setdefault(k, []).append(r.entry_id)
@@ -189,3 +279,9 @@ class Index:
                 lst[:] = [e for e in lst if e != entry_id]
                 if not lst:
                     del self._blocks[k]
+
+
+def _as_seq(value: object) -> tuple[str, int]:
+    if isinstance(value, tuple) and len(value) == 2:
+        return (str(value[0]), int(value[1]))
+    return ("", 0)

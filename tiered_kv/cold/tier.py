@@ -69,6 +69,10 @@ class _Spill:
 
 
 _CKPT = "ckpt."
+#: write-error kinds counted apart (stats ``disk_full`` ...; exported as metrics by the server)
+_FAULTS = ("disk_full", "read_only", "dir_missing")
+_FAULT_OF = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "read_only",
+             errno.EACCES: "read_only", errno.EPERM: "read_only", errno.ENOENT: "dir_missing"}  # fmt: skip
 
 
 class ColdTier:
@@ -87,7 +91,8 @@ class ColdTier:
         self.seed = f"{self.fingerprint}:{self.block_tokens}"
         self._stats = dict.fromkeys(
             ("spills", "spill_bytes", "drops", "drop_bytes", "quarantined", "write_errors",
-             "skipped", "evictions", "superseded", "loads", "load_bytes", "misses_missing"), 0
+             "skipped", "evictions", "superseded", "loads", "load_bytes", "misses_missing",
+             *_FAULTS, "index_errors", "dir_recreated"), 0
         )  # fmt: skip
         self._stats_lock = threading.Lock()
         self._load_seconds = 0.0
@@ -110,25 +115,41 @@ class ColdTier:
             shutil.rmtree(path, ignore_errors=True)
             index = Index(path)
         want = {"schema": 1, "seed": self.seed, "block_tokens": self.block_tokens}
-        rebuild = index.meta != want
-        if rebuild:
-            index.clear()
+        rebuild = index.claim_meta(want)  # atomic: of two processes opening at once, one clears
         stats = reconcile(self.dir, self.fingerprint, index, self.quarantine_dir, rebuild, self.seed,
                           self.block_tokens)  # fmt: skip
         self._count("quarantined", stats.get("quarantined", 0))
-        if rebuild:
-            index.set_meta(want)
         return index
+
+    def _check_index(self) -> None:
+        """Writer thread: when the directory (and so the index file) was deleted under us,
+        re-create it and open a fresh index (rebuilt from whatever files are there)."""
+        if (self.dir / "index" / "cache.db").exists():
+            return
+        self._log_once("dir_gone", "cold tier directory %s vanished: re-creating it", self.dir)
+        self._count("dir_recreated")
+        self._ensure_dirs()
+        self.index = self._open_index()  # the old one is dropped, not closed: readers may hold it
 
     # -- request thread: lookup / load -----------------------------------------------------------
     def lookup(self, prompt_ids: Sequence[int]) -> ColdHit | None:
         """Longest exact prefix of ``prompt_ids`` held by one entry, or None. No file I/O."""
         tokens = keys.as_int32(prompt_ids)
         hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
+        try:
+            return self._lookup(tokens, hashes)
+        except sqlite3.Error as e:
+            self._count("index_errors")
+            self._log_once("index_read", "cold index unreadable, treating as a miss: %s", e)
+            return None
+
+    def _lookup(self, tokens: np.ndarray, hashes: list) -> ColdHit | None:
+        index = self.index
+        index.refresh()  # another process may have committed (or removed) entries
         best: ColdHit | None = None
-        for eid, depth in self.index.candidates(hashes):
-            stored = self.index.tokens(eid)
-            if stored is None:
+        for eid, depth in index.candidates(hashes):
+            stored = index.tokens(eid)
+            if stored is None:  # removed meanwhile (by us or another process)
                 continue
             n = common_prefix(stored, tokens)
             if n > 0 and (best is None or n > best.tokens):
@@ -142,6 +163,14 @@ class ColdTier:
         corrupt).
 
         The caller trims to ``hit.tokens``. Request thread only (creates MLX arrays)."""
+        try:
+            return self._load(hit)
+        except sqlite3.Error as e:
+            self._count("index_errors")
+            self._log_once("index_read", "cold index unreadable, treating as a miss: %s", e)
+            return None
+
+    def _load(self, hit: ColdHit) -> Loaded | None:
         rec = self.index.get(hit.entry_id)
         if rec is None:
             return None
@@ -150,15 +179,19 @@ class ColdTier:
         try:
             arrays, header, tokens = store.load_entry(path, self.fingerprint)
             stored = self.index.tokens(rec.entry_id)
-            if stored is None or not np.array_equal(stored, tokens):
+            if stored is None:  # superseded / evicted (maybe by another process) while loading
+                raise FileNotFoundError(path)
+            if not np.array_equal(stored, tokens):
                 raise store.CorruptEntry("file tokens differ from the index")
             caches, checkpoints = _decode(arrays, header.metadata)
         except FileNotFoundError:
-            self.index.remove([rec.entry_id])
-            self._count("misses_missing")
+            self._vanished(rec)
             return None
         except (store.CorruptEntry, layers.CorruptState, layers.UnsupportedCache) as e:
-            self._quarantine(rec, e)
+            if self._was_replaced(rec, path):
+                self._vanished(rec)  # deleted between our reads: a miss, not corruption
+            else:
+                self._quarantine(rec, e)
             return None
         dt = time.perf_counter() - t0
         with self._stats_lock:
@@ -170,6 +203,18 @@ class ColdTier:
         self.writer.submit(lambda: self._persist_touch(rec.entry_id, now), 0, droppable=False)
         return Loaded(caches, tokens, checkpoints)
 
+    def _vanished(self, rec: Record) -> None:
+        self.index.remove([rec.entry_id])
+        self._count("misses_missing")
+
+    def _was_replaced(self, rec: Record, path: Path) -> bool:
+        """The file is gone or its record was removed (another process superseded / evicted
+        it while we read): what we read may be half of a vanished file, not a corrupt one."""
+        if not path.exists():
+            return True
+        self.index.refresh()
+        return self.index.get(rec.entry_id) is None or self.index.tokens(rec.entry_id) is None
+
     def recent(self, limit_entries: int, limit_bytes: int) -> list[ColdHit]:
         """Most recently used entries first, within both limits (0 = no limit on that axis;
         both 0 = nothing), for warm-start prefetch."""
@@ -177,6 +222,7 @@ class ColdTier:
             return []
         out: list[ColdHit] = []
         total = 0
+        self.index.refresh()
         for r in sorted(self.index.records(), key=lambda r: -r.last_used):
             if limit_entries > 0 and len(out) >= limit_entries:
                 break
@@ -237,7 +283,9 @@ class ColdTier:
     def _write(self, job: _Spill) -> None:
         path: Path | None = None
         try:
+            self._check_index()
             self._ensure_dirs()
+            self.index.refresh()  # budget and supersede see the other processes' entries
             size = job.nbytes + 4 * len(job.tokens) + _HEADER_SLACK
             if not self._make_room(size):
                 self._count("skipped")
@@ -257,9 +305,13 @@ class ColdTier:
                 self._stats["spills"] += 1
                 self._stats["spill_bytes"] += nbytes
                 self._stats["superseded"] += len(older)
-        except (OSError, sqlite3.Error) as e:
+        except (OSError, sqlite3.Error, IndexUnreadable) as e:
             self._count("write_errors")
-            kind = errno.errorcode.get(getattr(e, "errno", None) or 0, type(e).__name__)
+            code = getattr(e, "errno", None) or 0
+            fault = _FAULT_OF.get(code, "index_errors" if not isinstance(e, OSError) else "")
+            if fault:
+                self._count(fault)
+            kind = errno.errorcode.get(code, type(e).__name__)
             self._log_once(f"write:{kind}", "cold spill failed (%s): %s", kind, e)
             if path is not None:
                 path.unlink(missing_ok=True)

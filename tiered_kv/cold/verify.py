@@ -43,6 +43,37 @@ def temp_files(fp_dir: Path) -> list[Path]:
     return sorted(p for p in fp_dir.glob(f".*{store.TMP_SUFFIX}") if p.is_file())
 
 
+#: a temp file of a live process older than this is abandoned (no write takes that long)
+TEMP_GRACE_SECONDS = 600.0
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+def stale_temp(path: Path, now: float | None = None) -> bool:
+    """A temp file (``.<name>.<pid>.tmp``) whose writer is dead, or older than the grace period.
+    A live writer's fresh temp file — another process sharing the directory — is never stale."""
+    try:
+        age = (time.time() if now is None else now) - path.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age > TEMP_GRACE_SECONDS:
+        return True
+    pid = path.name.removesuffix(store.TMP_SUFFIX).rsplit(".", 1)[-1]
+    if not pid.isdigit():
+        return False  # not our naming: leave it to the grace period
+    return int(pid) != os.getpid() and not pid_alive(int(pid))
+
+
 def quarantine(path: Path, qdir: Path, fingerprint: str) -> None:
     """Move ``path`` to ``qdir/<fingerprint>-<name>`` (0700 dir); a vanished file is fine."""
     try:
@@ -72,38 +103,42 @@ def reconcile(
     fp_dir: Path, fingerprint: str, index: Index, qdir: Path, rebuild: bool, seed: str,
     block_tokens: int,
 ) -> dict[str, int]:  # fmt: skip
-    """At open: remove temp files; with ``rebuild`` index every valid file (bad ones are
-    quarantined), otherwise drop records whose file is gone and remove orphan files."""
+    """At open: remove stale temp files (dead writers only: other processes may share the
+    directory); with ``rebuild`` index every valid file, otherwise drop records whose file is
+    gone and adopt orphan files (a crash between publish and commit, or another process's
+    commit in flight: adopting twice is harmless, the entry id is the file name). Bad files are
+    quarantined."""
     counts = {"quarantined": 0, "orphans": 0, "missing": 0, "rebuilt": 0}
     for tmp in temp_files(fp_dir):
-        tmp.unlink(missing_ok=True)
+        if stale_temp(tmp):
+            tmp.unlink(missing_ok=True)
     files = entry_files(fp_dir)
-    if rebuild:
-        items = []
-        for path in files:
-            try:
-                rec, tokens = record_from_file(path, fingerprint, seed, block_tokens)
-            except (store.CorruptEntry, OSError) as e:
-                log.warning("rebuild: quarantining %s: %s", path.name, e)
-                quarantine(path, qdir, fingerprint)
-                counts["quarantined"] += 1
-                continue
-            if len(rec.blocks) == 0:
-                path.unlink(missing_ok=True)
-                continue
-            items.append((rec, tokens))
-        index.add_many(items)
-        counts["rebuilt"] = len(items)
-        return counts
-    names = {p.name for p in files}
-    missing = [r.entry_id for r in index.records() if r.file not in names]
-    index.remove(missing)
-    known = {r.file for r in index.records()}
+    if not rebuild:
+        names = {p.name for p in files}
+        missing = [r.entry_id for r in index.records() if r.file not in names]
+        index.remove(missing)
+        counts["missing"] = len(missing)
+        known = {r.file for r in index.records()}
+        files = [p for p in files if p.name not in known]
+        counts["orphans"] = len(files)
+    items = []
     for path in files:
-        if path.name not in known:
+        try:
+            rec, tokens = record_from_file(path, fingerprint, seed, block_tokens)
+        except FileNotFoundError:
+            continue  # superseded by another process meanwhile
+        except (store.CorruptEntry, OSError) as e:
+            log.warning("reconcile: quarantining %s: %s", path.name, e)
+            quarantine(path, qdir, fingerprint)
+            counts["quarantined"] += 1
+            continue
+        if len(rec.blocks) == 0:
             path.unlink(missing_ok=True)
-            counts["orphans"] += 1
-    counts["missing"] = len(missing)
+            continue
+        items.append((rec, tokens))
+    if items:
+        index.add_many(items)
+    counts["rebuilt"] = len(items)
     return counts
 
 
@@ -113,7 +148,7 @@ def verify_dir(
     """Full check: every file's header and data checksum, tokens against the index."""
     report = VerifyReport(fingerprint, fixed=fix)
     by_file = {r.file: r for r in index.records()} if index is not None else {}
-    report.temp = [p.name for p in temp_files(fp_dir)]
+    report.temp = [p.name for p in temp_files(fp_dir) if stale_temp(p)]
     files = entry_files(fp_dir)
     names = {p.name for p in files}
     report.missing = [r.file for r in by_file.values() if r.file not in names]
@@ -127,6 +162,8 @@ def verify_dir(
                 stored = index.tokens(rec.entry_id)
                 if stored is None or stored.tobytes() != store.read_tokens(path, header).tobytes():
                     raise store.CorruptEntry("tokens differ from the index")
+        except FileNotFoundError:
+            continue  # superseded / evicted by a running process meanwhile
         except store.ForeignEntry:
             report.foreign.append(path.name)
             bad.append(path)
@@ -151,13 +188,14 @@ def _fix(
         index.remove(drop)  # index first, then files
     for path in bad:
         quarantine(path, qdir, fingerprint)
-    for name in report.orphans:
-        (fp_dir / name).unlink(missing_ok=True)
     now = time.time()
-    for name in report.temp:  # only stale temp files: a live writer may own a fresh one
+    for name in report.orphans:  # a young orphan may be a running process's commit in flight
         p = fp_dir / name
         try:
-            if now - p.stat().st_mtime > 60:
+            if now - p.stat().st_mtime > TEMP_GRACE_SECONDS:
                 p.unlink()
         except FileNotFoundError:
             pass
+    for name in report.temp:  # only stale temp files: a live writer may own a fresh one
+        if stale_temp(fp_dir / name):
+            (fp_dir / name).unlink(missing_ok=True)
