@@ -164,10 +164,17 @@ def table(results: dict) -> str:
             m = by[s].get(t)
             cells.append(f"{_ms(m)} / {m['cached_tokens']}" if m else "")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", _summary(results, by, scen), "", "Goals:", ""]
+    lines += ["", _summary(results, by, scen), "", _NOTES, "", "Goals:", ""]
     for g in goals(results):
         lines.append(f"- [{g['status']}] {g['goal']}: {g['detail']}")
     return "\n".join(lines) + "\n"
+
+
+_NOTES = (
+    "TTFT = first streamed event with output (client side, includes HTTP + template + tokenize). "
+    '"output held": the whole completion arrived in one event (a tool-call parser held it), so that '
+    "TTFT includes the decode of max_tokens tokens and decode tok/s is not measurable (shown as 0)."
+)
 
 
 def _header(meta: dict) -> list[str]:
@@ -188,18 +195,24 @@ def _header(meta: dict) -> list[str]:
 def _summary(results: dict, by: dict, scen: list[str]) -> str:
     later = _later_turns(results)
     head = (
-        "| scenario | mean TTFT turns 2..N ms | mean decode tok/s | peak RSS MiB | mean start s |"
+        "| scenario | mean TTFT turns 2..N ms | mean decode tok/s | peak RSS MiB | mean start s "
+        "| output held |"
     )
-    lines = [head, "|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|"]
     for s in scen:
         info = results["scenarios"].get(s, {})
         mean = _mean_ttft(by, s, later)
         tps = [m["decode_tps"] for m in by[s].values() if m["decode_tps"] > 0]
         starts = info.get("start_seconds") or []
+        held = sum(
+            1
+            for m in by[s].values()
+            if m["completion_tokens"] > 1 and m.get("output_events", 2) <= 1 and not m["error"]
+        )
         lines.append(
             f"| {s}: {SCENARIO_TITLES[s]} | {'' if mean is None else f'{mean * 1e3:.0f}'} | "
             f"{statistics.fmean(tps) if tps else 0:.1f} | {info.get('peak_rss_bytes', 0) / 2**20:.0f} | "
-            f"{statistics.fmean(starts) if starts else 0:.2f} |"
+            f"{statistics.fmean(starts) if starts else 0:.2f} | {held}/{len(by[s])} |"
         )
     return "\n".join(lines)
 
