@@ -19,6 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from engine.detok import IncrementalDecoder
 from engine.loading import context_length, fingerprint_parts, load_model
 from engine.prefill import PrefillStopped, Progress, checkpoint_positions, prefill
 from tiered_kv.config import Config
@@ -148,8 +149,7 @@ class _Decode:
     def __init__(self, engine: Engine, params: SamplingParams, prompt_len: int, hit: HitInfo):
         self.e, self.p, self.hit, self.prompt_len = engine, params, hit, prompt_len
         self.sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
-        self.detok = engine.tokenizer.detokenizer
-        self.detok.reset()
+        self.detok = IncrementalDecoder(engine.tokenizer)
         self.eos = set(engine.tokenizer.eos_token_ids)
         self.completion = 0
         self.text = ""  # text decoded so far
@@ -177,8 +177,7 @@ class _Decode:
                 yield self.finish("stop", t0)
                 return
             self.completion += 1
-            self.detok.add_token(tok)
-            self.text += self.detok.last_segment
+            self.text += self.detok.add(tok)
             cut = self._stop_at()
             if cut is not None:
                 yield Chunk(self.text[self.sent : cut], tok)
@@ -210,8 +209,7 @@ class _Decode:
         """The last chunk: held-back text (unless a stop string ended it) and usage."""
         tail = ""
         if flush:
-            self.detok.finalize()
-            self.text += self.detok.last_segment
+            self.text += self.detok.flush()
             tail = self.text[self.sent :]
         now = time.perf_counter() - t0
         usage = Usage(
