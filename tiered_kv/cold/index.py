@@ -19,6 +19,7 @@ on disk before the mirror changes.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import uuid
@@ -56,12 +57,14 @@ class Index:
         self.path = path
         self._lock = threading.RLock()
         try:
+            _private(path)
             self._db = diskcache.Cache(
                 str(path),
                 eviction_policy="none",
                 size_limit=2**62,
                 sqlite_synchronous=2,  # FULL: a committed record survives power loss
                 cull_limit=0,
+                disk_min_file_size=2**30,  # token ids inside sqlite: no extra (0644) value files
             )
             meta = self._db.get(("meta",))
         except (sqlite3.Error, OSError, ValueError, EOFError) as e:
@@ -285,3 +288,16 @@ def _as_seq(value: object) -> tuple[str, int]:
     if isinstance(value, tuple) and len(value) == 2:
         return (str(value[0]), int(value[1]))
     return ("", 0)
+
+
+def _private(path: Path) -> None:
+    """The index dir 0700 and ``cache.db`` created 0600 before sqlite opens it (sqlite gives its
+    -wal / -shm files the database's mode): the index holds prompt token ids."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    db = path / "cache.db"
+    os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
+    for p in (path, *path.glob("cache.db*")):
+        try:
+            os.chmod(p, 0o700 if p == path else 0o600)
+        except PermissionError:  # not ours (another user's old index): leave it to them
+            pass

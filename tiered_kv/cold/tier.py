@@ -402,7 +402,14 @@ class ColdTier:
         )
 
     def close(self) -> None:
-        """Drain the spill queue, stop the writer, close the index."""
+        """Drain the spill queue, stop the writer, close the index (the writer thread's sqlite
+        connection too: diskcache keeps one per thread, and a leaked one keeps the -shm file
+        mapped, so a later open of a damaged index in this process died of SIGBUS)."""
+        self.writer.flush()
+        try:
+            self.writer.run_sync(self.index.close)
+        except RuntimeError:  # already closed
+            pass
         self.writer.close()
         self.index.close()
 
