@@ -121,11 +121,16 @@ class Engine:
         params: SamplingParams,
         on_progress: Progress | None = None,
         should_stop: Callable[[], bool] | None = None,
+        on_hit: Callable[[HitInfo], None] | None = None,
     ) -> Iterator[Chunk]:
-        """Stream the completion of ``prompt_ids``; the last chunk has finish_reason + usage."""
+        """Stream the completion of ``prompt_ids``; the last chunk has finish_reason + usage.
+
+        ``on_hit`` hears the cache lookup's result before the prefill starts (response headers)."""
         stop_check = should_stop or (lambda: False)
         t0 = time.perf_counter()
         lease = self.cache.fetch(prompt_ids)
+        if on_hit is not None:
+            on_hit(lease.hit)
         fed = list(prompt_ids[: lease.hit.tokens])
         out = _Decode(self, params, len(prompt_ids), lease.hit)
         try:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.generate import SamplingParams
-from tiered_kv.tiered import HitInfo
 
 log = logging.getLogger(__name__)
 END = object()  # marks the end of a job's events
@@ -52,21 +51,6 @@ class Job:
             return await asyncio.wait_for(self.events.get(), timeout)
         except asyncio.TimeoutError:
             return None
-
-
-class _ObservedCache:
-    """Forwards everything to the TieredCache; reports each ``fetch``'s HitInfo to ``on_hit``."""
-
-    def __init__(self, cache: Any, on_hit: Callable[[HitInfo], None]) -> None:
-        self._cache, self._on_hit = cache, on_hit
-
-    def fetch(self, prompt_ids: Any) -> Any:
-        lease = self._cache.fetch(prompt_ids)
-        self._on_hit(lease.hit)
-        return lease
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cache, name)
 
 
 class _Progress:
@@ -108,9 +92,6 @@ class Worker:
         self._current: Job | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tiered-kv-worker", daemon=True)
-        # Engine.generate reveals the cache hit only in the last chunk's usage; the server wants it for
-        # response headers as soon as the lookup is done, so fetch() is observed (worker thread only).
-        engine.cache = _ObservedCache(engine.cache, self._on_hit)
 
     def start(self) -> None:
         self._thread.start()
@@ -123,11 +104,6 @@ class Worker:
                 raise RuntimeError("server is shutting down")
             self._queue.put(job)
         return job
-
-    def _on_hit(self, hit: HitInfo) -> None:
-        job = self._current
-        if job is not None:
-            job.put(hit)
 
     def pending(self) -> int:
         """Jobs waiting for the worker (the running one excluded)."""
@@ -155,6 +131,7 @@ class Worker:
 
     def _run(self) -> None:
         try:
+            self._prefetch()
             while (job := self._queue.get()) is not None:
                 with self._lock:
                     if self._closed:
@@ -169,6 +146,14 @@ class Worker:
         finally:
             log.info("worker stopping: closing the engine (flushing the spill queue)")
             self.engine.close()
+
+    def _prefetch(self) -> None:
+        """Warm start (TIERED_KV_PREFETCH): load recent disk entries into memory before serving;
+        requests that arrive meanwhile queue behind it."""
+        t0 = time.perf_counter()
+        n = self.engine.cache.prefetch()
+        if n:
+            log.info("prefetched %d cold entries into memory in %.2fs", n, time.perf_counter() - t0)
 
     def _drain(self) -> None:
         """After close(): jobs still queued end as cancelled without running."""
@@ -190,7 +175,9 @@ class Worker:
             return
         progress = _Progress(job.label, self._progress_interval)
         try:
-            it = self.engine.generate(job.prompt_ids, job.params, progress, job.cancel.is_set)
+            it = self.engine.generate(
+                job.prompt_ids, job.params, progress, job.cancel.is_set, on_hit=job.put
+            )
             try:
                 for chunk in it:  # a set cancel flag ends the iterator with "cancelled"
                     job.put(chunk)

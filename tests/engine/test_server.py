@@ -21,6 +21,7 @@ import uvicorn
 from engine.generate import Chunk, Engine, SamplingParams, Usage
 from engine.server import create_app
 from tiered_kv.config import Config
+from tiered_kv.tiered import HitInfo
 
 TOOLS = [
     {
@@ -99,7 +100,11 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, prompt_ids, params: SamplingParams, on_progress=None, should_stop=None):
+    def generate(
+        self, prompt_ids, params: SamplingParams, on_progress=None, should_stop=None, on_hit=None
+    ):
+        if on_hit is not None:
+            on_hit(HitInfo())
         time.sleep(self.delay)
         for piece in self.script:
             yield Chunk(piece, 7)
