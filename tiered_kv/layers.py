@@ -246,11 +246,12 @@ def codec_for(layer: Any) -> Codec:
 
 
 # -- whole-model helpers (a model's cache is a list of layers; CacheList nests) ----------------
-def _leaves(caches: Sequence[Any]) -> list[Any]:
+def leaves(caches: Sequence[Any]) -> list[Any]:
+    """The per-layer caches with CacheList members flattened, in model order."""
     out: list[Any] = []
     for c in caches:
         if isinstance(c, C.CacheList) and type(c) is C.CacheList:
-            out.extend(_leaves(c.caches))
+            out.extend(leaves(c.caches))
         else:
             out.append(c)
     return out
@@ -258,7 +259,7 @@ def _leaves(caches: Sequence[Any]) -> list[Any]:
 
 def check_supported(caches: Sequence[Any]) -> None:
     """Raise UnsupportedCache if any layer (CacheList members included) has no codec."""
-    for leaf in _leaves(caches):
+    for leaf in leaves(caches):
         codec_for(leaf)
 
 
@@ -270,7 +271,7 @@ def nbytes(caches: Sequence[Any]) -> int:
 
 def can_trim(caches: Sequence[Any]) -> bool:
     """True when every layer can be cut back to any shorter length (plain attention KV)."""
-    return all(codec_for(c).length(c) is not None and _trimmable(c) for c in _leaves(caches))
+    return all(codec_for(c).length(c) is not None and _trimmable(c) for c in leaves(caches))
 
 
 def _trimmable(c: Any) -> bool:
@@ -345,7 +346,7 @@ def decode(arrays: Arrays, metadata: dict[str, str]) -> list[Any]:
             if cls == "CacheList":
                 out.append(C.CacheList(*build(node["items"], path + ".")))
                 continue
-            codec = CODECS.get(cls)  # type: ignore[arg-type]
+            codec = CODECS.get(cls)
             if codec is None:
                 raise UnsupportedCache(f"stored cache class {cls!r}")
             mine = {
@@ -366,13 +367,13 @@ def decode(arrays: Arrays, metadata: dict[str, str]) -> list[Any]:
 
 def layout(caches: Sequence[Any]) -> str:
     """A short description of the per-layer classes, part of the cold tier's fingerprint."""
-    return ",".join(type(c).__name__ for c in _leaves(caches))
+    return ",".join(type(c).__name__ for c in leaves(caches))
 
 
 # -- checkpoints (non-positional layers) -----------------------------------------------------
 def needs_checkpoints(caches: Sequence[Any]) -> bool:
     """True when some layer's state cannot be cut back to an earlier length."""
-    return any(not codec_for(c).positional for c in _leaves(caches))
+    return any(not codec_for(c).positional for c in leaves(caches))
 
 
 def snapshot(caches: Sequence[Any]) -> list[Any]:
@@ -382,7 +383,7 @@ def snapshot(caches: Sequence[Any]) -> list[Any]:
     the recurrent / sliding-window state.
     """
     out: list[Any] = []
-    for c in _leaves(caches):
+    for c in leaves(caches):
         codec = codec_for(c)
         if codec.positional:
             out.append(None)

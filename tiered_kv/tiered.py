@@ -37,8 +37,8 @@ class ColdHitLike(Protocol):
 class ColdStore(Protocol):
     """What TieredCache needs of ``tiered_kv.cold.tier.ColdTier``."""
 
-    def lookup(self, prompt_ids: Sequence[int]) -> ColdHitLike | None: ...
-    def load(self, hit: Any) -> tuple[list[Any], np.ndarray, dict[int, list[Any]]] | None: ...
+    def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> Any: ...
+    def load(self, hit: Any) -> Any: ...
     def spill(self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None) -> None: ...
     def persist(self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None) -> None: ...
     def recent(self, limit_entries: int, limit_bytes: int) -> list[Any]: ...
@@ -269,7 +269,7 @@ class TieredCache:
 
 def _known_lengths(caches: list[Any]) -> list[int]:
     out = []
-    for c in layers._leaves(caches):
+    for c in layers.leaves(caches):
         n = layers.codec_for(c).length(c)
         if n is not None:
             out.append(n)
@@ -292,8 +292,10 @@ def _make_consistent(caches: list[Any], n: int) -> bool:
         return True
     if any(x < n for x in lengths) or not layers.can_trim(caches):
         return False
-    for c in layers._leaves(caches):
-        c.trim(layers.codec_for(c).length(c) - n)
+    for c in layers.leaves(caches):
+        have = layers.codec_for(c).length(c)
+        assert have is not None, "can_trim() holds only for layers that know their length"
+        c.trim(have - n)
     mx.eval([a for a in layers.encode(caches)[0].values()])
     return True
 

@@ -132,7 +132,7 @@ class ColdTier:
         self.index = self._open_index()  # the old one is dropped, not closed: readers may hold it
 
     # -- request thread: lookup / load -----------------------------------------------------------
-    def lookup(self, prompt_ids: Sequence[int]) -> ColdHit | None:
+    def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> ColdHit | None:
         """Longest exact prefix of ``prompt_ids`` held by one entry, or None. No file I/O."""
         tokens = keys.as_int32(prompt_ids)
         hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
