@@ -17,9 +17,17 @@ def as_tokens(ids: Sequence[int] | np.ndarray) -> TokenArray:
 
 
 def common_prefix(a: TokenArray, b: TokenArray) -> int:
-    """Number of leading tokens ``a`` and ``b`` share."""
+    """Number of leading tokens ``a`` and ``b`` share.
+
+    Compares in windows that double in size, so entries that diverge early (another conversation
+    sharing only the system prompt) cost a fraction of their length.
+    """
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+    start, width = 0, 256
+    while start < n:
+        stop = min(n, start + width)
+        diff = np.flatnonzero(a[start:stop] != b[start:stop])
+        if len(diff):
+            return start + int(diff[0])
+        start, width = stop, width * 2
+    return n

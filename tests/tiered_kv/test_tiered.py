@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.tiered_kv.conftest import cold_logits, feed, tokens
@@ -179,3 +181,40 @@ def test_inconsistent_cache_is_cut_back(small_model):
     assert all(c.offset == 20 for c in entry.caches)
     logits, hit = run(tc, small_model, p[:20] + [3, 4])
     np.testing.assert_allclose(logits, cold_logits(small_model, p[:20] + [3, 4]), **TOL)
+
+
+class _Unknown:
+    """A cache class the registry does not know."""
+
+    nbytes = 0
+
+
+def test_unknown_cache_class_is_not_cached(small_model, caplog):
+    tc = make_tc(small_model)
+    p = tokens(60, 20)
+    lease = tc.fetch(p)
+    lease.caches = [_Unknown()]
+    tc.store(lease, p)
+    tc.store(lease, p)
+    assert len(tc.hot) == 0
+    assert sum("not caching" in r.message for r in caplog.records) == 1  # logged once
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 60), st.integers(1, 12)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([10**9, 8]),
+)
+def test_any_request_sequence_equals_cold(small_model, ops, cont):
+    """Property: whatever was stored before, the logits after a hit equal a cold prefill."""
+    tc = make_tc(small_model, min_continuation_tokens=cont)
+    bases = [tokens(70 + i, 60) for i in range(3)]
+    for base, cut, extra in ops:
+        ids = bases[base][:cut] + tokens(80 + cut + extra, extra)
+        logits, hit = run(tc, small_model, ids)
+        assert hit < len(ids)
+        np.testing.assert_allclose(logits, cold_logits(small_model, ids), **TOL)
