@@ -9,6 +9,7 @@ Writes table.md, results.json and ttft.png to ``--out`` and prints the table wit
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import shutil
@@ -138,6 +139,7 @@ def replay(
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would break the bar
     scen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if not scen or any(s not in ALL or len(s) != 1 for s in scen):
         print(
