@@ -116,15 +116,20 @@ def _fake_results() -> dict:
         "meta": {"model_name": "fake", "session": {"turns": 3}},
         "scenarios": {s: {"peak_rss_bytes": 2**28, "start_seconds": [1.0]} for s in "abcde"},
         "measurements": ms,
-        "micro": {"reload": {"load_gbps": 1.8, "dd_gbps": 2.0},
-                  "spill": {"ttft_with_s": 1.0, "ttft_without_s": 1.0, "tps_with": 99, "tps_without": 100}},
+        "micro": {
+            "reload": {"load_gbps": 1.8, "dd_gbps": 2.0, "file_bytes": 2**28, "entries": 4,
+                       "tokens_per_entry": 4096},
+            "lookup": {"100": {"lookup_mean_s": 5e-5, "lookup_p95_s": 9e-5, "build_s": 1.0}},
+            "spill": {"ttft_with_s": 1.0, "ttft_without_s": 1.0, "tps_with": 99, "tps_without": 100,
+                      "spill_bytes": 2**27, "prompt_tokens": 1024, "rounds": 4},
+        },
     }  # fmt: skip
 
 
 def test_report_writes_table_json_png(tmp_path):
     text = report.write(_fake_results(), tmp_path)
     assert (tmp_path / "table.md").read_text() == text
-    assert "| turn 3 |" in text and "Goals:" in text
+    assert "| turn 3 |" in text and "Goals:" in text and "- lookup: 100 entries: 50 µs" in text
     data = json.loads((tmp_path / "results.json").read_text())
     status = {g["goal"]: g["status"] for g in data["goals"]}
     assert status["reload ≥ 80 % of dd"] == "pass"
