@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 "argv": list(srv.spec.argv),
                 "env": srv.spec.env,
                 "peak_rss_bytes": srv.peak_rss,
+                "openblas_mapped": srv.openblas_mapped,
                 "start_seconds": srv.start_seconds if s in RESTARTED else [],
             }
             for s, srv in servers.items()

@@ -229,9 +229,9 @@ def _summary(results: dict, by: dict, scen: list[str]) -> str:
     later = _later_turns(results)
     head = (
         "| scenario | mean TTFT turns 2..N ms | mean decode tok/s | peak RSS MiB | mean start s "
-        "| output held |"
+        "| output held | OpenBLAS |"
     )
-    lines = [head, "|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|"]
     for s in scen:
         info = results["scenarios"].get(s, {})
         mean = _mean_ttft(by, s, later)
@@ -245,7 +245,8 @@ def _summary(results: dict, by: dict, scen: list[str]) -> str:
         lines.append(
             f"| {s}: {SCENARIO_TITLES[s]} | {'' if mean is None else f'{mean * 1e3:.0f}'} | "
             f"{statistics.fmean(tps) if tps else 0:.1f} | {info.get('peak_rss_bytes', 0) / 2**20:.0f} | "
-            f"{statistics.fmean(starts) if starts else 0:.2f} | {held}/{len(by[s])} |"
+            f"{statistics.fmean(starts) if starts else 0:.2f} | {held}/{len(by[s])} | "
+            f"{ {True: 'yes', False: 'no'}.get(info.get('openblas_mapped'), '?') } |"
         )
     return "\n".join(lines)
 

@@ -83,6 +83,15 @@ def tree_rss_bytes(root_pid: int) -> int:
     return total
 
 
+def _maps_openblas(pid: int) -> bool | None:
+    """Whether the process has libopenblas mapped (verifies the BLAS mode); None without /proc."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libopenblas" in f.read()
+    except OSError:
+        return None
+
+
 class ServerProcess:
     """One scenario's server; ``start()``/``stop()`` may be called repeatedly (restart scenarios)."""
 
@@ -94,6 +103,7 @@ class ServerProcess:
         self.port = 0
         self.peak_rss = 0
         self.start_seconds: list[float] = []
+        self.openblas_mapped: bool | None = None  # libopenblas in the server's memory map (Linux)
         self._sampling = threading.Event()
         self._sampler: threading.Thread | None = None
 
@@ -121,6 +131,7 @@ class ServerProcess:
         self._sampler.start()
         self._wait_ready(t0)
         seconds = time.perf_counter() - t0
+        self.openblas_mapped = _maps_openblas(self.proc.pid)
         self.start_seconds.append(seconds)
         return seconds
 
