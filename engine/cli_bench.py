@@ -177,13 +177,24 @@ def run(args: argparse.Namespace) -> int:
         "measurements": [m.to_dict() for m in measurements],
     }
     if not args.no_micro:
-        results["micro"] = micro.run_all(args.config, model)
+        results["micro"] = micro.run_all(args.config, model, suffix_turns(measurements))
     results["meta"]["wall_s"] = time.time() - t0
     print(report.write(results, args.out))
     print(f"results: {args.out}/table.md, results.json, ttft.png; server logs: {work}")
     if not args.keep and not any(m.error for m in measurements):
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def suffix_turns(measurements: list[Measurement]) -> dict[int, tuple[int, int]]:
+    """turn → (previous, current) prompt tokens for turns 2..N, from ours (same tokenization in a/b/c)."""
+    for s in "abc":
+        p = {m.turn: m.prompt_tokens for m in measurements if m.scenario == s and not m.error}
+        if p:
+            return {
+                t: (p[t - 1], p[t]) for t in sorted(p) if t >= 2 and t - 1 in p and p[t] > p[t - 1]
+            }
+    return {}
 
 
 def _meta(args: argparse.Namespace, model: Path, session: Session, t0: float) -> dict:

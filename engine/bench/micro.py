@@ -4,6 +4,7 @@
   ``posix_fadvise(DONTNEED)`` so neither is served from the page cache (best effort: dirty pages are
   fsync-ed first; a filesystem that ignores the advice makes both numbers page-cache numbers).
 - ``lookup``: mean ColdTier.lookup time with 100 / 1k / 10k entries in the index.
+- ``suffix``: measured time to prefill only each turn's new tokens (the bound for the hot-tier goal).
 - ``spill``: prefill (TTFT) and decode tok/s of the model with the cold writer thread busy writing a large
   spill vs idle, alternated to cancel drift.
 
@@ -234,14 +235,47 @@ def spill(
     }
 
 
-def run_all(config: Config, model_dir: Path) -> dict:
+def suffix_prefill(model_dir: Path, turns: dict[int, tuple[int, int]], chunk: int = 512) -> dict:
+    """Measured "prefill only the new suffix": per turn, seconds to prefill ``cur - prev`` tokens on top
+    of an (untimed) ``prev``-token cache and pick the first token, in process (no HTTP, no template).
+
+    ``turns`` maps turn → (previous prompt tokens, this prompt tokens). Token ids are random; the cost
+    of a dense model does not depend on them.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.loading import load_model
+
+    model, _ = load_model(model_dir)
+    rng = np.random.default_rng(3)
+    out: dict[str, float] = {}
+    for t, (prev, cur) in sorted(turns.items()):
+        ids = mx.array(rng.integers(0, 1000, size=cur), dtype=mx.int32)[None]
+        cache = make_prompt_cache(model)
+        for i in range(0, prev, chunk):
+            mx.eval(model(ids[:, i : min(i + chunk, prev)], cache=cache))
+        t0 = time.perf_counter()
+        for i in range(prev, cur, chunk):
+            logits = model(ids[:, i : min(i + chunk, cur)], cache=cache)
+            mx.eval(logits)
+        mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
+        out[str(t)] = time.perf_counter() - t0
+    return {"chunk": chunk, "seconds": out, "mean_s": statistics.fmean(out.values())}
+
+
+def run_all(
+    config: Config, model_dir: Path, turns: dict[int, tuple[int, int]] | None = None
+) -> dict:
     """Every micro-benchmark; a failure of one is recorded as ``<name>_error`` and the rest still run."""
     out: dict[str, Any] = {}
     for name, fn in (
+        ("suffix", lambda: suffix_prefill(model_dir, turns or {}, config.prefill_chunk)),
         ("reload", lambda: reload(config)),
         ("lookup", lambda: lookup(config)),
         ("spill", lambda: spill(config, model_dir)),
     ):
+        if name == "suffix" and not turns:
+            continue
         try:
             out[name] = fn()
         except ImportError as e:
