@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for srv in servers.values():
             srv.stop()
-    results = {
+    results: dict[str, Any] = {
         "meta": _meta(args, model, session, t0),
         "scenarios": {
             s: {

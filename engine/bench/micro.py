@@ -152,9 +152,9 @@ def lookup(config: Config, counts: tuple[int, ...] = (100, 1000, 10000), probes:
                     if i % 2 == 0
                     else rng.integers(0, 30000, block + 32)
                 )
-                ids = [int(x) for x in prompt]
+                probe = [int(x) for x in prompt]
                 t1 = time.perf_counter()
-                hit = tier.lookup(ids)
+                hit = tier.lookup(probe)
                 times.append(time.perf_counter() - t1)
                 hits += hit is not None
             entries = tier.stats().get("entries", n)

@@ -66,7 +66,7 @@ class _Text:
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
-        words = set()
+        words: set[str] = set()
         while len(words) < 600:
             n = rng.choice((1, 2, 2, 3))
             words.add(
@@ -181,7 +181,7 @@ def _tool_result(text: _Text, name: str, scale: float = 1.0) -> str:
     if name == "read_file":
         return f"<file>\n{text.code(size - 20)}\n</file>"[:size]
     if name == "search_text":
-        lines = []
+        lines: list[str] = []
         while sum(len(x) + 1 for x in lines) < size:
             lines.append(f"{text.path()}:{text.rng.randint(1, 900)}: {text.sentence()}")
         return "\n".join(lines)[:size]
