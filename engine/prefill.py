@@ -44,26 +44,49 @@ def prefill(
     should_stop: Callable[[], bool] = lambda: False,
 ) -> mx.array:
     """Feed ``lease.remaining`` into ``lease.caches``; ``fed`` (ids the caches hold) grows with
-    each evaluated chunk. Returns the last position's logits (1-D). Raises PrefillStopped."""
+    each evaluated chunk. Returns the last position's logits (1-D). Raises PrefillStopped.
+
+    Only the cache state of each chunk is evaluated; the vocabulary projection runs for the last
+    prompt token alone (fed as its own step), not for every position of every chunk.
+    """
     rem = lease.remaining
     start, total = len(fed), len(fed) + len(rem)
-    logits: mx.array | None = None
+    body = len(rem) - 1  # every token but the last: only their KV is needed
     i = 0
-    while i < len(rem):
+    while i < body:
         if should_stop():
             raise PrefillStopped
-        end = min([i + chunk_size, len(rem)] + [c - start for c in cuts if c - start > i])
-        chunk = rem[i:end]
-        out = model(mx.array([chunk]), cache=lease.caches)
-        logits = out[0, -1, :]
-        mx.eval([logits] + [c.state for c in lease.caches])
-        fed.extend(chunk)
+        end = min([i + chunk_size, body] + [c - start for c in cuts if c - start > i])
+        _step(model, lease, fed, rem[i:end], cuts, on_progress, total)
         i = end
-        if len(fed) in cuts:
-            lease.checkpoints[len(fed)] = snapshot(lease.caches)
-        if on_progress:
-            on_progress(len(fed), total)
-        if len(rem) > chunk_size:
+        if body > chunk_size:
             mx.clear_cache()
-    assert logits is not None, "a lease always leaves at least one token to prefill"
+    if should_stop():
+        raise PrefillStopped
+    out = model(mx.array([rem[-1:]]), cache=lease.caches)
+    logits = out[0, -1, :]
+    mx.eval([logits] + [c.state for c in lease.caches])
+    fed.append(rem[-1])
+    if len(fed) in cuts:
+        lease.checkpoints[len(fed)] = snapshot(lease.caches)
+    if on_progress:
+        on_progress(len(fed), total)
     return logits
+
+
+def _step(
+    model: nn.Module,
+    lease: Lease,
+    fed: list[int],
+    chunk: list[int],
+    cuts: list[int],
+    on_progress: Progress | None,
+    total: int,
+) -> None:
+    model(mx.array([chunk]), cache=lease.caches)  # logits stay unevaluated (lazy): never computed
+    mx.eval([c.state for c in lease.caches])
+    fed.extend(chunk)
+    if len(fed) in cuts:
+        lease.checkpoints[len(fed)] = snapshot(lease.caches)
+    if on_progress:
+        on_progress(len(fed), total)
