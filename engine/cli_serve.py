@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from engine.generate import Engine
+    from engine.generate import CacheDirError, Engine
     from engine.server import create_app
 
     log.info(
@@ -59,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
         ",".join(config.tiers) or "none",
         config.cache_dir,
     )
-    engine = Engine(model_dir, config)
+    try:
+        engine = Engine(model_dir, config)
+    except CacheDirError as e:
+        print(f"tiered-kv serve: {e}", file=sys.stderr)
+        return 2
     if config.api_key == "" and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "serving on %s without TIERED_KV_API_KEY: anyone who can reach it can use it", args.host

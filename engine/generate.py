@@ -29,6 +29,10 @@ from tiered_kv.tiered import HitInfo, Lease, TieredCache
 log = logging.getLogger(__name__)
 
 
+class CacheDirError(OSError):
+    """The cold tier's directory cannot be opened or created at start."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -72,7 +76,10 @@ class Engine:
         if config.cold_enabled:
             from tiered_kv.cold.tier import ColdTier
 
-            cold = ColdTier(config.cache_dir, self.fingerprint, config)
+            try:
+                cold = ColdTier(config.cache_dir, self.fingerprint, config)
+            except OSError as e:  # misconfiguration at start: say which setting, not a traceback
+                raise CacheDirError(f"TIERED_KV_DIR={config.cache_dir}: {e.strerror or e}") from e
         self.cache = TieredCache(config, lambda: make_prompt_cache(self.model), cold)
 
     # -- prompts ---------------------------------------------------------------------------
