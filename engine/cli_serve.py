@@ -34,6 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=5.0,
         help="seconds between SSE keep-alive comments while waiting for tokens (default 5)",
     )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send its request body before a 408 (default 30)",
+    )
     p.set_defaults(func=run)
 
 
@@ -68,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         log.warning(
             "serving on %s without TIERED_KV_API_KEY: anyone who can reach it can use it", args.host
         )
-    app = create_app(engine, config, keepalive_seconds=args.keepalive)
+    app = create_app(
+        engine, config, keepalive_seconds=args.keepalive, body_timeout_seconds=args.body_timeout
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
     return 0

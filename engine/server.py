@@ -8,6 +8,7 @@ exception becomes an OpenAI-shaped error body here, never a traceback to the cli
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -79,17 +80,29 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, bounded in size (413) and in time (408: a client that trickles its body)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
-        parts.append(part)
-    return b"".join(parts)
+
+    async def collect() -> bytes:
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise ApiError(
+                    413, f"request body larger than {limit} bytes", code="request_too_large"
+                )
+            parts.append(part)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(collect(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(
+            408, f"request body not received within {timeout:g} s", code="request_timeout"
+        ) from None
 
 
 class Server:
@@ -101,8 +114,10 @@ class Server:
         config: Config,
         keepalive_seconds: float = 5.0,
         model_id: str | None = None,
+        body_timeout_seconds: float = 30.0,
     ):
         self.engine, self.config, self.keepalive = engine, config, keepalive_seconds
+        self.body_timeout = body_timeout_seconds
         self.model_id = model_id or engine.model_dir.name
         self.created = api.now()
         self.metrics = Metrics(engine.cache.stats)
@@ -182,7 +197,10 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            req = api.parse_body(await _read_body(request, self.config.max_body_bytes), ChatRequest)
+            req = api.parse_body(
+                await _read_body(request, self.config.max_body_bytes, self.body_timeout),
+                ChatRequest,
+            )
             ids, prefix = await run_in_threadpool(self._chat_prompt, req)
             params = self._params(req, len(ids))
             ctx = _Ctx(
@@ -275,7 +293,8 @@ class Server:
     async def completions(self, request: Request) -> Response:
         try:
             req = api.parse_body(
-                await _read_body(request, self.config.max_body_bytes), CompletionRequest
+                await _read_body(request, self.config.max_body_bytes, self.body_timeout),
+                CompletionRequest,
             )
             ids = await run_in_threadpool(self.engine.encode_text, req.prompt_text())
             if not ids:
@@ -365,10 +384,14 @@ def _stream_error(e: Exception) -> dict[str, Any]:
 
 
 def create_app(
-    engine: Any, config: Config, keepalive_seconds: float = 5.0, model_id: str | None = None
+    engine: Any,
+    config: Config,
+    keepalive_seconds: float = 5.0,
+    model_id: str | None = None,
+    body_timeout_seconds: float = 30.0,
 ) -> FastAPI:
     """The ASGI app. Its lifespan starts the worker; shutdown cancels jobs and closes the engine."""
-    server = Server(engine, config, keepalive_seconds, model_id)
+    server = Server(engine, config, keepalive_seconds, model_id, body_timeout_seconds)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

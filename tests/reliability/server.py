@@ -48,6 +48,7 @@ class Server:
     log: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    args: tuple[str, ...] = ()  # extra `tiered-kv serve` flags
 
     @property
     def url(self) -> str:
@@ -55,7 +56,7 @@ class Server:
 
     def start(self, timeout: float = 120) -> Server:
         argv = [sys.executable, "-m", "engine.cli", "serve", "--model", str(self.model),
-                "--port", str(self.port)]  # fmt: skip
+                "--port", str(self.port), *self.args]  # fmt: skip
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout

@@ -1,0 +1,159 @@
+"""Every HTTP endpoint fuzzed over real HTTP (hypothesis): no crash, no 5xx for a client error,
+OpenAI-shaped error bodies; oversize bodies and clients that trickle their body are bounded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reliability.server import Server, clean_env, soak
+
+SETTINGS = settings(
+    max_examples=soak(60, 600),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,  # seeded: CI runs the same cases every time
+)
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+roles = st.sampled_from(["system", "user", "assistant", "tool", "developer", "robot", "", 3])
+content = (
+    st.text(max_size=60)
+    | st.none()
+    | st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image_url", "x"]), "text": st.text(max_size=20)}
+        ),
+        max_size=2,
+    )
+    | json_values
+)
+message = st.fixed_dictionaries(
+    {"role": roles, "content": content},
+    optional={"tool_calls": json_values, "tool_call_id": json_values, "name": json_values},
+)
+# never a huge valid max_tokens: a fuzz case must stay a short generation
+small_int = st.integers(-3, 8) | st.sampled_from([None, "5", 1.5, [], {}, True])
+common = {
+    "model": json_values,
+    "temperature": st.floats(-1, 3, allow_nan=False, allow_infinity=False) | json_values,
+    "top_p": st.floats(-1, 2, allow_nan=False, allow_infinity=False) | json_values,
+    "stream": st.booleans() | json_values,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
+    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | json_values,
+    "seed": st.integers(-5, 2**70) | json_values,
+    "n": st.integers(-1, 3) | json_values,
+}
+chat_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(message, max_size=4) | json_values, "max_tokens": small_int},
+    optional={**common, "tools": json_values, "tool_choice": json_values},
+)
+completion_bodies = st.fixed_dictionaries(
+    {"prompt": st.text(max_size=80) | json_values, "max_tokens": small_int}, optional=common
+)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    d = tmp_path_factory.mktemp("fuzz")
+    env = clean_env(TIERED_KV_DIR=str(d / "kv"), TIERED_KV_MODELS_DIR=str(d / "m"),
+                    TIERED_KV_MAX_BODY_BYTES="64KiB", TIERED_KV_BLOCK_TOKENS="16")  # fmt: skip
+    s = Server(tiny_model_dir, env, d / "log", args=("--body-timeout", "2")).start()
+    yield s
+    s.kill()
+
+
+def check(r: httpx.Response, server: Server) -> None:
+    assert r.status_code < 500, (r.status_code, r.text[:500], server.tail(2000))
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["type"]
+    assert server.proc is not None and server.proc.poll() is None, server.tail()
+
+
+def post(server: Server, path: str, body: object) -> httpx.Response:
+    with httpx.Client(timeout=60) as c:
+        if isinstance(body, bytes):
+            return c.post(
+                server.url + path, content=body, headers={"content-type": "application/json"}
+            )
+        with c.stream("POST", server.url + path, json=body) as r:
+            r.read()  # streams are read to the end: a 200 must finish cleanly too
+            return r
+
+
+@SETTINGS
+@given(body=chat_bodies)
+def test_fuzz_chat_completions(live, body):
+    check(post(live, "/v1/chat/completions", body), live)
+
+
+@SETTINGS
+@given(body=completion_bodies)
+def test_fuzz_completions(live, body):
+    check(post(live, "/v1/completions", body), live)
+
+
+@SETTINGS
+@given(raw=st.binary(max_size=300) | st.text(max_size=200).map(str.encode))
+def test_fuzz_raw_bodies(live, raw):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        check(post(live, path, raw), live)
+
+
+@SETTINGS
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
+    path=st.sampled_from(
+        ["/v1/models", "/health", "/metrics", "/v1/chat/completions", "/v1/x", "/"]
+    )
+    | st.text(alphabet="abcdefghij/._-%0123456789", max_size=30).map(lambda p: "/" + p),
+)
+def test_fuzz_methods_and_paths(live, method, path):
+    r = httpx.request(method, live.url + path, timeout=30)
+    check(r, live)
+
+
+def test_oversize_body_is_413(live):
+    big = {"messages": [{"role": "user", "content": "x" * 70_000}], "max_tokens": 1}
+    r = post(live, "/v1/chat/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    check(r, live)
+
+
+def test_client_trickling_its_body_gets_408_and_does_not_block_others(live):
+    host, port = "127.0.0.1", live.port
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 500\r\n\r\n{\"messages\": [")  # fmt: skip
+        t0 = time.monotonic()
+        ok = httpx.post(
+            f"{live.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30
+        )
+        assert ok.status_code == 200  # the slow client holds no lock
+        s.sendall(b"{")  # still trickling
+        reply = s.recv(4096).decode(errors="replace")
+        assert " 408 " in reply.splitlines()[0], reply
+        assert time.monotonic() - t0 < 15
+        assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
