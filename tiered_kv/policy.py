@@ -69,3 +69,15 @@ def lru_victims(
         total -= it.nbytes
         freed += it.nbytes
     return victims
+
+
+def checkpoints_within(sizes: dict[int, int], budget: int) -> list[int]:
+    """Checkpoint positions to keep under ``budget`` bytes: the latest first (a later checkpoint
+    serves more of a prompt that diverges late, the common case for agent turns)."""
+    kept, total = [], 0
+    for pos in sorted(sizes, reverse=True):
+        if total + sizes[pos] > budget:
+            break
+        kept.append(pos)
+        total += sizes[pos]
+    return sorted(kept)

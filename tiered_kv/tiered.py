@@ -215,14 +215,21 @@ class TieredCache:
 
     def _persist(self, entry: Entry) -> None:
         if self.cold is not None:
-            self.cold.persist(entry.tokens, entry.caches, entry.checkpoints)
+            self.cold.persist(entry.tokens, entry.caches, self._disk_checkpoints(entry))
             entry.persisted = True
 
     def _spill(self, entry: Entry) -> None:
         """Hot-tier eviction hand-off: write-behind to the cold tier unless already there."""
         if self.cold is not None and not entry.persisted:
-            self.cold.spill(entry.tokens, entry.caches, entry.checkpoints)
+            self.cold.spill(entry.tokens, entry.caches, self._disk_checkpoints(entry))
             entry.persisted = True
+
+    def _disk_checkpoints(self, entry: Entry) -> dict[int, list[Any]]:
+        """The checkpoints written with an entry: at most TIERED_KV_CHECKPOINT_SHARE of its
+        bytes, so on disk as in memory they keep to their share of the budget."""
+        sizes = {p: checkpoint_bytes(snap) for p, snap in entry.checkpoints.items()}
+        budget = int(self.config.checkpoint_share * entry.nbytes)
+        return {p: entry.checkpoints[p] for p in policy.checkpoints_within(sizes, budget)}
 
     # -- lifecycle -------------------------------------------------------------------------
     def prefetch(self) -> int:

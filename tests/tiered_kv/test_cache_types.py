@@ -245,3 +245,21 @@ def test_reuse_after_disk_reload_equals_cold(model, tmp_path):
         tc.hot.entries.clear()  # keep the disk as the first run left it
         tc.cold.close()
     assert tiers[0] and tiers[1]  # exact and prefix hits come from disk for every cache type
+
+
+def test_checkpoints_on_disk_keep_to_their_share(tmp_path):
+    from tiered_kv.cold.tier import ColdTier
+
+    m = qwen_next()
+    cfg = Config(cache_dir=tmp_path, block_tokens=16, checkpoint_share=0.05)
+    tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
+    run(tc, m, with_eos(11, 64))
+    (entry,) = tc.hot.entries.values()
+    on_disk = tc._disk_checkpoints(entry)
+    assert 0 < len(on_disk) < len(entry.checkpoints)
+    assert max(on_disk) == max(entry.checkpoints)  # the latest are kept
+    tc.close()
+    tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
+    got = tc.cold.load(tc.cold.lookup(with_eos(11, 64)))
+    assert sorted(got.checkpoints) == sorted(on_disk)
+    tc.cold.close()

@@ -21,3 +21,12 @@ def test_lru_victims_budget_and_memory():
     assert lru_victims(items, 200) == [2]
     assert lru_victims(items, 1000, over_memory_bytes=150) == [2, 1]
     assert lru_victims(items, 0, keep=1) == [2, 1]
+
+
+def test_checkpoints_within_keeps_the_latest():
+    from tiered_kv.policy import checkpoints_within
+
+    sizes = {16: 10, 32: 10, 48: 10, 64: 10}
+    assert checkpoints_within(sizes, 25) == [48, 64]
+    assert checkpoints_within(sizes, 100) == [16, 32, 48, 64]
+    assert checkpoints_within(sizes, 5) == []
