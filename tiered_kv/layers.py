@@ -220,6 +220,26 @@ def _ch_decode(a: Arrays, m: Meta) -> C.ChunkedKVCache:
     return c
 
 
+# -- ConcatenateKVCache (buffers exactly as long as the valid tokens) -------------------------
+def _cat_view(c: Any, n: int, total: int) -> Any:
+    out = C.ConcatenateKVCache()
+    if n > c.offset:
+        return None
+    if n > 0:
+        out.keys, out.values, out.offset = _sl(c.keys, 0, n), _sl(c.values, 0, n), n
+    return out
+
+
+def _cat_decode(a: Arrays, m: Meta) -> Any:
+    c = C.ConcatenateKVCache()
+    off = int(m["offset"])
+    if off:
+        c.keys, c.values, c.offset = a["keys"], a["values"], off
+        if c.keys.shape[2] != off or c.values.shape[2] != off:
+            raise CorruptState(f"ConcatenateKVCache arrays do not match offset {off}")
+    return c
+
+
 CODECS: dict[str, Codec] = {
     "KVCache": Codec(C.KVCache, lambda c: int(c.offset), _kv_view, _kv_encode, _kv_decode),
     "QuantizedKVCache": Codec(
@@ -230,6 +250,10 @@ CODECS: dict[str, Codec] = {
     ),
     "ArraysCache": Codec(
         C.ArraysCache, lambda c: None, _arr_view, _arr_encode, _arr_decode, positional=False
+    ),
+    # its trim() only lowers offset (the arrays keep the tail): cut back through view, never trim
+    "ConcatenateKVCache": Codec(
+        C.ConcatenateKVCache, lambda c: int(c.offset), _cat_view, _kv_encode, _cat_decode
     ),
     "ChunkedKVCache": Codec(
         C.ChunkedKVCache, lambda c: int(c.offset), _ch_view, _ch_encode, _ch_decode, False

@@ -290,6 +290,9 @@ def _trim_owned(caches: list[Any], have: int, n: int) -> bool:
     if not layers.can_trim(caches):
         return False
     trim_prompt_cache(caches, have - n)
+    for i, c in enumerate(caches):  # its trim() keeps the tail in the arrays: slice instead
+        if type(c).__name__ == "ConcatenateKVCache":
+            caches[i] = _cut(c, n, have)
     return True
 
 
@@ -339,3 +342,9 @@ def _supersedes(new: Entry, other: Entry) -> bool:
         or n == len(new.tokens)
         or (n in new.checkpoints and set(other.checkpoints) <= set(new.checkpoints))
     )
+
+
+def _cut(c: Any, n: int, have: int) -> Any:
+    cut = layers.view([c], n, have)
+    assert cut is not None, "a trimmable layer can always be viewed at a shorter length"
+    return cut[0]

@@ -263,3 +263,38 @@ def test_checkpoints_on_disk_keep_to_their_share(tmp_path):
     got = tc.cold.load(tc.cold.lookup(with_eos(11, 64)))
     assert sorted(got.checkpoints) == sorted(on_disk)
     tc.cold.close()
+
+
+class ConcatLlama:
+    """A llama whose cache is mlx-lm's ConcatenateKVCache (afm7 uses it for one slot)."""
+
+    def __init__(self) -> None:
+        self.inner = make_llama(seed=5)
+        self.layers = self.inner.layers
+
+    def __call__(self, x, cache):
+        return self.inner(x, cache=cache)
+
+    def make_cache(self):
+        from mlx_lm.models.cache import ConcatenateKVCache
+
+        return [ConcatenateKVCache() for _ in self.layers]
+
+
+@pytest.mark.parametrize("cont", [10**9, 24], ids=["view", "take"])
+def test_concatenate_kv_cache_reuse_equals_cold(cont, tmp_path):
+    from tiered_kv.cold.tier import ColdTier
+
+    m = ConcatLlama()
+    cfg = Config(cache_dir=tmp_path, block_tokens=16, min_continuation_tokens=cont)
+    tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
+    p = with_eos(12, 40)
+    for ids in (p, p, p[:30] + [4, 5, 6], p + [7, 8, 9]):
+        got, _ = run(tc, m, ids)
+        close(got, cold_logits(m, ids))
+    tc.close()
+    tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
+    got, hit = run(tc, m, p + [7, 8, 9, 10])
+    assert hit > 0
+    close(got, cold_logits(m, p + [7, 8, 9, 10]))
+    tc.close()
