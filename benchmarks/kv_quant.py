@@ -61,7 +61,7 @@ def main() -> None:
         base = base or stored
         logits, toks = greedy(model, tc, query, 16)
         d = float(np.abs(logits - ref_logits).max())
-        same = sum(a == b for a, b in zip(toks, ref_toks))
+        same = sum(a == b for a, b in zip(toks, ref_toks, strict=True))
         print(f"| {bits or 'off'} | {stored / 1e6:.1f} | {100 * (1 - stored / base):.0f} % | {d:.4f} | {d / spread:.4f} | {same} |")
 
 
