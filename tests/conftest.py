@@ -61,3 +61,13 @@ def smollm2_dir() -> Path:
         return smollm2.fetch(out)
     except smollm2.DownloadError as e:
         pytest.skip(f"SmolLM2 not available and cannot be downloaded: {e}")
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real ``redis-server`` on a free loopback port in a temp dir (tests/redis_server.py)."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from urllib.parse import unquote, urlsplit
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -101,6 +102,16 @@ class Config:
     api_key: str = ""
     #: TIERED_KV_MAX_BODY_BYTES — largest accepted HTTP request body.
     max_body_bytes: int = 16 * 1024**2
+    #: TIERED_KV_SHARED — Redis URL of a cold tier shared by many servers, behind the local one:
+    #: redis://[[user]:password@]host[:port][/db] or rediss:// (TLS); "" = off. Kept out of repr
+    #: (it may hold a password).
+    shared_url: str = field(default="", repr=False)
+    #: TIERED_KV_SHARED_TIMEOUT — seconds one shared-tier call may wait on Redis (connect, each
+    #: reply); after a failure the tier is skipped with exponential backoff (1 s to 30 s).
+    shared_timeout: float = 1.0
+    #: TIERED_KV_SHARED_QUEUE_BYTES — bytes of entries waiting to be published to the shared tier
+    #: (write-behind); past it the oldest waiting one is dropped (counted).
+    shared_queue_bytes: int = 2 * 1024**3
 
     @property
     def hot_enabled(self) -> bool:
@@ -109,6 +120,11 @@ class Config:
     @property
     def cold_enabled(self) -> bool:
         return "cold" in self.tiers
+
+    @property
+    def shared_enabled(self) -> bool:
+        """The shared tier sits behind the local cold tier: on only with both."""
+        return bool(self.shared_url) and self.cold_enabled
 
 
 def _bool(text: str) -> bool:
@@ -165,6 +181,33 @@ def _group(text: str) -> int:
     return v
 
 
+REDIS_FORM = "redis://[[user]:password@]host[:port][/db] or rediss://… (empty = off)"
+
+
+def redis_url(text: str) -> str:
+    """Validate a Redis URL (scheme, host, port, db number); returns it stripped. ValueError."""
+    t = text.strip()
+    if not t:
+        return ""
+    u = urlsplit(t)
+    if u.scheme not in ("redis", "rediss") or not u.hostname or u.query or u.fragment:
+        raise ValueError(text)
+    port = u.port  # raises ValueError when out of range or not a number
+    if port is not None and port == 0:
+        raise ValueError(text)
+    db = unquote(u.path.lstrip("/"))
+    if db and (not db.isdigit() or int(db) > 65535):
+        raise ValueError(text)
+    return t
+
+
+def _seconds_short(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v <= 60.0:
+        raise ValueError(text)
+    return v
+
+
 def _path(text: str) -> Path:
     if not text.strip():
         raise ValueError(text)
@@ -210,7 +253,11 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_CACHE_SALT": ("cache_salt", str, "any string"),
     "TIERED_KV_API_KEY": ("api_key", str, "any string"),
     "TIERED_KV_MAX_BODY_BYTES": ("max_body_bytes", _size, SIZE_FORM),
+    "TIERED_KV_SHARED": ("shared_url", redis_url, REDIS_FORM),
+    "TIERED_KV_SHARED_TIMEOUT": ("shared_timeout", _seconds_short, "seconds in (0, 60], e.g. 1"),
+    "TIERED_KV_SHARED_QUEUE_BYTES": ("shared_queue_bytes", _size, SIZE_FORM),
 }
+_SECRET = {"TIERED_KV_SHARED"}  # never echoed in an error message
 PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'
 
 
@@ -231,7 +278,8 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Confi
             try:
                 values[attr] = parse(env[name])  # type: ignore[operator]
             except (ValueError, TypeError):
-                raise ConfigError(f"{name}={env[name]!r}: expected {form}") from None
+                shown = "(value hidden: may hold a password)" if name in _SECRET else repr(env[name])
+                raise ConfigError(f"{name}={shown}: expected {form}") from None
     if "TIERED_KV_PREFETCH" in env:
         raw = env["TIERED_KV_PREFETCH"].strip()
         try:

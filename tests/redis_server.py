@@ -1,0 +1,89 @@
+"""A real ``redis-server`` for tests: a free loopback port, its own temp dir, no persistence.
+
+``scripts/setup.sh`` installs Debian's ``redis-server``; where the binary is missing the fixture
+skips with that reason (under ``CI=true`` it fails instead: CI must have installed it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def binary() -> str:
+    path = shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
+    )
+    if path is None:
+        msg = "redis-server is not installed (scripts/setup.sh installs Debian's redis-server)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+@dataclass
+class RedisServer:
+    dir: Path
+    port: int = field(default_factory=free_port)
+    password: str = ""
+    maxmemory: str = "0"
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None,
+                           socket_timeout=5)  # fmt: skip
+
+    def start(self) -> RedisServer:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        argv = [binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
+                "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes"]  # fmt: skip
+        if self.password:
+            argv += ["--requirepass", self.password]
+        log = (self.dir / "redis.log").open("ab")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"redis-server exited {self.proc.returncode}")
+            try:
+                if self.client().ping():
+                    return self
+            except redis.exceptions.RedisError:
+                time.sleep(0.05)
+        raise AssertionError("redis-server did not come up")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop_signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def restart_empty(self) -> None:
+        """Killed and started again on the same port with an empty dataset."""
+        self.kill()
+        self.start()

@@ -1,0 +1,239 @@
+"""SharedTier against a real redis-server: layout, exact-token hits, misses for every fault.
+
+The entry bytes here are a toy format (``tokens ‖ payload ‖ xxh3``) checked by ``check``: this
+module tests the tier's byte mechanics; tests/tiered_kv/shared/test_shared_cache.py runs the real
+entry format through the real cold tier.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from tiered_kv.shared import redis_tier
+from tiered_kv.shared.redis_tier import SharedTier
+
+BLOCK = 16
+
+
+def entry(tokens: list[int], payload: int = 3000) -> bytes:
+    head = np.asarray([len(tokens)], "<i4").tobytes() + np.asarray(tokens, "<i4").tobytes()
+    body = head + np.random.default_rng(len(tokens)).bytes(payload)
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def check(view: memoryview) -> np.ndarray:
+    body, digest = bytes(view[:-8]), bytes(view[-8:])
+    if xxhash.xxh3_64_digest(body) != digest:
+        raise ValueError("checksum mismatch")
+    n = int(np.frombuffer(body[:4], "<i4")[0])
+    return np.frombuffer(body[4 : 4 + 4 * n], "<i4").copy()
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 30000, n).tolist()
+
+
+def tier(url: str, fp: str = "fp-a", chunk: int = 1000, timeout: float = 0.5) -> SharedTier:
+    return SharedTier(url, fp, BLOCK, check, timeout=timeout, chunk_bytes=chunk)
+
+
+def test_publish_lookup_fetch_round_trip_in_chunks(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(1, 100)
+    data = entry(toks)
+    assert t.publish(data, toks)
+    prompt = toks[:70] + [5, 6, 7]
+    hit = t.lookup(prompt)
+    assert hit is not None and hit.tokens == 70 and hit.entry_tokens == 100
+    assert hit.nchunks == -(-len(data) // 1000) > 1
+    got = t.fetch(hit)
+    assert got is not None and bytes(got.data) == data
+    assert got.tokens.tolist() == toks
+    s = t.stats()
+    assert s["publishes"] == 1 and s["fetches"] == 1 and s["fetch_bytes"] == len(data)
+
+
+def test_divergence_inside_a_block_is_compared_exactly(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(2, 64)
+    t.publish(entry(toks), toks)
+    prompt = toks[:37] + [toks[37] + 1] + toks[38:]
+    hit = t.lookup(prompt)
+    assert hit is not None and hit.tokens == 37
+
+
+def test_prompt_shorter_than_a_block_or_unknown_is_a_miss(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(3, 64)
+    t.publish(entry(toks), toks)
+    assert t.lookup(toks[:10]) is None
+    assert t.lookup(ids(4, 64)) is None
+
+
+def test_other_fingerprint_shares_nothing(redis_server):
+    toks = ids(5, 64)
+    tier(redis_server.url, "fp-a").publish(entry(toks), toks)
+    assert tier(redis_server.url, "fp-b").lookup(toks) is None
+    keys = redis_server.client().keys("*")
+    assert keys and all(k.startswith(b"tkv:fp-a:") for k in keys)
+
+
+def test_missing_chunk_is_a_miss(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(6, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    redis_server.client().delete(t.key("c", hit.entry_id, 1))  # what maxmemory eviction does
+    assert t.fetch(hit) is None
+    assert t.stats()["misses_evicted"] == 1
+
+
+def test_corrupt_chunk_is_a_miss_and_unlinked(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(7, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    redis_server.client().setrange(t.key("c", hit.entry_id, 2), 10, b"\xff")
+    assert t.fetch(hit) is None
+    assert t.stats()["corrupt"] == 1
+    assert t.lookup(toks) is None  # nobody else trips on it
+
+
+def test_short_chunk_is_corrupt(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(8, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    redis_server.client().set(t.key("c", hit.entry_id, 0), b"short")
+    assert t.fetch(hit) is None and t.stats()["corrupt"] == 1
+
+
+def test_flushed_redis_is_a_miss(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(9, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    redis_server.client().flushall()
+    assert t.lookup(toks) is None
+    assert hit is not None and t.fetch(hit) is None
+
+
+def test_continuation_supersedes_and_identical_publish_is_skipped(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(10, 100)
+    t.publish(entry(toks[:48]), toks[:48])
+    old = t.lookup(toks[:48])
+    assert t.publish(entry(toks), toks)
+    assert not t.publish(entry(toks), toks)  # the same entry again: skipped
+    hit = t.lookup(toks[:48] + [1])
+    assert old is not None and hit is not None and hit.entry_id != old.entry_id
+    assert hit.tokens == 48
+    assert not redis_server.client().exists(t.key("c", old.entry_id, 0))
+    s = t.stats()
+    assert s["superseded"] == 1 and s["publish_skipped"] == 1
+
+
+def test_dead_redis_costs_one_timeout_then_backoff(redis_server, monkeypatch):
+    t = tier(redis_server.url)
+    toks = ids(11, 64)
+    t.publish(entry(toks), toks)
+    redis_server.kill()
+    t0 = time.monotonic()
+    assert t.lookup(toks) is None
+    assert t.lookup(toks) is None  # in backoff: not even a connect
+    assert time.monotonic() - t0 < 10  # bounded by the timeout, not hung (generous: noisy box)
+    s = t.stats()
+    assert s["errors"] == 1 and s["skipped_down"] == 1 and s["outages"] == 1 and s["up"] == 0
+    assert not t.publish(entry(toks), toks)
+
+
+def test_restarted_empty_redis_is_used_again_after_backoff(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(12, 64)
+    t.publish(entry(toks), toks)
+    redis_server.restart_empty()
+    t._down_until = 0.0  # as if the backoff had passed
+    assert t.lookup(toks) is None  # empty dataset: a miss, no error
+    assert t.publish(entry(toks), toks)
+    assert t.lookup(toks) is not None and t.stats()["up"] == 1
+
+
+def test_stalled_redis_times_out(redis_server):
+    t = tier(redis_server.url, timeout=0.3)
+    toks = ids(13, 64)
+    t.publish(entry(toks), toks)
+    redis_server.stop_signal(signal.SIGSTOP)  # alive but answering nothing
+    try:
+        assert t.lookup(toks) is None
+        assert t.stats()["timeouts"] == 1
+    finally:
+        redis_server.stop_signal(signal.SIGCONT)
+
+
+def test_redis_killed_mid_fetch_is_a_miss(redis_server, monkeypatch):
+    monkeypatch.setattr(redis_tier, "_GROUP_BYTES", 1000)  # one chunk per round trip
+    t = tier(redis_server.url)
+    toks = ids(14, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    real = t.client.pipeline
+    calls = []
+
+    def pipeline(*a, **k):  # the fault: Redis dies after the first chunk came back
+        calls.append(1)
+        if len(calls) == 2:
+            redis_server.kill()
+        return real(*a, **k)
+
+    monkeypatch.setattr(t.client, "pipeline", pipeline)
+    assert t.fetch(hit) is None
+    assert t.stats()["errors"] == 1
+
+
+def test_password_in_url(tmp_path):
+    from redis_server import RedisServer
+
+    srv = RedisServer(tmp_path / "r", password="s3cret").start()
+    try:
+        good = tier(srv.url)
+        toks = ids(15, 64)
+        assert good.publish(entry(toks), toks) and good.lookup(toks) is not None
+        assert "s3cret" not in good.url
+        bad = tier(srv.url.replace("s3cret", "wrong"))
+        assert bad.lookup(toks) is None and bad.stats()["errors"] == 1
+    finally:
+        srv.kill()
+
+
+def test_concurrent_publish_and_lookup(redis_server):
+    t = tier(redis_server.url)
+    seqs = [ids(100 + i, 48 + 16 * (i % 3)) for i in range(8)]
+    threads = [threading.Thread(target=t.publish, args=(entry(s), s)) for s in seqs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for s in seqs:
+        hit = t.lookup(s)
+        assert hit is not None and hit.tokens == len(s)
+        got = t.fetch(hit)
+        assert got is not None and got.tokens.tolist() == s
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [("redis://h", "redis://h"), ("rediss://:pw@h:6380/2", "rediss://:***@h:6380/2"),
+     ("redis://u:p@10.0.0.1:1/0", "redis://u:***@10.0.0.1:1/0")],
+)  # fmt: skip
+def test_redact_hides_only_the_password(url, shown):
+    assert redis_tier.redact(url) == shown

@@ -1,0 +1,365 @@
+"""SharedTier: a cold tier shared by many servers, on Redis. Bytes only — never MLX.
+
+Every key lives under ``tkv:<fingerprint>:`` (the cold tier's fingerprint: model, tokenizer, KV
+format, stored-KV quantisation, cache salt), so tenants with different fingerprints share nothing::
+
+    c:<eid>:<i>  string  chunk ``i`` of the entry's bytes (the entry file's exact bytes, cut into
+                         ``chunk_bytes`` pieces, the last one shorter)
+    t:<eid>      string  the entry's token ids, int32 little-endian
+    e:<eid>      hash    n_tokens, nbytes, nchunks, chunk_bytes, created
+    b:<hash>     string  ``<eid>`` of the newest entry holding block ``<hash>`` (the chained block
+                         hashes of ``tiered_kv.keys``, seeded with the fingerprint and block size)
+
+**Publish** writes the chunks first, then ``t:`` / ``e:`` / ``b:`` in one MULTI/EXEC: a reader that
+finds an index key finds every chunk, unless Redis evicted one since — then the hit is a miss.
+**Lookup** is two round trips: MGET of the prompt's block keys, then (pipelined) the token prefix and
+meta of at most three candidate entries, deepest first; token ids are compared exactly. **Fetch**
+reads every chunk (pipelined, a few per round trip) and runs ``check`` — the entry format's own
+checks (header checksum, fingerprint, data digests) returning its token ids — before anything is
+returned. Capacity and eviction are Redis's own (``maxmemory`` + an LRU policy).
+
+Threads: ``lookup`` / ``fetch`` run on the request thread, ``publish`` on the publisher thread
+(:mod:`tiered_kv.shared.publisher`); the redis client is thread-safe (a connection pool).
+
+Faults: every call is bounded by the socket timeout (``TIERED_KV_SHARED_TIMEOUT``); a connection
+error or timeout marks Redis down for an exponential backoff (1 s doubling to 30 s) during which
+calls are skipped at once (counted ``skipped_down``); the outage is logged once and its end once.
+A corrupt entry (``check`` raised ``ValueError``) is counted, logged once and unlinked from Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tiered_kv import keys
+from tiered_kv.prefix import common_prefix
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: bytes per Redis value: far under Redis's 512 MB value limit, large enough that a 4 GB entry
+#: is 64 round trips' worth of values, not thousands
+CHUNK_BYTES = 64 << 20
+_GROUP_BYTES = 256 << 20  # chunk bytes per pipelined round trip (bounds the client's buffering)
+_CANDIDATES = 3
+_BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
+_MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
+_EID = re.compile(rb"^[0-9a-f]{32}$")
+_FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")
+
+#: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
+#: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
+Check = Callable[[memoryview], np.ndarray]
+_NET = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class SharedHit:
+    entry_id: str
+    tokens: int  # exact common prefix with the prompt (ids compared, not hashes)
+    entry_tokens: int
+    nbytes: int
+    nchunks: int
+    chunk_bytes: int
+
+
+@dataclass(frozen=True)
+class Fetched:
+    data: bytearray  # the entry's bytes, verified
+    tokens: np.ndarray  # its token ids (int32), from the verified bytes
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (for logs and `cache stats`)."""
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = f"{u.username or ''}:***@{host}" + (f":{u.port}" if u.port else "")
+    return urlunsplit((u.scheme, netloc, u.path, "", ""))
+
+
+def connect(url: str, timeout: float) -> redis.Redis:
+    """A client whose every call gives up after ``timeout`` seconds, with no retries of its own
+    (the tier's backoff decides when to try again)."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        health_check_interval=0,
+        decode_responses=False,
+    )
+
+
+class SharedTier:
+    def __init__(
+        self,
+        url: str,
+        fingerprint: str,
+        block_tokens: int,
+        check: Check,
+        timeout: float = 1.0,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        """Nothing is sent to Redis here: a server starts whether or not Redis is up."""
+        self.url = redact(url)
+        self.fingerprint = fingerprint
+        self.block_tokens = block_tokens
+        self.seed = f"{fingerprint}:{block_tokens}"  # the cold tier's seed: same hashes
+        self.prefix = f"tkv:{fingerprint}:"
+        self.check = check
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self.client = connect(url, timeout)
+        self._lock = threading.Lock()
+        self._stats = dict.fromkeys(
+            ("lookups", "hits", "misses", "fetches", "fetch_bytes", "misses_evicted", "corrupt",
+             "publishes", "publish_bytes", "publish_skipped", "superseded", "errors", "timeouts",
+             "skipped_down", "outages"), 0
+        )  # fmt: skip
+        self._fetch_seconds = 0.0
+        self._failures = 0
+        self._down_until = 0.0
+        self._logged: set[str] = set()
+
+    # -- keys ------------------------------------------------------------------------------
+    def key(self, kind: str, *parts: object) -> str:
+        return self.prefix + ":".join((kind, *(str(p) for p in parts)))
+
+    def _block_keys(self, hashes: Sequence[int]) -> list[str]:
+        return [self.key("b", f"{h:016x}") for h in hashes]
+
+    # -- request thread --------------------------------------------------------------------
+    def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> SharedHit | None:
+        """Longest exact prefix of ``prompt_ids`` held by one shared entry, or None (also when
+        Redis is down, slow, or has evicted the entry's index)."""
+        tokens = keys.as_int32(prompt_ids)
+        hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
+        if not hashes:
+            return None
+        self._count("lookups")
+        hit = self._call("lookup", lambda: self._lookup(tokens, hashes), None)
+        self._count("hits" if hit is not None else "misses")
+        return hit
+
+    def _lookup(self, tokens: np.ndarray, hashes: Sequence[int]) -> SharedHit | None:
+        pointers = self.client.mget(self._block_keys(hashes))
+        cands: list[str] = []
+        for eid in reversed(pointers):  # deepest block first
+            if eid and _EID.match(eid) and eid.decode() not in cands:
+                cands.append(eid.decode())
+                if len(cands) == _CANDIDATES:
+                    break
+        if not cands:
+            return None
+        pipe = self.client.pipeline(transaction=False)
+        for eid in cands:
+            pipe.getrange(self.key("t", eid), 0, 4 * len(tokens) - 1)
+            pipe.hmget(self.key("e", eid), list(_FIELDS))
+        replies = pipe.execute()
+        best: SharedHit | None = None
+        for i, eid in enumerate(cands):
+            raw, meta = replies[2 * i], replies[2 * i + 1]
+            facts = _ints(meta)
+            if not raw or facts is None:
+                continue  # a pointer to an entry Redis evicted (or a half-deleted one): skip it
+            stored = np.frombuffer(raw[: len(raw) // 4 * 4], dtype="<i4")
+            n = common_prefix(stored, tokens)
+            if n > 0 and (best is None or n > best.tokens):
+                best = SharedHit(eid, n, *facts)
+        return best
+
+    def fetch(self, hit: SharedHit) -> Fetched | None:
+        """The entry's verified bytes and token ids, or None: a chunk missing (evicted), corrupt
+        bytes (the entry is then unlinked), Redis down / slow / restarted."""
+        t0 = time.perf_counter()
+        got = self._call("fetch", lambda: self._fetch(hit), None)
+        if got is not None:
+            with self._lock:
+                self._stats["fetches"] += 1
+                self._stats["fetch_bytes"] += len(got.data)
+                self._fetch_seconds += time.perf_counter() - t0
+        return got
+
+    def _fetch(self, hit: SharedHit) -> Fetched | None:
+        size, chunk = hit.nbytes, hit.chunk_bytes
+        if not (0 < chunk <= 512 << 20 and size > 0 and hit.nchunks == -(-size // chunk)):
+            return self._corrupt(hit.entry_id, "entry meta is inconsistent")
+        buf = bytearray(size)
+        view = memoryview(buf)
+        deadline = time.monotonic() + self.timeout + size / _MIN_RATE
+        group = max(1, _GROUP_BYTES // chunk)
+        for start in range(0, hit.nchunks, group):
+            if time.monotonic() > deadline:
+                self._count("timeouts")
+                self._once("slow", "shared tier too slow: fetch of %d bytes abandoned (a miss)", size)
+                return None
+            pipe = self.client.pipeline(transaction=False)
+            idx = range(start, min(hit.nchunks, start + group))
+            for i in idx:
+                pipe.get(self.key("c", hit.entry_id, i))
+            for i, part in zip(idx, pipe.execute(), strict=True):
+                if part is None:
+                    self._count("misses_evicted")  # Redis evicted a chunk: the entry is gone
+                    return None
+                lo = i * chunk
+                if len(part) != min(chunk, size - lo):
+                    return self._corrupt(hit.entry_id, f"chunk {i} has {len(part)} bytes")
+                view[lo : lo + len(part)] = part
+        try:
+            tokens = self.check(view)
+        except ValueError as e:
+            return self._corrupt(hit.entry_id, str(e))
+        return Fetched(buf, tokens)
+
+    def _corrupt(self, eid: str, why: str) -> None:
+        self._count("corrupt")
+        self._once("corrupt", "shared entry %s is corrupt, unlinked (a miss): %s", eid, why)
+        self.client.delete(self.key("e", eid), self.key("t", eid))
+        return None
+
+    # -- publisher thread ------------------------------------------------------------------
+    def publish(self, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
+        """Store an entry's bytes (a buffer) for ``token_ids``; False when skipped (already
+        there, too short, Redis down) or failed (counted). Publisher thread."""
+        tokens = keys.as_int32(token_ids)
+        hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
+        if not hashes:
+            return False
+        view = memoryview(data).cast("B")
+        return bool(self._call("publish", lambda: self._publish(view, tokens, hashes), False))
+
+    def _publish(self, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]) -> bool:
+        old = self._lookup(tokens, hashes)
+        if old is not None and old.tokens == old.entry_tokens == len(tokens):
+            self._count("publish_skipped")  # the same entry is there (another server wrote it)
+            return False
+        eid = uuid.uuid4().hex
+        size, chunk = len(view), self.chunk_bytes
+        nchunks = -(-size // chunk)
+        chunk_keys = [self.key("c", eid, i) for i in range(nchunks)]
+        group = max(1, _GROUP_BYTES // chunk)
+        try:
+            for start in range(0, nchunks, group):  # chunks first ...
+                pipe = self.client.pipeline(transaction=False)
+                for i in range(start, min(nchunks, start + group)):
+                    pipe.set(chunk_keys[i], view[i * chunk : (i + 1) * chunk])
+                pipe.execute()
+            meta = {"n_tokens": len(tokens), "nbytes": size, "nchunks": nchunks,
+                    "chunk_bytes": chunk, "created": repr(time.time())}  # fmt: skip
+            pipe = self.client.pipeline(transaction=True)  # ... the index last, atomically
+            pipe.set(self.key("t", eid), tokens.tobytes())
+            pipe.hset(self.key("e", eid), mapping=meta)  # type: ignore[arg-type]
+            pipe.mset(dict.fromkeys(self._block_keys(hashes), eid))
+            pipe.execute()
+        except BaseException:
+            _quietly(lambda: self.client.unlink(*chunk_keys))  # never indexed: orphans
+            raise
+        if old is not None and old.tokens == old.entry_tokens:
+            # a continuation: the older entry's blocks all point here now, it is unreachable
+            self._unlink(old.entry_id, old.nchunks)
+            self._count("superseded")
+        with self._lock:
+            self._stats["publishes"] += 1
+            self._stats["publish_bytes"] += size
+        return True
+
+    def _unlink(self, eid: str, nchunks: int) -> None:
+        names = [self.key("e", eid), self.key("t", eid)]
+        names += [self.key("c", eid, i) for i in range(nchunks)]
+        self.client.unlink(*names)
+
+    # -- health ----------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        """``fn()`` unless Redis is in backoff; a network failure starts / extends the backoff."""
+        if time.monotonic() < self._down_until:
+            self._count("skipped_down")
+            return default
+        try:
+            out = fn()
+        except _NET as e:
+            self._down(what, e)
+            return default
+        except redis.exceptions.RedisError as e:  # e.g. OOM under maxmemory noeviction
+            self._count("errors")
+            self._once(f"error:{what}", "shared tier %s failed: %s", what, e)
+            return default
+        if self._failures:
+            with self._lock:
+                self._failures = 0
+                self._logged.discard("down")
+            log.warning("shared tier %s is reachable again", self.url)
+        return out
+
+    def _down(self, what: str, e: BaseException) -> None:
+        with self._lock:
+            self._stats["errors"] += 1
+            if isinstance(e, (redis.exceptions.TimeoutError, TimeoutError)):
+                self._stats["timeouts"] += 1
+            if self._failures == 0:
+                self._stats["outages"] += 1
+            self._failures += 1
+            wait = min(_BACKOFF_MAX, _BACKOFF_MIN * 2 ** (self._failures - 1))
+            self._down_until = time.monotonic() + wait
+        self._once("down", "shared tier %s unreachable (%s: %s); local tiers only, retrying "
+                   "with backoff", self.url, what, e)  # fmt: skip
+
+    @property
+    def up(self) -> bool:
+        return self._failures == 0
+
+    def ping(self) -> bool:
+        """One round trip (CLI, tests); counts a failure like any call."""
+        return bool(self._call("ping", self.client.ping, False))
+
+    # -- counters --------------------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[key] += n
+
+    def _once(self, kind: str, msg: str, *args: object) -> None:
+        with self._lock:
+            if kind in self._logged:
+                return
+            self._logged.add(kind)
+        log.warning(msg, *args)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._stats)
+            out["fetch_seconds"] = self._fetch_seconds
+        out["up"] = int(self.up)
+        return out
+
+    def close(self) -> None:
+        _quietly(self.client.close)
+
+
+def _ints(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:
+    try:
+        n_tokens, nbytes, nchunks, chunk = (int(v) for v in meta)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return n_tokens, nbytes, nchunks, chunk
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except (redis.exceptions.RedisError, OSError):
+        pass
