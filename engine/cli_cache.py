@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from engine import cli_shared
 from tiered_kv.cold import usage
 from tiered_kv.cold.index import Index, IndexUnreadable
 from tiered_kv.cold.verify import entry_files, verify_dir
@@ -86,6 +87,8 @@ def _stats(args: argparse.Namespace) -> int:
         print(f"  quarantine: {len(list(q.iterdir()))} files, {_fmt(usage.tree_size(q)[0])}")
     total = usage.tree_size(root)[0] if root.exists() else 0
     print(f"total: {_fmt(total)} of budget {_fmt(args.config.disk_bytes)}")
+    if args.config.shared_url:  # [shared tier, issue 17]
+        return cli_shared.stats(args.config)
     return 0
 
 
@@ -100,10 +103,19 @@ def _ls(args: argparse.Namespace) -> int:
             for r in sorted(index.records(), key=lambda r: -r.last_used):
                 when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.last_used))
                 print(f"  {r.entry_id}  {r.n_tokens:>8} tokens  {_fmt(r.nbytes):>10}  {when}")
+    if args.config.shared_url:  # [shared tier, issue 17]
+        return cli_shared.ls(args.config)
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
+    status = _verify_local(args)
+    if args.config.shared_url:  # [shared tier, issue 17]
+        return max(status, cli_shared.verify(args.config, args.fix))
+    return status
+
+
+def _verify_local(args: argparse.Namespace) -> int:
     root = _root(args)
     clean = True
     for fp_dir in _fingerprints(root):

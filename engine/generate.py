@@ -88,7 +88,15 @@ class Engine:
                 cold = ColdTier(config.cache_dir, self.fingerprint, config)
             except OSError as e:  # misconfiguration at start: say which setting, not a traceback
                 raise CacheDirError(f"TIERED_KV_DIR={config.cache_dir}: {e.strerror or e}") from e
-        self.cache = TieredCache(config, lambda: make_prompt_cache(self.model), cold)
+        shared = None
+        if cold is not None and config.shared_enabled:  # [shared tier, issue 17]
+            from tiered_kv.shared.link import SharedLink
+
+            shared = SharedLink.open(config, cold.fingerprint)
+            cold.publish_to(shared.published)  # every entry written locally is published too
+        self.cache = TieredCache(
+            config, lambda: make_prompt_cache(self.model), cold, shared=shared
+        )
         self.prefill_chunk = config.prefill_chunk or default_prefill_chunk()
 
     # -- prompts ---------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from tiered_kv.memory import MemoryProbe
 from tiered_kv.prefix import TokenArray, as_tokens, common_prefix
 
 log = logging.getLogger(__name__)
+#: [shared tier] at shutdown, how long queued publishes may take before they are dropped (counted)
+_SHARED_CLOSE_SECONDS = 30.0
 
 
 class ColdHitLike(Protocol):
@@ -45,12 +47,23 @@ class ColdStore(Protocol):
     def flush(self, timeout: float | None = None) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
+    # [shared tier, issue 17] an entry fetched from the shared tier: decoded, and written locally
+    def adopt(self, data: bytearray, tokens: np.ndarray) -> Any: ...
+
+
+class SharedStore(Protocol):
+    """[shared tier, issue 17] What TieredCache needs of ``tiered_kv.shared.link.SharedLink``."""
+
+    def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> Any: ...
+    def fetch(self, hit: Any) -> Any: ...
+    def stats(self) -> dict[str, Any]: ...
+    def close(self, timeout: float | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
 class HitInfo:
     tokens: int = 0  # prompt tokens served from the cache
-    tier: str = "none"  # "hot" | "cold" | "none"
+    tier: str = "none"  # "hot" | "cold" | "shared" | "none"
     load_seconds: float = 0.0
     load_bytes: int = 0
 
@@ -87,16 +100,19 @@ class TieredCache:
         make_cache: Callable[[], list[Any]],
         cold: ColdStore | None = None,
         probe: MemoryProbe | None = None,
+        shared: SharedStore | None = None,
     ) -> None:
         self.config = config
         self.make_cache = make_cache
         self.cold = cold if config.cold_enabled else None
+        self.shared = shared if self.cold is not None else None  # [shared tier] behind the disk
         self.hot = HotTier(
             config.hot_bytes, config.memory_threshold, self._spill, probe, config.checkpoint_share
         )
         self.needs_checkpoints = layers.needs_checkpoints(make_cache())
         self._unsupported_logged = False
-        self.counters = {"fetches": 0, "hit_tokens_hot": 0, "hit_tokens_cold": 0, "stores": 0}
+        self.counters = {"fetches": 0, "hit_tokens_hot": 0, "hit_tokens_cold": 0,
+                         "hit_tokens_shared": 0, "stores": 0}  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -113,8 +129,7 @@ class TieredCache:
         if cand is not None:
             lease = self._lease_from(cand, prompt)
             if lease is not None:
-                key = "hit_tokens_hot" if lease.hit.tier == "hot" else "hit_tokens_cold"
-                self.counters[key] += lease.hit.tokens
+                self.counters[f"hit_tokens_{lease.hit.tier}"] += lease.hit.tokens
                 return lease
         return Lease(
             self.make_cache(), prompt.tolist(), HitInfo(), None, {}, self.needs_checkpoints
@@ -126,10 +141,14 @@ class TieredCache:
         cand = _Candidate(best[0], best[1], "hot") if best else None
         if self.cold is not None and hot_n < len(prompt) - 1:
             hit = self.cold.lookup(prompt)
-            if hit is not None and policy.servable_tokens(hit.tokens, len(prompt)) > hot_n:
+            cold_n = policy.servable_tokens(hit.tokens, len(prompt)) if hit is not None else 0
+            loaded = None
+            if self.shared is not None and max(hot_n, cold_n) < len(prompt) - 1:
+                loaded = self._load_shared(prompt, max(hot_n, cold_n))  # [shared tier]
+            if loaded is None and hit is not None and cold_n > hot_n:
                 loaded = self._load(hit, prompt)
-                if loaded is not None:
-                    cand = loaded
+            if loaded is not None:
+                cand = loaded
         return cand
 
     def _load(self, hit: ColdHitLike, prompt: TokenArray) -> _Candidate | None:
@@ -143,6 +162,26 @@ class TieredCache:
         seconds = time.perf_counter() - t0
         common = common_prefix(entry.tokens, prompt)
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
+
+    def _load_shared(self, prompt: TokenArray, floor: int) -> _Candidate | None:
+        """[shared tier, issue 17] The shared tier's longest hit when it serves more than
+        ``floor`` tokens: fetched (verified bytes), then adopted by the local cold tier — decoded
+        there and queued to be written locally, so the next restart finds it on the disk."""
+        assert self.shared is not None and self.cold is not None
+        hit = self.shared.lookup(prompt)
+        if hit is None or policy.servable_tokens(hit.tokens, len(prompt)) <= floor:
+            return None
+        t0 = time.perf_counter()
+        fetched = self.shared.fetch(hit)
+        if fetched is None:
+            return None  # evicted, corrupt, Redis down or slow: counted by the shared tier
+        got = self.cold.adopt(fetched.data, fetched.tokens)
+        if got is None:
+            return None
+        caches, ids, ckpts = got
+        entry = new_entry(ids, caches, ckpts, persisted=True)
+        seconds = time.perf_counter() - t0
+        return _Candidate(entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes)
 
     def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
         entry, total = cand.entry, len(cand.entry.tokens)
@@ -264,6 +303,8 @@ class TieredCache:
         )
         if self.cold is not None:
             s.update({f"cold_{k}": v for k, v in self.cold.stats().items()})
+        if self.shared is not None:
+            s.update({f"shared_{k}": v for k, v in self.shared.stats().items()})
         return s
 
     def close(self) -> None:
@@ -272,6 +313,8 @@ class TieredCache:
             self.hot.evict_all()
             self.cold.flush()
             self.cold.close()
+        if self.shared is not None:  # [shared tier] after the cold tier queued its last writes
+            self.shared.close(_SHARED_CLOSE_SECONDS)
 
 
 def _known_lengths(caches: list[Any]) -> list[int]:

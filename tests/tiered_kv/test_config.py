@@ -64,3 +64,31 @@ def test_bad_value_names_the_variable(name, value):
 def test_env_table_lists_every_variable():
     names = {row[0] for row in env_table()}
     assert "TIERED_KV_DIR" in names and "TIERED_KV_PREFETCH" in names and len(names) >= 17
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://127.0.0.1:6379/0", "redis://cache", "rediss://:pw@cache.lan:6380/3",
+     "redis://user:p%40ss@10.0.0.2/1"],
+)  # fmt: skip
+def test_shared_url_accepted(url):
+    c = from_env({"TIERED_KV_SHARED": url})
+    assert c.shared_url == url and c.shared_enabled
+    assert url not in repr(c)  # may hold a password: kept out of repr
+    assert not from_env({"TIERED_KV_SHARED": url, "TIERED_KV_TIERS": "hot"}).shared_enabled
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://cache:6379", "redis://", "redis://h:notaport", "redis://h:70000",
+     "redis://h/x", "redis://h/0?db=1", "cache:6379"],
+)  # fmt: skip
+def test_shared_url_refused_without_echoing_it(url):
+    with pytest.raises(ConfigError) as e:
+        from_env({"TIERED_KV_SHARED": url.replace("h", "u:secret@h", 1) if "//h" in url else url})
+    assert "TIERED_KV_SHARED" in str(e.value) and "secret" not in str(e.value)
+
+
+def test_shared_off_by_default():
+    c = from_env({})
+    assert c.shared_url == "" and not c.shared_enabled and c.shared_timeout == 1.0

@@ -1,0 +1,93 @@
+"""The shared tier's part of `tiered-kv cache stats|ls|verify` (when ``TIERED_KV_SHARED`` is set).
+
+Kept apart from ``engine/cli_cache.py`` (the local disk tier): each prints its own section.
+A Redis that does not answer is reported (exit status 2 for verify), never a traceback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import redis
+
+from tiered_kv.config import Config
+from tiered_kv.shared import survey
+from tiered_kv.shared.redis_tier import connect, redact
+
+_TIMEOUT = 10.0  # the CLI may wait longer than a request would
+
+
+def _client(config: Config) -> redis.Redis:
+    return connect(config.shared_url, _TIMEOUT)
+
+
+def stats(config: Config) -> int:
+    print(f"shared tier: {redact(config.shared_url)}")
+    try:
+        client = _client(config)
+        found = survey.entries(client)
+        srv = survey.server(client)
+    except (redis.RedisError, OSError) as e:
+        print(f"  unreachable: {e}")
+        return 2
+    count, size = Counter[str](), Counter[str]()
+    for e in found:
+        count[e.fingerprint] += 1
+        size[e.fingerprint] += e.nbytes
+    for fp in sorted(count):
+        print(f"  {fp}: {count[fp]} entries, {_fmt(size[fp])}")
+    cap = _fmt(srv["maxmemory"]) if srv["maxmemory"] else "no maxmemory (unbounded)"
+    print(f"redis: {_fmt(srv['used_memory'])} used of {cap}, policy {srv['maxmemory_policy']}, "
+          f"{srv['evicted_keys']} keys evicted")  # fmt: skip
+    return 0
+
+
+def ls(config: Config) -> int:
+    print(f"shared tier: {redact(config.shared_url)}")
+    try:
+        found = survey.entries(_client(config))
+    except (redis.RedisError, OSError) as e:
+        print(f"  unreachable: {e}")
+        return 2
+    fp = None
+    for e in found:
+        if e.fingerprint != fp:
+            fp = e.fingerprint
+            print(f"{fp}:")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created))
+        print(f"  {e.entry_id}  {e.n_tokens:>8} tokens  {_fmt(e.nbytes):>10}  {when}  (shared)")
+    return 0
+
+
+def verify(config: Config, fix: bool) -> int:
+    """0: all clean (or fixed); 1: problems found; 2: Redis did not answer."""
+    from tiered_kv.shared import entry
+
+    print(f"shared tier: {redact(config.shared_url)}")
+    try:
+        reports = survey.verify(_client(config), config.shared_url, entry.checker, fix)
+    except (redis.RedisError, OSError) as e:
+        print(f"  unreachable: {e}")
+        return 2
+    clean = True
+    for fp, r in sorted(reports.items()):
+        print(f"{fp}: {len(r.ok)} ok (shared)")
+        for kind in ("corrupt", "incomplete"):
+            for eid in getattr(r, kind):
+                print(f"  {kind}: {eid}")
+        if r.orphan_chunks:
+            print(f"  orphan chunks: {r.orphan_chunks}")
+        clean = clean and r.clean
+    if fix and not clean:
+        print("fixed: bad and incomplete shared entries and orphan chunks unlinked")
+        return 0
+    return 0 if clean else 1
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
