@@ -32,9 +32,9 @@ def stats(config: Config) -> int:
         print(f"  unreachable: {e}")
         return 2
     count, size = Counter[str](), Counter[str]()
-    for e in found:
-        count[e.fingerprint] += 1
-        size[e.fingerprint] += e.nbytes
+    for info in found:
+        count[info.fingerprint] += 1
+        size[info.fingerprint] += info.nbytes
     for fp in sorted(count):
         print(f"  {fp}: {count[fp]} entries, {_fmt(size[fp])}")
     cap = _fmt(srv["maxmemory"]) if srv["maxmemory"] else "no maxmemory (unbounded)"
@@ -51,12 +51,13 @@ def ls(config: Config) -> int:
         print(f"  unreachable: {e}")
         return 2
     fp = None
-    for e in found:
-        if e.fingerprint != fp:
-            fp = e.fingerprint
+    for info in sorted(found, key=lambda i: (i.fingerprint, -i.created)):
+        if info.fingerprint != fp:
+            fp = info.fingerprint
             print(f"{fp}:")
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created))
-        print(f"  {e.entry_id}  {e.n_tokens:>8} tokens  {_fmt(e.nbytes):>10}  {when}  (shared)")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.created))
+        print(f"  {info.entry_id}  {info.n_tokens:>8} tokens  {_fmt(info.nbytes):>10}  {when}  "
+              "(shared)")  # fmt: skip
     return 0
 
 

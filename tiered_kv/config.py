@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from urllib.parse import unquote, urlsplit
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 _UNITS = {
     "": 1,

@@ -125,6 +125,23 @@ def write_entry(
     return 8 + header_len + off
 
 
+def write_bytes(path: Path, data: bytes | bytearray | memoryview) -> None:
+    """[shared tier] Publish a whole entry's bytes at ``path`` like :func:`write_entry` does."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            view = memoryview(data)
+            while view:
+                view = view[f.write(view) :]
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def _header_bytes(tensors: dict[str, Any], meta: dict[str, str]) -> bytes:
     meta = dict(meta)
     meta.pop("header_xxh", None)

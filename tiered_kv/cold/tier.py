@@ -100,6 +100,7 @@ class ColdTier:
         self._ensure_dirs()
         self.index = self._open_index()
         self.writer = Writer(config.spill_queue_bytes, self._on_drop)
+        self._published: Any = None  # [shared tier, issue 17] hook(read, tokens, nbytes)
 
     # -- opening -------------------------------------------------------------------------------
     def _ensure_dirs(self) -> None:
@@ -299,6 +300,9 @@ class ColdTier:
             older = [r for r in self.index.prefixes_of(list(blocks)) if self._is_prefix(r, job)]
             self.index.add(rec, job.tokens.tobytes(), remove=[r.entry_id for r in older])
             path = None  # committed
+            if self._published is not None:  # [shared tier] publish it too (write-behind)
+                done = self.dir / rec.file
+                self._published(lambda: _read_bytes(done), job.tokens, nbytes)
             for r in older:  # continuation: superseded entries, deleted after the commit
                 (self.dir / r.file).unlink(missing_ok=True)
             with self._stats_lock:
@@ -354,6 +358,44 @@ class ColdTier:
             self.index.touch(entry_id, when)
         except sqlite3.Error as e:
             self._log_once("touch", "cold index touch failed: %s", e)
+
+    # -- [shared tier, issue 17] -----------------------------------------------------------------
+    def publish_to(self, hook: Any) -> None:
+        """``hook(read, tokens, nbytes)`` hears of each entry this tier writes (writer thread);
+        ``read()`` gives the entry's bytes, or None once it is gone."""
+        self._published = hook
+
+    def adopt(self, data: bytearray, tokens: np.ndarray) -> Loaded | None:
+        """An entry fetched (and verified) from the shared tier: written here as a local entry
+        (so the next restart finds it), then loaded through the normal load path. Request
+        thread; not published again."""
+        ids = keys.as_int32(tokens)
+        eid = self.writer.run_sync(lambda: self._write_bytes(data, ids))
+        return None if eid is None else self.load(ColdHit(eid, len(ids), len(ids)))
+
+    def _write_bytes(self, data: bytearray, tokens: np.ndarray) -> str | None:
+        path: Path | None = None
+        try:
+            self._check_index()
+            self._ensure_dirs()
+            self.index.refresh()
+            if not self._make_room(len(data)):
+                self._count("skipped")
+                return None
+            eid = uuid.uuid4().hex
+            path = self.dir / f"{eid}{store.SUFFIX}"
+            store.write_bytes(path, data)
+            now = time.time()
+            blocks = tuple(keys.block_hashes(tokens, self.block_tokens, self.seed))
+            rec = Record(eid, path.name, len(tokens), len(data), now, now, blocks)
+            self.index.add(rec, tokens.tobytes(), remove=[])
+            return eid
+        except (OSError, sqlite3.Error, IndexUnreadable) as e:
+            self._count("write_errors")
+            self._log_once("adopt", "writing a shared entry locally failed: %s", e)
+            if path is not None:
+                path.unlink(missing_ok=True)
+            return None
 
     # -- faults / bookkeeping ------------------------------------------------------------------
     def _quarantine(self, rec: Record, err: Exception) -> None:
@@ -415,6 +457,14 @@ class ColdTier:
 
 
 __all__ = ["ColdHit", "ColdTier", "VerifyReport"]
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    """[shared tier] A written entry's bytes for publishing, or None once it is gone."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def _decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list, dict[int, list]]:

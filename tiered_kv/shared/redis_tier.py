@@ -57,7 +57,7 @@ _GROUP_BYTES = 256 << 20  # chunk bytes per pipelined round trip (bounds the cli
 _CANDIDATES = 3
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
-_EID = re.compile(rb"^[0-9a-f]{32}$")
+_EID = re.compile(rb"^[0-9a-f]{32}$")  # entry ids read from Redis are data: checked
 _FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
@@ -160,9 +160,10 @@ class SharedTier:
     def _lookup(self, tokens: np.ndarray, hashes: Sequence[int]) -> SharedHit | None:
         pointers = self.client.mget(self._block_keys(hashes))
         cands: list[str] = []
-        for eid in reversed(pointers):  # deepest block first
-            if eid and _EID.match(eid) and eid.decode() not in cands:
-                cands.append(eid.decode())
+        for raw in reversed(pointers):  # deepest block first
+            eid = raw.decode() if isinstance(raw, bytes) and _EID.match(raw) else None
+            if eid is not None and eid not in cands:
+                cands.append(eid)
                 if len(cands) == _CANDIDATES:
                     break
         if not cands:
@@ -227,7 +228,8 @@ class SharedTier:
             return self._corrupt(hit.entry_id, str(e))
         return Fetched(buf, tokens)
 
-    def _corrupt(self, eid: str, why: str) -> None:
+    def _corrupt(self, eid: str, why: str) -> Fetched | None:
+        """Count, log once, unlink the entry's index (so no other server trips on it): a miss."""
         self._count("corrupt")
         self._once("corrupt", "shared entry %s is corrupt, unlinked (a miss): %s", eid, why)
         self.client.delete(self.key("e", eid), self.key("t", eid))

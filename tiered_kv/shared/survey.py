@@ -110,7 +110,7 @@ def _check_one(client: redis.Redis, tier: SharedTier, e: EntryInfo) -> str:
     buf = bytearray(e.nbytes)
     for i in range(e.nchunks):
         part = client.get(tier.key("c", e.entry_id, i))
-        if part is None:
+        if not isinstance(part, bytes):
             return "incomplete"
         lo = i * e.chunk_bytes
         if len(part) != min(e.chunk_bytes, e.nbytes - lo):
@@ -120,5 +120,5 @@ def _check_one(client: redis.Redis, tier: SharedTier, e: EntryInfo) -> str:
         tokens = tier.check(memoryview(buf))
     except ValueError:
         return "corrupt"
-    stored = client.get(tier.key("t", e.entry_id)) or b""
+    stored = client.get(tier.key("t", e.entry_id))
     return "ok" if tokens.tobytes() == stored else "corrupt"

@@ -1,0 +1,67 @@
+"""engine/cli_shared.py: `tiered-kv cache stats|ls|verify` show the shared tier (real Redis)."""
+
+from __future__ import annotations
+
+import argparse
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as C
+
+from engine import cli_cache
+from tiered_kv.cold.tier import ColdTier
+from tiered_kv.config import Config
+from tiered_kv.shared.link import SharedLink
+
+
+def _run(capsys, root, url, *argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    cli_cache.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["cache", *argv, "--dir", str(root)])
+    args.config = Config(cache_dir=root, shared_url=url)
+    rc = args.func(args)
+    return rc, capsys.readouterr().out
+
+
+def _publish_two(root, url) -> None:
+    cfg = Config(cache_dir=root, block_tokens=4, shared_url=url)
+    tier = ColdTier(root, "fpA", cfg)
+    link = SharedLink.open(cfg, tier.fingerprint)
+    tier.publish_to(link.published)
+    c = C.KVCache()
+    x = mx.ones((1, 2, 8, 4))
+    c.update_and_fetch(x, x)
+    tier.persist(np.arange(8), [c])
+    tier.persist(np.arange(8) + 9, [c])
+    tier.close()
+    assert link.close(30) and link.stats()["publishes"] == 2
+
+
+def test_stats_ls_verify_fix_show_the_shared_tier(tmp_path, capsys, redis_server):
+    _publish_two(tmp_path, redis_server.url)
+    rc, out = _run(capsys, tmp_path, redis_server.url, "stats")
+    assert rc == 0 and "shared tier: redis://127.0.0.1" in out and "fpA: 2 entries" in out
+    assert "policy allkeys-lru" in out
+    rc, out = _run(capsys, tmp_path, redis_server.url, "ls")
+    assert rc == 0 and out.count("(shared)") == 2
+    rc, out = _run(capsys, tmp_path, redis_server.url, "verify")
+    assert rc == 0 and "fpA: 2 ok (shared)" in out
+    r = redis_server.client()
+    chunk = sorted(k for k in r.keys("*") if b":c:" in k)[0]
+    r.setrange(chunk, r.strlen(chunk) - 3, b"\x01")
+    r.set(b"tkv:fpA:c:" + b"0" * 32 + b":0", b"orphan")
+    rc, out = _run(capsys, tmp_path, redis_server.url, "verify")
+    assert rc == 1 and "corrupt: " in out and "orphan chunks: 1" in out
+    rc, out = _run(capsys, tmp_path, redis_server.url, "verify", "--fix")
+    assert rc == 0
+    rc, out = _run(capsys, tmp_path, redis_server.url, "verify")
+    assert rc == 0 and "fpA: 1 ok (shared)" in out
+
+
+def test_unreachable_redis_is_reported_not_raised(tmp_path, capsys, redis_server):
+    url = redis_server.url
+    redis_server.kill()
+    rc, out = _run(capsys, tmp_path, url, "stats")
+    assert rc == 2 and "unreachable" in out
+    rc, out = _run(capsys, tmp_path, url, "verify")
+    assert rc == 2 and "unreachable" in out

@@ -1,0 +1,135 @@
+"""TieredCache + real ColdTiers in two directories + one real redis-server: the shared tier end
+to end in one process (the server-level test is tests/reliability/test_shared_redis.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.prefill import prefill
+from tests.tiered_kv.conftest import cold_logits, tokens
+from tiered_kv.cold.tier import ColdTier
+from tiered_kv.config import Config
+from tiered_kv.shared.link import SharedLink
+from tiered_kv.tiered import TieredCache
+
+FP = "test-fingerprint"
+
+
+def open_tc(model, root, url: str | None, fp: str = FP, **kw) -> TieredCache:
+    cfg = Config(cache_dir=root, block_tokens=16, shared_url=url or "", shared_timeout=0.5, **kw)
+    cold = ColdTier(root, fp, cfg)
+    shared = None
+    if cfg.shared_enabled:
+        shared = SharedLink.open(cfg, cold.fingerprint)
+        cold.publish_to(shared.published)
+    return TieredCache(cfg, lambda: make_prompt_cache(model), cold, shared=shared)
+
+
+def run(tc, model, ids):
+    lease = tc.fetch(ids)
+    fed = ids[: lease.hit.tokens]
+    logits = np.array(prefill(model, lease, fed, 16))
+    tc.store(lease, fed)
+    return logits, lease.hit
+
+
+def publish_from_a(model, root, url, ids, **kw) -> None:
+    """Server A computes ``ids`` and shuts down: its entry is written locally and published."""
+    a = open_tc(model, root / "a", url, **kw)
+    run(a, model, ids)
+    a.close()
+
+
+def test_entry_computed_on_a_is_a_shared_hit_on_b_then_local(small_model, tmp_path, redis_server):
+    p = tokens(60, 70)
+    publish_from_a(small_model, tmp_path, redis_server.url, p)
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    ids = p + tokens(61, 7)
+    logits, hit = run(b, small_model, ids)
+    assert hit.tier == "shared" and hit.tokens == len(p) and hit.load_bytes > 0
+    np.testing.assert_allclose(logits, cold_logits(small_model, ids), rtol=1e-4, atol=1e-4)
+    s = b.stats()
+    assert s["hit_tokens_shared"] == len(p) and s["shared_fetches"] == 1
+    b.close()
+    redis_server.client().flushall()  # B's restart must not need Redis
+    b2 = open_tc(small_model, tmp_path / "b", redis_server.url)
+    logits, hit = run(b2, small_model, ids)
+    assert hit.tier == "cold" and hit.tokens >= len(p)
+    np.testing.assert_allclose(logits, cold_logits(small_model, ids), rtol=1e-4, atol=1e-4)
+    b2.close()
+
+
+def test_other_salt_or_model_shares_nothing(small_model, tmp_path, redis_server):
+    p = tokens(62, 64)
+    publish_from_a(small_model, tmp_path, redis_server.url, p, cache_salt="tenant-1")
+    for fp, salt in ((FP, "tenant-2"), ("other-model", "tenant-1"), (FP, "")):
+        b = open_tc(small_model, tmp_path / f"b-{fp}-{salt}", redis_server.url, fp, cache_salt=salt)
+        _, hit = run(b, small_model, p + [1])
+        assert hit.tier == "none", (fp, salt)
+        b.close()
+    same = open_tc(small_model, tmp_path / "c", redis_server.url, cache_salt="tenant-1")
+    assert run(same, small_model, p + [1])[1].tier == "shared"
+    same.close()
+
+
+def _entry_keys(redis_server, kind: str) -> list[bytes]:
+    return sorted(k for k in redis_server.client().keys("*") if f":{kind}:".encode() in k)
+
+
+def assert_miss_then_correct(model, tc, ids) -> None:
+    logits, hit = run(tc, model, ids)
+    assert hit.tier == "none" and hit.tokens == 0
+    np.testing.assert_allclose(logits, cold_logits(model, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_corrupt_chunk_is_a_miss(small_model, tmp_path, redis_server):
+    p = tokens(63, 64)
+    publish_from_a(small_model, tmp_path, redis_server.url, p)
+    chunk = _entry_keys(redis_server, "c")[0]
+    size = redis_server.client().strlen(chunk)
+    redis_server.client().setrange(chunk, size - 100, b"\x7f\x7f")  # inside the KV data
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    assert_miss_then_correct(small_model, b, p + [3])
+    assert b.stats()["shared_corrupt"] == 1 and b.stats()["cold_entries"] == 0
+    b.close()
+
+
+def test_missing_chunk_or_flushed_redis_is_a_miss(small_model, tmp_path, redis_server):
+    p = tokens(64, 64)
+    publish_from_a(small_model, tmp_path, redis_server.url, p)
+    redis_server.client().delete(*_entry_keys(redis_server, "c"))  # evicted under maxmemory
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    assert_miss_then_correct(small_model, b, p + [3])
+    assert b.stats()["shared_misses_evicted"] == 1
+    b.close()
+    publish_from_a(small_model, tmp_path / "again", redis_server.url, p)
+    redis_server.client().flushall()  # restarted empty / flushed
+    c = open_tc(small_model, tmp_path / "c", redis_server.url)
+    assert_miss_then_correct(small_model, c, p + [4, 5])
+    c.close()
+
+
+def test_dead_redis_leaves_local_tiers_answering(small_model, tmp_path, redis_server):
+    p = tokens(65, 64)
+    publish_from_a(small_model, tmp_path, redis_server.url, p)
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    redis_server.kill()
+    assert_miss_then_correct(small_model, b, p + [3])
+    _, hit = run(b, small_model, p + [3, 8])  # memory still serves
+    assert hit.tier == "hot"
+    s = b.stats()
+    assert s["shared_errors"] >= 1 and s["shared_up"] == 0
+    b.close()  # publishing into a dead Redis does not hang shutdown
+
+
+def test_spilled_entry_is_published_off_the_request_path(small_model, tmp_path, redis_server):
+    a = open_tc(small_model, tmp_path / "a", redis_server.url)
+    p = tokens(66, 48)
+    run(a, small_model, p)
+    a.hot.budget_bytes = 0
+    a.hot.enforce()  # evicted → spilled (writer thread) → published (publisher thread)
+    a.cold.flush()
+    assert a.shared is not None and a.shared.flush(30)
+    assert a.stats()["shared_publishes"] == 1 and _entry_keys(redis_server, "e")
+    a.close()
