@@ -14,7 +14,7 @@ format, stored-KV quantisation, cache salt), so tenants with different fingerpri
 finds an index key finds every chunk, unless Redis evicted one since — then the hit is a miss.
 **Lookup** is two round trips: MGET of the prompt's block keys, then (pipelined) the token prefix and
 meta of at most three candidate entries, deepest first; token ids are compared exactly. **Fetch**
-reads every chunk (pipelined, a few per round trip) and runs ``check`` — the entry format's own
+reads every chunk straight into the entry's buffer (:mod:`bulk`) and runs ``check`` — the entry format's own
 checks (header checksum, fingerprint, data digests) returning its token ids — before anything is
 returned. Capacity and eviction are Redis's own (``maxmemory`` + an LRU policy).
 
@@ -45,6 +45,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tiered_kv import keys
+from tiered_kv.shared import bulk
 from tiered_kv.prefix import common_prefix
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,6 @@ T = TypeVar("T")
 #: bytes per Redis value: far under Redis's 512 MB value limit, large enough that a 4 GB entry
 #: is 64 round trips' worth of values, not thousands
 CHUNK_BYTES = 64 << 20
-_GROUP_BYTES = 256 << 20  # chunk bytes per pipelined round trip (bounds the client's buffering)
 _CANDIDATES = 3
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
@@ -204,24 +204,19 @@ class SharedTier:
         buf = bytearray(size)
         view = memoryview(buf)
         deadline = time.monotonic() + self.timeout + size / _MIN_RATE
-        group = max(1, _GROUP_BYTES // chunk)
-        for start in range(0, hit.nchunks, group):
+        for i in range(hit.nchunks):  # one round trip per chunk: latency ≪ a chunk's transfer
             if time.monotonic() > deadline:
                 self._count("timeouts")
                 self._once("slow", "shared tier too slow: fetch of %d bytes abandoned (a miss)", size)
                 return None
-            pipe = self.client.pipeline(transaction=False)
-            idx = range(start, min(hit.nchunks, start + group))
-            for i in idx:
-                pipe.get(self.key("c", hit.entry_id, i))
-            for i, part in zip(idx, pipe.execute(), strict=True):
-                if part is None:
-                    self._count("misses_evicted")  # Redis evicted a chunk: the entry is gone
-                    return None
-                lo = i * chunk
-                if len(part) != min(chunk, size - lo):
-                    return self._corrupt(hit.entry_id, f"chunk {i} has {len(part)} bytes")
-                view[lo : lo + len(part)] = part
+            lo = i * chunk
+            try:
+                got = bulk.get_into(self.client, self.key("c", hit.entry_id, i), view[lo : lo + chunk])
+            except ValueError as e:
+                return self._corrupt(hit.entry_id, f"chunk {i}: {e}")
+            if got is None:
+                self._count("misses_evicted")  # Redis evicted a chunk: the entry is gone
+                return None
         try:
             tokens = self.check(view)
         except ValueError as e:
@@ -255,13 +250,9 @@ class SharedTier:
         size, chunk = len(view), self.chunk_bytes
         nchunks = -(-size // chunk)
         chunk_keys = [self.key("c", eid, i) for i in range(nchunks)]
-        group = max(1, _GROUP_BYTES // chunk)
         try:
-            for start in range(0, nchunks, group):  # chunks first ...
-                pipe = self.client.pipeline(transaction=False)
-                for i in range(start, min(nchunks, start + group)):
-                    pipe.set(chunk_keys[i], view[i * chunk : (i + 1) * chunk])
-                pipe.execute()
+            for i in range(nchunks):  # chunks first ...
+                bulk.set_from(self.client, chunk_keys[i], view[i * chunk : (i + 1) * chunk])
             meta = {"n_tokens": len(tokens), "nbytes": size, "nchunks": nchunks,
                     "chunk_bytes": chunk, "created": repr(time.time())}  # fmt: skip
             pipe = self.client.pipeline(transaction=True)  # ... the index last, atomically
