@@ -102,8 +102,8 @@ def reload(sizes: list[float], url: str | None) -> None:
     if url is None:
         proc, url = start_redis(work)
     try:
-        print(f"| entry | tokens | dd GB/s | disk load GB/s | redis fetch GB/s | redis hit GB/s "
-              f"| publish GB/s |")  # fmt: skip
+        print("| entry | tokens | dd GB/s | disk load GB/s | redis fetch GB/s | redis hit GB/s "
+              "| publish GB/s |")  # fmt: skip
         print("|---|---|---|---|---|---|---|")
         for gb in sizes:
             _one(work, url, gb)

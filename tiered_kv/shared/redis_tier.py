@@ -45,8 +45,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tiered_kv import keys
-from tiered_kv.shared import bulk
 from tiered_kv.prefix import common_prefix
+from tiered_kv.shared import bulk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
