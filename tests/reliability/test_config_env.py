@@ -26,6 +26,8 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_KV_BITS": ["3", "16", "-4"],
     "TIERED_KV_KV_GROUP_SIZE": ["16", "100"],
     "TIERED_KV_PREFETCH": ["-1", "lots", "2 parsecs"],
+    "TIERED_KV_SHARED": ["http://cache:6379", "redis://", "redis://cache:99999", "redis://h/x"],
+    "TIERED_KV_SHARED_TIMEOUT": ["0", "61", "soon"],
 }
 SIZE_BAD = ["-1", "12XB", "1.5.5GB", "GB", "inf"]
 
