@@ -35,8 +35,10 @@ class SharedLink:
         """``fingerprint``: the local cold tier's (salt and stored-KV format mixed in)."""
         from tiered_kv.shared import entry
 
+        # an entry larger than the local disk budget could not be adopted: never fetched
         tier = SharedTier(config.shared_url, fingerprint, config.block_tokens,
-                          check or entry.checker(fingerprint), config.shared_timeout)  # fmt: skip
+                          check or entry.checker(fingerprint), config.shared_timeout,
+                          max_bytes=config.disk_bytes)  # fmt: skip
         return cls(tier, config.shared_queue_bytes)
 
     # -- request thread --------------------------------------------------------------------

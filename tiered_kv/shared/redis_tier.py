@@ -55,6 +55,7 @@ T = TypeVar("T")
 #: is 64 round trips' worth of values, not thousands
 CHUNK_BYTES = 64 << 20
 _CANDIDATES = 3
+MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 _EID = re.compile(rb"^[0-9a-f]{32}$")  # entry ids read from Redis are data: checked
@@ -115,8 +116,10 @@ class SharedTier:
         check: Check,
         timeout: float = 1.0,
         chunk_bytes: int = CHUNK_BYTES,
+        max_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
-        """Nothing is sent to Redis here: a server starts whether or not Redis is up."""
+        """Nothing is sent to Redis here: a server starts whether or not Redis is up. Entries
+        claiming more than ``max_bytes`` are never fetched (what Redis says is data)."""
         self.url = redact(url)
         self.fingerprint = fingerprint
         self.block_tokens = block_tokens
@@ -125,12 +128,13 @@ class SharedTier:
         self.check = check
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
+        self.max_bytes = max_bytes
         self.client = connect(url, timeout)
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(
             ("lookups", "hits", "misses", "fetches", "fetch_bytes", "misses_evicted", "corrupt",
              "publishes", "publish_bytes", "publish_skipped", "superseded", "errors", "timeouts",
-             "skipped_down", "outages"), 0
+             "skipped_down", "outages", "too_large"), 0
         )  # fmt: skip
         self._fetch_seconds = 0.0
         self._failures = 0
@@ -199,8 +203,11 @@ class SharedTier:
 
     def _fetch(self, hit: SharedHit) -> Fetched | None:
         size, chunk = hit.nbytes, hit.chunk_bytes
-        if not (0 < chunk <= 512 << 20 and size > 0 and hit.nchunks == -(-size // chunk)):
+        if not (0 < chunk <= 512 << 20 and 0 < size and hit.nchunks == -(-size // chunk)):
             return self._corrupt(hit.entry_id, "entry meta is inconsistent")
+        if size > self.max_bytes:
+            self._count("too_large")
+            return None
         buf = bytearray(size)
         view = memoryview(buf)
         deadline = time.monotonic() + self.timeout + size / _MIN_RATE

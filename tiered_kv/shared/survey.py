@@ -105,7 +105,7 @@ def verify(
 
 def _check_one(client: redis.Redis, tier: SharedTier, e: EntryInfo) -> str:
     """"ok", "incomplete" (a chunk is missing) or "corrupt" — read-only."""
-    if e.nchunks != -(-e.nbytes // max(1, e.chunk_bytes)):
+    if e.nchunks != -(-e.nbytes // max(1, e.chunk_bytes)) or e.nbytes > tier.max_bytes:
         return "corrupt"
     buf = bytearray(e.nbytes)
     for i in range(e.nchunks):

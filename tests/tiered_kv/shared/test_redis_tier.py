@@ -236,3 +236,17 @@ def test_concurrent_publish_and_lookup(redis_server):
 )  # fmt: skip
 def test_redact_hides_only_the_password(url, shown):
     assert redis_tier.redact(url) == shown
+
+
+def test_claimed_size_past_the_cap_is_never_allocated(redis_server):
+    t = SharedTier(redis_server.url, "fp-a", BLOCK, check, timeout=0.5, chunk_bytes=1000,
+                   max_bytes=10_000)  # fmt: skip
+    toks = ids(16, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    redis_server.client().hset(t.key("e", hit.entry_id), mapping={"nbytes": 1 << 40,
+                                                                   "nchunks": -(-(1 << 40) // 1000)})
+    hit = t.lookup(toks)
+    assert hit is not None and t.fetch(hit) is None
+    assert t.stats()["too_large"] == 1
