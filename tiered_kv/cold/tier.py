@@ -38,6 +38,7 @@ from tiered_kv.cold.verify import VerifyReport, quarantine, reconcile, verify_di
 from tiered_kv.cold.writer import Writer
 from tiered_kv.config import Config
 from tiered_kv.prefix import common_prefix
+from tiered_kv.shared.publisher import map_file  # [shared tier, issue 17]
 
 log = logging.getLogger(__name__)
 _HEADER_SLACK = 64 << 10  # bytes reserved for a header when checking the budget
@@ -302,7 +303,7 @@ class ColdTier:
             path = None  # committed
             if self._published is not None:  # [shared tier] publish it too (write-behind)
                 done = self.dir / rec.file
-                self._published(lambda: _read_bytes(done), job.tokens, nbytes)
+                self._published(lambda: map_file(done), job.tokens, nbytes)
             for r in older:  # continuation: superseded entries, deleted after the commit
                 (self.dir / r.file).unlink(missing_ok=True)
             with self._stats_lock:
@@ -457,14 +458,6 @@ class ColdTier:
 
 
 __all__ = ["ColdHit", "ColdTier", "VerifyReport"]
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    """[shared tier] A written entry's bytes for publishing, or None once it is gone."""
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
 
 
 def _decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list, dict[int, list]]:

@@ -13,10 +13,13 @@ never MLX. ``submit`` never blocks the request thread.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +27,22 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 Read = Callable[[], Any]  # → a buffer of the entry's bytes, or None (gone)
+
+
+def map_file(path: Path) -> memoryview | None:
+    """A read-only map of a local entry file (pages come from the page cache as they are sent:
+    publishing a 4 GB entry does not hold 4 GB of process memory), or None once it is gone or
+    unreadable. Never follows a symlink."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, or a symlink planted in the cache dir (ELOOP): nothing to publish
+        return None
+    try:
+        if os.fstat(fd).st_size == 0:
+            return None
+        return memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    finally:
+        os.close(fd)  # the map keeps the file's pages
 
 
 @dataclass
