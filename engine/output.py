@@ -152,7 +152,10 @@ class ChatOutput:
         self._sm = fmt.machine(parse_tools).make_state(REASONING if start_in_reasoning else NORMAL)
         self._state = self._sm[0]
         self._tool_text = ""
-        self._held = {NORMAL: "", REASONING: ""}  # trailing whitespace, shown once more text follows
+        self._held = {
+            NORMAL: "",
+            REASONING: "",
+        }  # trailing whitespace, shown once more text follows
         self._lstrip = {NORMAL: False, REASONING: start_in_reasoning}
         self.n_calls = 0
         self.result = Delta()
@@ -197,8 +200,8 @@ class ChatOutput:
             self._held[old] = ""  # whitespace before a marker is not text
         if new == TOOL:
             self._tool_text = ""
-        elif new in self._lstrip:
-            self._lstrip[new] = True  # nor is whitespace after one
+        elif old == REASONING or new == REASONING:
+            self._lstrip[new] = True  # nor is whitespace just inside or after a think block
         self._state = new
 
     def _show(self, channel: str, text: str, out: Delta) -> None:
@@ -219,19 +222,21 @@ class ChatOutput:
             self._held[channel] += text
 
     # -- calls -----------------------------------------------------------------------------------
-    def _close_call(self, out: Delta, closed: bool) -> None:
+    def _close_call(self, out: Delta, closed: bool) -> bool:
+        """Parse the block just ended; False when it is shown as text instead."""
         text, self._tool_text = self._tool_text, ""
         calls = self._parse(text)
         if calls is None:  # not a call after all (or cut short): the block is text
             start, end = self.fmt.tool
             out.content += self._held[NORMAL] + start + text + (end if closed else "")
             self._held[NORMAL] = ""
-            return
+            return False
         for call in calls:
             if self.n_calls and not self.parallel:
                 continue
             out.tool_calls.append({"index": self.n_calls, **call})
             self.n_calls += 1
+        return True
 
     def _parse(self, text: str) -> list[dict[str, Any]] | None:
         try:

@@ -75,8 +75,15 @@ FAMILIES: dict[str, Family] = {
     ),
     "minimax-m2": Family(
         "MiniMax-M2.jinja",
-        ("]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>",
-         "</minimax:tool_call>"),  # fmt: skip
+        (
+            "]~!b[",
+            "]~b]",
+            "[e~[",
+            "<think>",
+            "</think>",
+            "<minimax:tool_call>",
+            "</minimax:tool_call>",
+        ),  # fmt: skip
         parser="minimax_m2",
     ),
     "devstral": Family(
@@ -88,21 +95,38 @@ FAMILIES: dict[str, Family] = {
     "gemma-4": Family("google-gemma-4-31B-it.jinja", _GEMMA4, bos="<bos>", parser="gemma4"),
     "lfm2.5": Family(
         "LFM2.5-8B-A1B.jinja",
-        ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_call_start|>",
-         "<|tool_call_end|>"),  # fmt: skip
+        (
+            "<|startoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|tool_call_start|>",
+            "<|tool_call_end|>",
+        ),  # fmt: skip
         bos="<|startoftext|>",
         parser="pythonic",
     ),
     "llama-3.3": Family(
         "meta-llama-Llama-3.3-70B-Instruct.jinja",
-        ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-         "<|eom_id|>", "<|python_tag|>"),  # fmt: skip
+        (
+            "<|begin_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+        ),  # fmt: skip
         bos="<|begin_of_text|>",
     ),
     "deepseek-r1-distill": Family(
         "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
-        ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
-         "<think>", "</think>"),  # fmt: skip
+        (
+            "<｜begin▁of▁sentence｜>",
+            "<｜User｜>",
+            "<｜Assistant｜>",
+            "<｜end▁of▁sentence｜>",
+            "<think>",
+            "</think>",
+        ),  # fmt: skip
         bos="<｜begin▁of▁sentence｜>",
     ),
 }
@@ -139,7 +163,9 @@ def _extract(sdist: Path, out: Path) -> None:
                 continue
             src = tar.extractfile(member)
             assert src is not None
-            (out / name).write_bytes(src.read())  # our own file name: nothing in the archive is a path
+            (out / name).write_bytes(
+                src.read()
+            )  # our own file name: nothing in the archive is a path
     if wanted:
         raise FetchError(f"{SDIST_NAME} lacks {', '.join(sorted(wanted.values()))}")
 

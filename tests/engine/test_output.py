@@ -33,7 +33,10 @@ TOOLS = [
         },
     }
 ]
-USER = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Weather?"}]
+USER = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Weather?"},
+]
 PARIS = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
 OSLO = {"name": "get_weather", "arguments": {"city": "Oslo"}}
 
@@ -116,7 +119,7 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
     (  # opens <think>\n in the generation prompt
         "minimax-m2",
         "minimax_m2",
-        "Check the weather.\n</think>\n\n<minimax:tool_call>\n<invoke name=\"get_weather\">\n"
+        'Check the weather.\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
         '<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n'
         "</invoke>\n</minimax:tool_call>",
         "Check the weather.",
@@ -200,7 +203,11 @@ def test_family_tool_calls_whole_and_streamed(family_dirs, case):
     for n in (1, 2, 7):  # markers split over pieces in every way
         out = ChatOutput(fmt, TOOLS, start_in_reasoning=start)
         streamed, finish = _run(out, _pieces(output, n))
-        assert (streamed.reasoning, streamed.content, _calls(streamed)) == (reasoning, content, calls)
+        assert (streamed.reasoning, streamed.content, _calls(streamed)) == (
+            reasoning,
+            content,
+            calls,
+        )
         assert out.result.content == streamed.content and finish == "tool_calls"
 
 
@@ -288,7 +295,9 @@ def test_forced_prefixes(family_dirs):
     prefix = fmt.forced_prefix(named)
     assert prefix == "<tool_call>\n<function=get_weather>\n"
     out = ChatOutput(fmt, TOOLS)
-    got, finish = _run(out, [prefix, "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"])
+    got, finish = _run(
+        out, [prefix, "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"]
+    )
     assert _calls(got) == [OSLO] and finish == "tool_calls"
 
 
@@ -299,3 +308,65 @@ def test_sse_deltas_shape():
         {"content": "hi"},
         {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {}}]},
     ]
+
+
+# --- Hermes (the injected format; also the tiny model's own template) ---------------------------
+
+
+def _hermes(pieces: list[str], **kw: Any) -> tuple[Delta, str | None]:
+    return _run(ChatOutput(OutputFormat(), TOOLS, **kw), pieces)
+
+
+def test_hermes_single_call_with_text():
+    got, _ = _hermes(
+        [
+            'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        ]
+    )
+    call = got.tool_calls[0]
+    assert got.content == "Let me check." and call["type"] == "function"
+    assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_hermes_parallel_calls_string_arguments():
+    one = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
+    two = '<tool_call>\n{"name": "b", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
+    got, _ = _hermes([one + "\n" + two + "\n"])
+    assert got.content == "" and [c["function"]["name"] for c in got.tool_calls] == ["a", "b"]
+    assert json.loads(got.tool_calls[1]["function"]["arguments"]) == {"x": 1}
+
+
+def test_hermes_invalid_block_stays_text():
+    text = "<tool_call>\nnot json\n</tool_call> done"
+    got, finish = _hermes([text])
+    assert (got.content, got.tool_calls, finish) == (text, [], "stop")
+
+
+def test_hermes_streaming_holds_text_from_opener():
+    out = ChatOutput(OutputFormat(), TOOLS)
+    pieces = [
+        "Sure",
+        " <tool",
+        '_call>\n{"name": ',
+        '"a", "arguments": {}}',
+        "\n</tool_",
+        "call>",
+        " bye",
+    ]
+    shown = [out.feed(p) for p in pieces]
+    tail, _ = out.finish("stop")
+    assert "".join(d.content for d in shown) + tail.content == "Sure bye"
+    assert shown[1].content == "" and shown[2].content == "" and out.n_calls == 1
+
+
+def test_hermes_unclosed_complete_json_is_a_call():
+    got, finish = _hermes(
+        ['<tool_call>\n{"name": "get_weather", "arguments": ', '{"city": "Oslo"}}']
+    )
+    assert _calls(got) == [OSLO] and finish == "tool_calls"
+
+
+def test_hermes_disabled_passes_text():
+    got, _ = _hermes(["<tool_call>{}</tool_call>"], parse_tools=False)
+    assert got.content == "<tool_call>{}</tool_call>"
