@@ -8,9 +8,9 @@ once, checks the sdist's sha256, and extracts only the templates named in :data:
 
 ``family_dir(tiny_dir, family, templates_dir, out)`` copies the tiny model directory and gives it the
 family's template and the family's marker strings as added tokens, so mlx-lm's ``TokenizerWrapper`` infers
-the family's tool parser and think markers exactly as it does for the real model. The model's weights
-stay the tiny model's: such a directory is for rendering, tokenizing and parsing, not for running ids of
-the added tokens through the model (they lie past its embedding table).
+the family's tool parser and think markers exactly as it does for the real model. The embedding table
+grows by one random row per added token, so the directory also runs (a tiny random model that happens to
+speak through the family's template).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Family:
     tokens: tuple[str, ...]
     bos: str = ""
     parser: str | None = None  # the mlx-lm tool parser its template selects (None: mlx-lm has none)
+    eos: str = "<|im_end|>"  # what the model writes to end its turn (never fed back into the cache)
 
 
 _QWEN = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -67,9 +68,9 @@ _GEMMA4 = ("<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|too
 FAMILIES: dict[str, Family] = {
     "qwen3-coder": Family("Qwen3-Coder.jinja", _QWEN, parser="qwen3_coder"),
     "qwen3": Family("Qwen-Qwen3-0.6B.jinja", _QWEN, parser="json_tools"),
-    "glm-4.6": Family("GLM-4.6.jinja", _GLM, parser="glm47"),
-    "glm-4.7": Family("GLM-4.7-Flash.jinja", _GLM, parser="glm47"),
-    "kimi-k2": Family("Kimi-K2-Instruct.jinja", _KIMI, parser="kimi_k2"),
+    "glm-4.6": Family("GLM-4.6.jinja", _GLM, parser="glm47", eos="<|observation|>"),
+    "glm-4.7": Family("GLM-4.7-Flash.jinja", _GLM, parser="glm47", eos="<|observation|>"),
+    "kimi-k2": Family("moonshotai-Kimi-K2.jinja", _KIMI, parser="kimi_k2"),
     "kimi-k2-thinking": Family(
         "Kimi-K2-Thinking.jinja", _KIMI + ("<think>", "</think>"), parser="kimi_k2"
     ),
@@ -85,14 +86,25 @@ FAMILIES: dict[str, Family] = {
             "</minimax:tool_call>",
         ),  # fmt: skip
         parser="minimax_m2",
+        eos="[e~[",
     ),
     "devstral": Family(
-        "unsloth-mistral-Devstral-Small-2507.jinja", _MISTRAL, bos="<s>", parser="mistral"
+        "unsloth-mistral-Devstral-Small-2507.jinja",
+        _MISTRAL,
+        bos="<s>",
+        parser="mistral",
+        eos="</s>",
     ),
     "mistral-small-3.2": Family(
-        "Mistral-Small-3.2-24B-Instruct-2506.jinja", _MISTRAL, bos="<s>", parser="mistral"
+        "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+        _MISTRAL,
+        bos="<s>",
+        parser="mistral",
+        eos="</s>",
     ),
-    "gemma-4": Family("google-gemma-4-31B-it.jinja", _GEMMA4, bos="<bos>", parser="gemma4"),
+    "gemma-4": Family(
+        "google-gemma-4-31B-it.jinja", _GEMMA4, bos="<bos>", parser="gemma4", eos="<turn|>"
+    ),
     "lfm2.5": Family(
         "LFM2.5-8B-A1B.jinja",
         (
@@ -116,6 +128,7 @@ FAMILIES: dict[str, Family] = {
             "<|python_tag|>",
         ),  # fmt: skip
         bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
     ),
     "deepseek-r1-distill": Family(
         "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
@@ -128,6 +141,7 @@ FAMILIES: dict[str, Family] = {
             "</think>",
         ),  # fmt: skip
         bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
     ),
 }
 
@@ -137,7 +151,11 @@ def default_dir(models_dir: Path) -> Path:
 
 
 def is_complete(out_dir: Path) -> bool:
-    return (Path(out_dir) / SOURCE_FILE).is_file()
+    """Fetched, and holding every template :data:`FAMILIES` names (the list may have grown)."""
+    out_dir = Path(out_dir)
+    return (out_dir / SOURCE_FILE).is_file() and all(
+        (out_dir / f.template).is_file() for f in FAMILIES.values()
+    )
 
 
 def _download(dest: Path) -> Path:
@@ -204,6 +222,25 @@ def read_template(templates_dir: Path, family: str) -> str:
     return (Path(templates_dir) / FAMILIES[family].template).read_text(encoding="utf-8")
 
 
+def _grow_vocab(model_dir: Path, vocab: int) -> None:
+    """Embedding rows (tied with the output layer) for the added tokens: deterministic random values."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    emb = weights["model.embed_tokens.weight"]
+    extra = vocab - emb.shape[0]
+    if extra <= 0:
+        return
+    rows = np.random.default_rng(extra).standard_normal((extra, emb.shape[1])).astype(emb.dtype)
+    weights["model.embed_tokens.weight"] = np.concatenate([emb, rows * emb.std()])
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "mlx"})
+    cfg["vocab_size"] = vocab
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
 def family_dir(tiny_dir: Path, family: str, templates_dir: Path, out: Path) -> Path:
     """A copy of ``tiny_dir`` whose tokenizer wears ``family``'s chat template and marker tokens."""
     from tokenizers import AddedToken, Tokenizer
@@ -212,6 +249,7 @@ def family_dir(tiny_dir: Path, family: str, templates_dir: Path, out: Path) -> P
     out = Path(out)
     if (out / "config.json").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     for f in Path(tiny_dir).iterdir():
         if f.is_file():
@@ -219,6 +257,7 @@ def family_dir(tiny_dir: Path, family: str, templates_dir: Path, out: Path) -> P
     tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in spec.tokens])
     tok.save(str(tmp / "tokenizer.json"))
+    _grow_vocab(tmp, tok.get_vocab_size())
     cfg_path = tmp / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = read_template(templates_dir, family)

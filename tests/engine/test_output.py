@@ -46,7 +46,7 @@ SOURCES = {
     "qwen3": "Qwen/Qwen3-0.6B (llama.cpp models/templates/Qwen-Qwen3-0.6B.jinja)",
     "glm-4.6": "zai-org/GLM-4.6 (llama.cpp models/templates/GLM-4.6.jinja)",
     "glm-4.7": "zai-org/GLM-4.7-Flash (llama.cpp models/templates/GLM-4.7-Flash.jinja)",
-    "kimi-k2": "moonshotai/Kimi-K2-Instruct (llama.cpp models/templates/Kimi-K2-Instruct.jinja)",
+    "kimi-k2": "moonshotai/Kimi-K2-Instruct (llama.cpp models/templates/moonshotai-Kimi-K2.jinja)",
     "kimi-k2-thinking": "moonshotai/Kimi-K2-Thinking (llama.cpp models/templates/Kimi-K2-Thinking.jinja)",
     "minimax-m2": "MiniMaxAI/MiniMax-M2 (llama.cpp models/templates/MiniMax-M2.jinja)",
     "devstral": "unsloth/Devstral-Small-2507 (llama.cpp models/templates/unsloth-mistral-Devstral-Small-2507.jinja)",
