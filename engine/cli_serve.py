@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.generate import CacheDirError, Engine
     from engine.loading import looks_like_hub_id
     from engine.server import create_app
+    from engine.worker import Worker
 
     log.info(
         "loading %s (tiers: %s, cache dir %s)",
@@ -71,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
         ",".join(config.tiers) or "none",
         config.cache_dir,
     )
+    # The model is loaded on the engine thread (the one thread that owns MLX), before serving.
+    worker = Worker(lambda: Engine(model_dir, config))
     try:
-        engine = Engine(model_dir, config)
+        worker.start()
     except CacheDirError as e:
         print(f"tiered-kv serve: {e}", file=sys.stderr)
         return 2
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     hub_id = args.model and looks_like_hub_id(args.model) and not Path(args.model).exists()
     model_id = str(args.model) if hub_id else None
     app = create_app(
-        engine,
+        worker,
         config,
         keepalive_seconds=args.keepalive,
         body_timeout_seconds=args.body_timeout,
