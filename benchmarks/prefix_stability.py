@@ -100,6 +100,7 @@ class Result:
     lost: list[int]
     prompts: list[int]
     note: str = ""
+    brk: str = ""
 
 
 def _call_id(fmt: OutputFormat, name: str, n: int) -> str:
@@ -161,6 +162,10 @@ def run_family(family: str, tiny_dir: Path, tdir: Path, work: Path, send_reasoni
             res.served.append(served / len(ids))
             res.reused.append(served / len(prev))
             res.lost.append(max(0, len(prev) - served))
+            if res.lost[-1] == max(res.lost) and res.lost[-1] > 0:  # where the worst break is
+                was = engine.tokenizer.decode(prev[served : served + 6])
+                now = engine.tokenizer.decode(ids[served : served + 6])
+                res.brk = f"turn {k + 1}: {was!r} became {now!r}"
         res.prompts.append(len(ids))
         prev = ids + gen
         # the client: parse what came back, send it back as OpenCode does
@@ -196,10 +201,10 @@ def main(argv: list[str]) -> None:
         tiny_dir = tiny.build(work / "tiny", size="test", seed=0)
         print("| family | parser | prompt tokens (turn 1 → last) | reasoning dropped: prompt served "
               "(mean), previous entry reused (worst), tokens lost (max) | reasoning sent back: same "
-              "| note |")  # fmt: skip
+              "| note (reasoning dropped: where the worst turn breaks) |")  # fmt: skip
         print("|---|---|---:|---:|---:|---|")
         for family in families:
-            cells = []
+            cells, breaks = [], []
             for send in (False, True):
                 try:
                     r = run_family(
@@ -208,6 +213,7 @@ def main(argv: list[str]) -> None:
                 except TemplateError as e:  # what a user of this template meets: a 400 from us
                     print(f"| {family} | - | - | - | - | template fails in transformers: {e} |")
                     break
+                breaks.append(r.brk)
                 cells.append(
                     f"{100 * sum(r.served) / len(r.served):.1f}%, {100 * min(r.reused):.1f}%, "
                     f"{max(r.lost)}"
@@ -215,7 +221,7 @@ def main(argv: list[str]) -> None:
             else:
                 print(
                     f"| {family} | {r.parser} | {r.prompts[0]} → {r.prompts[-1]} | {cells[0]} | "
-                    f"{cells[1]} | {r.note} |"
+                    f"{cells[1]} | {'; '.join(x for x in [r.note, breaks[0]] if x)} |"
                 )
 
 

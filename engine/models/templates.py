@@ -113,6 +113,8 @@ FAMILIES: dict[str, Family] = {
             "<|im_end|>",
             "<|tool_call_start|>",
             "<|tool_call_end|>",
+            "<think>",
+            "</think>",
         ),  # fmt: skip
         bos="<|startoftext|>",
         parser="pythonic",

@@ -54,7 +54,7 @@ def opencode_config(port: int) -> dict:
     }
 
 
-def opencode_env(home: Path) -> dict[str, str]:
+def opencode_env(home: Path, config: Path) -> dict[str, str]:
     env = clean_env(
         HOME=str(home),
         XDG_CONFIG_HOME=str(home / ".config"),
@@ -71,6 +71,7 @@ def opencode_env(home: Path) -> dict[str, str]:
     for key in list(env):  # no provider keys or opencode settings from the machine leak in
         if key.startswith(("OPENCODE_CONFIG", "OPENAI_", "ANTHROPIC_")):
             env.pop(key)
+    env["OPENCODE_CONFIG"] = str(config)  # found without a git root around the project
     return env
 
 
@@ -120,7 +121,7 @@ def test_opencode_turns_restart_turn(smollm2_dir, tmp_path):
     port, log = free_port(), tmp_path / "server.log"
     (project / "opencode.json").write_text(json.dumps(opencode_config(port), indent=2))
     server_env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"))
-    env = opencode_env(home)
+    env = opencode_env(home, project / "opencode.json")
 
     rows: list[tuple[str, int, int, str, float, int]] = []
 
