@@ -152,10 +152,8 @@ class ChatOutput:
         self._sm = fmt.machine(parse_tools).make_state(REASONING if start_in_reasoning else NORMAL)
         self._state = self._sm[0]
         self._tool_text = ""
-        self._held = {
-            NORMAL: "",
-            REASONING: "",
-        }  # trailing whitespace, shown once more text follows
+        # trailing whitespace per channel, shown once more text follows
+        self._held = {NORMAL: "", REASONING: ""}
         self._lstrip = {NORMAL: False, REASONING: start_in_reasoning}
         self.n_calls = 0
         self.result = Delta()
