@@ -8,8 +8,7 @@ request. What the model "generates" on each request is the family's own renderin
 the client's next request is built from that parsed output, as OpenCode builds it. The cache is the real
 ``TieredCache`` (hot tier): each request stores its prompt + generated ids, the next one is looked up.
 
-Two clients: one that drops reasoning from history (OpenCode's default for a custom OpenAI-compatible
-provider) and one that sends it back as ``reasoning_content``. Per family and client: the share of each
+Two clients: one that drops reasoning from history and one that sends it back as ``reasoning_content``. Per family and client: the share of each
 later prompt served from the cache (mean over the session; new tool results and user messages are the
 unserved rest), the share of the previous entry (prompt + generated) reused (worst turn; 100% = the
 template renders history exactly as it was generated), and the tokens of the previous entry past the
