@@ -187,6 +187,16 @@ class ChatRequest(_Sampling):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
+    def content_chars(self) -> int:
+        """Characters of message text: a lower bound of the rendered prompt's length."""
+        n = 0
+        for m in self.messages:
+            if isinstance(m.content, str):
+                n += len(m.content)
+            elif m.content:
+                n += sum(len(p["text"]) for p in m.content if isinstance(p.get("text"), str))
+        return n
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]

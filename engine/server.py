@@ -26,12 +26,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine import api, chat
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.generate import Chunk, SamplingParams
+from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import END, Job, Worker
 from tiered_kv.config import Config
 from tiered_kv.tiered import HitInfo
 
 log = logging.getLogger(__name__)
+#: tokenisations at once (thread pool): each holds memory proportional to its prompt
+TOKENIZE_CONCURRENCY = 2
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 KEEPALIVE = b": keep-alive\n\n"
 
@@ -122,6 +125,8 @@ class Server:
         self.created = api.now()
         self.metrics = Metrics(engine.cache.stats)
         self.worker = Worker(engine, on_wait=self.metrics.queue_wait.observe)
+        self.max_token_chars = max_token_chars(engine.tokenizer)
+        self._tokenizing = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
 
     # -- plumbing --------------------------------------------------------------------------------
     def _error(self, endpoint: str, e: Exception) -> JSONResponse:
@@ -131,6 +136,14 @@ class Server:
         log.exception("internal error on %s", endpoint)
         self.metrics.request(endpoint, 500)
         return JSONResponse(api.error_body(f"internal error: {e}", "server_error"), status_code=500)
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        api.check_chars(n_chars, self.engine.context_length, self.max_token_chars, param)
+
+    async def _tokenize(self, fn: Any, arg: Any) -> Any:
+        """``fn(arg)`` in the thread pool, at most TOKENIZE_CONCURRENCY at once."""
+        async with self._tokenizing:
+            return await run_in_threadpool(fn, arg)
 
     def _params(self, req: Any, prompt_len: int) -> SamplingParams:
         max_tokens = api.check_length(prompt_len, req.requested_max(), self.engine.context_length)
@@ -193,6 +206,7 @@ class Server:
             raise ApiError(
                 400, f"the model's chat template rejected the messages: {e}", param="messages"
             ) from None
+        self._check_chars(len(text) + len(prefix), "messages")
         return self.engine.encode_text(text + prefix), prefix
 
     async def chat_completions(self, request: Request) -> Response:
@@ -201,7 +215,8 @@ class Server:
                 await _read_body(request, self.config.max_body_bytes, self.body_timeout),
                 ChatRequest,
             )
-            ids, prefix = await run_in_threadpool(self._chat_prompt, req)
+            self._check_chars(req.content_chars(), "messages")  # before rendering it
+            ids, prefix = await self._tokenize(self._chat_prompt, req)
             params = self._params(req, len(ids))
             ctx = _Ctx(
                 api.new_id("chatcmpl"),
@@ -296,7 +311,8 @@ class Server:
                 await _read_body(request, self.config.max_body_bytes, self.body_timeout),
                 CompletionRequest,
             )
-            ids = await run_in_threadpool(self.engine.encode_text, req.prompt_text())
+            self._check_chars(len(req.prompt_text()), "prompt")
+            ids = await self._tokenize(self.engine.encode_text, req.prompt_text())
             if not ids:
                 raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
             params = self._params(req, len(ids))
