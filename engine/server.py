@@ -83,6 +83,39 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
+class _ShutdownGuard:
+    """ASGI middleware: a request still waiting when the server stops (uvicorn cancels it after
+    its graceful-shutdown timeout) gets a 503 JSON body, not uvicorn's plain-text 500."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            body = api.error_body(
+                "the server is shutting down; retry the request",
+                "server_error",
+                None,
+                "server_shutting_down",
+            )
+            headers = {"connection": "close", "retry-after": "1"}
+            await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+
+
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The body, bounded in size (413) and in time (408: a client that trickles its body)."""
     declared = request.headers.get("content-length")
@@ -435,4 +468,5 @@ def create_app(
 
     if config.api_key:
         app.add_middleware(_Auth, api_key=config.api_key)
+    app.add_middleware(_ShutdownGuard)  # outermost
     return app
