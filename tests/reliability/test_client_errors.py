@@ -99,7 +99,7 @@ class _Slow:
 
 def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
     config = Config(cache_dir=tmp_path, tiers=("hot",))
-    app = create_app(_Slow(Engine(tiny_model_dir, config), 30.0), config)
+    app = create_app(lambda: _Slow(Engine(tiny_model_dir, config), 30.0), config)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
                                            timeout_graceful_shutdown=1))  # fmt: skip
