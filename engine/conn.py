@@ -72,23 +72,14 @@ class _HeaderDeadline(H11Protocol):
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if self._awaiting_headers() and not self.transport.is_closing():
-            _counts["header_timeouts"] += 1
+        if self._awaiting_headers():
             self.transport.close()
-
-
-_counts = {"header_timeouts": 0}
 
 
 def guarded_h11(header_timeout: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a ``header_timeout`` deadline (seconds) on request headers;
     pass it as ``uvicorn.Config(http=...)``."""
     return type("GuardedH11Protocol", (_HeaderDeadline,), {"header_timeout": header_timeout})
-
-
-def header_timeouts() -> int:
-    """Connections closed so far for headers that did not arrive in time (this process)."""
-    return _counts["header_timeouts"]
 
 
 def raise_nofile_limit(want: int = 65536) -> tuple[int, int]:

@@ -1,0 +1,140 @@
+"""Memory creep of a serving process over many rounds of chat requests (issue 12.9).
+
+The server runs in this process (uvicorn on a thread, the real app and worker), so every reading is
+of the serving process itself. Each round sends ``--requests`` chat turns (fresh conversations of
+three turns each, 4 clients at once), so the hot tier churns at its budget. After each round (all
+requests done, ``gc.collect()``) one row: the process RSS, the hot tier's bytes, MLX's active and
+cache (freed-but-kept buffers) memory, the count of Python objects, and with ``--tracemalloc`` the
+bytes Python allocated. ``--clear-cache`` calls ``mx.clear_cache()`` after each round,
+``--malloc-trim`` glibc's ``malloc_trim(0)``: if the creep disappears with one of them, that is
+its cause. Reading allocator counters is no array operation, so it is done from this thread.
+
+    python benchmarks/memory_creep.py                          # tiny model, 30 rounds x 60
+    python benchmarks/memory_creep.py --model ~/.cache/tiered-kv/models/smollm2-135m-instruct
+    python benchmarks/memory_creep.py --rounds 10 --clear-cache --malloc-trim
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import socket
+import tempfile
+import threading
+import time
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import uvicorn
+
+from engine.generate import Engine
+from engine.server import create_app
+from tiered_kv.config import Config, parse_size
+
+MB = 1e6
+WORDS = "the of and to in file error def return class import value path line test".split()
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def start(app: Any) -> tuple[uvicorn.Server, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    )
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def conversation(client: httpx.Client, url: str, seed: int, words: int, max_tokens: int) -> None:
+    """Three turns of one fresh conversation (each turn extends the previous one's entry)."""
+    text = " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(words)) + f" #{seed}"
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": text}]
+    for turn in range(3):
+        body = {"messages": msgs, "max_tokens": max_tokens, "temperature": 0}
+        r = client.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+        r.raise_for_status()
+        msgs += [r.json()["choices"][0]["message"], {"role": "user", "content": f"and {turn}?"}]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: tiny test model)")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--requests", type=int, default=60, help="chat turns per round (3 per chat)")
+    p.add_argument("--words", type=int, default=300, help="words in each chat's first message")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--hot-bytes", default="60MB")
+    p.add_argument("--clear-cache", action="store_true", help="mx.clear_cache() after each round")
+    p.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) after each round")
+    p.add_argument("--tracemalloc", action="store_true", help="trace Python allocations")
+    args = p.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="memory-creep-"))
+    model = args.model
+    if model is None:
+        from engine.models import tiny
+
+        model = tiny.build(tmp / "tiny", size="test", seed=0)
+    config = Config(cache_dir=tmp / "kv", tiers=("hot",), hot_bytes=parse_size(args.hot_bytes))
+    app = create_app(lambda: Engine(model, config), config)
+    server, url = start(app)
+    worker = app.state.server.worker
+    if args.tracemalloc:
+        tracemalloc.start(12)
+    print(f"model {model.name}, {args.rounds} rounds x {args.requests} requests, hot budget "
+          f"{args.hot_bytes}, clear_cache={args.clear_cache}, malloc_trim={args.malloc_trim}\n")  # fmt: skip
+    print("| round | RSS MB | hot MB | hot entries | mlx active MB | mlx cache MB | py objects |"
+          + (" traced MB |" if args.tracemalloc else ""))  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.tracemalloc else ""))
+    first = snap = None
+    chats = max(1, args.requests // 3)
+    with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
+        for rnd in range(args.rounds):
+            seeds = range(rnd * chats, (rnd + 1) * chats)
+            list(pool.map(lambda s: conversation(client, url, s, args.words, args.max_tokens), seeds))
+            gc.collect()
+            if args.clear_cache:
+                mx.clear_cache()  # between rounds: the engine thread is idle
+            if args.malloc_trim:
+                malloc_trim()
+            st = worker.engine.cache.stats()
+            row = [rnd + 1, rss_bytes() / MB, st["hot_bytes"] / MB, st["hot_entries"],
+                   mx.get_active_memory() / MB, mx.get_cache_memory() / MB, len(gc.get_objects())]  # fmt: skip
+            if args.tracemalloc:
+                row.append(tracemalloc.get_traced_memory()[0] / MB)
+                if rnd == 1:
+                    first = tracemalloc.take_snapshot()
+                snap = tracemalloc.take_snapshot()
+            print("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row)
+                  + " |", flush=True)  # fmt: skip
+    if first is not None and snap is not None:
+        print("\nlargest Python allocation growth from round 2 to the last:")
+        for stat in snap.compare_to(first, "lineno")[:10]:
+            print(f"  {stat}")
+    server.should_exit = True
+
+
+if __name__ == "__main__":
+    main()
