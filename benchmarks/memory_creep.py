@@ -113,7 +113,9 @@ def main() -> None:
     with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
         for rnd in range(args.rounds):
             seeds = range(rnd * chats, (rnd + 1) * chats)
-            list(pool.map(lambda s: conversation(client, url, s, args.words, args.max_tokens), seeds))
+            list(
+                pool.map(lambda s: conversation(client, url, s, args.words, args.max_tokens), seeds)
+            )
             gc.collect()
             if args.clear_cache:
                 mx.clear_cache()  # between rounds: the engine thread is idle
