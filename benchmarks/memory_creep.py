@@ -5,7 +5,8 @@ of the serving process itself. Each round sends ``--requests`` chat turns (fresh
 three turns each, 4 clients at once), so the hot tier churns at its budget. After each round (all
 requests done, ``gc.collect()``) one row: the process RSS, the hot tier's bytes, MLX's active and
 cache (freed-but-kept buffers) memory, the count of Python objects, and with ``--tracemalloc`` the
-bytes Python allocated. ``--clear-cache`` calls ``mx.clear_cache()`` after each round,
+bytes Python allocated. RSS counts mapped files too (libraries, weights), which the kernel drops
+under memory pressure; "anon" (RssAnon) is the heap and MLX's buffers. ``--clear-cache`` calls ``mx.clear_cache()`` after each round,
 ``--malloc-trim`` glibc's ``malloc_trim(0)``: if the creep disappears with one of them, that is
 its cause. Reading allocator counters is no array operation, so it is done from this thread.
 
@@ -40,11 +41,14 @@ MB = 1e6
 WORDS = "the of and to in file error def return class import value path line test".split()
 
 
-def rss_bytes() -> int:
+def rss_bytes() -> tuple[int, int]:
+    """(resident, resident anonymous) bytes of this process: the anonymous part is the heap and
+    MLX's buffers; the rest is mapped files (libraries, weights), which the kernel may drop."""
+    got = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        if line.startswith(("VmRSS:", "RssAnon:")):
+            got[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return got.get("VmRSS", 0), got.get("RssAnon", 0)
 
 
 def malloc_trim() -> None:
@@ -105,9 +109,9 @@ def main() -> None:
         tracemalloc.start(12)
     print(f"model {model.name}, {args.rounds} rounds x {args.requests} requests, hot budget "
           f"{args.hot_bytes}, clear_cache={args.clear_cache}, malloc_trim={args.malloc_trim}\n")  # fmt: skip
-    print("| round | RSS MB | hot MB | hot entries | mlx active MB | mlx cache MB | py objects |"
+    print("| round | RSS MB | anon MB | hot MB | hot entries | mlx active MB | mlx cache MB | py objects |"
           + (" traced MB |" if args.tracemalloc else ""))  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.tracemalloc else ""))
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.tracemalloc else ""))
     first = snap = None
     chats = max(1, args.requests // 3)
     with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
@@ -122,7 +126,8 @@ def main() -> None:
             if args.malloc_trim:
                 malloc_trim()
             st = worker.engine.cache.stats()
-            row = [rnd + 1, rss_bytes() / MB, st["hot_bytes"] / MB, st["hot_entries"],
+            rss, anon = rss_bytes()
+            row = [rnd + 1, rss / MB, anon / MB, st["hot_bytes"] / MB, st["hot_entries"],
                    mx.get_active_memory() / MB, mx.get_cache_memory() / MB, len(gc.get_objects())]  # fmt: skip
             if args.tracemalloc:
                 row.append(tracemalloc.get_traced_memory()[0] / MB)
