@@ -51,6 +51,11 @@ def rss_bytes() -> tuple[int, int]:
     return got.get("VmRSS", 0), got.get("RssAnon", 0)
 
 
+def index_bytes(root: Path) -> int:
+    """Bytes of the cold index files (sqlite database and its WAL) under ``root``."""
+    return sum(p.stat().st_size for p in root.glob("*/index/cache.db*") if p.is_file())
+
+
 def malloc_trim() -> None:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -90,6 +95,7 @@ def main() -> None:
     p.add_argument("--words", type=int, default=300, help="words in each chat's first message")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--hot-bytes", default="60MB")
+    p.add_argument("--tiers", default="hot,cold", help='"hot,cold" (spills to disk) or "hot"')
     p.add_argument("--clear-cache", action="store_true", help="mx.clear_cache() after each round")
     p.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) after each round")
     p.add_argument("--tracemalloc", action="store_true", help="trace Python allocations")
@@ -101,17 +107,21 @@ def main() -> None:
         from engine.models import tiny
 
         model = tiny.build(tmp / "tiny", size="test", seed=0)
-    config = Config(cache_dir=tmp / "kv", tiers=("hot",), hot_bytes=parse_size(args.hot_bytes))
+    tiers = tuple(t for t in args.tiers.split(",") if t)
+    config = Config(cache_dir=tmp / "kv", tiers=tiers, hot_bytes=parse_size(args.hot_bytes))
     app = create_app(lambda: Engine(model, config), config)
     server, url = start(app)
     worker = app.state.server.worker
     if args.tracemalloc:
         tracemalloc.start(12)
-    print(f"model {model.name}, {args.rounds} rounds x {args.requests} requests, hot budget "
-          f"{args.hot_bytes}, clear_cache={args.clear_cache}, malloc_trim={args.malloc_trim}\n")  # fmt: skip
-    print("| round | RSS MB | anon MB | hot MB | hot entries | mlx active MB | mlx cache MB | py objects |"
-          + (" traced MB |" if args.tracemalloc else ""))  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.tracemalloc else ""))
+    print(f"model {model.name}, tiers {args.tiers}, {args.rounds} rounds x {args.requests} "
+          f"requests, hot budget {args.hot_bytes}, clear_cache={args.clear_cache}, "
+          f"malloc_trim={args.malloc_trim}\n")  # fmt: skip
+    cols = ["round", "RSS MB", "anon MB", "hot MB", "hot entries", "mlx active MB", "mlx cache MB",
+            "py objects", "cold entries", "index file MB", "spill queue MB"]  # fmt: skip
+    cols += ["traced MB"] if args.tracemalloc else []
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---:|" * len(cols))
     first = snap = None
     chats = max(1, args.requests // 3)
     with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
@@ -128,7 +138,9 @@ def main() -> None:
             st = worker.engine.cache.stats()
             rss, anon = rss_bytes()
             row = [rnd + 1, rss / MB, anon / MB, st["hot_bytes"] / MB, st["hot_entries"],
-                   mx.get_active_memory() / MB, mx.get_cache_memory() / MB, len(gc.get_objects())]  # fmt: skip
+                   mx.get_active_memory() / MB, mx.get_cache_memory() / MB, len(gc.get_objects()),
+                   st.get("cold_entries", 0), index_bytes(tmp / "kv") / MB,
+                   st.get("cold_queue_bytes", 0) / MB]  # fmt: skip
             if args.tracemalloc:
                 row.append(tracemalloc.get_traced_memory()[0] / MB)
                 if rnd == 1:
