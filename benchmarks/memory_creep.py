@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import shutil
 import socket
 import tempfile
 import threading
@@ -96,11 +97,19 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--hot-bytes", default="60MB")
     p.add_argument("--tiers", default="hot,cold", help='"hot,cold" (spills to disk) or "hot"')
+    p.add_argument("--disk-bytes", default="20GiB", help="the disk tier's budget")
     p.add_argument("--clear-cache", action="store_true", help="mx.clear_cache() after each round")
     p.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) after each round")
     p.add_argument("--tracemalloc", action="store_true", help="trace Python allocations")
+    p.add_argument("--sqlite-cache-pages", type=int, default=0,
+                   help="experiment: the cold index's sqlite page cache per connection (diskcache's "
+                        "default: 8192 pages = 32 MiB)")  # fmt: skip
     args = p.parse_args()
 
+    if args.sqlite_cache_pages:  # before the index opens: diskcache reads its defaults then
+        import diskcache.core
+
+        diskcache.core.DEFAULT_SETTINGS["sqlite_cache_size"] = args.sqlite_cache_pages
     tmp = Path(tempfile.mkdtemp(prefix="memory-creep-"))
     model = args.model
     if model is None:
@@ -108,15 +117,16 @@ def main() -> None:
 
         model = tiny.build(tmp / "tiny", size="test", seed=0)
     tiers = tuple(t for t in args.tiers.split(",") if t)
-    config = Config(cache_dir=tmp / "kv", tiers=tiers, hot_bytes=parse_size(args.hot_bytes))
+    config = Config(cache_dir=tmp / "kv", tiers=tiers, hot_bytes=parse_size(args.hot_bytes),
+                    disk_bytes=parse_size(args.disk_bytes), disk_free_floor=0)  # fmt: skip
     app = create_app(lambda: Engine(model, config), config)
     server, url = start(app)
     worker = app.state.server.worker
     if args.tracemalloc:
         tracemalloc.start(12)
     print(f"model {model.name}, tiers {args.tiers}, {args.rounds} rounds x {args.requests} "
-          f"requests, hot budget {args.hot_bytes}, clear_cache={args.clear_cache}, "
-          f"malloc_trim={args.malloc_trim}\n")  # fmt: skip
+          f"requests, hot budget {args.hot_bytes}, disk budget {args.disk_bytes}, clear_cache={args.clear_cache}, "
+          f"malloc_trim={args.malloc_trim}, sqlite_cache_pages={args.sqlite_cache_pages or 'default'}\n")  # fmt: skip
     cols = ["round", "RSS MB", "anon MB", "hot MB", "hot entries", "mlx active MB", "mlx cache MB",
             "py objects", "cold entries", "index file MB", "spill queue MB"]  # fmt: skip
     cols += ["traced MB"] if args.tracemalloc else []
@@ -153,6 +163,7 @@ def main() -> None:
         for stat in snap.compare_to(first, "lineno")[:10]:
             print(f"  {stat}")
     server.should_exit = True
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
