@@ -2,13 +2,15 @@
 
 The server runs in this process (uvicorn on a thread, the real app and worker), so every reading is
 of the serving process itself. Each round sends ``--requests`` chat turns (fresh conversations of
-three turns each, 4 clients at once), so the hot tier churns at its budget. After each round (all
-requests done, ``gc.collect()``) one row: the process RSS, the hot tier's bytes, MLX's active and
-cache (freed-but-kept buffers) memory, the count of Python objects, and with ``--tracemalloc`` the
-bytes Python allocated. RSS counts mapped files too (libraries, weights), which the kernel drops
-under memory pressure; "anon" (RssAnon) is the heap and MLX's buffers. ``--clear-cache`` calls ``mx.clear_cache()`` after each round,
-``--malloc-trim`` glibc's ``malloc_trim(0)``: if the creep disappears with one of them, that is
-its cause. Reading allocator counters is no array operation, so it is done from this thread.
+three turns each, 4 clients at once), so the hot tier churns at its budget and spills to disk.
+After each round (all requests done, ``gc.collect()``) one row: the process RSS and its anonymous
+part (RSS also counts mapped files, libraries and weights, which the kernel drops under memory
+pressure), the hot tier, MLX's active and cache (freed-but-kept buffers) memory, the Python
+objects, the arenas of CPython's small-object allocator, the cold entries, index file and spill
+queue, and with ``--tracemalloc`` the bytes Python allocated. ``--clear-cache`` calls
+``mx.clear_cache()`` after each round, ``--malloc-trim`` glibc's ``malloc_trim(0)``: if the creep
+disappears with one of them, that is its cause. Reading allocator counters is no array
+operation, so it is done from this thread.
 
     python benchmarks/memory_creep.py                          # tiny model, 30 rounds x 60
     python benchmarks/memory_creep.py --model ~/.cache/tiered-kv/models/smollm2-135m-instruct
@@ -20,8 +22,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -50,6 +54,24 @@ def rss_bytes() -> tuple[int, int]:
         if line.startswith(("VmRSS:", "RssAnon:")):
             got[line.split(":")[0]] = int(line.split()[1]) * 1024
     return got.get("VmRSS", 0), got.get("RssAnon", 0)
+
+
+def pymalloc_bytes() -> int:
+    """Bytes of the arenas CPython's small-object allocator holds (live objects and the free
+    room around them: an arena is returned only when every object in it is freed)."""
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)  # _debugmallocstats writes to the C stderr
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        for line in f.read().decode().splitlines():
+            if "bytes/arena" in line:
+                return int(line.split("=")[1].replace(",", ""))
+    return 0
 
 
 def index_bytes(root: Path) -> int:
@@ -128,7 +150,7 @@ def main() -> None:
           f"requests, hot budget {args.hot_bytes}, disk budget {args.disk_bytes}, clear_cache={args.clear_cache}, "
           f"malloc_trim={args.malloc_trim}, sqlite_cache_pages={args.sqlite_cache_pages or 'default'}\n")  # fmt: skip
     cols = ["round", "RSS MB", "anon MB", "hot MB", "hot entries", "mlx active MB", "mlx cache MB",
-            "py objects", "cold entries", "index file MB", "spill queue MB"]  # fmt: skip
+            "py objects", "pymalloc MB", "cold entries", "index file MB", "spill queue MB"]  # fmt: skip
     cols += ["traced MB"] if args.tracemalloc else []
     print("| " + " | ".join(cols) + " |")
     print("|" + "---:|" * len(cols))
@@ -149,7 +171,7 @@ def main() -> None:
             rss, anon = rss_bytes()
             row = [rnd + 1, rss / MB, anon / MB, st["hot_bytes"] / MB, st["hot_entries"],
                    mx.get_active_memory() / MB, mx.get_cache_memory() / MB, len(gc.get_objects()),
-                   st.get("cold_entries", 0), index_bytes(tmp / "kv") / MB,
+                   pymalloc_bytes() / MB, st.get("cold_entries", 0), index_bytes(tmp / "kv") / MB,
                    st.get("cold_queue_bytes", 0) / MB]  # fmt: skip
             if args.tracemalloc:
                 row.append(tracemalloc.get_traced_memory()[0] / MB)
