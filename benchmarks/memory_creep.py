@@ -12,9 +12,9 @@ queue, and with ``--tracemalloc`` the bytes Python allocated. ``--clear-cache`` 
 disappears with one of them, that is its cause. Reading allocator counters is no array
 operation, so it is done from this thread.
 
-    python benchmarks/memory_creep.py                          # tiny model, 30 rounds x 60
-    python benchmarks/memory_creep.py --model ~/.cache/tiered-kv/models/smollm2-135m-instruct
-    python benchmarks/memory_creep.py --rounds 10 --clear-cache --malloc-trim
+    python -m benchmarks.memory_creep              # from the repo root: tiny model, 30 rounds x 60
+    python -m benchmarks.memory_creep --model ~/.cache/tiered-kv/models/smollm2-135m-instruct
+    python -m benchmarks.memory_creep --tiers hot --rounds 10 --clear-cache --malloc-trim
 """
 
 from __future__ import annotations
