@@ -33,7 +33,8 @@ from tiered_kv.config import Config
 from tiered_kv.tiered import HitInfo
 
 log = logging.getLogger(__name__)
-#: tokenisations at once (thread pool): each holds memory proportional to its prompt
+#: request bodies parsed / prompts tokenised at once (thread pool): each holds memory
+#: proportional to its body or prompt, and a 16 MB body takes a CPU for a while
 TOKENIZE_CONCURRENCY = 2
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 KEEPALIVE = b": keep-alive\n\n"
@@ -184,10 +185,10 @@ class Server:
             self._max_token_chars = max_token_chars(self.engine.tokenizer)
         api.check_chars(n_chars, self.engine.context_length, self._max_token_chars, param)
 
-    async def _tokenize(self, fn: Any, arg: Any) -> Any:
-        """``fn(arg)`` in the thread pool, at most TOKENIZE_CONCURRENCY at once."""
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the thread pool, at most TOKENIZE_CONCURRENCY at once."""
         async with self._tokenizing:
-            return await run_in_threadpool(fn, arg)
+            return await run_in_threadpool(fn, *args)
 
     def _params(self, req: Any, prompt_len: int) -> SamplingParams:
         max_tokens = api.check_length(prompt_len, req.requested_max(), self.engine.context_length)
@@ -255,12 +256,10 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            req = api.parse_body(
-                await _read_body(request, self.config.max_body_bytes, self.body_timeout),
-                ChatRequest,
-            )
+            raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
+            req = await self._off_loop(api.parse_body, raw, ChatRequest)
             self._check_chars(req.content_chars(), "messages")  # before rendering it
-            ids, prefix = await self._tokenize(self._chat_prompt, req)
+            ids, prefix = await self._off_loop(self._chat_prompt, req)
             params = self._params(req, len(ids))
             ctx = _Ctx(
                 api.new_id("chatcmpl"),
@@ -351,12 +350,10 @@ class Server:
     # -- completions -----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         try:
-            req = api.parse_body(
-                await _read_body(request, self.config.max_body_bytes, self.body_timeout),
-                CompletionRequest,
-            )
+            raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
+            req = await self._off_loop(api.parse_body, raw, CompletionRequest)
             self._check_chars(len(req.prompt_text()), "prompt")
-            ids = await self._tokenize(self.engine.encode_text, req.prompt_text())
+            ids = await self._off_loop(self.engine.encode_text, req.prompt_text())
             if not ids:
                 raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
             params = self._params(req, len(ids))
