@@ -120,6 +120,8 @@ def main() -> None:
     p.add_argument("--hot-bytes", default="60MB")
     p.add_argument("--tiers", default="hot,cold", help='"hot,cold" (spills to disk) or "hot"')
     p.add_argument("--disk-bytes", default="20GiB", help="the disk tier's budget")
+    p.add_argument("--write-through", action="store_true",
+                   help="persist every turn (with a large hot budget: disk writes, no reloads)")  # fmt: skip
     p.add_argument("--clear-cache", action="store_true", help="mx.clear_cache() after each round")
     p.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) after each round")
     p.add_argument("--tracemalloc", action="store_true", help="trace Python allocations")
@@ -140,14 +142,16 @@ def main() -> None:
         model = tiny.build(tmp / "tiny", size="test", seed=0)
     tiers = tuple(t for t in args.tiers.split(",") if t)
     config = Config(cache_dir=tmp / "kv", tiers=tiers, hot_bytes=parse_size(args.hot_bytes),
-                    disk_bytes=parse_size(args.disk_bytes), disk_free_floor=0)  # fmt: skip
+                    disk_bytes=parse_size(args.disk_bytes), disk_free_floor=0,
+                    write_through=args.write_through)  # fmt: skip
     app = create_app(lambda: Engine(model, config), config)
     server, url = start(app)
     worker = app.state.server.worker
     if args.tracemalloc:
         tracemalloc.start(12)
     print(f"model {model.name}, tiers {args.tiers}, {args.rounds} rounds x {args.requests} "
-          f"requests, hot budget {args.hot_bytes}, disk budget {args.disk_bytes}, clear_cache={args.clear_cache}, "
+          f"requests, hot budget {args.hot_bytes}, disk budget {args.disk_bytes}, "
+          f"write_through={args.write_through}, clear_cache={args.clear_cache}, "
           f"malloc_trim={args.malloc_trim}, sqlite_cache_pages={args.sqlite_cache_pages or 'default'}\n")  # fmt: skip
     cols = ["round", "RSS MB", "anon MB", "hot MB", "hot entries", "mlx active MB", "mlx cache MB",
             "py objects", "pymalloc MB", "cold entries", "index file MB", "spill queue MB"]  # fmt: skip
