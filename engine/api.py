@@ -83,6 +83,8 @@ class Message(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as clients send it back
+    reasoning: str | None = None  # the same, as mlx_lm.server names it
 
     @field_validator("role")
     @classmethod
@@ -365,11 +367,14 @@ def chat_response(
     tool_calls: list[dict[str, Any]],
     finish: str | None,
     usage: Any,
+    reasoning: str = "",
 ) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": content or (None if tool_calls else ""),
     }
+    if reasoning:  # OpenAI-compatible clients read reasoning_content; mlx_lm.server sends reasoning
+        message["reasoning_content"] = message["reasoning"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {

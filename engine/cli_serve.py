@@ -1,4 +1,4 @@
-"""`tiered-kv serve`: load a model directory and serve the OpenAI-compatible API with uvicorn.
+"""`tiered-kv serve`: load a model (directory or hub id) and serve the OpenAI-compatible API with uvicorn.
 
 uvicorn handles SIGINT/SIGTERM: it stops accepting connections, waits a few seconds for open responses,
 then runs the app's lifespan shutdown, which cancels queued work and closes the engine (flushing the
@@ -22,9 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        type=Path,
         default=None,
-        help=f"mlx-lm model directory (default: $TIERED_KV_MODELS_DIR/{DEFAULT_MODEL})",
+        help="mlx-lm model directory or Hugging Face hub id, e.g. mlx-community/Qwen3-4B-4bit "
+        f"(resolved as mlx-lm does; default: $TIERED_KV_MODELS_DIR/{DEFAULT_MODEL})",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -58,18 +58,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = args.config
-    model_dir = args.model or config.models_dir / DEFAULT_MODEL
-    if not (model_dir / "config.json").is_file():
-        hint = (
-            "run `tiered-kv model fetch smollm2`"
-            if args.model is None
-            else "pass an mlx-lm model directory"
-        )
-        print(f"tiered-kv serve: no model at {model_dir}; {hint}", file=sys.stderr)
-        return 2
+    if args.model is None:
+        model_dir = config.models_dir / DEFAULT_MODEL
+        if not (model_dir / "config.json").is_file():
+            hint = "run `tiered-kv model fetch smollm2` or pass --model"
+            print(f"tiered-kv serve: no model at {model_dir}; {hint}", file=sys.stderr)
+            return 2
+    else:
+        from engine.loading import ModelDirError, resolve_model
+
+        try:
+            model_dir = resolve_model(args.model)
+        except ModelDirError as e:
+            print(f"tiered-kv serve: {e}", file=sys.stderr)
+            return 2
     import uvicorn
 
     from engine.generate import CacheDirError, Engine
+    from engine.loading import looks_like_hub_id
     from engine.server import create_app
     from engine.worker import Worker
 
@@ -90,8 +96,15 @@ def run(args: argparse.Namespace) -> int:
         log.warning(
             "serving on %s without TIERED_KV_API_KEY: anyone who can reach it can use it", args.host
         )
+    # clients name the model as the user did (a hub id), not by a snapshot hash
+    hub_id = args.model and looks_like_hub_id(args.model) and not Path(args.model).exists()
+    model_id = str(args.model) if hub_id else None
     app = create_app(
-        worker, config, keepalive_seconds=args.keepalive, body_timeout_seconds=args.body_timeout
+        worker,
+        config,
+        keepalive_seconds=args.keepalive,
+        body_timeout_seconds=args.body_timeout,
+        model_id=model_id,
     )
     from engine import conn
 

@@ -1,4 +1,4 @@
-"""Load an mlx-lm model directory and describe it for the cache fingerprint."""
+"""Find and load an mlx-lm model (a local directory or a hub id) and describe it for the cache fingerprint."""
 
 from __future__ import annotations
 
@@ -18,8 +18,47 @@ class ModelDirError(ValueError):
     """The model directory is missing or is not an mlx-lm model directory."""
 
 
+def looks_like_hub_id(spec: str) -> bool:
+    """``owner/name`` (what ``mlx_lm.load`` and ``huggingface_hub`` accept), not a path."""
+    parts = str(spec).split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not str(spec).startswith((".", "~"))
+        and not any(p in (".", "..") for p in parts)
+    )
+
+
+def resolve_model(spec: str | Path) -> Path:
+    """A local mlx-lm directory, or a hub id resolved the way mlx-lm resolves it.
+
+    An existing path is used as is. Otherwise ``owner/name`` goes through ``mlx_lm.utils._download``
+    (what ``mlx_lm.load`` calls): the Hugging Face hub cache under ``HF_HOME`` / ``HF_HUB_CACHE``, and a
+    download only when the hub is reachable and ``HF_HUB_OFFLINE`` is unset. Raises ModelDirError with
+    one line for the user.
+    """
+    path = Path(spec).expanduser()
+    if path.exists() or not looks_like_hub_id(str(spec)):
+        if not (path / "config.json").is_file():
+            raise ModelDirError(f"{spec}: not an mlx-lm model directory (no config.json)")
+        return path
+    from mlx_lm.utils import _download  # private, but it is exactly mlx_lm.load's resolution
+
+    try:
+        path = Path(_download(str(spec)))
+    except Exception as e:  # huggingface_hub's errors: offline miss, unknown repo, no network
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelDirError(
+            f"{spec}: not a local directory, and not in the Hugging Face hub cache "
+            f"({type(e).__name__}: {first})"
+        ) from None
+    if not (path / "config.json").is_file():
+        raise ModelDirError(f"{spec} -> {path}: not an mlx-lm model (no config.json)")
+    return path
+
+
 def load_model(model_dir: Path) -> tuple[nn.Module, Any]:
-    """``mlx_lm.load`` on a local directory (never a hub id)."""
+    """``mlx_lm.load`` on a local directory (:func:`resolve_model` turns a hub id into one)."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ModelDirError(f"{model_dir}: not an mlx-lm model directory (no config.json)")

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP transport (FastAPI): parse → tokenize → queue on the worker → JSON or SSE.
 
 Ownership: handlers run on the asyncio loop and never touch MLX; tokenizing runs in the thread pool, and
-the model is loaded and run on the single :class:`engine.worker.Worker` thread (the engine thread). Schemas and validation live in
-``engine/api.py``, prompt rendering and tool-call parsing in ``engine/chat.py``. This is the HTTP edge: any
+the model is loaded and run on the single :class:`engine.worker.Worker` thread (the engine thread). Schemas
+and validation live in ``engine/api.py``, prompt rendering in ``engine/chat.py``, content / reasoning /
+tool-call output in ``engine/output.py``. This is the HTTP edge: any
 exception becomes an OpenAI-shaped error body here, never a traceback to the client.
 """
 
@@ -23,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, chat
+from engine import api, chat, output
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.generate import Chunk, SamplingParams
 from engine.loading import max_token_chars
@@ -50,7 +51,7 @@ class _Ctx:
     job: Job
     request: Request
     include_usage: bool
-    parser: chat.ToolCallParser | None = None  # chat only
+    out: output.ChatOutput | None = None  # chat only: content / reasoning / tool calls
     hit: HitInfo | None = None
 
 
@@ -242,24 +243,30 @@ class Server:
         raise RuntimeError("generation ended without a final chunk")
 
     # -- chat ------------------------------------------------------------------------------------
-    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], str]:
-        tools = req.tool_dicts()
-        prefix = chat.forced_prefix(req.tool_choice) if tools else ""
+    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], output.ChatOutput]:
+        """The prompt ids and the request's output parser (formats from the model's tokenizer)."""
+        tools, tok = req.tool_dicts(), self.engine.tokenizer
+        fmt = output.OutputFormat.of(tok, hermes=not chat.template_supports_tools(tok))
+        parse = bool(tools) and req.tool_choice != "none"
+        prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
         try:
-            text = chat.render_chat(self.engine.tokenizer, req.message_dicts(), tools)
+            text = chat.render_chat(tok, req.message_dicts(), tools)
         except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
             raise ApiError(
                 400, f"the model's chat template rejected the messages: {e}", param="messages"
             ) from None
+        reasoning = fmt.opens_reasoning(text) and not prefix
+        out = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
+        out.feed(prefix)  # a forced call's opener is held until the model closes the call
         self._check_chars(len(text) + len(prefix), "messages")
-        return self.engine.encode_text(text + prefix), prefix
+        return self.engine.encode_text(text + prefix), out
 
     async def chat_completions(self, request: Request) -> Response:
         try:
             raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
             req = await self._off_loop(api.parse_body, raw, ChatRequest)
             self._check_chars(req.content_chars(), "messages")  # before rendering it
-            ids, prefix = await self._off_loop(self._chat_prompt, req)
+            ids, out = await self._off_loop(self._chat_prompt, req)
             params = self._params(req, len(ids))
             ctx = _Ctx(
                 api.new_id("chatcmpl"),
@@ -268,10 +275,8 @@ class Server:
                 self.worker.submit(ids, params, "chat"),
                 request,
                 req.include_usage,
+                out=out,
             )
-            parse = bool(req.tools) and req.tool_choice != "none"
-            ctx.parser = chat.ToolCallParser(enabled=parse)
-            ctx.parser.feed(prefix)  # a forced call's opener is held until the model closes it
             early = await self._wait_hit(ctx)
             if req.stream:
                 self.metrics.request("chat", 200)
@@ -285,30 +290,24 @@ class Server:
                 text, last = await self._collect(ctx, early)
             finally:
                 ctx.job.cancel.set()
-            content, calls = ctx.parser.feed(text)
-            tail, more = ctx.parser.finish()
-            calls = _limit_calls(calls + more, req.parallel_tool_calls)
-            finish = api.openai_finish(last.finish_reason, bool(calls))
-            body = api.chat_response(ctx.rid, ctx.model, content + tail, calls, finish, last.usage)
+            out.feed(text)
+            _, finish = out.finish(last.finish_reason)
+            res = out.result
+            calls = [{k: v for k, v in c.items() if k != "index"} for c in res.tool_calls]
+            body = api.chat_response(
+                ctx.rid, ctx.model, res.content, calls, finish, last.usage, res.reasoning
+            )
             self.metrics.request("chat", 200)
             return JSONResponse(body, headers=_tier_headers(ctx.hit))
         except Exception as e:
             return self._error("chat", e)
 
     async def _chat_stream(self, ctx: _Ctx, early: list[Any]) -> AsyncIterator[bytes]:
-        assert ctx.parser is not None
-        n_calls = 0
+        out = ctx.out
+        assert out is not None
 
         def delta(d: dict[str, Any], finish: str | None = None) -> bytes:
             return _sse(api.chat_chunk(ctx.rid, ctx.created, ctx.model, d, finish))
-
-        def tool_deltas(calls: list[dict[str, Any]]) -> list[bytes]:
-            nonlocal n_calls
-            out = []
-            for call in calls:
-                out.append(delta({"tool_calls": [{"index": n_calls, **call}]}))
-                n_calls += 1
-            return out
 
         try:
             yield delta({"role": "assistant", "content": ""})
@@ -319,18 +318,13 @@ class Server:
                 if isinstance(item, Exception):
                     yield _sse(_stream_error(item))
                     break
-                text, calls = ctx.parser.feed(item.text)
-                if text:
-                    yield delta({"content": text})
-                for b in tool_deltas(calls):
-                    yield b
+                for d in out.feed(item.text).sse_deltas():
+                    yield delta(d)
                 if item.finish_reason is not None:
-                    tail, more = ctx.parser.finish()
-                    if tail:
-                        yield delta({"content": tail})
-                    for b in tool_deltas(more):
-                        yield b
-                    yield delta({}, api.openai_finish(item.finish_reason, n_calls > 0))
+                    tail, finish = out.finish(item.finish_reason)
+                    for d in tail.sse_deltas():
+                        yield delta(d)
+                    yield delta({}, finish)
                     if item.usage is not None:
                         self.metrics.generation(item.usage)
                         if ctx.include_usage:
@@ -427,10 +421,6 @@ class Server:
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
-
-
-def _limit_calls(calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
-    return calls if parallel else calls[:1]
 
 
 def _stream_error(e: Exception) -> dict[str, Any]:

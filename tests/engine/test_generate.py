@@ -155,7 +155,13 @@ def test_smollm2_hits_equal_cold(smollm2_dir, tmp_path):
     ref = run(cold, ids, max_tokens=8)
     assert first[1] == ref[1]
     assert run(cached, ids, max_tokens=8)[1] == ref[1]  # exact hit (hot)
-    turn2 = ids + first[1] + cached.encode_text("<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
+    turn2 = (
+        ids
+        + first[1]
+        + cached.encode_text(
+            "<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
+        )
+    )
     for probe in (turn2, ids[:20] + cached.encode_text(" something different")):
         got, hit = cached.logits(probe)
         want, _ = cold.logits(probe)
