@@ -40,6 +40,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds a client may take to send its request body before a 408 (default 30)",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed "
+        "(default 10)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open between requests (default 5)",
+    )
     p.set_defaults(func=run)
 
 
@@ -93,5 +106,21 @@ def run(args: argparse.Namespace) -> int:
         body_timeout_seconds=args.body_timeout,
         model_id=model_id,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    from engine import conn
+
+    soft, hard = conn.raise_nofile_limit()
+    log.info("open-file limit: %s (hard %s)", soft, hard)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=args.idle_timeout,  # a float works (loop.call_later)
+            http=conn.guarded_h11(args.header_timeout),
+        )
+    )
+    conn.install_repeat_filter(conn.RepeatFilter())  # after uvicorn set up its log handlers
+    server.run()
     return 0

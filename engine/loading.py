@@ -103,3 +103,23 @@ def context_length(model_dir: Path, tokenizer: Any) -> int:
             return int(config[key])
     limit = getattr(tokenizer, "model_max_length", 0) or 0
     return int(limit) if 0 < limit < 10**7 else 32768
+
+
+#: when a tokenizer does not list its vocabulary: a generous characters-per-token ceiling
+FALLBACK_TOKEN_CHARS = 256
+#: normalisers may compose characters (NFKC: "e" + U+0301 -> "é"): room for that in the bound
+_COMPOSE_SLACK = 2
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """A ceiling on the characters one token can cover: twice the longest vocabulary entry.
+
+    Vocabulary strings spell each byte as at least one character (byte-level BPE maps a byte to
+    one character, sentencepiece "▁" stands for a space), so a text of N characters needs at
+    least N / ceiling tokens: the server rejects longer texts without tokenising them."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(t) for t in vocab), default=0)
+    except Exception:  # a tokenizer without get_vocab (a GGUF wrapper...): the fallback
+        longest = 0
+    return _COMPOSE_SLACK * longest if longest > 0 else FALLBACK_TOKEN_CHARS

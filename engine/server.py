@@ -27,12 +27,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine import api, chat, output
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.generate import Chunk, SamplingParams
+from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import END, Job, Worker
 from tiered_kv.config import Config
 from tiered_kv.tiered import HitInfo
 
 log = logging.getLogger(__name__)
+#: request bodies parsed / prompts tokenised at once (thread pool): each holds memory
+#: proportional to its body or prompt, and a 16 MB body takes a CPU for a while
+TOKENIZE_CONCURRENCY = 2
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 KEEPALIVE = b": keep-alive\n\n"
 
@@ -81,6 +85,39 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
+class _ShutdownGuard:
+    """ASGI middleware: a request still waiting when the server stops (uvicorn cancels it after
+    its graceful-shutdown timeout) gets a 503 JSON body, not uvicorn's plain-text 500."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            body = api.error_body(
+                "the server is shutting down; retry the request",
+                "server_error",
+                None,
+                "server_shutting_down",
+            )
+            headers = {"connection": "close", "retry-after": "1"}
+            await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+
+
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The body, bounded in size (413) and in time (408: a client that trickles its body)."""
     declared = request.headers.get("content-length")
@@ -123,6 +160,8 @@ class Server:
         self.created = api.now()
         self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {})
         worker.set_on_wait(self.metrics.queue_wait.observe)
+        self._max_token_chars = 0  # from the tokenizer, once the engine is loaded
+        self._tokenizing = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
 
     @property
     def engine(self) -> Any:
@@ -141,6 +180,16 @@ class Server:
         log.exception("internal error on %s", endpoint)
         self.metrics.request(endpoint, 500)
         return JSONResponse(api.error_body(f"internal error: {e}", "server_error"), status_code=500)
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        if not self._max_token_chars:
+            self._max_token_chars = max_token_chars(self.engine.tokenizer)
+        api.check_chars(n_chars, self.engine.context_length, self._max_token_chars, param)
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the thread pool, at most TOKENIZE_CONCURRENCY at once."""
+        async with self._tokenizing:
+            return await run_in_threadpool(fn, *args)
 
     def _params(self, req: Any, prompt_len: int) -> SamplingParams:
         max_tokens = api.check_length(prompt_len, req.requested_max(), self.engine.context_length)
@@ -209,15 +258,15 @@ class Server:
         reasoning = fmt.opens_reasoning(text) and not prefix
         out = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
         out.feed(prefix)  # a forced call's opener is held until the model closes the call
+        self._check_chars(len(text) + len(prefix), "messages")
         return self.engine.encode_text(text + prefix), out
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            req = api.parse_body(
-                await _read_body(request, self.config.max_body_bytes, self.body_timeout),
-                ChatRequest,
-            )
-            ids, out = await run_in_threadpool(self._chat_prompt, req)
+            raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
+            req = await self._off_loop(api.parse_body, raw, ChatRequest)
+            self._check_chars(req.content_chars(), "messages")  # before rendering it
+            ids, out = await self._off_loop(self._chat_prompt, req)
             params = self._params(req, len(ids))
             ctx = _Ctx(
                 api.new_id("chatcmpl"),
@@ -295,11 +344,10 @@ class Server:
     # -- completions -----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         try:
-            req = api.parse_body(
-                await _read_body(request, self.config.max_body_bytes, self.body_timeout),
-                CompletionRequest,
-            )
-            ids = await run_in_threadpool(self.engine.encode_text, req.prompt_text())
+            raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
+            req = await self._off_loop(api.parse_body, raw, CompletionRequest)
+            self._check_chars(len(req.prompt_text()), "prompt")
+            ids = await self._off_loop(self.engine.encode_text, req.prompt_text())
             if not ids:
                 raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
             params = self._params(req, len(ids))
@@ -421,4 +469,5 @@ def create_app(
 
     if config.api_key:
         app.add_middleware(_Auth, api_key=config.api_key)
+    app.add_middleware(_ShutdownGuard)  # outermost
     return app
