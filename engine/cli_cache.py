@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sqlite3
 import sys
 import time
 from collections.abc import Iterator
@@ -54,16 +55,17 @@ def _fingerprints(root: Path) -> list[Path]:
 
 
 @contextmanager
-def _index(fp_dir: Path) -> Iterator[Index | None]:
+def _index(fp_dir: Path, write: bool = False) -> Iterator[Index | None]:
     """The fingerprint's index, or None when it is absent / unreadable (rebuilt at next open).
-    Never creates one: an empty new index would make every file look like an orphan."""
+    Never creates one: an empty new index would make every file look like an orphan. Opened
+    read-only unless ``write`` (verify --fix). Plain sqlite: nothing in it is unpickled."""
     path = fp_dir / "index"
     if not (path / "cache.db").exists():
         yield None
         return
     try:
-        index = Index(path)
-    except IndexUnreadable:
+        index = Index(path, readonly=not write, create=False)
+    except (IndexUnreadable, sqlite3.Error):
         yield None
         return
     try:
@@ -104,17 +106,23 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    """Exit 0: everything checked and clean (or fixed); 1: problems found; 2: something could
+    not be checked (no readable index, unreadable files) — never 0 for what was not checked."""
     root = _root(args)
-    clean = True
+    clean, unchecked = True, False
     for fp_dir in _fingerprints(root):
-        with _index(fp_dir) as index:
+        with _index(fp_dir, write=args.fix) as index:
             report = verify_dir(fp_dir, fp_dir.name, index, root / usage.QUARANTINE, args.fix)
-        note = "" if index is not None else " (no readable index: rebuilt from files at next open)"
+        note = "" if index is not None else " (could not check: no readable index)"
+        unchecked = unchecked or index is None
         print(f"{fp_dir.name}: {len(report.ok)} ok{note}")
         for kind in ("orphans", "corrupt", "foreign", "missing", "temp"):
             for name in getattr(report, kind):
                 print(f"  {kind}: {name}")
         clean = clean and report.clean
+    if unchecked:
+        print("not everything could be checked: run `tiered-kv serve` once to rebuild the index")
+        return 2
     if args.fix and not clean:
         print("fixed: bad files quarantined, orphans removed, missing records dropped")
         return 0
