@@ -28,32 +28,45 @@ class WritePath:
         self.remover = remover
 
     def write(self, job: Prepared) -> None:
+        """Write one entry; a directory deleted under the write is re-created and the write
+        retried once (the entry is not lost to the race)."""
+        for attempt in (0, 1):
+            try:
+                self._write(job)
+                return
+            except FileNotFoundError as e:
+                if attempt == 0 and not self.site.dir.is_dir():
+                    continue
+                self.site.faults.io_error("spill", e)
+            except (OSError, sqlite3.Error, IndexUnreadable) as e:
+                self.site.faults.io_error("spill", e)
+            return
+
+    def _write(self, job: Prepared) -> None:
         site = self.site
-        key: str | None = None
+        index = site.ensure()
+        if index is None:
+            site.faults.count("skipped")
+            return
+        if not self.remover.make_room(index, len(job.tokens), job.nbytes):
+            site.faults.count("skipped")
+            return
+        key = uuid.uuid4().hex
+        encoded = store.encode(job.tokens, job.tensors, job.metadata)
+        nbytes = site.backend.put(key, encoded.pieces)
         try:
-            index = site.ensure()
-            if index is None:
-                site.faults.count("skipped")
-                return
-            if not self.remover.make_room(index, len(job.tokens), job.nbytes):
-                site.faults.count("skipped")
-                return
-            key = uuid.uuid4().hex
-            encoded = store.encode(job.tokens, job.tensors, job.metadata)
-            nbytes = site.backend.put(key, encoded.pieces)
             now = time.time()
             blocks = tuple(site.block_hashes(job.tokens))
             rec = Record(key, site.backend.path(key).name, len(job.tokens), nbytes, now, now, blocks)
-            older = [r.entry_id for r in index.prefixes_of(list(blocks)) if self._is_prefix(index, r, job)]
+            older = [r.entry_id for r in index.prefixes_of(list(blocks))
+                     if self._is_prefix(index, r, job)]  # fmt: skip
             gone = index.add(rec, job.tokens.tobytes(), remove=older)
-            key = None  # committed
-            self.remover.files_gone(gone, "superseded")  # continuation: deleted after the commit
-            site.faults.count("spills")
-            site.faults.count("spill_bytes", nbytes)
-        except (OSError, sqlite3.Error, IndexUnreadable) as e:
-            site.faults.io_error("spill", e)
-            if key is not None:
-                site.backend.delete(key)
+        except BaseException:
+            site.backend.delete(key)  # published but never committed
+            raise
+        self.remover.files_gone(gone, "superseded")  # continuation: deleted after the commit
+        site.faults.count("spills")
+        site.faults.count("spill_bytes", nbytes)
 
     @staticmethod
     def _is_prefix(index: Index, r: Record, job: Prepared) -> bool:
