@@ -17,12 +17,12 @@ import shutil
 import sqlite3
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from tiered_kv.cold import usage
-from tiered_kv.cold.index import Index, IndexUnreadable
+from tiered_kv.cold.index import Index, IndexUnreadable, UnsafeCacheDir, check_private
 from tiered_kv.cold.verify import entry_files, verify_dir
 
 
@@ -37,11 +37,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         q = sub.add_parser(name, help=text)
         q.add_argument("--dir", type=Path, default=None, help="cache dir (default TIERED_KV_DIR)")
-        q.set_defaults(func=func)
+        q.set_defaults(func=_refusing_unsafe(func))
         if name == "verify":
             q.add_argument("--fix", action="store_true", help="quarantine bad files, drop orphans")
         if name == "clear":
             q.add_argument("--fingerprint", default=None, help="only this fingerprint")
+
+
+def _refusing_unsafe(func: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    """A cache dir or index that other users can write to: one line on stderr, exit 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            check_private(_root(args))
+            return func(args)
+        except UnsafeCacheDir as e:
+            print(f"tiered-kv: TIERED_KV_DIR: {e}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def _root(args: argparse.Namespace) -> Path:
@@ -63,6 +77,8 @@ def _index(fp_dir: Path, write: bool = False) -> Iterator[Index | None]:
     if not (path / "cache.db").exists():
         yield None
         return
+    for p in (fp_dir, path):
+        check_private(p)
     try:
         index = Index(path, readonly=not write, create=False)
     except (IndexUnreadable, sqlite3.Error):

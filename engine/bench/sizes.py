@@ -103,69 +103,60 @@ def _eval_caches(caches: list) -> None:
     mx.eval([a for c in caches for a in c.state])
 
 
+def _timed_load(load: Any) -> float:
+    t = time.perf_counter()
+    caches = load()
+    assert caches is not None, "bench: reload failed"
+    _eval_caches(caches)
+    dt = time.perf_counter() - t
+    del caches
+    mx.clear_cache()  # every load starts from fresh memory, like the first reload after start
+    return dt
+
+
 def one_size(root: Path, shape: KVShape, tokens: int, config: Config) -> dict[str, Any]:
+    """Write both files from the same caches, free the caches, then time every read."""
     from tiered_kv.cold.tier import ColdTier
 
     row: dict[str, Any] = {"tokens": tokens}
     caches = make_caches(shape, tokens)
     ids = np.random.default_rng(tokens).integers(0, 100_000, tokens, dtype=np.int32)
+    mlx_file = root / "mlx-lm.safetensors"
+    t = time.perf_counter()
+    save_prompt_cache(str(mlx_file), caches)
+    fd = os.open(mlx_file, os.O_RDONLY)
+    os.fsync(fd)  # ours is durable when written: time mlx-lm's to the same point
+    os.close(fd)
+    row["mlx_save_s"] = time.perf_counter() - t
     kv_dir = root / "kv"
     cfg = replace(config, cache_dir=kv_dir, disk_bytes=1 << 50, disk_free_floor=0)
     tier = ColdTier(kv_dir, FINGERPRINT, cfg)
     t = time.perf_counter()
     tier.spill(ids, caches)  # write-behind, as the hot tier hands it over
     tier.flush()
-    write_s = time.perf_counter() - t
+    row["write_s"] = time.perf_counter() - t
+    del caches
+    mx.clear_cache()
     st = tier.stats()
     (path,) = tier.dir.glob("*.safetensors")
-    size = path.stat().st_size
-    row.update(bytes=size, write_s=write_s, spills=st["spills"], drops=st["drops"])
+    row.update(bytes=path.stat().st_size, spills=st["spills"], drops=st["drops"])
     hit = tier.lookup(ids)
     assert hit is not None and hit.tokens == tokens, "bench: the entry did not reach the index"
     for mode in ("cold", "warm"):
-        if mode == "cold":
-            drop_page_cache(path)
-        else:
-            _warm(path)
-        t = time.perf_counter()
-        got = tier.load(hit)
-        assert got is not None, "bench: reload failed"
-        _eval_caches(got.caches)
-        row[f"load_{mode}_s"] = time.perf_counter() - t
-        del got
-        mx.clear_cache()
-    for mode in ("cold", "warm"):
-        if mode == "cold":
-            drop_page_cache(path)
-        else:
-            _warm(path)
+        for name, file, load in (
+            ("load", path, lambda: getattr(tier.load(hit), "caches", None)),
+            ("mlx_load", mlx_file, lambda: load_prompt_cache(str(mlx_file))),
+        ):
+            drop_page_cache(file) if mode == "cold" else _warm(file)
+            row[f"{name}_{mode}_s"] = _timed_load(load)
+        drop_page_cache(path) if mode == "cold" else _warm(path)
         row[f"dd_read_{mode}_s"] = dd_read(path)
     tier.close()
     shutil.rmtree(kv_dir)
-    scratch = root / "dd.bin"
-    row["dd_write_s"] = dd_write(scratch, size)
-    scratch.unlink()
-    mlx_file = root / "mlx-lm.safetensors"
-    t = time.perf_counter()
-    save_prompt_cache(str(mlx_file), caches)
-    fd = os.open(mlx_file, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-    row["mlx_save_s"] = time.perf_counter() - t
-    del caches
-    mx.clear_cache()
-    for mode in ("cold", "warm"):
-        if mode == "cold":
-            drop_page_cache(mlx_file)
-        else:
-            _warm(mlx_file)
-        t = time.perf_counter()
-        loaded = load_prompt_cache(str(mlx_file))
-        _eval_caches(loaded)
-        row[f"mlx_load_{mode}_s"] = time.perf_counter() - t
-        del loaded
-        mx.clear_cache()
     mlx_file.unlink()
+    scratch = root / "dd.bin"
+    row["dd_write_s"] = dd_write(scratch, row["bytes"])
+    scratch.unlink()
     return row
 
 

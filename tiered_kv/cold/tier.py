@@ -83,7 +83,7 @@ class ColdTier:
         self.quarantine_dir, self.seed = self.site.quarantine_dir, self.site.seed
         self.remover = Remover(self.site, config.disk_bytes, config.disk_free_floor)
         self.writes = WritePath(self.site, self.remover)
-        self.writer = Writer(config.spill_queue_bytes, lambda n: self.faults.drop(n, "queue full"))
+        self.writer = Writer(config.spill_queue_bytes, self.faults.drop)
         self.reader = Reader()
         self._summary = (0, 0)
         self._touched: dict[str, float] = {}

@@ -7,7 +7,7 @@ arrays' bytes (never build MLX graphs).
 is not counted: its bytes are leaving). ``submit`` never blocks and never refuses a task for its
 size alone: a task larger than the bound is admitted when no other droppable task waits (so any
 entry can reach disk, one at a time); to admit a task the oldest waiting droppable tasks are
-dropped (reported through ``on_drop``) until it fits or it waits alone. After :meth:`hold_all`
+dropped (reported through ``on_drop(nbytes, reason)``) until it fits or it waits alone. After :meth:`hold_all`
 (shutdown) nothing is dropped. ``run_sync`` waits for its own task; :meth:`wait_idle` /
 :attr:`idle` tell when nothing is queued or running.
 """
@@ -36,7 +36,7 @@ class _Task:
 
 class Writer:
     def __init__(
-        self, max_bytes: int, on_drop: Callable[[int], None], name: str = "tiered-kv-writer"
+        self, max_bytes: int, on_drop: Callable[[int, str], None], name: str = "tiered-kv-writer"
     ) -> None:
         self.max_bytes = max_bytes
         self._on_drop = on_drop
@@ -68,7 +68,7 @@ class Writer:
         """Enqueue ``fn``; False only when the writer is closed (``on_drop`` was told)."""
         with self._cond:
             if self._closed:
-                self._on_drop(nbytes)
+                self._on_drop(nbytes, "writer closed")
                 return False
             droppable = droppable and not self._hold
             while droppable and self._pending + nbytes > self.max_bytes:
@@ -78,7 +78,7 @@ class Writer:
                 self._queue.remove(oldest)
                 self._pending -= oldest.nbytes
                 oldest.fn = _noop  # release what it holds
-                self._on_drop(oldest.nbytes)
+                self._on_drop(oldest.nbytes, "queue full")
             self._queue.append(_Task(fn, nbytes, droppable))
             if droppable:
                 self._pending += nbytes
