@@ -103,10 +103,10 @@ class Index:
         self._local = threading.local()
         self._conns: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        for p in (self.path, self.db, self.path / f"{DB}-wal", self.path / f"{DB}-shm"):
+            check_private(p)  # before anything is created or opened there
         if create and not readonly:
             _private(self.path)
-        for p in (self.path, self.db, self.path / f"{DB}-wal", self.path / f"{DB}-shm"):
-            check_private(p)
         if not self.db.exists():
             raise IndexUnreadable(f"{self.db}: missing")
         try:

@@ -104,6 +104,8 @@ class Site:
     def _read_only(self) -> Index | None:
         try:
             index = Index(self.dir / "index", readonly=True, create=False)
+        except UnsafeCacheDir:
+            raise
         except (OSError, IndexUnreadable, sqlite3.Error):
             return None
         if index.meta != self.meta:
@@ -130,6 +132,8 @@ class Site:
             os.replace(tmp, path)
             shutil.rmtree(aside, ignore_errors=True)
             index = Index(path)
+        except UnsafeCacheDir:
+            raise
         except (OSError, IndexUnreadable, sqlite3.Error) as e:
             if fresh is not None:
                 fresh.close()

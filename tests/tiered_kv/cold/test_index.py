@@ -123,3 +123,17 @@ def test_lookup_queries_find_the_deepest_newest_entry_and_prefixes(tmp_path):
     assert [r.entry_id for r in gone] == ["long"] and index.get("long") is None
     assert list(index.candidates(probe))[0] == ("short", 2)
     index.close()
+
+
+def test_symlinked_index_file_is_refused_not_followed(tmp_path):
+    root = tmp_path / "kv"
+    make_tier(root).close()
+    db = root / FP / "index" / "cache.db"
+    target = tmp_path / "victim.db"
+    target.write_bytes(b"precious")
+    for p in db.parent.glob("cache.db*"):
+        p.unlink()
+    os.symlink(target, db)
+    with pytest.raises(UnsafeCacheDir, match="symlink"):
+        make_tier(root)
+    assert target.read_bytes() == b"precious" and db.is_symlink()
