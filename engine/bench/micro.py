@@ -283,7 +283,7 @@ def run_all(
     out: dict[str, Any] = {}
     for name, fn in (
         ("sizes", lambda: sizes(config, size_gbs)),
-        ("suffix", lambda: suffix_prefill(model_dir, turns or {}, config.prefill_chunk)),
+        ("suffix", lambda: suffix_prefill(model_dir, turns or {}, config.prefill_chunk or 512)),
         ("reload", lambda: reload(config)),
         ("lookup", lambda: lookup(config)),
         ("spill", lambda: spill(config, model_dir)),
