@@ -121,6 +121,11 @@ def one_size(root: Path, shape: KVShape, tokens: int, config: Config) -> dict[st
     row: dict[str, Any] = {"tokens": tokens}
     caches = make_caches(shape, tokens)
     ids = np.random.default_rng(tokens).integers(0, 100_000, tokens, dtype=np.int32)
+    scratch = root / "dd.bin"  # writes measured back to back, each from a synced page cache
+    os.sync()
+    row["dd_write_s"] = dd_write(scratch, shape.bytes_per_token * tokens)
+    scratch.unlink()
+    os.sync()
     mlx_file = root / "mlx-lm.safetensors"
     t = time.perf_counter()
     save_prompt_cache(str(mlx_file), caches)
@@ -131,6 +136,7 @@ def one_size(root: Path, shape: KVShape, tokens: int, config: Config) -> dict[st
     kv_dir = root / "kv"
     cfg = replace(config, cache_dir=kv_dir, disk_bytes=1 << 50, disk_free_floor=0)
     tier = ColdTier(kv_dir, FINGERPRINT, cfg)
+    os.sync()
     t = time.perf_counter()
     tier.spill(ids, caches)  # write-behind, as the hot tier hands it over
     tier.flush()
@@ -154,9 +160,7 @@ def one_size(root: Path, shape: KVShape, tokens: int, config: Config) -> dict[st
     tier.close()
     shutil.rmtree(kv_dir)
     mlx_file.unlink()
-    scratch = root / "dd.bin"
-    row["dd_write_s"] = dd_write(scratch, row["bytes"])
-    scratch.unlink()
+    row["dd_write_s"] *= row["bytes"] / (shape.bytes_per_token * tokens)  # per byte of our file
     return row
 
 
