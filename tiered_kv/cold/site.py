@@ -70,7 +70,10 @@ class Site:
             if kind_of(e) not in ("read_only", "disk_full"):
                 raise
             self._degrade("cannot create the cache directory", e)
+            old, self.writable = self.index, False
             self.index = self._read_only() if self.dir.is_dir() else None
+            if old is not None:
+                old.close()
             return
         old = self.index
         self.index, self.writable = self._open_index()
