@@ -83,7 +83,7 @@ class Remover:
         self.remove(index, ids, "evicted")
         paths = [v.key[1] for v in plan.victims if v.key[0] == "path"]  # type: ignore[index]
         for p in paths:
-            usage.remove_path(p)
+            usage.remove_path(p, site.root)
         if paths:
             site.faults.count("evictions", len(paths))
         return True

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tiered_kv.cold import fsafe
+
 SCHEMA = 2
 DB = "cache.db"
 _MAX_CANDIDATES = 4
@@ -70,15 +72,16 @@ class Record:
     blocks: tuple[int, ...] = ()
 
 
-def check_private(path: Path) -> None:
-    """Refuse ``path`` (one clear line) when it is a symlink, owned by another user, or writable
-    by group / others: whoever can write there could plant entries or an index."""
+def check_private(path: Path, follow: bool = False) -> None:
+    """Refuse ``path`` (one clear line) when it is owned by another user or writable by group /
+    others: whoever can write there could plant entries or an index. ``follow``: check a
+    symlink's target (the cache root may be a link); other links are left to :mod:`fsafe`."""
     try:
-        st = os.lstat(path)
+        st = os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
         return
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafeCacheDir(f"{path} is a symlink; refusing to use it as cache storage")
+        return  # a link inside the cache dir is never followed: fsafe removes or refuses it
     if st.st_uid != os.geteuid():
         raise UnsafeCacheDir(f"{path} is owned by uid {st.st_uid}, not this user; refusing it")
     if st.st_mode & 0o022:
@@ -104,9 +107,11 @@ class Index:
         self._conns: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         for p in (self.path, self.db, self.path / f"{DB}-wal", self.path / f"{DB}-shm"):
-            check_private(p)  # before anything is created or opened there
+            check_private(p)  # before anything is created, chmod-ed or opened there
         if create and not readonly:
             _private(self.path)
+        elif self.path.is_symlink() or self.db.is_symlink():
+            raise IndexUnreadable(f"{self.db}: a symlink (never followed)")
         if not self.db.exists():
             raise IndexUnreadable(f"{self.db}: missing")
         try:
@@ -155,6 +160,11 @@ class Index:
     @property
     def meta(self) -> dict | None:
         return self._meta
+
+    def set_meta(self, meta: dict) -> None:
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO meta VALUES('meta', ?)", (json.dumps(meta),))
+        self._meta = meta
 
     def refresh(self) -> None:
         """Kept for callers of the old mirror: every read is a query now."""
@@ -340,8 +350,6 @@ def _loads(text: str) -> object:
 
 def _private(path: Path) -> None:
     """The index dir 0700 and ``cache.db`` created 0600 before sqlite opens it (sqlite gives its
-    -wal / -shm files the database's mode): the index holds prompt token ids."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_private(path)
-    fd = os.open(path / DB, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    os.close(fd)
+    -wal / -shm files the database's mode): the index holds prompt token ids. No symlink there
+    is followed (:func:`fsafe.private_db` removes planted links)."""
+    fsafe.private_db(path, DB)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from tiered_kv import keys
-from tiered_kv.cold import store, usage
+from tiered_kv.cold import fsafe, store, usage
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.faults import Faults, kind_of
 from tiered_kv.cold.index import DB, Index, IndexUnreadable, UnsafeCacheDir, check_private
@@ -61,11 +61,11 @@ class Site:
         """(Re)open: directories, then the index (rebuilt if damaged), then reconcile with the
         files. Raises UnsafeCacheDir, or OSError for a path that can never be a directory."""
         self._tried = time.monotonic()
-        for p in (self.root, self.dir):
-            check_private(p)
+        check_private(self.root, follow=True)  # the root itself may be a link to another disk
+        check_private(self.dir)
         try:
-            for d in (self.root, self.dir):
-                d.mkdir(mode=store.DIR_MODE, parents=True, exist_ok=True)
+            self.root.mkdir(mode=store.DIR_MODE, parents=True, exist_ok=True)
+            fsafe.make_dir(self.dir, store.DIR_MODE)  # a symlink there is refused, not followed
         except OSError as e:
             if kind_of(e) not in ("read_only", "disk_full"):
                 raise
