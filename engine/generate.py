@@ -81,6 +81,31 @@ class Engine:
             except OSError as e:  # misconfiguration at start: say which setting, not a traceback
                 raise CacheDirError(f"TIERED_KV_DIR={config.cache_dir}: {e.strerror or e}") from e
         self.cache = TieredCache(config, lambda: make_prompt_cache(self.model), cold)
+        self.restorer = self._restorer(cold)  # issue 15
+
+    # -- issue 15: restore plans (load / compute / both) ------------------------------------
+    def _restorer(self, cold: Any) -> Any:
+        """The disk-hit planner with this model's learned costs (None without a cold tier)."""
+        if cold is None:
+            return None
+        from tiered_kv.restore.costs import CostBook
+        from tiered_kv.restore.restorer import Restorer, blocker_of, calibrate
+
+        device = str(mx.default_device())
+        costs = CostBook(CostBook.file_for(cold.dir, device), cold.fingerprint, device)
+        r = Restorer(self.config.restore, costs, self.compute_prefix,
+                     blocker_of(make_prompt_cache(self.model)), self.config.kv_bits,
+                     self.config.kv_group_size)  # fmt: skip
+        self.cache.restorer = r
+        if costs.learned.prefill is None and self.config.restore == "auto" and cold.stats()["entries"]:
+            calibrate(self.compute_prefix, costs)  # the first disk hit must not plan blind
+        return r
+
+    def compute_prefix(self, ids: list[int]) -> list[Any]:
+        """Fresh caches holding exactly ``ids`` (prefilled here, on the engine thread)."""
+        lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
+        prefill(self.model, lease, [], self.config.prefill_chunk)
+        return lease.caches
 
     # -- prompts ---------------------------------------------------------------------------
     def encode_chat(
@@ -107,9 +132,16 @@ class Engine:
             cuts = checkpoint_positions(
                 len(fed), lease.remaining, eos, self.config.checkpoint_tokens
             )
-        return prefill(
+        t0, start, new = time.perf_counter(), len(fed), len(lease.remaining)
+        out = prefill(
             self.model, lease, fed, self.config.prefill_chunk, cuts, on_progress, should_stop
         )
+        if self.restorer is not None:  # issue 15: every prefill teaches the cost model
+            dt = time.perf_counter() - t0
+            self.restorer.costs.observe_prefill(new, start, dt)
+            if lease.hit.restore is not None:
+                self.restorer.outcome(lease.hit.restore, lease.hit.load_seconds + dt)
+        return out
 
     def logits(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, HitInfo]:
         """Next-token logits after ``prompt_ids`` through the cache (stores the entry)."""
@@ -153,6 +185,8 @@ class Engine:
 
     def close(self) -> None:
         self.cache.close()
+        if self.restorer is not None:
+            self.restorer.close()
 
 
 class _Decode:

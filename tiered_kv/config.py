@@ -51,6 +51,7 @@ def default_root() -> Path:
 
 
 TIERS = ("hot", "cold")
+RESTORE_MODES = ("auto", "load", "compute", "both")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,9 @@ class Config:
     api_key: str = ""
     #: TIERED_KV_MAX_BODY_BYTES — largest accepted HTTP request body.
     max_body_bytes: int = 16 * 1024**2
+    #: TIERED_KV_RESTORE — how a disk hit is restored: "auto" (the faster of load, compute and
+    #: both by this machine's measured costs), or forced "load", "compute" or "both" (benchmarks).
+    restore: str = "auto"
 
     @property
     def hot_enabled(self) -> bool:
@@ -164,6 +168,13 @@ def _group(text: str) -> int:
     return v
 
 
+def _restore(text: str) -> str:
+    t = text.strip().lower()
+    if t not in RESTORE_MODES:
+        raise ValueError(text)
+    return t
+
+
 def _path(text: str) -> Path:
     if not text.strip():
         raise ValueError(text)
@@ -209,6 +220,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_CACHE_SALT": ("cache_salt", str, "any string"),
     "TIERED_KV_API_KEY": ("api_key", str, "any string"),
     "TIERED_KV_MAX_BODY_BYTES": ("max_body_bytes", _size, SIZE_FORM),
+    "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
 }
 PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'
 

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered_kv import keys, layers
-from tiered_kv.cold import budget, store, usage
+from tiered_kv.cold import budget, ranged, store, usage
 from tiered_kv.cold.index import Index, IndexUnreadable, Record
 from tiered_kv.cold.verify import VerifyReport, quarantine, reconcile, verify_dir
 from tiered_kv.cold.writer import Writer
@@ -203,6 +203,15 @@ class ColdTier:
         self.writer.submit(lambda: self._persist_touch(rec.entry_id, now), 0, droppable=False)
         return Loaded(caches, tokens, checkpoints)
 
+    def describe(self, hit: ColdHit) -> tuple[Path, int] | None:
+        """(entry file path, file bytes) of a hit, or None when its record is gone (issue 15:
+        the restore plan sizes the read and probes the page cache with it)."""
+        try:
+            rec = self.index.get(hit.entry_id)
+        except sqlite3.Error:
+            return None
+        return None if rec is None else (self.dir / rec.file, rec.nbytes)
+
     def _vanished(self, rec: Record) -> None:
         self.index.remove([rec.entry_id])
         self._count("misses_missing")
@@ -292,7 +301,9 @@ class ColdTier:
                 return
             eid = uuid.uuid4().hex
             path = self.dir / f"{eid}{store.SUFFIX}"
-            nbytes = store.write_entry(path, job.tokens, job.arrays, job.metadata)
+            # issue 15: block checksums let a restore read (and verify) token ranges only
+            meta = {**job.metadata, **ranged.block_checksums(job.tokens, job.arrays)}
+            nbytes = store.write_entry(path, job.tokens, job.arrays, meta)
             now = time.time()
             blocks = tuple(keys.block_hashes(job.tokens, self.block_tokens, self.seed))
             rec = Record(eid, path.name, len(job.tokens), nbytes, now, now, blocks)
