@@ -26,6 +26,7 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_KV_BITS": ["3", "16", "-4"],
     "TIERED_KV_KV_GROUP_SIZE": ["16", "100"],
     "TIERED_KV_PREFETCH": ["-1", "lots", "2 parsecs"],
+    "TIERED_KV_RESTORE": ["fast", "load,compute"],
 }
 SIZE_BAD = ["-1", "12XB", "1.5.5GB", "GB", "inf"]
 
