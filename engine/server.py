@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP transport (FastAPI): parse → tokenize → queue on the worker → JSON or SSE.
 
 Ownership: handlers run on the asyncio loop and never touch MLX; tokenizing runs in the thread pool, and
-generation on the single :class:`engine.worker.Worker` thread. Schemas and validation live in
+the model is loaded and run on the single :class:`engine.worker.Worker` thread (the engine thread). Schemas and validation live in
 ``engine/api.py``, prompt rendering and tool-call parsing in ``engine/chat.py``. This is the HTTP edge: any
 exception becomes an OpenAI-shaped error body here, never a traceback to the client.
 """
@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -106,22 +106,31 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 class Server:
-    """Routes bound to one engine + worker + metrics."""
+    """Routes bound to one worker (which owns the engine) + metrics."""
 
     def __init__(
         self,
-        engine: Any,
+        worker: Worker,
         config: Config,
         keepalive_seconds: float = 5.0,
         model_id: str | None = None,
         body_timeout_seconds: float = 30.0,
     ):
-        self.engine, self.config, self.keepalive = engine, config, keepalive_seconds
+        self.worker, self.config, self.keepalive = worker, config, keepalive_seconds
         self.body_timeout = body_timeout_seconds
-        self.model_id = model_id or engine.model_dir.name
+        self._model_id = model_id
         self.created = api.now()
-        self.metrics = Metrics(engine.cache.stats)
-        self.worker = Worker(engine, on_wait=self.metrics.queue_wait.observe)
+        self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {})
+        worker.set_on_wait(self.metrics.queue_wait.observe)
+
+    @property
+    def engine(self) -> Any:
+        """The loaded engine (its tokenizer and plain attributes only: MLX stays on its thread)."""
+        return self.worker.engine
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id or self.engine.model_dir.name
 
     # -- plumbing --------------------------------------------------------------------------------
     def _error(self, endpoint: str, e: Exception) -> JSONResponse:
@@ -384,18 +393,21 @@ def _stream_error(e: Exception) -> dict[str, Any]:
 
 
 def create_app(
-    engine: Any,
+    engine: Worker | Callable[[], Any],
     config: Config,
     keepalive_seconds: float = 5.0,
     model_id: str | None = None,
     body_timeout_seconds: float = 30.0,
 ) -> FastAPI:
-    """The ASGI app. Its lifespan starts the worker; shutdown cancels jobs and closes the engine."""
-    server = Server(engine, config, keepalive_seconds, model_id, body_timeout_seconds)
+    """The ASGI app over a :class:`Worker` (or a zero-argument engine factory, run on the worker's
+    thread). Its lifespan starts the worker (the model loads there); shutdown cancels jobs and closes
+    the engine."""
+    worker = engine if isinstance(engine, Worker) else Worker(engine)
+    server = Server(worker, config, keepalive_seconds, model_id, body_timeout_seconds)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.worker.start()
+        await run_in_threadpool(server.worker.start)
         yield
         await run_in_threadpool(server.worker.close)
 

@@ -1,7 +1,12 @@
-"""The single generation thread: a FIFO of jobs, one Engine, cancellation by flag.
+"""The engine thread: it owns MLX. A FIFO of jobs, one Engine, cancellation by flag.
 
-Ownership: the worker thread is the only thread that touches MLX — it runs ``engine.generate`` for one job
-at a time and finally ``engine.close()`` (which flushes the spill queue). Request handlers (asyncio) submit a
+Ownership: the worker thread is the only thread that touches MLX. It *builds* the Engine (model loading:
+mlx-lm models keep lazy arrays — e.g. Llama 3's RoPE frequencies — that can only be evaluated on the thread
+that made them), runs the warm-start prefetch, runs ``engine.generate`` for one job at a time and finally
+``engine.close()`` (which flushes the spill queue). It runs on a stream it creates itself, so an array made on
+any other thread fails at once ("There is no Stream(...) in current thread") on the CPU exactly as it does on
+a GPU. Other threads read only the engine's plain attributes (tokenizer, context length, stats). Request
+handlers (asyncio) submit a
 :class:`Job` and read its events (``Chunk``, an exception, or the end) from an ``asyncio.Queue`` that the
 worker fills through ``loop.call_soon_threadsafe``. A handler whose client went away sets ``job.cancel``;
 the engine sees it through ``should_stop()`` between prefill chunks and decode steps, stops, and stores
@@ -18,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import mlx.core as mx
 
 from engine.generate import SamplingParams
 
@@ -76,25 +83,41 @@ class _Progress:
 
 
 class Worker:
-    """Owns ``engine`` and the thread that runs it; ``submit`` from the event loop, ``close`` at shutdown."""
+    """Owns the engine thread and the Engine it builds; ``start`` (waits until the model is loaded),
+    ``submit`` from the event loop, ``close`` at shutdown."""
 
     def __init__(
         self,
-        engine: Any,
+        make_engine: Callable[[], Any],
         on_wait: Callable[[float], None] | None = None,
         progress_interval: float = 2.0,
     ) -> None:
-        self.engine = engine
+        self._make_engine = make_engine
+        self.engine: Any = None  # set on the engine thread before ``start`` returns
         self._on_wait = on_wait
         self._progress_interval = progress_interval
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._current: Job | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="tiered-kv-worker", daemon=True)
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tiered-kv-engine", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, timeout: float | None = None) -> None:
+        """Start the engine thread and wait until it has built the engine; re-raises a load
+        failure (e.g. ``CacheDirError``) here, on the caller's thread. Idempotent."""
+        with self._lock:
+            if not self._thread.is_alive() and not self._ready.is_set():
+                self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not finish loading in time")
+        if self._load_error is not None:
+            raise self._load_error
+
+    def set_on_wait(self, on_wait: Callable[[float], None]) -> None:
+        """Hear each job's queue wait (seconds) when it starts (the server's metrics)."""
+        self._on_wait = on_wait
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, label: str = "") -> Job:
         """Queue a job (FIFO). Must be called on the event loop that will read the job's events."""
@@ -126,10 +149,17 @@ class Worker:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("worker did not stop within %ss; cache may not be flushed", timeout)
-        else:
-            self.engine.close()
 
     def _run(self) -> None:
+        # This thread's own stream: nothing made on another thread can be evaluated here.
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        try:
+            self.engine = self._make_engine()
+        except BaseException as e:  # handed to start()'s caller: the CLI prints it in one line
+            self._load_error = e
+            return
+        finally:
+            self._ready.set()
         try:
             self._prefetch()
             while (job := self._queue.get()) is not None:

@@ -15,8 +15,8 @@ from tiered_kv.tiered import HitInfo
 
 
 @pytest.fixture()
-def engine(tiny_model_dir, tmp_path):
-    return Engine(tiny_model_dir, Config(cache_dir=tmp_path, tiers=("hot",), prefill_chunk=16))
+def make_engine(tiny_model_dir, tmp_path):
+    return lambda: Engine(tiny_model_dir, Config(cache_dir=tmp_path, tiers=("hot",), prefill_chunk=16))
 
 
 async def drain(job) -> list:
@@ -27,9 +27,10 @@ async def drain(job) -> list:
     return out
 
 
-def test_fifo_hit_first_and_progress(engine, caplog):
-    worker = Worker(engine, progress_interval=0.0)
+def test_fifo_hit_first_and_progress(make_engine, caplog):
+    worker = Worker(make_engine, progress_interval=0.0)
     worker.start()
+    engine = worker.engine
     ids = engine.encode_text("the cache holds the prompt and the disk holds the rest " * 8)
 
     async def main():
@@ -47,9 +48,10 @@ def test_fifo_hit_first_and_progress(engine, caplog):
     assert any("job0 prefill" in r.message and "tok/s" in r.message for r in caplog.records)
 
 
-def test_cancel_queued_and_running(engine):
-    worker = Worker(engine)
+def test_cancel_queued_and_running(make_engine):
+    worker = Worker(make_engine)
     worker.start()
+    engine = worker.engine
     ids = engine.encode_text("a long answer please " * 4)
 
     async def main():
@@ -68,8 +70,8 @@ def test_cancel_queued_and_running(engine):
     assert skipped == []
 
 
-def test_close_rejects_new_jobs(engine):
-    worker = Worker(engine)
+def test_close_rejects_new_jobs(make_engine):
+    worker = Worker(make_engine)
     worker.start()
     worker.close()
     assert not worker.busy()
