@@ -72,10 +72,13 @@ class SlowModel:
 
 
 def run_once(model_dir, cfg, inject=None):
-    engine = Engine(model_dir, cfg)
-    if inject:
-        inject(engine)
-    with serve(engine, cfg) as live:
+    def make():  # on the server's engine thread, which owns MLX
+        engine = Engine(model_dir, cfg)
+        if inject:
+            inject(engine)
+        return engine
+
+    with serve(make, cfg) as live:
         text, usage = ask(live)
         figures = {k: metric(live, f"tiered_kv_cache_{k}") for k in (
             "restore_load", "restore_compute", "restore_both", "learned_prefill_tok_s",
