@@ -93,11 +93,13 @@ class Engine:
 
         device = str(mx.default_device())
         costs = CostBook(CostBook.file_for(cold.dir, device), cold.fingerprint, device)
-        r = Restorer(self.config.restore, costs, self.compute_prefix,
+        mode: Any = self.config.restore  # validated by config: auto | load | compute | both
+        r = Restorer(mode, costs, self.compute_prefix,
                      blocker_of(make_prompt_cache(self.model)), self.config.kv_bits,
                      self.config.kv_group_size)  # fmt: skip
         self.cache.restorer = r
-        if costs.learned.prefill is None and self.config.restore == "auto" and cold.stats()["entries"]:
+        unknown = costs.learned.prefill is None and self.config.restore == "auto"
+        if unknown and cold.stats()["entries"]:
             calibrate(self.compute_prefix, costs)  # the first disk hit must not plan blind
         return r
 

@@ -252,8 +252,9 @@ class TieredCache:
     def _spill(self, entry: Entry) -> None:
         """Hot-tier eviction hand-off: write-behind to the cold tier unless already there."""
         if self.cold is not None and not entry.persisted:
-            if self.restorer is not None and not self.restorer.admit(len(entry.tokens), entry.nbytes):
-                return  # issue 15: admission by value (counted by the restorer)
+            r = self.restorer  # issue 15: admission by value (counted by the restorer)
+            if r is not None and not r.admit(len(entry.tokens), entry.nbytes):
+                return
             self.cold.spill(entry.tokens, entry.caches, self._disk_checkpoints(entry))
             entry.persisted = True
 

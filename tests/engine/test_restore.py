@@ -101,7 +101,10 @@ def test_throttled_disk_makes_the_server_recompute(tiny_model_dir, tmp_path):
     assert f2["restore_compute"] == 1 and f2["restore_load"] == 0, f2
     assert usage2["cache_tier"] == "none" and usage2["prompt_tokens_details"]["cached_tokens"] == 0
     assert text2 == text0
-    assert f2["learned_prefill_tok_s"] > 0 and f2["learned_load_cold_gb_s"] + f2["learned_load_warm_gb_s"] > 0
+    assert (
+        f2["learned_prefill_tok_s"] > 0
+        and f2["learned_load_cold_gb_s"] + f2["learned_load_warm_gb_s"] > 0
+    )
     assert f2["restore_predicted_seconds"] > 0 and f2["restore_actual_seconds"] > 0
 
 

@@ -63,7 +63,9 @@ def _bucket(kind: str, obs: list[float]) -> tuple[int, ...]:
     return (round(math.log2(max(obs[0], 1))), warm)
 
 
-def fit(features: np.ndarray, seconds: np.ndarray, prefer: list[tuple[int, ...]]) -> np.ndarray | None:
+def fit(
+    features: np.ndarray, seconds: np.ndarray, prefer: list[tuple[int, ...]]
+) -> np.ndarray | None:
     """Non-negative coefficients over ``features`` minimising the relative error of ``seconds``.
 
     Tries the column subsets in ``prefer`` (simplest first) and keeps a richer one only when it
@@ -194,7 +196,9 @@ class CostBook:
         le = self._learned
         out: dict[str, float] = {
             "prefill_tok_s": le.prefill.tokens_per_second() if le.prefill else 0.0,
-            "prefill_tok_s_at_32k": le.prefill.tokens_per_second(1024, 32768) if le.prefill else 0.0,
+            "prefill_tok_s_at_32k": le.prefill.tokens_per_second(1024, 32768)
+            if le.prefill
+            else 0.0,
         }
         for name in ("load_cold", "load_warm", "range_cold", "range_warm"):
             cost: ReadCost | None = getattr(le, name)
@@ -224,7 +228,9 @@ class CostBook:
                     if isinstance(r, list) and len(r) == width
                     and all(isinstance(x, (int, float)) and math.isfinite(x) for x in r)
                 ][-_MAX_PER_KIND:]  # fmt: skip
-                self.obs[kind] = [r for r in clean if r[0] > 0 and r[1 if kind != "prefill" else 2] > 0]
+                self.obs[kind] = [
+                    r for r in clean if r[0] > 0 and r[1 if kind != "prefill" else 2] > 0
+                ]
         except (AttributeError, TypeError, ValueError) as e:
             log.warning("restore costs %s malformed, starting afresh: %s", path, e)
             self.obs = {k: [] for k in KINDS}

@@ -136,7 +136,9 @@ def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
 
     def cost(m: int) -> float:
         r = range_seconds(hit, learned, n - m) or 0.0
-        join = (n - m) * hit.bytes_per_token / (learned.join_bytes_per_s or DEFAULT_JOIN_BYTES_PER_S)
+        join = (
+            (n - m) * hit.bytes_per_token / (learned.join_bytes_per_s or DEFAULT_JOIN_BYTES_PER_S)
+        )
         return max(p.seconds(m), r) + join
 
     lo, hi = 0, n // block  # in blocks: compute(m) rises with m, read(n - m) falls
@@ -200,6 +202,7 @@ def worth_spilling(tokens: int, entry_bytes: int, bytes_per_token: float, learne
 
 def _fastest(learned: Learned) -> Learned | None:
     """``learned`` with each read cost replaced by the fastest one known (page-cache warm)."""
+
     def best(*costs: ReadCost | None) -> ReadCost | None:
         known = [c for c in costs if c is not None]
         return min(known, key=lambda c: c.seconds(1 << 30)) if known else None

@@ -111,7 +111,7 @@ class Restorer:
             return Decision("load", n, 0, 0.0, 0.0, "entry vanished")  # load turns it into a miss
         path, nbytes = desc
         warm = ranged.resident_share(path)
-        self._warm[hit.entry_id] = warm
+        self._warm = {hit.entry_id: warm}  # only the plan in flight is observed
         entry_tokens = max(1, int(hit.entry_tokens))
         blocker = self.blocker or ("memory holds a shorter prefix" if start else "")
         h = Hit(n, nbytes, nbytes / entry_tokens, warm, blocker, ranged.RANGE_BLOCK)
@@ -158,7 +158,9 @@ class Restorer:
         return ok
 
     # -- both --------------------------------------------------------------------------------
-    def both(self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision) -> BothResult | None:
+    def both(
+        self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision
+    ) -> BothResult | None:
         """Compute ``[0, m)`` here while the I/O thread reads ``[m, n)``; join. None when the
         file cannot serve the range (gone, corrupt, unsplittable): the caller loads instead,
         and the cold tier's own load then quarantines what is corrupt."""
@@ -212,7 +214,8 @@ class Restorer:
         _set_offsets(tree, n)
         return layers.decode(arrays, {"layers": json.dumps(tree)})
 
-    def _fell_back(self, why: str) -> None:
+    def _fell_back(self, why: str) -> BothResult | None:
+        """Count and log a `both` that could not be done; None (the caller loads instead)."""
         log.info("restore by both fell back to load: %s", why)
         self._count("restore_both_fallbacks")
         return None

@@ -46,8 +46,15 @@ def test_persisted_per_fingerprint_and_machine(tmp_path):
     assert CostBook(path, "other-model").learned.prefill is None
 
 
-@pytest.mark.parametrize("body", ["not json", '{"version": 1, "fingerprint": "fp", "observations": '
-                                  '{"prefill": [[1, "x", 3]], "load": 5}}', "[]"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "not json",
+        '{"version": 1, "fingerprint": "fp", "observations": '
+        '{"prefill": [[1, "x", 3]], "load": 5}}',
+        "[]",
+    ],
+)
 def test_bad_file_starts_afresh(tmp_path, body):
     path = CostBook.file_for(tmp_path)
     path.write_text(body)
@@ -60,7 +67,7 @@ def test_bad_file_starts_afresh(tmp_path, body):
 
 def test_observations_stay_bounded_and_diverse():
     book = CostBook(None, "fp")
-    for i in range(500):
+    for _ in range(500):
         book.observe_prefill(1000, 0, 0.5)
     book.observe_prefill(10, 0, 0.01)
     assert len(book.obs["prefill"]) == 4  # 3 of the repeated size, the new size kept

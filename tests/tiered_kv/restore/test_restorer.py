@@ -101,7 +101,9 @@ def plain(tmp_path_factory):
     s.cold.close()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(m=st.integers(1, N - 2), cut=st.integers(0, 40))
 def test_both_joins_at_any_m_plain_kv(plain, m, cut):
     n = N - 1 - cut  # a prefix hit of n tokens, the rest of the prompt is a new suffix
@@ -110,7 +112,9 @@ def test_both_joins_at_any_m_plain_kv(plain, m, cut):
     assert got.tokens.tolist() == plain.ids[:n]
     suffix = plain.ids[n:] + [9, 8]
     logits, toks = greedy(plain.model, got.caches, suffix)
-    ref_logits, ref_toks = greedy(plain.model, make_prompt_cache(plain.model), plain.ids[:n] + suffix)
+    ref_logits, ref_toks = greedy(
+        plain.model, make_prompt_cache(plain.model), plain.ids[:n] + suffix
+    )
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert toks == ref_toks
 
