@@ -172,7 +172,7 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
         if both is not None:
             return Plan("both", both[0], both[1], "forced", **est)
         block = max(1, hit.block)
-        m = (n // 2) // block * block  # nothing learned: meet in the middle
+        m = max(block, (n // 2) // block * block)  # nothing learned: meet in the middle
         if not hit.both_blocker and 0 < m < n:
             return Plan("both", m, 0.0, "forced, not learned", **est)
         # the entry cannot be split (or is too short to be): choose as auto does, and say why
