@@ -25,6 +25,9 @@ KINDS: tuple[Kind, ...] = ("load", "compute", "both")
 #: `both` is taken only when predicted at most this share of the better single way: it pays a
 #: thread hand-off and a join that the model below estimates only roughly.
 BOTH_MARGIN = 0.9
+#: an entry is refused a file only when its best reload is predicted this many times slower than
+#: recomputing it (measurements of short loads and prefills are noisy)
+ADMIT_MARGIN = 1.5
 #: joining builds MLX arrays from the read bytes and concatenates them (two memory copies);
 #: assumed this fast until a join has been measured.
 DEFAULT_JOIN_BYTES_PER_S = 4e9
@@ -191,13 +194,20 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
 def worth_spilling(tokens: int, entry_bytes: int, bytes_per_token: float, learned: Learned,
                    both_blocker: str = "") -> bool:  # fmt: skip
     """Admission by value: False only when, on what this machine measured, reloading the entry
-    (by load or by both, from a warm page cache — the best case) could never beat recomputing it.
+    (by load or by both, from a warm page cache — the best case) could never beat recomputing it:
+    it would take more than ``ADMIT_MARGIN`` times as long (a margin for noisy measurements).
     Unknown costs admit."""
     fastest = _fastest(learned)
     if fastest is None or learned.prefill is None:
         return True
     hit = Hit(tokens, entry_bytes, bytes_per_token, 1.0, both_blocker, 1)
-    return plan(hit, fastest, "auto").kind != "compute"
+    p = plan(hit, fastest, "auto")
+    if p.compute_s is None or p.load_s is None:
+        return True
+    reload = p.load_s
+    if p.both_s is not None and p.both_s < BOTH_MARGIN * p.compute_s:
+        reload = min(reload, p.both_s)  # a `both` that mostly computes is no reason for a file
+    return reload <= ADMIT_MARGIN * p.compute_s
 
 
 def _fastest(learned: Learned) -> Learned | None:

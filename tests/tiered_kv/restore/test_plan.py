@@ -118,6 +118,7 @@ def test_context_term_makes_long_prompts_dearer():
         (learned(PREFILL_FAST, 0.05), 512, False),  # fast GPU, slow disk: never worth it
         (learned(PREFILL_SLOW, 0.05), 512, True),  # CPU: loading wins
         (learned(PREFILL_FAST, 5.0), N, True),
+        (learned(PREFILL_FAST, 2.2), 4096, True),  # reload 1.2x compute: within the noise margin
     ],
 )
 def test_admission_by_value(costs, tokens, admit):
