@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,19 +52,15 @@ def long_prefix(words: int, seed: int = 0) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-def _sse(response: httpx.Response) -> list[dict]:
-    events, done = [], False
+def _sse(response: httpx.Response) -> Iterator[dict]:
+    """The stream's events as they arrive; SmokeFailure if it ends without ``[DONE]``."""
     for line in response.iter_lines():
         if not line.startswith("data: "):
             continue
-        data = line[6:]
-        if data == "[DONE]":
-            done = True
-            break
-        events.append(json.loads(data))
-    if not done:
-        raise SmokeFailure("stream ended without [DONE]")
-    return events
+        if line[6:] == "[DONE]":
+            return
+        yield json.loads(line[6:])
+    raise SmokeFailure("stream ended without [DONE]")
 
 
 def complete(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> Timing:
@@ -115,7 +112,7 @@ def chat_with_tools(client: httpx.Client, url: str, model: str) -> tuple[str, in
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise SmokeFailure(f"/v1/chat/completions answered {r.status_code}: {r.read()[:300]!r}")
-        events = _sse(r)
+        events = list(_sse(r))
     calls = sum(len((c.get("delta") or {}).get("tool_calls") or ()) for e in events
                 for c in e.get("choices") or ())  # fmt: skip
     finish = [

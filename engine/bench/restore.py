@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.generate import default_prefill_chunk
 from engine.loading import fingerprint_parts, load_model
 from engine.prefill import prefill
 from tiered_kv.cold import ranged
@@ -47,7 +48,7 @@ class Bench:
     def __init__(self, model_dir: Path, root: Path, chunk: int) -> None:
         self.model, _ = load_model(model_dir)
         self.fp = fingerprint(fingerprint_parts(model_dir, self.model, 0, ""))
-        self.root, self.chunk = root, chunk
+        self.root, self.chunk = root, chunk or default_prefill_chunk()
         self.device = str(mx.default_device())
         self.vocab = int(self.model.args.vocab_size)
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="load,compute,both,auto")
     ap.add_argument("--pages", default="cold,warm")
     ap.add_argument("--dir", type=Path, default=None, help="cache dir (default: a temp dir)")
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=0, help="prefill step (0: the engine's default)")
     a = ap.parse_args(argv)
     model_dir = a.model
     if a.size:
