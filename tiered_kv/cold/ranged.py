@@ -44,9 +44,14 @@ class Unsplittable(ValueError):
     """The entry cannot be read by token ranges (no block checksums, or layers of other shapes)."""
 
 
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8,
+             "I64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # fmt: skip
+
+
 def _as_u8(x: Any) -> np.ndarray:
     """A flat uint8 view of an evaluated array's bytes (copies only strided slices)."""
-    return np.frombuffer(store._buffer(x), dtype=np.uint8)
+    m = memoryview(x)
+    return np.frombuffer(m if m.c_contiguous else m.tobytes(), dtype=np.uint8)
 
 
 def _hash_blocks(runs: np.ndarray, block: int) -> str:
@@ -96,23 +101,34 @@ class RangeRead:
     seconds: float
 
 
-def _checksums(header: store.Header) -> tuple[int, dict[str, str]]:
+#: the per-tensor byte-chunk checksums of cold entry format 2 (issue 11): ``chunk_bytes`` and
+#: ``xxh3`` = {tensor: concatenated xxh3_64 hex digests of its bytes cut into chunk_bytes pieces}
+META_CHUNK, META_CHUNK_XXH = "chunk_bytes", "xxh3"
+
+
+def _checksums(header: store.Header) -> tuple[int, int, dict[str, str]]:
+    """(token block, byte chunk, table): block checksums (block > 0, chunk 0) when the writer added
+    them, else format 2's byte chunks (block 1, chunk > 0); Unsplittable when neither is there."""
     meta = header.metadata
-    if META_BLOCK not in meta or META_XXH not in meta:
-        raise Unsplittable("entry written without block checksums")
     try:
-        block = int(meta[META_BLOCK])
-        sums = json.loads(meta[META_XXH])
-        assert isinstance(sums, dict) and block > 0
+        if META_BLOCK in meta and META_XXH in meta:
+            block, chunk, sums = int(meta[META_BLOCK]), 0, json.loads(meta[META_XXH])
+        elif META_CHUNK in meta and META_CHUNK_XXH in meta:
+            block, chunk, sums = 1, int(meta[META_CHUNK]), json.loads(meta[META_CHUNK_XXH])
+        else:
+            raise Unsplittable("entry written without block or chunk checksums")
+        assert isinstance(sums, dict) and block > 0 and chunk >= 0
     except (ValueError, AssertionError) as e:
+        if isinstance(e, Unsplittable):
+            raise
         raise store.CorruptEntry(f"bad range checksums: {e}") from None
-    return block, sums
+    return block, chunk, sums
 
 
 def plan_tensors(header: store.Header) -> dict[str, dict[str, Any]]:
     """The tensors a ranged read returns (every one but ``tokens``); Unsplittable when some
     tensor has no per-token rows (checkpoints, wrapped windows, recurrent state)."""
-    _, sums = _checksums(header)
+    _, _, sums = _checksums(header)
     n = header.n_tokens
     out = {}
     for name, t in header.tensors.items():
@@ -142,46 +158,86 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4) -
     """
     t0 = time.perf_counter()
     header = store.read_header(path, fingerprint)
-    block, sums = _checksums(header)
+    block, chunk, sums = _checksums(header)
     total = header.n_tokens
     if not 0 <= m < n <= total:
         raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
     tensors = plan_tensors(header)
     start, stop = m // block * block, min(total, -(-n // block) * block)
-    nbytes = 0
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    read = [0]
+
+    def runs(name: str, t: dict[str, Any], dst: np.ndarray, row0: int, every: int) -> None:
+        """Rows from ``row0`` of each of ``dst``'s heads (``dst``: heads, rows, row bytes), head
+        ``h`` at byte ``row0 * row + h * every`` of tensor ``name``, verified."""
+        first = row0 * dst.shape[2]
+        base = header.data_start + int(t["data_offsets"][0])
+        heads, width = dst.shape[0], dst.shape[1] * dst.shape[2]
+        spans = [(first + h * every, first + h * every + width) for h in range(heads)]
+        if chunk:
+            size = int(t["data_offsets"][1]) - int(t["data_offsets"][0])
+            pieces, got = _read_chunked(fd, base, size, spans, sums.get(name, ""), chunk, name)
+            for h, piece in enumerate(pieces):
+                dst[h] = piece.reshape(dst.shape[1:])
+        else:
+            for h, (a, _) in enumerate(spans):
+                _pread_into(fd, memoryview(dst[h]).cast("B"), base + a)
+            _verify(dst, sums[name], row0, block, name)
+            got = dst.nbytes
+        read[0] += got
+
+    def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray]]:
+        heads, row = int(t["shape"][1]), _row_bytes(t)
+        buf = np.empty((1, heads, stop - start, row), dtype=np.uint8)
+        runs(name, t, buf[0], start, total * row)
+        return name, (t["dtype"], buf)
+
     try:
-        tok_stop = stop
-        t_off = header.data_start + int(header.tensors["tokens"]["data_offsets"][0])
-        tok = np.empty(tok_stop * 4, dtype=np.uint8)
-        _pread_into(fd, tok.data, t_off)
-        _verify(tok.reshape(1, tok_stop, 4), sums["tokens"], 0, block, "tokens")
-        nbytes += tok.nbytes
-
-        def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray]]:
-            heads, row = int(t["shape"][1]), _row_bytes(t)
-            base = header.data_start + int(t["data_offsets"][0])
-            buf = np.empty((1, heads, stop - start, row), dtype=np.uint8)
-            for h in range(heads):
-                off = base + (h * total + start) * row
-                _pread_into(fd, memoryview(buf[0, h]).cast("B"), off)
-            _verify(buf[0], sums[name], start, block, name)
-            return name, (t["dtype"], buf)
-
+        tok = np.empty((1, stop, 4), dtype=np.uint8)
+        runs("tokens", header.tensors["tokens"], tok, 0, 0)
         # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
         with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
             out = dict(pool.map(lambda kv: one(*kv), tensors.items()))
-        nbytes += sum(buf.nbytes for _, buf in out.values())
     finally:
         os.close(fd)
-    tokens = tok.view("<i4").copy()
+    nbytes = read[0]
+    tokens = tok.reshape(-1).view("<i4").copy()
     return RangeRead(start, stop, tokens, out, dict(header.metadata), nbytes,
                      time.perf_counter() - t0)  # fmt: skip
 
 
+def _read_chunked(fd: int, base: int, size: int, spans: list[tuple[int, int]], digests: str,
+                  chunk: int, name: str) -> tuple[list[np.ndarray], int]:  # fmt: skip
+    """Byte ``spans`` of a tensor of ``size`` bytes at file offset ``base``, read as the whole
+    checksum chunks that cover them (adjacent ones merged into one read) and verified chunk by
+    chunk. Returns (one uint8 array per span, bytes read)."""
+    wanted = sorted({(a // chunk, -(-b // chunk)) for a, b in spans if b > a})
+    merged: list[list[int]] = []
+    for c0, c1 in wanted:
+        if merged and c0 <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], c1)
+        else:
+            merged.append([c0, c1])
+    bufs: list[tuple[int, int, np.ndarray]] = []
+    for c0, c1 in merged:
+        lo, hi = c0 * chunk, min(size, c1 * chunk)
+        buf = np.empty(hi - lo, dtype=np.uint8)
+        _pread_into(fd, buf.data, base + lo)
+        for c in range(c0, c1):
+            piece = buf[c * chunk - lo : min(size, (c + 1) * chunk) - lo]
+            if xxhash.xxh3_64_hexdigest(piece.data) != digests[c * _HEX : (c + 1) * _HEX]:
+                raise store.CorruptEntry(f"range checksum mismatch in {name}")
+        bufs.append((lo, hi, buf))
+    out = []
+    for a, b in spans:
+        lo, _, buf = next(x for x in bufs if x[0] <= a and b <= x[1])
+        out.append(buf[a - lo : b - lo])
+    return out, sum(x[2].nbytes for x in bufs)
+
+
 def _row_bytes(t: dict[str, Any]) -> int:
     shape = t["shape"]
-    return int(np.prod(shape[3:], dtype=np.int64)) * store._ITEMSIZE[t["dtype"]]
+    return int(np.prod(shape[3:], dtype=np.int64)) * _ITEMSIZE[t["dtype"]]
 
 
 def _verify(runs: np.ndarray, hexes: str, start: int, block: int, name: str) -> None:

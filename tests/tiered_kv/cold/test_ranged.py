@@ -96,3 +96,42 @@ def test_resident_share_is_a_share_or_unknown(tmp_path):
     write(path)
     share = ranged.resident_share(path)
     assert share is None or 0.0 <= share <= 1.0
+
+
+def _chunk_table(tokens, arrays, chunk):
+    """Format 2's (issue 11) per-tensor checksums: xxh3_64 of each ``chunk`` bytes, C order."""
+    import xxhash
+
+    table = {}
+    for name, x in [("tokens", tokens), *arrays.items()]:
+        raw = np.ascontiguousarray(np.array(x)).tobytes()  # float32 / int32 here
+        table[name] = "".join(xxhash.xxh3_64_hexdigest(raw[i : i + chunk])
+                              for i in range(0, len(raw), chunk))  # fmt: skip
+    return table
+
+
+def write_chunked(path, chunk=1000):
+    tokens = np.arange(N, dtype="<i4")
+    big = mx.arange(HEADS * 700 * DIM).reshape(1, HEADS, 700, DIM).astype(mx.float32)
+    arrays = {"0.keys": big[..., :N, :], "0.values": (big * 2)[..., :N, :]}
+    mx.eval(list(arrays.values()))
+    meta = {"fingerprint": "fp", "layers": "[]", "chunk_bytes": str(chunk),
+            "xxh3": json.dumps(_chunk_table(tokens, arrays, chunk))}  # fmt: skip
+    store.write_entry(path, tokens, arrays, meta)
+    return np.array(arrays["0.keys"])
+
+
+def test_format2_chunk_checksums_serve_ranges(tmp_path):
+    """Without block checksums, the per-tensor byte chunks of cold format 2 verify a range."""
+    path = tmp_path / "e.safetensors"
+    keys = write_chunked(path)
+    rr = ranged.read_range(path, "fp", 300, 590)
+    assert (rr.start, rr.stop) == (300, 590) and rr.tokens.tolist() == list(range(590))
+    np.testing.assert_array_equal(rr.tensors["0.keys"][1].view(np.float32)[0], keys[0, :, 300:590])
+    assert rr.nbytes < path.stat().st_size
+    h = store.read_header(path, "fp")
+    raw = bytearray(path.read_bytes())
+    raw[h.data_start + h.tensors["0.values"]["data_offsets"][1] - 1] ^= 0x01  # last head, last row
+    path.write_bytes(bytes(raw))
+    with pytest.raises(store.CorruptEntry, match="range checksum"):
+        ranged.read_range(path, "fp", 300, N)
