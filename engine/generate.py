@@ -179,11 +179,11 @@ class Engine:
         stop_check = should_stop or (lambda: False)
         t0 = time.perf_counter()
         lease = self.cache.fetch(prompt_ids)
-        if on_hit is not None:
-            on_hit(lease.hit)
         fed = list(prompt_ids[: lease.hit.tokens])
-        out = _Decode(self, params, len(prompt_ids), lease.hit)
-        try:
+        try:  # from here on the lease goes back to the cache whatever fails (the entry may be taken)
+            if on_hit is not None:
+                on_hit(lease.hit)
+            out = _Decode(self, params, len(prompt_ids), lease.hit)
             try:
                 logits = self._prefill(lease, fed, on_progress, stop_check)
             except PrefillStopped:

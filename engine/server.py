@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP transport (FastAPI): parse → tokenize → queue on the worker → JSON or SSE.
 
 Ownership: handlers run on the asyncio loop and never touch MLX; tokenizing runs in the thread pool, and
-the model is loaded and run on the single :class:`engine.worker.Worker` thread (the engine thread). Schemas and validation live in
-``engine/api.py``, prompt rendering and tool-call parsing in ``engine/chat.py``. This is the HTTP edge: any
+the model is loaded and run on the single :class:`engine.worker.Worker` thread (the engine thread). Schemas
+and validation live in ``engine/api.py``, prompt rendering in ``engine/chat.py``, content / reasoning /
+tool-call output in ``engine/output.py``. This is the HTTP edge: any
 exception becomes an OpenAI-shaped error body here, never a traceback to the client.
 """
 
@@ -23,15 +24,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, chat
+from engine import api, chat, output
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.generate import Chunk, SamplingParams
+from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import END, Job, Worker
 from tiered_kv.config import Config
 from tiered_kv.tiered import HitInfo
 
 log = logging.getLogger(__name__)
+#: request bodies parsed / prompts tokenised at once (thread pool): each holds memory
+#: proportional to its body or prompt, and a 16 MB body takes a CPU for a while
+TOKENIZE_CONCURRENCY = 2
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 KEEPALIVE = b": keep-alive\n\n"
 
@@ -46,7 +51,7 @@ class _Ctx:
     job: Job
     request: Request
     include_usage: bool
-    parser: chat.ToolCallParser | None = None  # chat only
+    out: output.ChatOutput | None = None  # chat only: content / reasoning / tool calls
     hit: HitInfo | None = None
 
 
@@ -78,6 +83,39 @@ class _Auth:
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _ShutdownGuard:
+    """ASGI middleware: a request still waiting when the server stops (uvicorn cancels it after
+    its graceful-shutdown timeout) gets a 503 JSON body, not uvicorn's plain-text 500."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            body = api.error_body(
+                "the server is shutting down; retry the request",
+                "server_error",
+                None,
+                "server_shutting_down",
+            )
+            headers = {"connection": "close", "retry-after": "1"}
+            await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
 
 
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
@@ -122,6 +160,8 @@ class Server:
         self.created = api.now()
         self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {})
         worker.set_on_wait(self.metrics.queue_wait.observe)
+        self._max_token_chars = 0  # from the tokenizer, once the engine is loaded
+        self._tokenizing = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
 
     @property
     def engine(self) -> Any:
@@ -140,6 +180,16 @@ class Server:
         log.exception("internal error on %s", endpoint)
         self.metrics.request(endpoint, 500)
         return JSONResponse(api.error_body(f"internal error: {e}", "server_error"), status_code=500)
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        if not self._max_token_chars:
+            self._max_token_chars = max_token_chars(self.engine.tokenizer)
+        api.check_chars(n_chars, self.engine.context_length, self._max_token_chars, param)
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the thread pool, at most TOKENIZE_CONCURRENCY at once."""
+        async with self._tokenizing:
+            return await run_in_threadpool(fn, *args)
 
     def _params(self, req: Any, prompt_len: int) -> SamplingParams:
         max_tokens = api.check_length(prompt_len, req.requested_max(), self.engine.context_length)
@@ -193,24 +243,30 @@ class Server:
         raise RuntimeError("generation ended without a final chunk")
 
     # -- chat ------------------------------------------------------------------------------------
-    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], str]:
-        tools = req.tool_dicts()
-        prefix = chat.forced_prefix(req.tool_choice) if tools else ""
+    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], output.ChatOutput]:
+        """The prompt ids and the request's output parser (formats from the model's tokenizer)."""
+        tools, tok = req.tool_dicts(), self.engine.tokenizer
+        fmt = output.OutputFormat.of(tok, hermes=not chat.template_supports_tools(tok))
+        parse = bool(tools) and req.tool_choice != "none"
+        prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
         try:
-            text = chat.render_chat(self.engine.tokenizer, req.message_dicts(), tools)
+            text = chat.render_chat(tok, req.message_dicts(), tools)
         except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
             raise ApiError(
                 400, f"the model's chat template rejected the messages: {e}", param="messages"
             ) from None
-        return self.engine.encode_text(text + prefix), prefix
+        reasoning = fmt.opens_reasoning(text) and not prefix
+        out = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
+        out.feed(prefix)  # a forced call's opener is held until the model closes the call
+        self._check_chars(len(text) + len(prefix), "messages")
+        return self.engine.encode_text(text + prefix), out
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            req = api.parse_body(
-                await _read_body(request, self.config.max_body_bytes, self.body_timeout),
-                ChatRequest,
-            )
-            ids, prefix = await run_in_threadpool(self._chat_prompt, req)
+            raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
+            req = await self._off_loop(api.parse_body, raw, ChatRequest)
+            self._check_chars(req.content_chars(), "messages")  # before rendering it
+            ids, out = await self._off_loop(self._chat_prompt, req)
             params = self._params(req, len(ids))
             ctx = _Ctx(
                 api.new_id("chatcmpl"),
@@ -219,10 +275,8 @@ class Server:
                 self.worker.submit(ids, params, "chat"),
                 request,
                 req.include_usage,
+                out=out,
             )
-            parse = bool(req.tools) and req.tool_choice != "none"
-            ctx.parser = chat.ToolCallParser(enabled=parse)
-            ctx.parser.feed(prefix)  # a forced call's opener is held until the model closes it
             early = await self._wait_hit(ctx)
             if req.stream:
                 self.metrics.request("chat", 200)
@@ -236,30 +290,24 @@ class Server:
                 text, last = await self._collect(ctx, early)
             finally:
                 ctx.job.cancel.set()
-            content, calls = ctx.parser.feed(text)
-            tail, more = ctx.parser.finish()
-            calls = _limit_calls(calls + more, req.parallel_tool_calls)
-            finish = api.openai_finish(last.finish_reason, bool(calls))
-            body = api.chat_response(ctx.rid, ctx.model, content + tail, calls, finish, last.usage)
+            out.feed(text)
+            _, finish = out.finish(last.finish_reason)
+            res = out.result
+            calls = [{k: v for k, v in c.items() if k != "index"} for c in res.tool_calls]
+            body = api.chat_response(
+                ctx.rid, ctx.model, res.content, calls, finish, last.usage, res.reasoning
+            )
             self.metrics.request("chat", 200)
             return JSONResponse(body, headers=_tier_headers(ctx.hit))
         except Exception as e:
             return self._error("chat", e)
 
     async def _chat_stream(self, ctx: _Ctx, early: list[Any]) -> AsyncIterator[bytes]:
-        assert ctx.parser is not None
-        n_calls = 0
+        out = ctx.out
+        assert out is not None
 
         def delta(d: dict[str, Any], finish: str | None = None) -> bytes:
             return _sse(api.chat_chunk(ctx.rid, ctx.created, ctx.model, d, finish))
-
-        def tool_deltas(calls: list[dict[str, Any]]) -> list[bytes]:
-            nonlocal n_calls
-            out = []
-            for call in calls:
-                out.append(delta({"tool_calls": [{"index": n_calls, **call}]}))
-                n_calls += 1
-            return out
 
         try:
             yield delta({"role": "assistant", "content": ""})
@@ -270,18 +318,13 @@ class Server:
                 if isinstance(item, Exception):
                     yield _sse(_stream_error(item))
                     break
-                text, calls = ctx.parser.feed(item.text)
-                if text:
-                    yield delta({"content": text})
-                for b in tool_deltas(calls):
-                    yield b
+                for d in out.feed(item.text).sse_deltas():
+                    yield delta(d)
                 if item.finish_reason is not None:
-                    tail, more = ctx.parser.finish()
-                    if tail:
-                        yield delta({"content": tail})
-                    for b in tool_deltas(more):
-                        yield b
-                    yield delta({}, api.openai_finish(item.finish_reason, n_calls > 0))
+                    tail, finish = out.finish(item.finish_reason)
+                    for d in tail.sse_deltas():
+                        yield delta(d)
+                    yield delta({}, finish)
                     if item.usage is not None:
                         self.metrics.generation(item.usage)
                         if ctx.include_usage:
@@ -301,11 +344,10 @@ class Server:
     # -- completions -----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         try:
-            req = api.parse_body(
-                await _read_body(request, self.config.max_body_bytes, self.body_timeout),
-                CompletionRequest,
-            )
-            ids = await run_in_threadpool(self.engine.encode_text, req.prompt_text())
+            raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
+            req = await self._off_loop(api.parse_body, raw, CompletionRequest)
+            self._check_chars(len(req.prompt_text()), "prompt")
+            ids = await self._off_loop(self.engine.encode_text, req.prompt_text())
             if not ids:
                 raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
             params = self._params(req, len(ids))
@@ -381,10 +423,6 @@ class Server:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _limit_calls(calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
-    return calls if parallel else calls[:1]
-
-
 def _stream_error(e: Exception) -> dict[str, Any]:
     if isinstance(e, ApiError):
         return e.body()
@@ -431,4 +469,5 @@ def create_app(
 
     if config.api_key:
         app.add_middleware(_Auth, api_key=config.api_key)
+    app.add_middleware(_ShutdownGuard)  # outermost
     return app
