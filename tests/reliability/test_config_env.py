@@ -27,6 +27,8 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_KV_GROUP_SIZE": ["16", "100"],
     "TIERED_KV_PREFETCH": ["-1", "lots", "2 parsecs"],
     "TIERED_KV_RESTORE": ["fast", "load,compute"],
+    "TIERED_KV_COLD_DEADLINE": ["0", "-1", "soon", "nan"],
+    "TIERED_KV_SHUTDOWN_SECONDS": ["0", "1e9", "forever"],
 }
 SIZE_BAD = ["-1", "12XB", "1.5.5GB", "GB", "inf"]
 

@@ -1,29 +1,27 @@
-"""Token ranges of an entry file: block checksums at write time, verified ranged reads at restore.
+"""Token ranges of an entry file: ranged reads verified by the entry's own chunk checksums.
 
-An entry file is standard safetensors; a layer's KV tensor is ``(1, heads, T, row)``, so tokens
-``[s, e)`` of it are ``heads`` contiguous runs. To serve such a range without reading the rest of
-the file, the writer adds two keys to ``__metadata__`` (covered by the header checksum):
+An entry file is standard safetensors (cold format 2, :mod:`store`); a layer's KV tensor is
+``(1, heads, T, row)``, so tokens ``[s, e)`` of it are ``heads`` contiguous runs of bytes. Format 2
+already holds, in ``__metadata__`` (covered by the header checksum), ``chunk_bytes`` and ``xxh3``:
+per tensor the xxh3_64 of each ``chunk_bytes`` piece of its bytes. :func:`read_range` reads the
+whole chunks that cover rows ``[m, n)`` of every head of every layer tensor (adjacent chunks in one
+positioned read) plus the chunks of ``tokens[0, n)``, and checks every chunk before anything is
+served: no unverified byte leaves this module. There is no second integrity scheme: what the load
+path checks, the ranged path checks. The cost is read granularity: a range is read in whole chunks
+(4 MiB), so a short range of a long head run reads up to two chunks more than it serves.
 
-* ``range_block`` — tokens per checksum block (``RANGE_BLOCK``);
-* ``range_xxh``   — JSON ``{tensor: hex}``: per block ``b`` the 16-hex-digit xxh3_64 of the
-  block's bytes in every head, in head order (``tokens`` is hashed the same way, as one head).
+Files are opened with :func:`fsafe.open_nofollow` (a symlink planted in the cache dir is never
+followed) and the header is read from that same descriptor.
 
-:func:`read_range` reads whole blocks covering ``[m, n)`` of every covered tensor (plus the tokens
-of ``[0, n)``) with positioned reads and checks every block it returns: no unverified byte is
-served. Files without these keys (older writers) simply cannot be split (:class:`Unsplittable`).
-
-Threads: :func:`block_checksums` runs on the writer thread over evaluated arrays' bytes;
-:func:`read_range` and :func:`resident_share` touch only files, bytes and numpy — they are what
-the restore I/O thread runs, and never touch MLX.
+Threads: :func:`read_range` and :func:`resident_share` touch only files, bytes and numpy — they
+are what the restore I/O thread runs, and never touch MLX.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,43 +30,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tiered_kv.cold import store
+from tiered_kv.cold import fsafe, store
 
-RANGE_BLOCK = 256
-META_BLOCK = "range_block"
-META_XXH = "range_xxh"
 _HEX = 16
 
 
 class Unsplittable(ValueError):
-    """The entry cannot be read by token ranges (no block checksums, or layers of other shapes)."""
-
-
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8,
-             "I64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # fmt: skip
-
-
-def _as_u8(x: Any) -> np.ndarray:
-    """A flat uint8 view of an evaluated array's bytes (copies only strided slices)."""
-    m = memoryview(x)
-    return np.frombuffer(m if m.c_contiguous else m.tobytes(), dtype=np.uint8)
-
-
-def _hash_blocks(runs: np.ndarray, block: int) -> str:
-    """``runs``: (heads, T, row_bytes) uint8; one xxh3 per block of T over every head."""
-    heads, t = runs.shape[0], runs.shape[1]
-    out = []
-    for b in range(0, t, block):
-        h = xxhash.xxh3_64()
-        for i in range(heads):
-            h.update(runs[i, b : b + block].data)
-        out.append(h.hexdigest())
-    return "".join(out)
-
-
-def _runs(u8: np.ndarray, shape: list[int] | tuple[int, ...]) -> np.ndarray:
-    heads, t = int(shape[1]), int(shape[2])
-    return u8.reshape(heads, t, -1)
+    """The entry cannot be read by token ranges (layers without one row per token)."""
 
 
 def splittable(name: str, shape: tuple[int, ...] | list[int], n_tokens: int) -> bool:
@@ -76,65 +44,29 @@ def splittable(name: str, shape: tuple[int, ...] | list[int], n_tokens: int) -> 
     return len(shape) == 4 and int(shape[0]) == 1 and int(shape[2]) == n_tokens and n_tokens > 0
 
 
-def block_checksums(tokens: np.ndarray, arrays: Mapping[str, Any],
-                    block: int = RANGE_BLOCK) -> dict[str, str]:  # fmt: skip
-    """The two metadata keys above for an entry about to be written (writer thread)."""
-    n = len(tokens)
-    sums = {"tokens": _hash_blocks(_as_u8(tokens).reshape(1, n, -1), block)}
-    for name, x in arrays.items():
-        if splittable(name, tuple(x.shape), n):
-            sums[name] = _hash_blocks(_runs(_as_u8(x), tuple(x.shape)), block)
-    return {META_BLOCK: str(block), META_XXH: json.dumps(sums, separators=(",", ":"))}
-
-
 @dataclass
 class RangeRead:
     """Verified bytes of ``[start, stop)`` of every layer tensor, and the entry's first tokens."""
 
-    start: int  # block-aligned, ≤ the m asked for
-    stop: int  # ≥ the n asked for (block-aligned or the entry's end)
+    start: int  # the m asked for
+    stop: int  # the n asked for
     tokens: np.ndarray  # int32 ids [0, stop)
     #: tensor name → (dtype name as in safetensors, uint8 array (1, heads, stop - start, row))
     tensors: dict[str, tuple[str, np.ndarray]]
     metadata: dict[str, str]
-    nbytes: int  # bytes read
+    nbytes: int  # bytes read (whole chunks: ≥ the bytes served)
     seconds: float
-
-
-#: the per-tensor byte-chunk checksums of cold entry format 2 (issue 11): ``chunk_bytes`` and
-#: ``xxh3`` = {tensor: concatenated xxh3_64 hex digests of its bytes cut into chunk_bytes pieces}
-META_CHUNK, META_CHUNK_XXH = "chunk_bytes", "xxh3"
-
-
-def _checksums(header: store.Header) -> tuple[int, int, dict[str, str]]:
-    """(token block, byte chunk, table): block checksums (block > 0, chunk 0) when the writer added
-    them, else format 2's byte chunks (block 1, chunk > 0); Unsplittable when neither is there."""
-    meta = header.metadata
-    try:
-        if META_BLOCK in meta and META_XXH in meta:
-            block, chunk, sums = int(meta[META_BLOCK]), 0, json.loads(meta[META_XXH])
-        elif META_CHUNK in meta and META_CHUNK_XXH in meta:
-            block, chunk, sums = 1, int(meta[META_CHUNK]), json.loads(meta[META_CHUNK_XXH])
-        else:
-            raise Unsplittable("entry written without block or chunk checksums")
-        assert isinstance(sums, dict) and block > 0 and chunk >= 0
-    except (ValueError, AssertionError) as e:
-        if isinstance(e, Unsplittable):
-            raise
-        raise store.CorruptEntry(f"bad range checksums: {e}") from None
-    return block, chunk, sums
 
 
 def plan_tensors(header: store.Header) -> dict[str, dict[str, Any]]:
     """The tensors a ranged read returns (every one but ``tokens``); Unsplittable when some
     tensor has no per-token rows (checkpoints, wrapped windows, recurrent state)."""
-    _, _, sums = _checksums(header)
     n = header.n_tokens
     out = {}
     for name, t in header.tensors.items():
         if name == "tokens":
             continue
-        if name not in sums or not splittable(name, t["shape"], n):
+        if not splittable(name, t["shape"], n):
             raise Unsplittable(f"tensor {name} cannot be read by token range")
         out[name] = t
     return out
@@ -150,59 +82,55 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4) -> RangeRead:
-    """Verified tokens ``[0, n)`` and rows ``[m, n)`` (block-aligned outwards) of every layer.
+    """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor.
 
-    Raises store.CorruptEntry (checksum, short file), store.ForeignEntry, Unsplittable,
-    FileNotFoundError. Files and numpy only: safe on any thread (``workers`` threads of its own
-    read the tensors, and never touch MLX either).
+    Raises store.CorruptEntry (checksum, short file, a symlink), store.ForeignEntry,
+    Unsplittable, FileNotFoundError. Files and numpy only: safe on any thread (``workers``
+    threads of its own read the tensors, and never touch MLX either).
     """
     t0 = time.perf_counter()
-    header = store.read_header(path, fingerprint)
-    block, chunk, sums = _checksums(header)
-    total = header.n_tokens
-    if not 0 <= m < n <= total:
-        raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
-    tensors = plan_tensors(header)
-    start, stop = m // block * block, min(total, -(-n // block) * block)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    read = [0]
+    try:
+        fd = fsafe.open_nofollow(path, os.O_RDONLY)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise store.CorruptEntry(f"{path.name} is a symlink") from None
+        raise
+    try:
+        header = store.read_header_fd(fd, fingerprint)
+        chunk, total = header.chunk_bytes, header.n_tokens
+        if not 0 <= m < n <= total:
+            raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
+        tensors = plan_tensors(header)
+        read = [0]
 
-    def runs(name: str, t: dict[str, Any], dst: np.ndarray, row0: int, every: int) -> None:
-        """Rows from ``row0`` of each of ``dst``'s heads (``dst``: heads, rows, row bytes), head
-        ``h`` at byte ``row0 * row + h * every`` of tensor ``name``, verified."""
-        first = row0 * dst.shape[2]
-        base = header.data_start + int(t["data_offsets"][0])
-        heads, width = dst.shape[0], dst.shape[1] * dst.shape[2]
-        spans = [(first + h * every, first + h * every + width) for h in range(heads)]
-        if chunk:
+        def runs(name: str, t: dict[str, Any], dst: np.ndarray, row0: int, every: int) -> None:
+            """Rows from ``row0`` of each of ``dst``'s heads (``dst``: heads, rows, row bytes),
+            head ``h`` at byte ``row0 * row + h * every`` of tensor ``name``, verified."""
+            first = row0 * dst.shape[2]
+            base = header.data_start + int(t["data_offsets"][0])
             size = int(t["data_offsets"][1]) - int(t["data_offsets"][0])
-            pieces, got = _read_chunked(fd, base, size, spans, sums.get(name, ""), chunk, name)
+            heads, width = dst.shape[0], dst.shape[1] * dst.shape[2]
+            spans = [(first + h * every, first + h * every + width) for h in range(heads)]
+            pieces, got = _read_chunked(fd, base, size, spans, header.digests(name), chunk, name)
             for h, piece in enumerate(pieces):
                 dst[h] = piece.reshape(dst.shape[1:])
-        else:
-            for h, (a, _) in enumerate(spans):
-                _pread_into(fd, memoryview(dst[h]).cast("B"), base + a)
-            _verify(dst, sums[name], row0, block, name)
-            got = dst.nbytes
-        read[0] += got
+            read[0] += got
 
-    def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray]]:
-        heads, row = int(t["shape"][1]), _row_bytes(t)
-        buf = np.empty((1, heads, stop - start, row), dtype=np.uint8)
-        runs(name, t, buf[0], start, total * row)
-        return name, (t["dtype"], buf)
+        def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray]]:
+            heads, row = int(t["shape"][1]), _row_bytes(t)
+            buf = np.empty((1, heads, n - m, row), dtype=np.uint8)
+            runs(name, t, buf[0], m, total * row)
+            return name, (t["dtype"], buf)
 
-    try:
-        tok = np.empty((1, stop, 4), dtype=np.uint8)
+        tok = np.empty((1, n, 4), dtype=np.uint8)
         runs("tokens", header.tensors["tokens"], tok, 0, 0)
         # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
         with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
             out = dict(pool.map(lambda kv: one(*kv), tensors.items()))
     finally:
         os.close(fd)
-    nbytes = read[0]
     tokens = tok.reshape(-1).view("<i4").copy()
-    return RangeRead(start, stop, tokens, out, dict(header.metadata), nbytes,
+    return RangeRead(m, n, tokens, out, dict(header.metadata), read[0],
                      time.perf_counter() - t0)  # fmt: skip
 
 
@@ -237,16 +165,7 @@ def _read_chunked(fd: int, base: int, size: int, spans: list[tuple[int, int]], d
 
 def _row_bytes(t: dict[str, Any]) -> int:
     shape = t["shape"]
-    return int(np.prod(shape[3:], dtype=np.int64)) * _ITEMSIZE[t["dtype"]]
-
-
-def _verify(runs: np.ndarray, hexes: str, start: int, block: int, name: str) -> None:
-    """Check the blocks of ``runs`` (heads, rows from ``start``, row bytes) against ``hexes``."""
-    first = start // block
-    count = -(-runs.shape[1] // block)
-    want = hexes[first * _HEX : (first + count) * _HEX]
-    if len(want) != count * _HEX or _hash_blocks(runs, block) != want:
-        raise store.CorruptEntry(f"range checksum mismatch in {name}")
+    return int(np.prod(shape[3:], dtype=np.int64)) * store.ITEMSIZE[t["dtype"]]
 
 
 def resident_share(path: Path, samples: int = 16) -> float | None:
@@ -256,7 +175,7 @@ def resident_share(path: Path, samples: int = 16) -> float | None:
     if flag is None:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = fsafe.open_nofollow(path, os.O_RDONLY)
     except OSError:
         return None
     try:

@@ -73,7 +73,7 @@ class Learned:
     #: the whole load path (read + verify + build arrays), page cache cold / warm
     load_cold: ReadCost | None = None
     load_warm: ReadCost | None = None
-    #: the ranged reader of `both` (positioned reads + block checksums, no arrays)
+    #: the ranged reader of `both` (positioned reads of checksum chunks, no arrays), per byte served
     range_cold: ReadCost | None = None
     range_warm: ReadCost | None = None
     join_bytes_per_s: float | None = None
@@ -91,7 +91,7 @@ class Hit:
     warm: float | None = None
     #: "" when `both` can serve this entry; else why not (e.g. "recurrent layers")
     both_blocker: str = ""
-    #: `m` is a multiple of this (the entry's checksum block) so no read is wasted
+    #: `m` is a multiple of this (1: ranged reads round to checksum chunks themselves)
     block: int = 1
 
 

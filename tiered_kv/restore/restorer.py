@@ -114,7 +114,7 @@ class Restorer:
         self._warm = {hit.entry_id: warm}  # only the plan in flight is observed
         entry_tokens = max(1, int(hit.entry_tokens))
         blocker = self.blocker or ("memory holds a shorter prefix" if start else "")
-        h = Hit(n, nbytes, nbytes / entry_tokens, warm, blocker, ranged.RANGE_BLOCK)
+        h = Hit(n, nbytes, nbytes / entry_tokens, warm, blocker, 1)  # any m: reads are by chunk
         learned = self.costs.learned
         p: Plan = plan(h, learned, self.mode)
         if p.kind == "compute" and start:
@@ -180,7 +180,9 @@ class Restorer:
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")
         self.costs.observe_prefill(m, 0, t_compute)
-        self.costs.observe_range(rr.nbytes, rr.seconds, self._warm.pop(hit.entry_id, None))
+        # bytes served, not read: the learned range rate then prices in the whole-chunk overread
+        served = sum(u8.nbytes for _, u8 in rr.tensors.values())
+        self.costs.observe_range(served, rr.seconds, self._warm.pop(hit.entry_id, None))
         if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
             return self._fell_back("file tokens differ from the prompt")
         t_join = time.perf_counter()

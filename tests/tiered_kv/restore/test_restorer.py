@@ -19,7 +19,7 @@ from tiered_kv.restore.costs import CostBook
 from tiered_kv.restore.restorer import Decision, Restorer, blocker_of
 from tiered_kv.tiered import HitInfo, Lease, TieredCache
 
-N = 600  # three checksum blocks of 256 tokens: ranges start mid-block
+N = 600  # ranges start at any token (reads round out to whole checksum chunks)
 
 
 def llama_kv8():
