@@ -52,6 +52,7 @@ def default_root() -> Path:
 
 
 TIERS = ("hot", "cold")
+RESTORE_MODES = ("auto", "load", "compute", "both")
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ class Config:
     #: TIERED_KV_SHARED_QUEUE_BYTES — bytes of entries waiting to be published to the shared tier
     #: (write-behind); past it the oldest waiting one is dropped (counted).
     shared_queue_bytes: int = 2 * 1024**3
+    #: TIERED_KV_RESTORE — how a disk hit is restored: "auto" (the faster of load, compute and
+    #: both by this machine's measured costs), or forced "load", "compute" or "both" (benchmarks).
+    restore: str = "auto"
 
     @property
     def hot_enabled(self) -> bool:
@@ -216,6 +220,13 @@ def redis_url(text: str) -> str:
     return t
 
 
+def _restore(text: str) -> str:
+    t = text.strip().lower()
+    if t not in RESTORE_MODES:
+        raise ValueError(text)
+    return t
+
+
 def _seconds_short(text: str) -> float:
     v = float(text)
     if not 0.0 < v <= 60.0:
@@ -273,6 +284,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_SHARED": ("shared_url", redis_url, REDIS_FORM),
     "TIERED_KV_SHARED_TIMEOUT": ("shared_timeout", _seconds_short, "seconds in (0, 60], e.g. 1"),
     "TIERED_KV_SHARED_QUEUE_BYTES": ("shared_queue_bytes", _size, SIZE_FORM),
+    "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
 }
 _SECRET = {"TIERED_KV_SHARED"}  # never echoed in an error message
 PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'

@@ -92,3 +92,10 @@ def test_shared_url_refused_without_echoing_it(url):
 def test_shared_off_by_default():
     c = from_env({})
     assert c.shared_url == "" and not c.shared_enabled and c.shared_timeout == 1.0
+
+
+def test_restore_mode():
+    assert from_env({}).restore == "auto"
+    assert from_env({"TIERED_KV_RESTORE": " Compute "}).restore == "compute"
+    with pytest.raises(ConfigError, match="TIERED_KV_RESTORE"):
+        from_env({"TIERED_KV_RESTORE": "fastest"})
