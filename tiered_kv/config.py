@@ -100,6 +100,10 @@ class Config:
     api_key: str = ""
     #: TIERED_KV_MAX_BODY_BYTES — largest accepted HTTP request body.
     max_body_bytes: int = 16 * 1024**2
+    #: TIERED_KV_MAX_BATCH — requests generating at once (continuous batching); more wait.
+    max_batch: int = 8
+    #: TIERED_KV_MAX_QUEUE — requests waiting for a place in the batch; past it, a 429.
+    max_queue: int = 64
 
     @property
     def hot_enabled(self) -> bool:
@@ -209,6 +213,8 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_CACHE_SALT": ("cache_salt", str, "any string"),
     "TIERED_KV_API_KEY": ("api_key", str, "any string"),
     "TIERED_KV_MAX_BODY_BYTES": ("max_body_bytes", _size, SIZE_FORM),
+    "TIERED_KV_MAX_BATCH": ("max_batch", _positive_int, "an integer ≥ 1"),
+    "TIERED_KV_MAX_QUEUE": ("max_queue", _nonneg_int, "an integer ≥ 0"),
 }
 PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'
 

@@ -155,7 +155,7 @@ class TieredCache:
         inherited = {p: snap for p, snap in entry.checkpoints.items() if p <= n}
         direct = entry.trimmable or n == total  # no checkpoint needed to serve n
         if direct and (
-            policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens)
+            policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens, total)
             or not self.config.hot_enabled
         ):
             # Hand the entry over: the caller writes into its buffers; the result replaces it.
