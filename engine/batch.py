@@ -31,7 +31,6 @@ from mlx_lm.models import cache as C
 
 from engine import sampler as sampling
 from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams, Usage
-from engine.textout import TextStream
 from tiered_kv.tiered import Lease
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class _Seq:
     lease: Lease | None = None
     fed: list[int] = field(default_factory=list)  # ids whose KV the request's caches hold
     steps: Generator[None, None, mx.array] | None = None
-    text: TextStream | None = None
+    text: Any = None  # engine.textout.TextStream
     sampler: sampling.Sampler | None = None
     hit: Hit = Hit()
     t_prefill: float = 0.0
@@ -108,7 +107,6 @@ class BatchLoop:
 
     def __init__(self, engine: Any, max_batch: int = 8) -> None:
         self.engine, self.max_batch = engine, max_batch
-        self.eos = list(engine.tokenizer.eos_token_ids)
         self.waiting: deque[_Seq] = deque()  # admitted, prefill not started
         self.prefilling: _Seq | None = None
         self.batch: _Group | None = None  # the batched group
@@ -183,6 +181,8 @@ class BatchLoop:
         self.prefilling = None
         seq.t_prefill = time.perf_counter() - seq.started
         try:
+            # the requests prefilling after this one may share its prompt: publish it now
+            self.engine.cache.share(seq.lease, seq.fed)
             self._first_token(seq, logits)
         except Exception as e:
             self._fail(seq, e, seq.lease.caches)
@@ -201,7 +201,7 @@ class BatchLoop:
                 seq.hit = Hit(info.tokens, info.tier, info.load_seconds)
                 seq.sink.emit(seq.hit)
                 seq.fed = list(seq.prompt_ids[: info.tokens])
-                seq.text = TextStream(self.engine.tokenizer, seq.params, self.eos)
+                seq.text = self.engine.text_stream(seq.params)
                 seq.sampler = sampling.for_request(seq.params)
                 seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
             except Exception as e:

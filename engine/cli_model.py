@@ -1,6 +1,6 @@
 """`tiered-kv model …`: build the tiny random model, fetch + convert SmolLM2.
 
-    tiered-kv model tiny [OUT_DIR] [--size test|bench] [--seed N]
+    tiered-kv model tiny [OUT_DIR] [--size test|test-llama3|bench|1b|8b] [--seed N]
     tiered-kv model fetch smollm2 [OUT_DIR] [--keep-4bit]
 
 Default output directories live under ``Config.models_dir``. Failures print one line on stderr and exit 1.
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from engine.blas import blas_status
+from engine.models.tiny import SIZES
 
 log = logging.getLogger(__name__)
 FETCHABLE = ("smollm2",)
@@ -61,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tiny", help="deterministic random-weight llama + locally trained tokenizer"
     )
     tiny.add_argument("out_dir", nargs="?", type=Path, help="default: $MODELS_DIR/tiny-SIZE")
-    tiny.add_argument("--size", choices=("test", "bench"), default="test")
+    tiny.add_argument("--size", choices=tuple(SIZES), default="test")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_tiny)
 

@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.generate import CacheDirError, Engine
-    from engine.server import create_app
+    from engine.server import batch_limits, create_app
+    from engine.worker import Worker
 
     log.info(
         "loading %s (tiers: %s, cache dir %s)",
@@ -65,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
         ",".join(config.tiers) or "none",
         config.cache_dir,
     )
+    # The model is loaded on the engine thread (the one thread that owns MLX), before serving.
+    worker = Worker(lambda: Engine(model_dir, config), **batch_limits(config))
     try:
-        engine = Engine(model_dir, config)
+        worker.start()
     except CacheDirError as e:
         print(f"tiered-kv serve: {e}", file=sys.stderr)
         return 2
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             "serving on %s without TIERED_KV_API_KEY: anyone who can reach it can use it", args.host
         )
     app = create_app(
-        engine, config, keepalive_seconds=args.keepalive, body_timeout_seconds=args.body_timeout
+        worker, config, keepalive_seconds=args.keepalive, body_timeout_seconds=args.body_timeout
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
     return 0

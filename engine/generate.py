@@ -21,6 +21,7 @@ from engine.batch import BatchLoop
 from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
 from engine.loading import context_length, fingerprint_parts, load_model
 from engine.prefill import Progress, checkpoint_positions, prefill, prefill_steps
+from engine.textout import TextStream
 from tiered_kv.config import Config
 from tiered_kv.keys import fingerprint
 from tiered_kv.tiered import HitInfo, Lease, TieredCache
@@ -91,6 +92,10 @@ class Engine:
         )
 
     # -- generation ------------------------------------------------------------------------
+    def text_stream(self, params: SamplingParams) -> TextStream:
+        """How one request's sampled ids become its text (stop strings, limits)."""
+        return TextStream(self.tokenizer, params, self.tokenizer.eos_token_ids)
+
     def generate(
         self,
         prompt_ids: list[int],

@@ -79,22 +79,30 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 class Server:
-    """Routes bound to one engine + worker + metrics."""
+    """Routes bound to one worker (which owns the engine) + metrics."""
 
     def __init__(
         self,
-        engine: Any,
+        worker: Worker,
         config: Config,
         keepalive_seconds: float = 5.0,
         model_id: str | None = None,
         body_timeout_seconds: float = 30.0,
     ):
-        self.engine, self.config, self.keepalive = engine, config, keepalive_seconds
+        self.worker, self.config, self.keepalive = worker, config, keepalive_seconds
         self.body_timeout = body_timeout_seconds
-        self.model_id = model_id or engine.model_dir.name
+        self._model_id = model_id
         self.created = api.now()
-        self.worker = Worker(engine, max_batch=config.max_batch, max_queue=config.max_queue)
-        self.metrics = Metrics(engine.cache.stats, self.worker)
+        self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {}, worker)
+
+    @property
+    def engine(self) -> Any:
+        """The loaded engine (its tokenizer and plain attributes only: MLX stays on its thread)."""
+        return self.worker.engine
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id or str(self.engine.model_dir.name)
 
     def _error(self, endpoint: str, e: Exception) -> JSONResponse:
         if isinstance(e, ApiError):
@@ -226,6 +234,11 @@ class Server:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def batch_limits(config: Config) -> dict[str, int]:
+    """The Worker's keyword arguments from the config (TIERED_KV_MAX_BATCH / _MAX_QUEUE)."""
+    return {"max_batch": config.max_batch, "max_queue": config.max_queue}
+
+
 def _stream_error(e: Exception) -> dict[str, Any]:
     if isinstance(e, ApiError):
         return e.body()
@@ -234,18 +247,21 @@ def _stream_error(e: Exception) -> dict[str, Any]:
 
 
 def create_app(
-    engine: Any,
+    engine: Worker | Callable[[], Any],
     config: Config,
     keepalive_seconds: float = 5.0,
     model_id: str | None = None,
     body_timeout_seconds: float = 30.0,
 ) -> FastAPI:
-    """The ASGI app. Its lifespan starts the worker; shutdown cancels jobs and closes the engine."""
-    server = Server(engine, config, keepalive_seconds, model_id, body_timeout_seconds)
+    """The ASGI app over a :class:`Worker` (or a zero-argument engine factory, run on the worker's
+    thread). Its lifespan starts the worker (the model loads there); shutdown cancels jobs and
+    closes the engine."""
+    worker = engine if isinstance(engine, Worker) else Worker(engine, **batch_limits(config))
+    server = Server(worker, config, keepalive_seconds, model_id, body_timeout_seconds)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.worker.start()
+        await run_in_threadpool(server.worker.start)
         yield
         await run_in_threadpool(server.worker.close)
 

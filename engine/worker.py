@@ -1,8 +1,12 @@
-"""The engine thread: a bounded queue of jobs feeding one :class:`engine.batch.BatchLoop`.
+"""The engine thread: it owns MLX. A bounded queue of jobs feeding one :class:`engine.batch.BatchLoop`.
 
-Ownership: the worker thread is the only thread that touches MLX — it runs the batch loop (every
+Ownership: the worker thread is the only thread that touches MLX. It *builds* the Engine (model
+loading: mlx-lm models keep lazy arrays — e.g. Llama 3's RoPE frequencies — that can only be
+evaluated on the thread that made them), runs the warm-start prefetch, runs the batch loop (every
 prefill chunk and decode step of every request) and finally ``engine.close()`` (which flushes the
-spill queue). Request handlers (asyncio) :meth:`Worker.submit` a :class:`Job` and read its typed
+spill queue). It runs on a stream it creates itself, so an array made on any other thread fails at
+once ("There is no Stream(...) in current thread") on the CPU exactly as it does on a GPU. Other
+threads read only the engine's plain attributes (tokenizer, context length, stats). Request handlers (asyncio) :meth:`Worker.submit` a :class:`Job` and read its typed
 events (``engine/events.py``) from an ``asyncio.Queue`` that the worker fills through
 ``loop.call_soon_threadsafe``. Up to ``max_batch`` jobs are in the loop at once; up to
 ``max_queue`` more wait (then :class:`QueueFull`). A handler whose client went away sets
@@ -17,7 +21,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
 
 from engine.batch import BatchLoop
 from engine.events import END, Event, Failed, SamplingParams
@@ -84,17 +92,19 @@ class _Progress:
 
 
 class Worker:
-    """Owns ``engine`` and the thread that runs it; ``submit`` from the event loop, ``close`` at
-    shutdown. ``batch_size`` / ``in_flight`` / ``pending`` are plain ints for /health and /metrics."""
+    """Owns the engine thread and the Engine it builds; ``start`` (waits until the model is loaded),
+    ``submit`` from the event loop, ``close`` at shutdown. ``batch_size`` / ``in_flight`` /
+    ``pending`` are plain ints for /health and /metrics."""
 
     def __init__(
         self,
-        engine: object,
+        make_engine: Callable[[], Any],
         progress_interval: float = 2.0,
         max_batch: int = 8,
         max_queue: int = 64,
     ) -> None:
-        self.engine = engine
+        self._make_engine = make_engine
+        self.engine: Any = None  # set on the engine thread before ``start`` returns
         self.max_batch, self.max_queue = max_batch, max_queue
         self._progress_interval = progress_interval
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -102,10 +112,20 @@ class Worker:
         self._closed = False
         self.batch_size = 0  # requests decoding together (written by the worker thread only)
         self.in_flight = 0  # requests in the loop: waiting to prefill, prefilling or decoding
-        self._thread = threading.Thread(target=self._run, name="tiered-kv-worker", daemon=True)
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tiered-kv-engine", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, timeout: float | None = None) -> None:
+        """Start the engine thread and wait until it has built the engine; re-raises a load
+        failure (e.g. ``CacheDirError``) here, on the caller's thread. Idempotent."""
+        with self._lock:
+            if not self._thread.is_alive() and not self._ready.is_set():
+                self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not finish loading in time")
+        if self._load_error is not None:
+            raise self._load_error
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, label: str = "") -> Job:
         """Queue a job. Must be called on the event loop that will read the job's events.
@@ -137,11 +157,18 @@ class Worker:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("worker did not stop within %ss; cache may not be flushed", timeout)
-        else:
-            self.engine.close()  # type: ignore[attr-defined]
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        # This thread's own stream: nothing made on another thread can be evaluated here.
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        try:
+            self.engine = self._make_engine()
+        except BaseException as e:  # handed to start()'s caller: the CLI prints it in one line
+            self._load_error = e
+            return
+        finally:
+            self._ready.set()
         try:
             self._prefetch()
             loop = BatchLoop(self.engine, self.max_batch)
@@ -153,7 +180,7 @@ class Worker:
             self._drain()
         finally:
             log.info("worker stopping: closing the engine (flushing the spill queue)")
-            self.engine.close()  # type: ignore[attr-defined]
+            self.engine.close()
 
     def _admit(self, loop: BatchLoop) -> bool:
         """Move queued jobs into the loop while it has room (blocking while it is idle).
@@ -174,7 +201,7 @@ class Worker:
         """Warm start (TIERED_KV_PREFETCH): load recent disk entries into memory before serving;
         requests that arrive meanwhile queue behind it."""
         t0 = time.perf_counter()
-        n = self.engine.cache.prefetch()  # type: ignore[attr-defined]
+        n = self.engine.cache.prefetch()
         if n:
             log.info("prefetched %d cold entries into memory in %.2fs", n, time.perf_counter() - t0)
 

@@ -34,6 +34,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``test`` with Llama 3 RoPE scaling: its model keeps a lazy array made at load time, so it fails
+    on any thread but the one that loaded it (the GPU failure of issue 19, reproduced on the CPU)."""
+    from engine.models import tiny
+
+    return tiny.build(tmp_path_factory.mktemp("models") / "tiny-llama3", size="test-llama3", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``bench``-size tiny model (8 layers, hidden 512, head_dim 64, float32), seed 0."""
     from engine.models import tiny

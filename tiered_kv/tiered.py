@@ -213,6 +213,28 @@ class TieredCache:
             self._persist(entry)
         self.hot.insert(entry)
 
+    def share(self, lease: Lease, token_ids: Sequence[int]) -> None:
+        """Publish a running request's prompt cache in the hot tier (new cache objects sharing its
+        arrays: no copy), so that requests running beside it hit its prefix. The request keeps
+        its lease; its final :meth:`store` supersedes this entry. Memory only, never persisted."""
+        ids = as_tokens(token_ids)
+        if not self.config.hot_enabled or len(ids) == 0:
+            return
+        try:
+            caches = layers.view(lease.caches, len(ids), len(ids))
+        except layers.UnsupportedCache:
+            return
+        if caches is None or not _make_consistent(caches, len(ids)):
+            return
+        if self.config.kv_bits:
+            caches = layers.quantize(caches, self.config.kv_bits, self.config.kv_group_size)
+        ckpts = {p: snap for p, snap in lease.checkpoints.items() if 0 < p <= len(ids)}
+        entry = new_entry(ids, caches, ckpts, persisted=True)  # persisted: never spilled
+        for other in list(self.hot.entries.values()):
+            if _supersedes(entry, other):
+                self.hot.discard(other)
+        self.hot.insert(entry)
+
     def _persist(self, entry: Entry) -> None:
         if self.cold is not None:
             self.cold.persist(entry.tokens, entry.caches, self._disk_checkpoints(entry))

@@ -6,7 +6,11 @@ Same ``size`` and ``seed`` → byte-identical files. The tokenizer is trained on
 (English-ish prose, Python, JSON, ChatML tool calls), so every size and seed shares one tokenizer.
 
 Sizes: ``test`` (2 layers, hidden 64) loads and prefills in milliseconds; ``bench`` (8 layers, hidden 512,
-head_dim 64, float32) is slow enough on a CPU that skipping a cached prefix is measurable.
+head_dim 64, float32) is slow enough on a CPU that skipping a cached prefix is measurable. ``test-llama3`` is
+``test`` with Llama 3's RoPE scaling, whose frequencies mlx-lm keeps as a lazy array made at load time: a
+model that fails when evaluated on a thread other than the one that loaded it (as every GPU request did).
+``1b`` / ``8b`` are Llama-3.2-1B / Llama-3.1-8B shapes in bfloat16 (KV 32 / 128 KiB per token) for GPU
+benchmarks; their random weights are drawn with MLX (fast on a GPU), not NumPy.
 """
 
 from __future__ import annotations
@@ -80,8 +84,27 @@ class Shape:
 
 SIZES: dict[str, Shape] = {
     "test": Shape(2, 64, 4, 2, 16, 176),
+    "test-llama3": Shape(2, 64, 4, 2, 16, 176),
     "bench": Shape(8, 512, 8, 4, 64, 1408),
+    "1b": Shape(16, 2048, 32, 8, 64, 8192),
+    "8b": Shape(32, 4096, 32, 8, 128, 14336),
 }
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+#: config.json keys that differ from the float32 llama defaults, per size
+_EXTRA: dict[str, dict] = {
+    "test-llama3": {"rope_scaling": _LLAMA3_ROPE},
+    "1b": {"rope_scaling": _LLAMA3_ROPE, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+           "max_position_embeddings": 131072},
+    "8b": {"rope_scaling": _LLAMA3_ROPE, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+           "max_position_embeddings": 131072},
+}  # fmt: skip
+_MLX_WEIGHTS = ("1b", "8b")  # too large for NumPy's generator: drawn with MLX in bfloat16
 
 
 class TinyModelError(ValueError):
@@ -255,6 +278,36 @@ def random_weights(shape: Shape, vocab_size: int, seed: int) -> dict[str, np.nda
     return weights
 
 
+def _save_mlx_weights(path: Path, shape: Shape, vocab_size: int, seed: int) -> None:
+    """bfloat16 random weights of a large shape, drawn and written with MLX (same names and scales as
+    :func:`random_weights`)."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    h, hd, ff = shape.hidden_size, shape.head_dim, shape.intermediate_size
+
+    def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> mx.array:
+        w = mx.random.normal((out_dim, in_dim), dtype=mx.bfloat16) * (gain / float(np.sqrt(in_dim)))
+        mx.eval(w)
+        return w
+
+    ones = mx.ones((h,), dtype=mx.bfloat16)
+    weights = {"model.embed_tokens.weight": linear(vocab_size, h, float(np.sqrt(h) * 0.5))}
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights[p + "self_attn.q_proj.weight"] = linear(shape.num_attention_heads * hd, h)
+        weights[p + "self_attn.k_proj.weight"] = linear(shape.num_key_value_heads * hd, h)
+        weights[p + "self_attn.v_proj.weight"] = linear(shape.num_key_value_heads * hd, h)
+        weights[p + "self_attn.o_proj.weight"] = linear(h, shape.num_attention_heads * hd)
+        weights[p + "mlp.gate_proj.weight"] = linear(ff, h)
+        weights[p + "mlp.up_proj.weight"] = linear(ff, h)
+        weights[p + "mlp.down_proj.weight"] = linear(h, ff)
+        weights[p + "input_layernorm.weight"] = ones
+        weights[p + "post_attention_layernorm.weight"] = ones
+    weights["model.norm.weight"] = ones
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+
+
 # --- directory ----------------------------------------------------------------------------------------
 
 
@@ -282,9 +335,13 @@ def build(out_dir: Path, size: str = "test", seed: int = 0) -> Path:
         vocab = tok.get_vocab_size()
         tok.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
-        _write_json(tmp / "config.json", model_config(SIZES[size], vocab))
-        weights = random_weights(SIZES[size], vocab, seed)
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "mlx"})
+        config = {**model_config(SIZES[size], vocab), **_EXTRA.get(size, {})}
+        _write_json(tmp / "config.json", config)
+        if size in _MLX_WEIGHTS:
+            _save_mlx_weights(tmp / "model.safetensors", SIZES[size], vocab, seed)
+        else:
+            weights = random_weights(SIZES[size], vocab, seed)
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "mlx"})
         tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is meant to be shared
         if out_dir.exists():
             shutil.rmtree(out_dir)

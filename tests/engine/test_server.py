@@ -18,10 +18,9 @@ import openai
 import pytest
 import uvicorn
 
-from engine.generate import Chunk, Engine, SamplingParams, Usage
+from engine.generate import Engine, SamplingParams
 from engine.server import create_app
 from tiered_kv.config import Config
-from tiered_kv.tiered import HitInfo
 
 TOOLS = [
     {
@@ -55,8 +54,9 @@ class Live:
 
 
 @contextmanager
-def serve(engine, config: Config, keepalive: float = 0.2) -> Iterator[Live]:
-    app = create_app(engine, config, keepalive_seconds=keepalive)
+def serve(make_engine, config: Config, keepalive: float = 0.2) -> Iterator[Live]:
+    """Serve the engine that ``make_engine`` builds (on the server's engine thread)."""
+    app = create_app(make_engine, config, keepalive_seconds=keepalive)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -79,20 +79,37 @@ def hot_config(tmp: Path, **kw) -> Config:
 @pytest.fixture(scope="module")
 def live(tiny_model_dir, tmp_path_factory):
     config = hot_config(tmp_path_factory.mktemp("kv"))
-    with serve(Engine(tiny_model_dir, config), config) as s:
+    with serve(lambda: Engine(tiny_model_dir, config), config) as s:
         yield s
 
 
 @pytest.fixture()
 def fresh(tiny_model_dir, tmp_path):
     config = hot_config(tmp_path)
-    with serve(Engine(tiny_model_dir, config), config) as s:
+    with serve(lambda: Engine(tiny_model_dir, config), config) as s:
         yield s
 
 
+class _ScriptText:
+    """A TextStream that ignores the sampled ids and says ``script`` (then stops)."""
+
+    def __init__(self, script: list[str]):
+        self.script, self.completion = list(script), 0
+
+    def add(self, tok: int) -> tuple[str, str | None]:
+        if not self.script:
+            return "", "stop"
+        self.completion += 1
+        piece = self.script.pop(0)
+        return piece, (None if self.script else "stop")
+
+    def tail(self) -> str:
+        return ""
+
+
 class Scripted:
-    """The real engine, except that generate() replays ``script`` (the random tiny model never writes a
-    tool call, nor sleeps before its first token)."""
+    """The real engine (model, cache, batch loop), except that its text is ``script`` (the random tiny
+    model never writes a tool call) and its prefill sleeps ``delay`` seconds first."""
 
     def __init__(self, engine: Engine, script: list[str], delay: float = 0.0):
         self._engine, self.script, self.delay = engine, script, delay
@@ -100,18 +117,12 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(
-        self, prompt_ids, params: SamplingParams, on_progress=None, should_stop=None, on_hit=None
-    ):
-        if on_hit is not None:
-            on_hit(HitInfo())
+    def text_stream(self, params: SamplingParams) -> _ScriptText:
+        return _ScriptText(self.script)
+
+    def prefill_steps(self, lease, fed, on_progress=None):
         time.sleep(self.delay)
-        for piece in self.script:
-            yield Chunk(piece, 7)
-        usage = Usage(
-            len(prompt_ids), len(self.script), 0, "none", self.delay, self.delay, 0.0, 0.0
-        )
-        yield Chunk("", None, "stop", usage)
+        return (yield from self._engine.prefill_steps(lease, fed, on_progress))
 
 
 USER = [{"role": "user", "content": "what is the weather in paris and in london today?"}]
@@ -202,7 +213,7 @@ def test_greedy_same_with_and_without_cache(tiny_model_dir, tmp_path, live):
         {"role": "assistant", "content": "It is sunny."},
         {"role": "user", "content": "and in tokyo?"},
     ]
-    with serve(Engine(tiny_model_dir, none), none) as plain:
+    with serve(lambda: Engine(tiny_model_dir, none), none) as plain:
         for msgs in (USER, turn, turn):
             a = live.client.chat.completions.create(
                 model="t", messages=msgs, max_tokens=10, temperature=0
@@ -243,9 +254,8 @@ def test_tool_history_round_trip(live):
 @pytest.fixture()
 def scripted(tiny_model_dir, tmp_path):
     config = hot_config(tmp_path)
-    engine = Scripted(Engine(tiny_model_dir, config), [])
-    with serve(engine, config) as s:
-        yield s, engine
+    with serve(lambda: Scripted(Engine(tiny_model_dir, config), []), config) as s:
+        yield s, s.app.state.server.engine
 
 
 def test_emitted_tool_call_non_stream(scripted):
@@ -389,9 +399,12 @@ def guarded(tiny_model_dir, tmp_path_factory):
     config = Config(
         cache_dir=tmp_path_factory.mktemp("kv"), tiers=(), api_key="sekret", max_body_bytes=4000
     )
-    engine = Engine(tiny_model_dir, config)
-    engine.context_length = 64  # so a "too long" prompt is small
-    with serve(engine, config) as s:
+    def make() -> Engine:
+        engine = Engine(tiny_model_dir, config)
+        engine.context_length = 64  # so a "too long" prompt is small
+        return engine
+
+    with serve(make, config) as s:
         yield s
 
 
@@ -459,7 +472,7 @@ def test_unknown_path_and_method(guarded):
 @pytest.mark.smollm2
 def test_smollm2_turns_hit_the_cache(smollm2_dir, tmp_path):
     config = hot_config(tmp_path)
-    with serve(Engine(smollm2_dir, config), config) as s:
+    with serve(lambda: Engine(smollm2_dir, config), config) as s:
         c = s.client
         first = c.chat.completions.create(
             model="s", messages=USER, tools=TOOLS, max_tokens=24, temperature=0
@@ -485,3 +498,34 @@ def test_smollm2_turns_hit_the_cache(smollm2_dir, tmp_path):
         )
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
         assert second.usage.model_extra["cache_tier"] == "hot"
+
+
+# --- one thread owns MLX (issue 19) ----------------------------------------------------------------
+
+
+def test_engine_thread_owns_mlx_lazy_rope_model(tiny_llama3_dir, tmp_path):
+    """A Llama 3 model keeps a lazy RoPE array made at load time. Loaded on one thread and run on
+    another, every request failed ("There is no Stream(gpu, 0) in current thread" on CUDA; the same
+    on the CPU with this model): the model must be loaded on the thread that runs it. Exercises
+    completions, a streamed chat with tools, write-through to disk and a restart served from disk."""
+    config = Config(
+        cache_dir=tmp_path, tiers=("hot", "cold"), write_through=True, block_tokens=16,
+        min_continuation_tokens=16, prefill_chunk=16,
+    )  # fmt: skip
+    prompt = "the cache holds the prompt and the disk holds the rest of it " * 6
+    with serve(lambda: Engine(tiny_llama3_dir, config), config) as s:
+        s.client.completions.create(model="t", prompt=prompt, max_tokens=4, temperature=0)
+        b = s.client.completions.create(
+            model="t", prompt=prompt + "again", max_tokens=4, temperature=0
+        )
+        assert b.usage.prompt_tokens_details.cached_tokens > 0
+        stream = s.client.chat.completions.create(
+            model="t", messages=USER, tools=TOOLS, max_tokens=4, temperature=0, stream=True
+        )
+        assert [c for c in stream][-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with serve(lambda: Engine(tiny_llama3_dir, config), config) as s:
+        c = s.client.completions.create(
+            model="t", prompt=prompt + "thrice", max_tokens=4, temperature=0
+        )
+    assert c.usage.prompt_tokens_details.cached_tokens > 0
+    assert c.usage.model_extra["cache_tier"] == "cold"
