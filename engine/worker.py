@@ -49,9 +49,12 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
+    on_end: Callable[[], None] | None = field(default=None, repr=False)
 
     def emit(self, event: Event) -> None:
         """Worker side: hand an event to the request's loop (a closed loop means nobody listens)."""
+        if event is END and self.on_end is not None:
+            self.on_end()
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:
@@ -110,6 +113,7 @@ class Worker:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
+        self._accepted = 0  # submitted and not ended: at most max_batch + max_queue
         self.batch_size = 0  # requests decoding together (written by the worker thread only)
         self.in_flight = 0  # requests in the loop: waiting to prefill, prefilling or decoding
         self._ready = threading.Event()
@@ -130,14 +134,21 @@ class Worker:
     def submit(self, prompt_ids: list[int], params: SamplingParams, label: str = "") -> Job:
         """Queue a job. Must be called on the event loop that will read the job's events.
         Raises QueueFull past ``max_queue`` waiting jobs, RuntimeError after close()."""
-        job = Job(prompt_ids, params, asyncio.get_running_loop(), label)
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), label, on_end=self._ended)
         with self._lock:
             if self._closed:
                 raise RuntimeError("server is shutting down")
-            if self._queue.qsize() >= self.max_queue:
-                raise QueueFull(f"{self.max_queue} requests are already waiting")
+            if self._accepted >= self.max_batch + self.max_queue:
+                raise QueueFull(
+                    f"{self.max_batch} requests are generating and {self.max_queue} waiting"
+                )
+            self._accepted += 1
             self._queue.put(job)
         return job
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._accepted -= 1
 
     def pending(self) -> int:
         """Jobs waiting for a place in the batch."""

@@ -180,7 +180,9 @@ def test_cancel_one_others_unchanged_and_stored():
     run_until(loop, lambda: all(s.done for s in sinks))
     last = sinks[1].chunks[-1]
     assert last.finish_reason == "cancelled" and last.usage.completion_tokens < MAX[1]
-    assert [s.ids for i, s in enumerate(sinks) if i != 1] == [r for i, r in enumerate(ref) if i != 1]
+    assert [s.ids for i, s in enumerate(sinks) if i != 1] == [
+        r for i, r in enumerate(ref) if i != 1
+    ]
     assert sinks[1].ids == ref[1][: len(sinks[1].ids)]
     # what the cancelled request computed is an entry: its prompt + the tokens it generated
     again = engine.cache.fetch(PROMPTS[1] + sinks[1].ids + [7])

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -350,8 +351,70 @@ def test_models_health_metrics(live):
         "tiered_kv_hot_bytes",
         "tiered_kv_hot_evictions",
         "tiered_kv_ttft_seconds_bucket",
+        "tiered_kv_request_ttft_seconds_bucket",
+        "tiered_kv_queue_wait_seconds_bucket",
+        "tiered_kv_batch_size",
+        "tiered_kv_queue_length",
     ):
         assert name in text, name
+
+
+SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 12}
+
+
+def test_concurrent_sessions_share_the_system_prompt(fresh):
+    """Requests sent together on one system prompt each hit it (all but the first to prefill), and
+    the entries they store serve their conversations' next turns."""
+    c = fresh.client
+    firsts: dict[int, Any] = {}
+    convs = [
+        [SYSTEM, {"role": "user", "content": f"task number {i}: fix the bug"}] for i in range(4)
+    ]
+
+    def one(i: int) -> None:
+        firsts[i] = c.chat.completions.create(
+            model="t", messages=convs[i], max_tokens=6, temperature=0
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    system_tokens = len(fresh.app.state.server.engine.encode_text(SYSTEM["content"]))
+    cached = sorted(r.usage.prompt_tokens_details.cached_tokens for r in firsts.values())
+    assert cached[0] >= 0 and all(n >= system_tokens for n in cached[1:]), cached
+    for i in range(4):
+        history = convs[i] + [
+            {"role": "assistant", "content": firsts[i].choices[0].message.content},
+            {"role": "user", "content": "and now the tests"},
+        ]
+        r = c.chat.completions.create(model="t", messages=history, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens >= firsts[i].usage.prompt_tokens
+
+
+def test_queue_full_is_a_429_and_health_answers_while_the_batch_runs(tiny_model_dir, tmp_path):
+    config = hot_config(tmp_path, max_batch=1, max_queue=0)
+    with serve(lambda: Engine(tiny_model_dir, config), config) as s:
+        # (the random tiny model goes on without an end-of-sequence token after this prompt)
+        body = {
+            "prompt": "hello there " * 10,
+            "max_tokens": 20000,
+            "temperature": 0,
+            "stream": True,
+        }
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # kept open: closing it would hang up (and cancel)
+            while '"text"' not in (line := next(lines)):
+                pass  # until the one place in the batch is taken
+            health = httpx.get(s.url + "/health", timeout=5).json()
+            assert health["busy"] and health["batch_size"] == 1 and health["in_flight"] == 1
+            full = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+            assert full.status_code == 429
+            err = full.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+            metrics = httpx.get(s.url + "/metrics", timeout=5).text
+            assert "tiered_kv_batch_size 1.0" in metrics and "tiered_kv_queue_length 0.0" in metrics
 
 
 def test_fifo_concurrent_requests(live):
@@ -399,6 +462,7 @@ def guarded(tiny_model_dir, tmp_path_factory):
     config = Config(
         cache_dir=tmp_path_factory.mktemp("kv"), tiers=(), api_key="sekret", max_body_bytes=4000
     )
+
     def make() -> Engine:
         engine = Engine(tiny_model_dir, config)
         engine.context_length = 64  # so a "too long" prompt is small

@@ -16,7 +16,9 @@ from tiered_kv.config import Config
 
 @pytest.fixture()
 def make_engine(tiny_model_dir, tmp_path):
-    return lambda: Engine(tiny_model_dir, Config(cache_dir=tmp_path, tiers=("hot",), prefill_chunk=16))
+    return lambda: Engine(
+        tiny_model_dir, Config(cache_dir=tmp_path, tiers=("hot",), prefill_chunk=16)
+    )
 
 
 async def drain(job) -> list:
