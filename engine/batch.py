@@ -107,6 +107,7 @@ class BatchLoop:
 
     def __init__(self, engine: Any, max_batch: int = 8) -> None:
         self.engine, self.max_batch = engine, max_batch
+        self.prefill_budget = engine.config.prefill_chunk  # prompt tokens per step
         self.waiting: deque[_Seq] = deque()  # admitted, prefill not started
         self.prefilling: _Seq | None = None
         self.batch: _Group | None = None  # the batched group
@@ -139,10 +140,18 @@ class BatchLoop:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> None:
-        """One decode step of every decoding group, then one prefill chunk of one request."""
+        """One decode step of every decoding group, then up to ``prefill_budget`` prompt tokens
+        of prefill: one chunk of a long prompt, or the whole suffixes of several short ones."""
         for group in [g for g in (self.batch, *self.solo) if g is not None]:
             self._decode(group)
-        self._prefill_once()
+        budget = self.prefill_budget
+        while budget > 0:
+            seq = self.prefilling or self._start_next()
+            if seq is None:
+                return
+            before = len(seq.fed)
+            self._prefill_once()
+            budget -= max(1, len(seq.fed) - before)
 
     def close(self) -> None:
         """Cancel everything in flight: what each request computed is stored, listeners get

@@ -10,6 +10,7 @@ TieredCache; the loop runs on the test's thread (the thread that made the models
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -42,7 +43,7 @@ class ModelEngine:
     """What the batch loop needs of an Engine, over a bare mlx-lm model and a TieredCache."""
 
     def __init__(self, model: Any, config: Config) -> None:
-        self.model, self.config = model, config
+        self.model, self.config = model, replace(config, prefill_chunk=8)
         make = model.make_cache if hasattr(model, "make_cache") else None
         self.cache = TieredCache(config, make or (lambda: make_prompt_cache(model)))
 
@@ -52,7 +53,7 @@ class ModelEngine:
             if lease.needs_checkpoints
             else []
         )
-        return prefill_steps(self.model, lease, fed, 8, cuts, on_progress)
+        return prefill_steps(self.model, lease, fed, self.config.prefill_chunk, cuts, on_progress)
 
     def text_stream(self, params: SamplingParams) -> IdText:
         return IdText(params)
@@ -160,7 +161,7 @@ def test_prefill_interleaves_with_decode_and_short_request_finishes_first():
     loop.add(long_prompt, tokens(51, 200), SamplingParams(max_tokens=2))  # 25 chunks of 8
     before = len(long_gen.ids)
     run_until(loop, lambda: bool(long_prompt.ids))
-    assert len(long_gen.ids) - before >= 20  # one decode step per prefill chunk
+    assert len(long_gen.ids) - before >= 20  # one decode step per prefill chunk (8 tokens)
     loop.add(short, tokens(52, 6), SamplingParams(max_tokens=3))
     run_until(loop, lambda: short.done)
     assert not long_gen.done and len(long_gen.ids) < 400
@@ -204,3 +205,15 @@ def test_seeded_sampling_same_in_a_batch():
     loop.add(sinks[2], PROMPTS[2], SamplingParams(max_tokens=10, temperature=0.7, seed=9))
     run_until(loop, lambda: all(s.done for s in sinks))
     assert sinks[1].ids == solo.ids
+
+
+def test_short_suffixes_prefill_together():
+    """Per step, prefill takes up to TIERED_KV_PREFILL_CHUNK prompt tokens: several short prompts
+    in one step rather than one per decode step of the running batch."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=()))
+    loop = BatchLoop(engine)
+    sinks = [Sink() for _ in range(3)]
+    for i, s in enumerate(sinks):
+        loop.add(s, tokens(60 + i, 2), SamplingParams(max_tokens=5))
+    loop.step()
+    assert all(s.ids for s in sinks)  # 3 prompts of 2 tokens, budget 8: all in the first step

@@ -405,7 +405,7 @@ def test_queue_full_is_a_429_and_health_answers_while_the_batch_runs(tiny_model_
         }
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()  # kept open: closing it would hang up (and cancel)
-            while '"text"' not in (line := next(lines)):
+            while '"text"' not in next(lines):
                 pass  # until the one place in the batch is taken
             health = httpx.get(s.url + "/health", timeout=5).json()
             assert health["busy"] and health["batch_size"] == 1 and health["in_flight"] == 1
