@@ -107,7 +107,8 @@ class BatchLoop:
 
     def __init__(self, engine: Any, max_batch: int = 8) -> None:
         self.engine, self.max_batch = engine, max_batch
-        self.prefill_budget = engine.config.prefill_chunk  # prompt tokens per step
+        # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
+        self.prefill_budget = getattr(engine, "prefill_chunk", 0) or engine.config.prefill_chunk
         self.waiting: deque[_Seq] = deque()  # admitted, prefill not started
         self.prefilling: _Seq | None = None
         self.batch: _Group | None = None  # the batched group

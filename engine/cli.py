@@ -13,7 +13,9 @@ import sys
 
 from tiered_kv.config import ConfigError, from_env
 
-FAMILIES = ("engine.cli_model", "engine.cli_cache", "engine.cli_serve", "engine.cli_bench")
+FAMILIES = (
+    "engine.cli_model", "engine.cli_cache", "engine.cli_serve", "engine.cli_bench", "engine.smoke",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,8 +75,9 @@ class Config:
     checkpoint_tokens: int = 1024
     #: TIERED_KV_CHECKPOINT_SHARE — share of TIERED_KV_HOT_BYTES that checkpoints may occupy.
     checkpoint_share: float = 0.25
-    #: TIERED_KV_PREFILL_CHUNK — tokens per prefill step (evaluated per chunk).
-    prefill_chunk: int = 512
+    #: TIERED_KV_PREFILL_CHUNK — tokens per prefill step (evaluated per chunk); 0 = auto (2048 on a
+    #: GPU, 512 on the CPU: engine.generate.default_prefill_chunk).
+    prefill_chunk: int = 0
     #: TIERED_KV_DISK_BYTES — byte budget of everything under TIERED_KV_DIR.
     disk_bytes: int = 20 * 1024**3
     #: TIERED_KV_DISK_FREE_FLOOR — keep at least this much free space on the cache disk.
@@ -180,7 +181,7 @@ def _size(text: str) -> int:
 
 def _chunk(text: str) -> int:
     v = int(text)
-    if not 16 <= v <= 65536:
+    if v != 0 and not 16 <= v <= 65536:
         raise ValueError(text)
     return v
 
@@ -202,7 +203,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_MIN_CONTINUATION_TOKENS": ("min_continuation_tokens", _nonneg_int, "an integer ≥ 0"),
     "TIERED_KV_CHECKPOINT_TOKENS": ("checkpoint_tokens", _block, "an integer from 16 to 8192"),
     "TIERED_KV_CHECKPOINT_SHARE": ("checkpoint_share", _fraction, "a number in (0, 1], e.g. 0.25"),
-    "TIERED_KV_PREFILL_CHUNK": ("prefill_chunk", _chunk, "an integer from 16 to 65536"),
+    "TIERED_KV_PREFILL_CHUNK": ("prefill_chunk", _chunk, "0 (auto) or an integer from 16 to 65536"),
     "TIERED_KV_DISK_BYTES": ("disk_bytes", _size, SIZE_FORM),
     "TIERED_KV_DISK_FREE_FLOOR": ("disk_free_floor", _size, SIZE_FORM),
     "TIERED_KV_BLOCK_TOKENS": ("block_tokens", _block, "an integer from 16 to 8192"),

@@ -269,7 +269,7 @@ def run_all(
     """Every micro-benchmark; a failure of one is recorded as ``<name>_error`` and the rest still run."""
     out: dict[str, Any] = {}
     for name, fn in (
-        ("suffix", lambda: suffix_prefill(model_dir, turns or {}, config.prefill_chunk)),
+        ("suffix", lambda: suffix_prefill(model_dir, turns or {}, config.prefill_chunk or 512)),
         ("reload", lambda: reload(config)),
         ("lookup", lambda: lookup(config)),
         ("spill", lambda: spill(config, model_dir)),

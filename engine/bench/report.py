@@ -316,7 +316,10 @@ def write(results: dict, out_dir: Path) -> str:
     text = table(results)
     (out_dir / "table.md").write_text(text)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    plot(results, out_dir / "ttft.png")
+    try:
+        plot(results, out_dir / "ttft.png")
+    except ImportError:  # the plot needs the `bench` extra (matplotlib); the table does not
+        text += "\n\n(no ttft.png: matplotlib is not installed; `pip install 'tiered-kv[bench]'`)\n"
     return text
 
 

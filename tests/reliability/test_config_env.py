@@ -20,7 +20,7 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_MIN_CONTINUATION_TOKENS": ["-1", "1.5", "many"],
     "TIERED_KV_CHECKPOINT_TOKENS": ["8", "1e9", "x"],
     "TIERED_KV_CHECKPOINT_SHARE": ["0", "2"],
-    "TIERED_KV_PREFILL_CHUNK": ["0", "15", "70000"],
+    "TIERED_KV_PREFILL_CHUNK": ["-1", "15", "70000"],
     "TIERED_KV_BLOCK_TOKENS": ["0", "7", "9000", "sixteen"],
     "TIERED_KV_WRITE_THROUGH": ["maybe", "2"],
     "TIERED_KV_KV_BITS": ["3", "16", "-4"],
