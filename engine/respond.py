@@ -10,6 +10,7 @@ decided once for both.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -17,7 +18,9 @@ from jinja2 import TemplateError
 
 from engine import api, chat
 from engine.api import ApiError, ChatRequest, CompletionRequest
-from engine.events import Chunk, Usage
+from engine.events import Chunk, Hit, SamplingParams, Usage
+
+log = logging.getLogger(__name__)
 
 Encode = Callable[[str], list[int]]
 
@@ -152,3 +155,24 @@ def completion_prompt(
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
     return ids, CompletionOutput(model, req.include_usage)
+
+
+def sampling(req: Any, prompt_tokens: int, context_length: int) -> SamplingParams:
+    """The engine's sampling parameters; ``max_tokens`` clamped to what the context leaves."""
+    max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length)
+    return SamplingParams(max_tokens, req.temperature, req.top_p, req.seed, req.stop_tuple())
+
+
+def hit_headers(first: Any) -> dict[str, str]:
+    """Response headers naming the cache tier, when the lookup's result came first."""
+    if not isinstance(first, Hit):
+        return {}
+    return {"x-tiered-kv-cache-tier": first.tier, "x-tiered-kv-cached-tokens": str(first.tokens)}
+
+
+def error_chunk(e: Exception) -> dict[str, Any]:
+    """A failure in the middle of a stream, as an OpenAI error object."""
+    if isinstance(e, ApiError):
+        return e.body()
+    log.error("generation failed mid-stream: %s", e)
+    return api.error_body(f"internal error: {e}", "server_error")

@@ -9,8 +9,6 @@ exception becomes an OpenAI-shaped error body here, never a traceback to the cli
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import api, respond
 from engine.api import ApiError, ChatRequest, CompletionRequest
-from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams
+from engine.events import END, Chunk, Event, Failed
+from engine.http_edge import Auth, read_body
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import Job, QueueFull, Worker
 from tiered_kv.config import Config
@@ -36,46 +35,6 @@ KEEPALIVE, DONE = b": keep-alive\n\n", b"data: [DONE]\n\n"
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-class _Auth:
-    """ASGI middleware: ``Authorization: Bearer <api_key>`` on every path except /health."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.key and scope["path"] != "/health":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                body = api.error_body("invalid or missing API key", code="invalid_api_key")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, bounded in size (413) and in time (408: a client that trickles its body)."""
-    too_big = ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise too_big
-
-    async def collect() -> bytes:
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise too_big
-            parts.append(part)
-        return b"".join(parts)
-
-    try:
-        return await asyncio.wait_for(collect(), timeout)
-    except asyncio.TimeoutError:
-        msg = f"request body not received within {timeout:g} s"
-        raise ApiError(408, msg, code="request_timeout") from None
 
 
 class Server:
@@ -122,13 +81,10 @@ class Server:
     ) -> Response:
         """Both endpoints: parse, prepare (thread pool), queue, then stream or collect."""
         try:
-            body = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
+            body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
             req = api.parse_body(body, schema)
             ids, out = await run_in_threadpool(prepare, req)
-            max_tokens = api.check_length(len(ids), req.requested_max(), self.engine.context_length)
-            params = SamplingParams(
-                max_tokens, req.temperature, req.top_p, req.seed, req.stop_tuple()
-            )
+            params = respond.sampling(req, len(ids), self.engine.context_length)
             try:
                 job = self.worker.submit(ids, params, endpoint)
             except QueueFull as e:
@@ -137,12 +93,7 @@ class Server:
                 ) from None
             events = self._events(job)
             first = await anext(events)  # the cache hit (or a failure), so headers name the tier
-            headers = {}
-            if isinstance(first, Hit):
-                headers = {
-                    "x-tiered-kv-cache-tier": first.tier,
-                    "x-tiered-kv-cached-tokens": str(first.tokens),
-                }
+            headers = respond.hit_headers(first)
             if req.stream:
                 self.metrics.request(endpoint, 200)
                 stream = self._pump(job, out, first, events)
@@ -158,14 +109,7 @@ class Server:
         except Exception as e:
             return self._error(endpoint, e)
 
-    async def _collect(
-        self,
-        job: Job,
-        request: Request,
-        out: respond.Output,
-        first: Any,
-        events: AsyncIterator[Any],
-    ) -> dict[str, Any]:
+    async def _collect(self, job: Job, request: Request, out: Any, first: Any, events: Any) -> Any:
         """Non-streaming: every chunk through ``out``, then its body; a client gone away cancels."""
         ev = first
         while True:
@@ -182,9 +126,7 @@ class Server:
             if ev is END:
                 raise RuntimeError("generation ended without a final chunk")
 
-    async def _pump(
-        self, job: Job, out: respond.Output, first: Any, events: AsyncIterator[Any]
-    ) -> AsyncIterator[bytes]:
+    async def _pump(self, job: Job, out: Any, first: Any, events: Any) -> AsyncIterator[bytes]:
         """The one SSE pump of both endpoints: ``out``'s chunks, keep-alives, errors, [DONE]."""
         try:
             for obj in out.start():
@@ -194,7 +136,7 @@ class Server:
                 if ev is None:
                     yield KEEPALIVE
                 elif isinstance(ev, Failed):
-                    yield _sse(_stream_error(ev.error))
+                    yield _sse(respond.error_chunk(ev.error))
                     break
                 elif isinstance(ev, Chunk):
                     for obj in out.feed(ev):
@@ -239,13 +181,6 @@ def batch_limits(config: Config) -> dict[str, int]:
     return {"max_batch": config.max_batch, "max_queue": config.max_queue}
 
 
-def _stream_error(e: Exception) -> dict[str, Any]:
-    if isinstance(e, ApiError):
-        return e.body()
-    log.error("generation failed mid-stream: %s", e)
-    return api.error_body(f"internal error: {e}", "server_error")
-
-
 def create_app(
     engine: Worker | Callable[[], Any],
     config: Config,
@@ -282,5 +217,5 @@ def create_app(
         return JSONResponse(body, status_code=exc.status_code)
 
     if config.api_key:
-        app.add_middleware(_Auth, api_key=config.api_key)
+        app.add_middleware(Auth, api_key=config.api_key)
     return app
