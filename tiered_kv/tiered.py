@@ -229,11 +229,9 @@ class TieredCache:
         if self.config.kv_bits:
             caches = layers.quantize(caches, self.config.kv_bits, self.config.kv_group_size)
         ckpts = {p: snap for p, snap in lease.checkpoints.items() if 0 < p <= len(ids)}
-        entry = new_entry(ids, caches, ckpts, persisted=True)  # persisted: never spilled
-        for other in list(self.hot.entries.values()):
-            if _supersedes(entry, other):
-                self.hot.discard(other)
-        self.hot.insert(entry)
+        # persisted=True: never spilled (the final store is); the entries it would supersede stay
+        # until that store, so a crash in between loses nothing that was there before
+        self.hot.insert(new_entry(ids, caches, ckpts, persisted=True))
 
     def _persist(self, entry: Entry) -> None:
         if self.cold is not None:

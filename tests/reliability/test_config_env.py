@@ -26,6 +26,8 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_KV_BITS": ["3", "16", "-4"],
     "TIERED_KV_KV_GROUP_SIZE": ["16", "100"],
     "TIERED_KV_PREFETCH": ["-1", "lots", "2 parsecs"],
+    "TIERED_KV_MAX_BATCH": ["0", "-2", "eight"],
+    "TIERED_KV_MAX_QUEUE": ["-1", "1.5", "lots"],
 }
 SIZE_BAD = ["-1", "12XB", "1.5.5GB", "GB", "inf"]
 
