@@ -32,6 +32,9 @@ def _session(seed: int, own: int, turns: int, max_tokens: int, scale: float) -> 
     for req in s.turns:
         req.body["messages"][0] = base["messages"][0]
         req.body["tools"] = base["tools"]
+        # tools stay in the prompt; "none" keeps a tool-call parser from holding the random model's
+        # text back, so TTFT is the first token on both servers
+        req.body["tool_choice"] = "none"
     return s
 
 
