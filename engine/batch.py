@@ -279,7 +279,8 @@ class BatchLoop:
         """Emit the text ``tok`` brings; the finish reason when the request ends with it."""
         assert seq.text is not None
         text, reason = seq.text.add(tok)
-        seq.sink.emit(Chunk(text, tok))
+        if tok not in getattr(seq.text, "eos", ()):  # an end-of-sequence token is no output
+            seq.sink.emit(Chunk(text, tok))
         if reason is None and seq.sink.cancelled():
             reason = "cancelled"
         return reason
