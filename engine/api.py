@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 256
+#: deepest JSON nesting a request may have (OpenAI bodies need < 20; tool schemas a few more)
+MAX_JSON_DEPTH = 64
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit (what mx.random.seed takes)
+_SURROGATE = re.compile("[\ud800-\udfff]")  # "\ud800" in JSON: valid JSON, not valid text
 # pydantic puts union member types into error locations ("content.str"); a param names fields only
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|literal\[.*)$")
 
@@ -79,6 +83,8 @@ class Message(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as clients send it back
+    reasoning: str | None = None  # the same, as mlx_lm.server names it
 
     @field_validator("role")
     @classmethod
@@ -87,13 +93,24 @@ class Message(_Request):
             raise ValueError(f"unknown role {v!r}; expected one of {', '.join(ROLES)}")
         return v
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for call in v or ():
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError('each tool call needs "function": {"name": ..., "arguments": ...}')
+            if not isinstance(fn.get("arguments", ""), (str, dict)):
+                raise ValueError("tool call arguments must be a JSON string or an object")
+        return v
+
 
 class _Sampling(_Request):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -172,6 +189,16 @@ class ChatRequest(_Sampling):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
+    def content_chars(self) -> int:
+        """Characters of message text: a lower bound of the rendered prompt's length."""
+        n = 0
+        for m in self.messages:
+            if isinstance(m.content, str):
+                n += len(m.content)
+            elif m.content:
+                n += sum(len(p["text"]) for p in m.content if isinstance(p.get("text"), str))
+        return n
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
@@ -194,10 +221,11 @@ def parse_body(raw: bytes, model: type[_Request]) -> Any:
     """JSON bytes → a validated request model, or ApiError(400) naming the offending field."""
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5000-digit int
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    check_json(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -208,6 +236,55 @@ def parse_body(raw: bytes, model: type[_Request]) -> Any:
         raise ApiError(
             400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value"
         ) from None
+
+
+def check_json(data: Any) -> None:
+    """Refuse what json.loads accepts but the engine cannot use: nesting deeper than
+    MAX_JSON_DEPTH (templates and validators recurse) and lone surrogates (not encodable text:
+    the tokenizer and the response encoder fail on them). Iterative: no recursion to exhaust."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request JSON is nested deeper than {MAX_JSON_DEPTH} levels",
+                           param=path or None, code="invalid_json")  # fmt: skip
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str) and _bad_text(k):
+                _surrogate(_join(path, k))
+            if isinstance(v, str):
+                if _bad_text(v):
+                    _surrogate(_join(path, k))
+            elif isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, _join(path, k)))
+
+
+def _bad_text(s: str) -> bool:
+    return not s.isascii() and _SURROGATE.search(s) is not None
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _surrogate(param: str) -> None:
+    raise ApiError(400, f"{param}: a lone UTF-16 surrogate is not text", param=param,
+                   code="invalid_value")  # fmt: skip
+
+
+def check_chars(n_chars: int, context_length: int, max_token_chars: int, param: str) -> None:
+    """Cheap bound before tokenising: no token is longer than ``max_token_chars`` characters, so
+    a text longer than ``context_length * max_token_chars`` cannot fit the context. Tokenising it
+    would cost memory and time proportional to the body (a 15 MB prompt: 3 GB and 26 s)."""
+    limit = context_length * max(1, max_token_chars)
+    if n_chars > limit:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {context_length} tokens; the prompt has "
+            f"{n_chars} characters, more than {context_length} tokens can hold",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_length(prompt_tokens: int, requested_max: int | None, context_length: int) -> int:
@@ -290,11 +367,14 @@ def chat_response(
     tool_calls: list[dict[str, Any]],
     finish: str | None,
     usage: Any,
+    reasoning: str = "",
 ) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": content or (None if tool_calls else ""),
     }
+    if reasoning:  # OpenAI-compatible clients read reasoning_content; mlx_lm.server sends reasoning
+        message["reasoning_content"] = message["reasoning"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {

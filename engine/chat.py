@@ -1,20 +1,19 @@
-"""Chat prompts in, tool calls out: template rendering, OpenCode message normalisation, Hermes parsing.
+"""Chat prompts: template rendering, OpenCode message normalisation, Hermes injection.
 
 Pure text functions (no MLX); safe to call from any thread. Rendering goes through the model's own chat
 template (``tokenizer.apply_chat_template``). A template that ignores ``tools`` (SmolLM2's plain ChatML)
 gets them injected into the system message in Hermes format, and assistant tool calls / tool results are
 written as ``<tool_call>`` / ``<tool_response>`` text, so the model sees the same format it is asked to emit.
+What the model writes back is split by ``engine/output.py``.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes markers the injected instructions name
 _PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "parameters": {}}}
 _tool_support: dict[int, bool] = {}  # id(tokenizer) → does its template render ``tools``?
 
@@ -69,12 +68,17 @@ def normalise_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
     """OpenCode's messages → what chat templates expect.
 
     Content lists become text; null content becomes ""; ``developer`` becomes ``system``; assistant
-    ``tool_calls`` keep their ids with arguments decoded to dicts; ``tool`` messages keep ``tool_call_id``.
+    ``tool_calls`` keep their ids with arguments decoded to dicts; ``tool`` messages keep ``tool_call_id``;
+    an assistant's reasoning (``reasoning_content`` or ``reasoning``) is passed on as ``reasoning_content``
+    only when there is some (a template given an empty one renders an empty think block).
     """
     out = []
     for m in messages:
         role = "system" if m["role"] == "developer" else m["role"]
         msg: dict[str, Any] = {"role": role, "content": content_text(m.get("content"))}
+        reasoning = m.get("reasoning_content") or m.get("reasoning")
+        if role == "assistant" and reasoning:  # templates that keep reasoning read this key
+            msg["reasoning_content"] = str(reasoning)
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = [_tool_call(tc) for tc in m["tool_calls"]]
         if role == "tool":
@@ -155,108 +159,3 @@ def render_chat(
     if template_supports_tools(tokenizer):
         return _apply(tokenizer, msgs, tools or None)
     return _apply(tokenizer, hermes_messages(msgs, tools), None)
-
-
-def forced_prefix(tool_choice: Any) -> str:
-    """Text appended after the generation prompt to force a call (``required`` or a named function)."""
-    if tool_choice == "required":
-        return OPEN + "\n"
-    if isinstance(tool_choice, dict):
-        name = tool_choice["function"]["name"]
-        return f'{OPEN}\n{{"name": "{name}", "arguments": '
-    return ""
-
-
-# --- parsing --------------------------------------------------------------------------------------
-
-
-def _call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def parse_call(body: str) -> dict[str, Any] | None:
-    """The JSON inside one ``<tool_call>`` block → an OpenAI tool call, or None if it is not one."""
-    try:
-        obj = json.loads(body.strip())
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
-    return {
-        "id": _call_id(),
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": args},
-    }
-
-
-@dataclass
-class ToolCallParser:
-    """Incremental splitter of model text into content and tool calls.
-
-    ``feed`` returns the content that is safe to show now; text from a ``<tool_call>`` opener on (or a
-    partial opener at the end) is held until the block closes. A block that does not parse is content.
-    """
-
-    enabled: bool = True
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    _buf: str = ""
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        if not self.enabled:
-            return text, []
-        self._buf += text
-        shown = ""
-        new: list[dict[str, Any]] = []
-        while (start := self._buf.find(OPEN)) >= 0:
-            before = self._buf[:start]
-            text = before.rstrip()  # whitespace next to a call is not content
-            end = self._buf.find(CLOSE, start)
-            if end < 0:
-                shown += text
-                self._buf = self._buf[len(text) :]
-                return shown, new
-            call = parse_call(self._buf[start + len(OPEN) : end])
-            if call is None:  # not a call after all: show the block as text
-                shown += self._buf[: end + len(CLOSE)]
-            else:
-                shown += text
-                new.append(call)
-                self.calls.append(call)
-            self._buf = self._buf[end + len(CLOSE) :]
-        # hold a partial opener and trailing whitespace (it may precede a call)
-        cut = len(self._buf) - _partial_suffix(self._buf, OPEN)
-        cut = len(self._buf[:cut].rstrip())
-        shown += self._buf[:cut]
-        self._buf = self._buf[cut:]
-        return shown, new
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """End of output: an unclosed block is parsed if its JSON is complete, else shown as text."""
-        rest, self._buf = self._buf, ""
-        if rest.lstrip().startswith(OPEN):
-            call = parse_call(rest.lstrip()[len(OPEN) :])
-            if call is not None:
-                self.calls.append(call)
-                return "", [call]
-        if self.calls and not rest.strip():
-            return "", []
-        return rest, []
-
-
-def _partial_suffix(text: str, token: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``token``."""
-    for n in range(min(len(token) - 1, len(text)), 0, -1):
-        if text.endswith(token[:n]):
-            return n
-    return 0
-
-
-def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Whole completion → (content, tool calls)."""
-    p = ToolCallParser()
-    shown, calls = p.feed(text)
-    tail, more = p.finish()
-    return shown + tail, calls + more

@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine import blas
 
     blas.ensure_fast_blas()  # may re-exec this process with OpenBLAS preloaded (Linux)
-    parser = build_parser()
+    from engine.conn import mlx_lm_keeps_hard_limit
+
+    with mlx_lm_keeps_hard_limit():  # the families import mlx-lm
+        parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -6,21 +6,22 @@
     tiered-kv cache clear  [--dir DIR] [--fingerprint FP]
 
 ``DIR`` defaults to ``TIERED_KV_DIR`` (``args.config.cache_dir``). Every sub-directory but
-``quarantine/`` is one fingerprint and is listed / verified on its own. Run ``verify --fix`` and
-``clear`` while no server uses the directory.
+``quarantine/`` is one fingerprint and is listed / verified on its own; symlinks inside ``DIR``
+are never followed (a linked "fingerprint" is skipped, a linked ``quarantine/`` is removed as a
+link by ``clear``). Run ``verify --fix`` and ``clear`` while no server uses the directory.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tiered_kv.cold import usage
+from tiered_kv.cold import fsafe, usage
 from tiered_kv.cold.index import Index, IndexUnreadable
 from tiered_kv.cold.verify import entry_files, verify_dir
 
@@ -48,9 +49,8 @@ def _root(args: argparse.Namespace) -> Path:
 
 
 def _fingerprints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name != usage.QUARANTINE)
+    """Fingerprint dirs: real directories only (a symlink may point at a model's folder)."""
+    return [p for p in fsafe.real_subdirs(root) if p.name != usage.QUARANTINE]
 
 
 @contextmanager
@@ -82,7 +82,7 @@ def _stats(args: argparse.Namespace) -> int:
             n = len(index.records()) if index is not None else "index missing"
         print(f"  {fp_dir.name}: {len(files)} files, {n} indexed entries, {_fmt(size)}")
     q = root / usage.QUARANTINE
-    if q.is_dir():
+    if q.is_dir() and not q.is_symlink():
         print(f"  quarantine: {len(list(q.iterdir()))} files, {_fmt(usage.tree_size(q)[0])}")
     total = usage.tree_size(root)[0] if root.exists() else 0
     print(f"total: {_fmt(total)} of budget {_fmt(args.config.disk_bytes)}")
@@ -123,12 +123,15 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _clear(args: argparse.Namespace) -> int:
     root = _root(args)
+    if args.fingerprint is not None and not fsafe.is_fingerprint(args.fingerprint):
+        print(f"tiered-kv cache clear: --fingerprint {args.fingerprint!r} is not a fingerprint "
+              "(32 hex digits, as `tiered-kv cache stats` lists them)", file=sys.stderr)  # fmt: skip
+        return 2
     targets = [root / args.fingerprint] if args.fingerprint else [*_fingerprints(root)]
     if not args.fingerprint:
         targets.append(root / usage.QUARANTINE)
     for path in targets:
-        if path.exists():
-            shutil.rmtree(path)
+        if os.path.lexists(path) and fsafe.remove(root, path):
             print(f"removed {path}")
     return 0
 

@@ -2,6 +2,7 @@
 
     tiered-kv model tiny [OUT_DIR] [--size test|test-llama3|bench|1b|8b] [--seed N]
     tiered-kv model fetch smollm2 [OUT_DIR] [--keep-4bit]
+    tiered-kv model fetch templates [OUT_DIR]     (model families' chat templates, for tests/benchmarks)
 
 Default output directories live under ``Config.models_dir``. Failures print one line on stderr and exit 1.
 """
@@ -17,7 +18,7 @@ from engine.blas import blas_status
 from engine.models.tiny import SIZES
 
 log = logging.getLogger(__name__)
-FETCHABLE = ("smollm2",)
+FETCHABLE = ("smollm2", "templates")
 
 
 def _fail(message: str) -> int:
@@ -41,6 +42,14 @@ def _tiny(args: argparse.Namespace) -> int:
 def _fetch(args: argparse.Namespace) -> int:
     if args.name not in FETCHABLE:
         return _fail(f"unknown model {args.name!r}; known: {', '.join(FETCHABLE)}")
+    if args.name == "templates":
+        from engine.models import templates
+
+        try:
+            print(templates.fetch(args.out_dir or templates.default_dir(args.config.models_dir)))
+        except (templates.FetchError, OSError) as e:
+            return _fail(str(e))
+        return 0
     from engine.models import smollm2
 
     out = args.out_dir or smollm2.default_dir(args.config.models_dir, args.keep_4bit)

@@ -1,4 +1,4 @@
-"""`tiered-kv serve`: load a model directory and serve the OpenAI-compatible API with uvicorn.
+"""`tiered-kv serve`: load a model (directory or hub id) and serve the OpenAI-compatible API with uvicorn.
 
 uvicorn handles SIGINT/SIGTERM: it stops accepting connections, waits a few seconds for open responses,
 then runs the app's lifespan shutdown, which cancels queued work and closes the engine (flushing the
@@ -22,9 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        type=Path,
         default=None,
-        help=f"mlx-lm model directory (default: $TIERED_KV_MODELS_DIR/{DEFAULT_MODEL})",
+        help="mlx-lm model directory or Hugging Face hub id, e.g. mlx-community/Qwen3-4B-4bit "
+        f"(resolved as mlx-lm does; default: $TIERED_KV_MODELS_DIR/{DEFAULT_MODEL})",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -40,23 +40,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds a client may take to send its request body before a 408 (default 30)",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed "
+        "(default 10)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open between requests (default 5)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     config = args.config
-    model_dir = args.model or config.models_dir / DEFAULT_MODEL
-    if not (model_dir / "config.json").is_file():
-        hint = (
-            "run `tiered-kv model fetch smollm2`"
-            if args.model is None
-            else "pass an mlx-lm model directory"
-        )
-        print(f"tiered-kv serve: no model at {model_dir}; {hint}", file=sys.stderr)
-        return 2
+    if args.model is None:
+        model_dir = config.models_dir / DEFAULT_MODEL
+        if not (model_dir / "config.json").is_file():
+            hint = "run `tiered-kv model fetch smollm2` or pass --model"
+            print(f"tiered-kv serve: no model at {model_dir}; {hint}", file=sys.stderr)
+            return 2
+    else:
+        from engine.loading import ModelDirError, resolve_model
+
+        try:
+            model_dir = resolve_model(args.model)
+        except ModelDirError as e:
+            print(f"tiered-kv serve: {e}", file=sys.stderr)
+            return 2
     import uvicorn
 
     from engine.generate import CacheDirError, Engine
+    from engine.loading import looks_like_hub_id
     from engine.server import batch_limits, create_app
     from engine.worker import Worker
 
@@ -77,8 +96,31 @@ def run(args: argparse.Namespace) -> int:
         log.warning(
             "serving on %s without TIERED_KV_API_KEY: anyone who can reach it can use it", args.host
         )
+    # clients name the model as the user did (a hub id), not by a snapshot hash
+    hub_id = args.model and looks_like_hub_id(args.model) and not Path(args.model).exists()
+    model_id = str(args.model) if hub_id else None
     app = create_app(
-        worker, config, keepalive_seconds=args.keepalive, body_timeout_seconds=args.body_timeout
+        worker,
+        config,
+        keepalive_seconds=args.keepalive,
+        body_timeout_seconds=args.body_timeout,
+        model_id=model_id,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    from engine import conn
+
+    soft, hard = conn.raise_nofile_limit()
+    log.info("open-file limit: %s (hard %s)", soft, hard)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=args.idle_timeout,  # a float works (loop.call_later)
+            http=conn.guarded_h11(args.header_timeout),
+        )
+    )
+    conn.install_repeat_filter(conn.RepeatFilter())  # after uvicorn set up its log handlers
+    server.run()
     return 0

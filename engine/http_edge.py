@@ -1,4 +1,5 @@
-"""The HTTP edge's guards (ASGI / Starlette, no MLX): the API key and a bounded request body."""
+"""The HTTP edge's guards (ASGI / Starlette, no MLX): the API key, a 503 for requests cut by
+shutdown, and a bounded request body."""
 
 from __future__ import annotations
 
@@ -28,6 +29,39 @@ class Auth:
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class ShutdownGuard:
+    """ASGI middleware: a request still waiting when the server stops (uvicorn cancels it after
+    its graceful-shutdown timeout) gets a 503 JSON body, not uvicorn's plain-text 500."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            body = api.error_body(
+                "the server is shutting down; retry the request",
+                "server_error",
+                None,
+                "server_shutting_down",
+            )
+            headers = {"connection": "close", "retry-after": "1"}
+            await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:

@@ -126,7 +126,15 @@ class Metrics:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def generation(self, usage: Any) -> None:
-        """Record a finished generation's engine Usage."""
+        """Record a finished generation's engine Usage (and log it: one line per request)."""
+        log.info(
+            "generation: prompt %d tokens, cached %d (tier %s), ttft %.3fs, completion %d tokens",
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.cache_tier,
+            usage.ttft_seconds,
+            usage.completion_tokens,
+        )
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
         if usage.cached_tokens:

@@ -3,7 +3,8 @@
 No transport and no MLX: ``engine/server.py`` reads the bytes and writes SSE / JSON, the engine
 thread produces typed events (``engine/events.py``). Here a request becomes prompt ids (chat
 template, forced tool prefix), and each engine :class:`Chunk` becomes the OpenAI objects of its
-endpoint through an :class:`Output`: the same object serves streaming (``start`` + ``feed``) and
+endpoint through an :class:`Output` (content / reasoning / tool calls parsed by ``engine/output.py``): the
+same object serves streaming (``start`` + ``feed``) and
 non-streaming (``feed`` every chunk, then ``body``), so tool calls, finish reasons and usage are
 decided once for both.
 """
@@ -16,13 +17,14 @@ from typing import Any, Protocol
 
 from jinja2 import TemplateError
 
-from engine import api, chat
+from engine import api, chat, output
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.events import Chunk, Hit, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
 
 Encode = Callable[[str], list[int]]
+CheckChars = Callable[[int, str], None]  # (characters, param): a 400 when they cannot fit
 
 
 class Output(Protocol):
@@ -76,55 +78,36 @@ class CompletionOutput(_Base):
 
 
 class ChatOutput(_Base):
-    """Content deltas, tool calls as they close (the parser holds a call's text back), the finish
-    reason ("tool_calls" when the model called one) and usage."""
+    """The chat view: content, reasoning and tool calls split by ``engine/output.py``'s parser for
+    the model's format, the finish reason ("tool_calls" when the model called one) and usage."""
 
     obj = "chat.completion.chunk"
 
-    def __init__(
-        self, model: str, include_usage: bool, parse_tools: bool, prefix: str, parallel: bool
-    ) -> None:
+    def __init__(self, model: str, include_usage: bool, parser: output.ChatOutput) -> None:
         super().__init__(model, include_usage, api.new_id("chatcmpl"))
-        self.parser = chat.ToolCallParser(enabled=parse_tools)
-        self.parser.feed(prefix)  # a forced call's opener is held until the model closes it
-        self.parallel = parallel
-        self.calls: list[dict[str, Any]] = []
+        self.parser = parser
 
     def _delta(self, d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return api.chat_chunk(self.rid, self.created, self.model, d, finish)
-
-    def _calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = []
-        for call in calls:
-            if self.calls and not self.parallel:
-                break  # parallel_tool_calls=false: the first call only
-            out.append(self._delta({"tool_calls": [{"index": len(self.calls), **call}]}))
-            self.calls.append(call)
-        return out
 
     def start(self) -> list[dict[str, Any]]:
         return [self._delta({"role": "assistant", "content": ""})]
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
-        text, calls = self.parser.feed(chunk.text)
-        out = [self._delta({"content": text})] if text else []
-        out += self._calls(calls)
+        out = [self._delta(d) for d in self.parser.feed(chunk.text).sse_deltas()]
         if chunk.finish_reason is None:
-            self.text.append(text)
             return out
-        tail, more = self.parser.finish()
-        self.text.append(text + tail)
-        if tail:
-            out.append(self._delta({"content": tail}))
-        out += self._calls(more)
-        self.finish = api.openai_finish(chunk.finish_reason, bool(self.calls))
+        tail, self.finish = self.parser.finish(chunk.finish_reason)
+        out += [self._delta(d) for d in tail.sse_deltas()]
         self.usage = chunk.usage
         out.append(self._delta({}, self.finish))
         return out + self._usage_chunk()
 
     def body(self) -> dict[str, Any]:
+        res = self.parser.result
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in res.tool_calls]
         return api.chat_response(
-            self.rid, self.model, "".join(self.text), self.calls, self.finish, self.usage
+            self.rid, self.model, res.content, calls, self.finish, self.usage, res.reasoning
         )
 
 
@@ -132,25 +115,31 @@ class ChatOutput(_Base):
 
 
 def chat_prompt(
-    tokenizer: Any, encode: Encode, req: ChatRequest, model: str
+    tokenizer: Any, encode: Encode, req: ChatRequest, model: str, check_chars: CheckChars
 ) -> tuple[list[int], ChatOutput]:
-    """The chat template's prompt (plus a forced tool call's opener) as ids, and its Output."""
+    """The chat template's prompt (plus a forced tool call's opener) as ids, and its Output (the
+    output formats come from the model's tokenizer)."""
     tools = req.tool_dicts()
-    prefix = chat.forced_prefix(req.tool_choice) if tools else ""
+    fmt = output.OutputFormat.of(tokenizer, hermes=not chat.template_supports_tools(tokenizer))
+    parse = bool(tools) and req.tool_choice != "none"
+    prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
     try:
         text = chat.render_chat(tokenizer, req.message_dicts(), tools)
     except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
         raise ApiError(
             400, f"the model's chat template rejected the messages: {e}", param="messages"
         ) from None
-    parse = bool(req.tools) and req.tool_choice != "none"
-    out = ChatOutput(model, req.include_usage, parse, prefix, req.parallel_tool_calls)
-    return encode(text + prefix), out
+    reasoning = fmt.opens_reasoning(text) and not prefix
+    parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
+    parser.feed(prefix)  # a forced call's opener is held until the model closes the call
+    check_chars(len(text) + len(prefix), "messages")
+    return encode(text + prefix), ChatOutput(model, req.include_usage, parser)
 
 
 def completion_prompt(
-    encode: Encode, req: CompletionRequest, model: str
+    encode: Encode, req: CompletionRequest, model: str, check_chars: CheckChars
 ) -> tuple[list[int], CompletionOutput]:
+    check_chars(len(req.prompt_text()), "prompt")
     ids = encode(req.prompt_text())
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")

@@ -9,6 +9,7 @@ exception becomes an OpenAI-shaped error body here, never a traceback to the cli
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -23,12 +24,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine import api, respond
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.events import END, Chunk, Event, Failed
-from engine.http_edge import Auth, read_body
+from engine.http_edge import Auth, ShutdownGuard, read_body
+from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import Job, QueueFull, Worker
 from tiered_kv.config import Config
 
 log = logging.getLogger(__name__)
+#: request bodies parsed / prompts tokenised at once (thread pool): each holds memory
+#: proportional to its body or prompt, and a 16 MB body takes a CPU for a while
+TOKENIZE_CONCURRENCY = 2
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 KEEPALIVE, DONE = b": keep-alive\n\n", b"data: [DONE]\n\n"
 
@@ -53,6 +58,8 @@ class Server:
         self._model_id = model_id
         self.created = api.now()
         self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {}, worker)
+        self._max_token_chars = 0  # from the tokenizer, once the engine is loaded
+        self._tokenizing = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
 
     @property
     def engine(self) -> Any:
@@ -71,6 +78,16 @@ class Server:
         self.metrics.request(endpoint, 500)
         return JSONResponse(api.error_body(f"internal error: {e}", "server_error"), status_code=500)
 
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        if not self._max_token_chars:
+            self._max_token_chars = max_token_chars(self.engine.tokenizer)
+        api.check_chars(n_chars, self.engine.context_length, self._max_token_chars, param)
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the thread pool, at most TOKENIZE_CONCURRENCY at once."""
+        async with self._tokenizing:
+            return await run_in_threadpool(fn, *args)
+
     async def _events(self, job: Job) -> AsyncIterator[Event | None]:
         """A job's events up to its end; None on each idle keep-alive interval."""
         while (ev := await job.get(self.keepalive)) is not END:
@@ -82,8 +99,8 @@ class Server:
         """Both endpoints: parse, prepare (thread pool), queue, then stream or collect."""
         try:
             body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
-            req = api.parse_body(body, schema)
-            ids, out = await run_in_threadpool(prepare, req)
+            req = await self._off_loop(api.parse_body, body, schema)
+            ids, out = await self._off_loop(prepare, req)
             params = respond.sampling(req, len(ids), self.engine.context_length)
             try:
                 job = self.worker.submit(ids, params, endpoint)
@@ -150,15 +167,19 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         def prepare(req: ChatRequest) -> tuple[list[int], respond.Output]:
+            self._check_chars(req.content_chars(), "messages")  # before rendering it
+            tok = self.engine.tokenizer
             return respond.chat_prompt(
-                self.engine.tokenizer, self.engine.encode_text, req, self.model_id
+                tok, self.engine.encode_text, req, self.model_id, self._check_chars
             )
 
         return await self._serve(request, "chat", ChatRequest, prepare)
 
     async def completions(self, request: Request) -> Response:
         def prepare(req: CompletionRequest) -> tuple[list[int], respond.Output]:
-            return respond.completion_prompt(self.engine.encode_text, req, self.model_id)
+            return respond.completion_prompt(
+                self.engine.encode_text, req, self.model_id, self._check_chars
+            )
 
         return await self._serve(request, "completions", CompletionRequest, prepare)
 
@@ -218,4 +239,5 @@ def create_app(
 
     if config.api_key:
         app.add_middleware(Auth, api_key=config.api_key)
+    app.add_middleware(ShutdownGuard)  # outermost
     return app

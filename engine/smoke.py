@@ -223,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
     if not (args.model / "config.json").is_file():
         print(f"tiered-kv smoke: no model at {args.model}", file=sys.stderr)
         return 2
-    print(f"device: {mx.default_device()} (mlx {mx.__version__})", flush=True)
+    from importlib.metadata import version
+
+    print(f"device: {mx.default_device()} (mlx {version('mlx')})", flush=True)
     work = Path(tempfile.mkdtemp(prefix="tiered-kv-smoke-"))
     status = run_smoke(args.model, work, args.prefix_words, args.max_tokens, not args.no_peer)
     if status == 0 and not args.keep:

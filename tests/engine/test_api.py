@@ -149,3 +149,70 @@ def test_chat_response_tool_calls_null_content():
     body = api.chat_response("id", "m", "", [call], "tool_calls", USAGE)
     msg = body["choices"][0]["message"]
     assert msg["content"] is None and msg["tool_calls"] == [call]
+
+
+# --- issue 12.6: client mistakes that used to be 500s --------------------------------------------
+
+CHAT_OK = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _with_call(function: object) -> dict:
+    call = {"id": "c1", "type": "function", "function": function}
+    return {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "raw, model, param",
+    [
+        (b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}", CompletionRequest, None),
+        (b'{"prompt": "x", "tools": ' + b"[" * 100 + b"]" * 100 + b"}", CompletionRequest, "tools"),
+        (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", CompletionRequest, None),
+        (b'{"prompt": "hi \\ud800"}', CompletionRequest, "prompt"),
+        (b'{"prompt": ["\\udfff"]}', CompletionRequest, "prompt.0"),
+        (b'{"prompt": "hi", "stop": ["\\ud800"]}', CompletionRequest, "stop.0"),
+        (b'{"prompt": "hi", "\\ud800": 1}', CompletionRequest, "\ud800"),
+        (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', ChatRequest,
+         "messages.0.content"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+         ChatRequest, "messages.0.content.0.text"),
+    ],
+)  # fmt: skip
+def test_hostile_json_is_400(raw, model, param):
+    e = error_of(raw, model)
+    assert e.param == param or e.param.startswith(f"{param}.")  # the deepest path too long to list
+    assert e.code in ("invalid_json", "invalid_value")
+
+
+def test_surrogate_pairs_are_fine():
+    assert parse(b'{"prompt": "\\ud83d\\ude00"}', CompletionRequest).prompt_text() == "\U0001f600"
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**70), 2**64, 2**80])
+def test_seed_out_of_range_is_400(seed):
+    assert error_of({**CHAT_OK, "seed": seed}).param == "seed"
+
+
+def test_seed_range_accepted():
+    assert parse({**CHAT_OK, "seed": 0}).seed == 0
+    assert parse({**CHAT_OK, "seed": 2**64 - 1}).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("function", ["get_weather", ["get_weather"], 3, None, {"arguments": "{}"},
+                                      {"name": "f", "arguments": 5}])  # fmt: skip
+def test_assistant_tool_call_function_must_be_an_object(function):
+    assert error_of(_with_call(function)).param == "messages.1.tool_calls"
+
+
+def test_assistant_tool_call_arguments_string_or_object():
+    for args in ("{}", {"city": "Paris"}):
+        parse(_with_call({"name": "f", "arguments": args}))
+    parse(_with_call({"name": "f"}))
+
+
+def test_char_bound_before_tokenising():
+    api.check_chars(640, 64, 10, "prompt")
+    with pytest.raises(ApiError) as e:
+        api.check_chars(641, 64, 10, "prompt")
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"

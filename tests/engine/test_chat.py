@@ -1,16 +1,14 @@
 # mypy: disable-error-code="arg-type,union-attr,operator,index,dict-item"
 # (the openai client types messages/tools as TypedDicts and usage as Optional; tests pass plain dicts)
-"""engine/chat.py: OpenCode message normalisation, template rendering (+ Hermes injection), tool-call parsing,
-and prefix stability of the rendered prompt across turns."""
+"""engine/chat.py: OpenCode message normalisation, template rendering (+ Hermes injection), and prefix stability of the rendered prompt across turns."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 from transformers import AutoTokenizer
 
 from engine import chat
+from engine.output import ChatOutput, OutputFormat
 
 TOOLS = [
     {
@@ -123,72 +121,16 @@ def test_plain_template_gets_hermes_tools_injected(tiny_tok):
     )
 
 
-def test_forced_prefix():
-    assert chat.forced_prefix("auto") == "" and chat.forced_prefix("required") == "<tool_call>\n"
-    named = chat.forced_prefix({"type": "function", "function": {"name": "get_weather"}})
-    assert named.endswith('"name": "get_weather", "arguments": ')
-
-
-# --- parsing ------------------------------------------------------------------------------------
-
-
-def test_parse_single_call_with_text():
-    content, calls = chat.split_tool_calls(
-        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    )
-    assert content == "Let me check."
-    assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
-    assert calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
-
-
-def test_parse_parallel_calls():
-    one = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
-    two = '<tool_call>\n{"name": "b", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
-    content, calls = chat.split_tool_calls(one + "\n" + two + "\n")
-    assert content == "" and [c["function"]["name"] for c in calls] == ["a", "b"]
-    assert json.loads(calls[1]["function"]["arguments"]) == {"x": 1}
-
-
-def test_invalid_block_stays_text():
-    text = "<tool_call>\nnot json\n</tool_call> done"
-    assert chat.split_tool_calls(text) == (text, [])
-
-
-def test_streaming_holds_text_from_opener():
-    p = chat.ToolCallParser()
-    pieces = [
-        "Sure",
-        " <tool",
-        '_call>\n{"name": ',
-        '"a", "arguments": {}}',
-        "\n</tool_",
-        "call>",
-        " bye",
-    ]
-    shown, calls = [], []
-    for piece in pieces:
-        s, c = p.feed(piece)
-        shown.append(s)
-        calls += c
-    tail, more = p.finish()
-    assert "".join(shown) + tail == "Sure bye"
-    assert shown[1] == "" and shown[2] == "" and len(calls + more) == 1
-
-
-def test_unclosed_complete_json_is_a_call():
-    p = chat.ToolCallParser()
-    p.feed('<tool_call>\n{"name": "get_weather", "arguments": ')
-    p.feed('{"city": "Oslo"}}')
-    assert p.finish()[1][0]["function"]["name"] == "get_weather"
-
-
-def test_disabled_parser_passes_text():
-    p = chat.ToolCallParser(enabled=False)
-    assert p.feed("<tool_call>{}</tool_call>") == ("<tool_call>{}</tool_call>", [])
-
-
 # --- prefix stability ---------------------------------------------------------------------------
+
+
+def _split(text):
+    """Hermes model text → (content, OpenAI tool calls), as the server answers it."""
+    out = ChatOutput(OutputFormat(), TOOLS)
+    out.feed(text)
+    out.finish("stop")
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in out.result.tool_calls]
+    return out.result.content, calls
 
 
 def _turn_prefix(tok, msgs, reply_text, reply_msg, tools=None):
@@ -210,7 +152,7 @@ def test_prefix_stable_plain_turn(tiny_tok):
 def test_prefix_stable_tool_call_turn(tiny_tok):
     """The model emits Hermes text; the client resends it as tool_calls with empty content."""
     emitted = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    _, calls = chat.split_tool_calls(emitted)
+    _, calls = _split(emitted)
     msg = {"role": "assistant", "content": "", "tool_calls": calls}
     msgs = [{"role": "user", "content": "weather in paris?"}]
     expect, second = _turn_prefix(tiny_tok, msgs, emitted, msg, TOOLS)
@@ -226,7 +168,7 @@ def test_prefix_stable_smollm2(smollm2_dir):
     expect, second = _turn_prefix(tok, msgs, reply, {"role": "assistant", "content": reply})
     assert second[: len(expect)] == expect
     emitted = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    _, calls = chat.split_tool_calls(emitted)
+    _, calls = _split(emitted)
     msg = {"role": "assistant", "content": "", "tool_calls": calls}
     expect, second = _turn_prefix(tok, msgs, emitted, msg, TOOLS)
     assert second[: len(expect)] == expect

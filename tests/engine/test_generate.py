@@ -108,6 +108,19 @@ def test_early_close_stores_what_was_computed(engines):
     cached.cache.store(hit, (ids + [9])[: hit.hit.tokens])
 
 
+def test_failure_after_fetch_gives_the_lease_back(engines):
+    """Issue 12.5: a request failing after the lookup (here a seed mx.random.key refuses: a seed
+    matters when sampling) must not lose the conversation's entry, which a continuation takes out of
+    the hot tier."""
+    cached, cold = engines
+    ids = ids_of(cold, "a conversation that must survive a failed turn " * 3)
+    run(cached, ids, max_tokens=4)
+    turn = ids + ids_of(cold, " and the next question")
+    with pytest.raises(TypeError):
+        list(cached.generate(turn, SamplingParams(max_tokens=4, temperature=1.0, seed=-1)))
+    assert run(cached, turn, max_tokens=4)[2].usage.cached_tokens >= len(ids)
+
+
 def test_should_stop_cancels_and_progress_reports(engines):
     cached, cold = engines
     ids = ids_of(cold, "progress " * 40)
@@ -143,7 +156,13 @@ def test_smollm2_hits_equal_cold(smollm2_dir, tmp_path):
     ref = run(cold, ids, max_tokens=8)
     assert first[1] == ref[1]
     assert run(cached, ids, max_tokens=8)[1] == ref[1]  # exact hit (hot)
-    turn2 = ids + first[1] + cached.encode_text("<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
+    turn2 = (
+        ids
+        + first[1]
+        + cached.encode_text(
+            "<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
+        )
+    )
     for probe in (turn2, ids[:20] + cached.encode_text(" something different")):
         got, hit = cached.logits(probe)
         want, _ = cold.logits(probe)

@@ -564,6 +564,86 @@ def test_smollm2_turns_hit_the_cache(smollm2_dir, tmp_path):
         assert second.usage.model_extra["cache_tier"] == "hot"
 
 
+# --- model families: reasoning + their own tool-call format (engine/output.py) -------------------
+
+QWEN3_OUT = [  # Qwen3's think block and Hermes-JSON call (template: Qwen/Qwen3-0.6B, see test_output.py)
+    "<think>\nParis, so ",
+    "the weather tool.\n</th",
+    "ink>\n\n<tool_call>\n",
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+]
+CODER_OUT = [  # Qwen3-Coder's XML call (template: Qwen/Qwen3-Coder-30B-A3B-Instruct)
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n",
+    "</parameter>\n</function>\n</tool_call>",
+]
+
+
+@pytest.fixture()
+def family_server(family_dirs, tmp_path):
+    """A server on a family's template (the tiny weights; generation scripted)."""
+    started = []
+
+    def start(family: str, script: list[str]):
+        config = hot_config(tmp_path / family)
+        ctx = serve(lambda: Scripted(Engine(family_dirs[family], config), script), config)
+        started.append(ctx)
+        return ctx.__enter__()
+
+    yield start
+    for ctx in started:
+        ctx.__exit__(None, None, None)
+
+
+def test_reasoning_and_tool_call_non_stream(family_server):
+    live = family_server("qwen3", QWEN3_OUT)
+    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "Paris, so the weather tool." == msg.reasoning
+    assert msg.content is None and r.choices[0].finish_reason == "tool_calls"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
+    # the client sends the turn back with its reasoning: the template renders it, 200
+    history = USER + [
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": msg.reasoning_content,
+            "tool_calls": [msg.tool_calls[0].model_dump()],
+        },
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
+    ]
+    again = live.client.chat.completions.create(model="t", messages=history, tools=TOOLS)
+    assert again.choices[0].finish_reason == "tool_calls"
+
+
+def test_reasoning_and_tool_call_stream(family_server):
+    live = family_server("qwen3", QWEN3_OUT)
+    chunks = list(
+        live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS, stream=True)
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert reasoning == "Paris, so the weather tool."
+    assert "".join(d.content or "" for d in deltas) == ""
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_qwen3_coder_xml_calls_both_ways(family_server):
+    live = family_server("qwen3-coder", CODER_OUT)
+    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Oslo"
+    }
+    chunks = list(
+        live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS, stream=True)
+    )
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [json.loads(tc.function.arguments) for tc in calls] == [{"city": "Oslo"}]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 # --- one thread owns MLX (issue 19) ----------------------------------------------------------------
 
 

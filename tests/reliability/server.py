@@ -49,6 +49,7 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     args: tuple[str, ...] = ()  # extra `tiered-kv serve` flags
+    nofile: tuple[int, int] | None = None  # RLIMIT_NOFILE (soft, hard) the server starts with
 
     @property
     def url(self) -> str:
@@ -57,8 +58,17 @@ class Server:
     def start(self, timeout: float = 120) -> Server:
         argv = [sys.executable, "-m", "engine.cli", "serve", "--model", str(self.model),
                 "--port", str(self.port), *self.args]  # fmt: skip
+        limits = self.nofile
+
+        def preexec() -> None:
+            if limits is not None:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         preexec_fn=preexec)  # fmt: skip
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -153,7 +153,26 @@ def test_client_trickling_its_body_gets_408_and_does_not_block_others(live):
         )
         assert ok.status_code == 200  # the slow client holds no lock
         s.sendall(b"{")  # still trickling
-        reply = s.recv(4096).decode(errors="replace")
+        reply = _response(s)
         assert " 408 " in reply.splitlines()[0], reply
         assert time.monotonic() - t0 < 15
         assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+def _response(sock: socket.socket) -> str:
+    """One whole HTTP response (head and body may come in separate segments)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+        part = sock.recv(4096)
+        if not part:
+            break
+        data += part
+    return data.decode(errors="replace")
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0

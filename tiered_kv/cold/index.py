@@ -19,7 +19,6 @@ on disk before the mirror changes.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 import uuid
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import diskcache
 import numpy as np
+
+from tiered_kv.cold import fsafe
 
 SCHEMA = 1
 _MAX_CANDIDATES = 4
@@ -292,12 +293,6 @@ def _as_seq(value: object) -> tuple[str, int]:
 
 def _private(path: Path) -> None:
     """The index dir 0700 and ``cache.db`` created 0600 before sqlite opens it (sqlite gives its
-    -wal / -shm files the database's mode): the index holds prompt token ids."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    db = path / "cache.db"
-    os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
-    for p in (path, *path.glob("cache.db*")):
-        try:
-            os.chmod(p, 0o700 if p == path else 0o600)
-        except PermissionError:  # not ours (another user's old index): leave it to them
-            pass
+    -wal / -shm files the database's mode): the index holds prompt token ids. No symlink there
+    is followed (:func:`fsafe.private_db`)."""
+    fsafe.private_db(path, "cache.db")

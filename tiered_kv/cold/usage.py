@@ -1,13 +1,16 @@
-"""Disk usage of the whole cache dir, as deletable units for :mod:`budget` (I/O, no policy)."""
+"""Disk usage of the whole cache dir, as deletable units for :mod:`budget` (I/O, no policy).
+
+No symlink under the cache dir is followed: a link counts as its own few bytes and is removed
+as a link (see :mod:`fsafe`)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiered_kv.cold import fsafe
 from tiered_kv.cold.budget import Item
 from tiered_kv.cold.index import Record
 
@@ -57,11 +60,11 @@ def scan(root: Path, own: str, records: Iterable[Record]) -> Usage:
         return Usage(used, items)
     for child in children:
         path = Path(child.path)
-        if child.name == own:
+        if child.name == own and child.is_dir(follow_symlinks=False):
             for sub in os.scandir(path):
                 if sub.name not in own_files:
                     used += tree_size(Path(sub.path))[0]
-        elif child.name == QUARANTINE and child.is_dir():
+        elif child.name == QUARANTINE and child.is_dir(follow_symlinks=False):
             for sub in os.scandir(path):
                 size, mtime = tree_size(Path(sub.path))
                 items.append(Item(("path", Path(sub.path)), size, mtime))
@@ -73,8 +76,9 @@ def scan(root: Path, own: str, records: Iterable[Record]) -> Usage:
     return Usage(used, items)
 
 
-def remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+def remove_path(path: Path, root: Path | None = None) -> bool:
+    """Delete an item :func:`scan` listed, only if it resolves inside the cache dir ``root``
+    (default: the dir it was listed from, ``root/<name>`` or ``root/quarantine/<name>``)."""
+    if root is None:
+        root = path.parent.parent if path.parent.name == QUARANTINE else path.parent
+    return fsafe.remove(root, path)

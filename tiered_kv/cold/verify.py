@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered_kv import keys
-from tiered_kv.cold import store
+from tiered_kv.cold import fsafe, store
 from tiered_kv.cold.index import Index, Record
 
 log = logging.getLogger(__name__)
@@ -36,11 +36,15 @@ class VerifyReport:
 
 
 def entry_files(fp_dir: Path) -> list[Path]:
-    return sorted(p for p in fp_dir.glob(f"*{store.SUFFIX}") if p.is_file())
+    """Entry files: regular files only, a symlink is never read nor quarantined (its target may
+    be anything, a model's weights)."""
+    return [
+        p for p in fsafe.regular_files(fp_dir, suffix=store.SUFFIX) if not p.name.startswith(".")
+    ]
 
 
 def temp_files(fp_dir: Path) -> list[Path]:
-    return sorted(p for p in fp_dir.glob(f".*{store.TMP_SUFFIX}") if p.is_file())
+    return fsafe.regular_files(fp_dir, prefix=".", suffix=store.TMP_SUFFIX)
 
 
 #: a temp file of a live process older than this is abandoned (no write takes that long)
@@ -75,9 +79,10 @@ def stale_temp(path: Path, now: float | None = None) -> bool:
 
 
 def quarantine(path: Path, qdir: Path, fingerprint: str) -> None:
-    """Move ``path`` to ``qdir/<fingerprint>-<name>`` (0700 dir); a vanished file is fine."""
+    """Move ``path`` to ``qdir/<fingerprint>-<name>`` (0700 dir); a vanished file is fine. A
+    symlinked ``qdir`` is refused (nothing moves out of the cache dir): the file is deleted."""
     try:
-        qdir.mkdir(mode=store.DIR_MODE, parents=True, exist_ok=True)
+        fsafe.make_dir(qdir, store.DIR_MODE)
         os.replace(path, qdir / f"{fingerprint}-{path.name}")
     except FileNotFoundError:
         pass

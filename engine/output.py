@@ -1,0 +1,281 @@
+"""Model text out → OpenAI chat output: content, reasoning and tool calls, streamed or whole.
+
+Transport-free and MLX-free: a :class:`ChatOutput` is made per request on the HTTP side and fed the
+decoded text pieces the engine produces; each ``feed`` returns the :class:`Delta` that is safe to show
+now, ``finish`` the rest and the OpenAI ``finish_reason``. Concatenating the deltas gives exactly what the
+non-streamed response carries, because that one is built by the same object fed the whole text at once.
+
+What the markers are comes from mlx-lm, which picks them from the model's chat template and vocabulary
+(``TokenizerWrapper.tool_parser`` / ``tool_call_start`` / ``tool_call_end``, ``think_start`` /
+``think_end``; ``mlx_lm/tool_parsers/`` holds one parser per family). The splitting is mlx-lm's
+``TextStateMachine`` (text-level, so a marker split over tokens or merged with the next byte still
+matches). Ours on top: the Hermes fallback for templates that ignore ``tools`` (the server injects the
+Hermes instructions, so it parses Hermes), whitespace next to markers kept out of ``content`` and
+``reasoning`` (templates strip it when they re-render history), a call that does not parse shown as text,
+and ``parallel_tool_calls: false``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.generate import TextStateMachine
+
+log = logging.getLogger(__name__)
+NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+Parser = Callable[[str, Any], Any]
+
+
+def parse_hermes(text: str, tools: Any = None) -> dict[str, Any]:
+    """The JSON inside one ``<tool_call>`` block (``arguments`` or ``parameters``). Raises ValueError."""
+    obj = json.loads(text.strip())
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a tool call object")
+    return {"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", {}))}
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """The markers of one tokenizer: think block, tool-call block (end "" = to the end of the output)
+    and the parser of a block's text; ``parser_name`` names the mlx-lm parser module ("hermes": ours)."""
+
+    think: tuple[str, str] | None = None
+    tool: tuple[str, str] = (HERMES_START, HERMES_END)
+    parse: Parser = parse_hermes
+    parser_name: str = "hermes"
+
+    @classmethod
+    def of(cls, tokenizer: Any, hermes: bool = False) -> OutputFormat:
+        """What ``tokenizer`` (an mlx-lm TokenizerWrapper, or any HF tokenizer) says; ``hermes``: the
+        server injected Hermes tool instructions, so calls come back as Hermes whatever mlx-lm infers."""
+        think = None
+        if getattr(tokenizer, "has_thinking", False):
+            think = (str(tokenizer.think_start), str(tokenizer.think_end))
+        parser = getattr(tokenizer, "tool_parser", None)
+        if hermes or parser is None or not getattr(tokenizer, "tool_call_start", None):
+            return cls(think)
+        tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
+        return cls(think, tool, parser, parser.__module__.rsplit(".", 1)[-1])
+
+    def opens_reasoning(self, prompt_text: str) -> bool:
+        """Whether the prompt ends inside a think block (templates that open one for the model)."""
+        if self.think is None:
+            return False
+        return prompt_text.rfind(self.think[0]) > prompt_text.rfind(self.think[1])
+
+    def forced_prefix(self, tool_choice: Any) -> str:
+        """Text after the generation prompt that makes the model call (``required``) or call one
+        named function; formats we cannot name a function in get the call opener only."""
+        if tool_choice == "required":
+            return self.tool[0] + ("\n" if self.tool[0] == HERMES_START else "")
+        if not isinstance(tool_choice, dict):
+            return ""
+        name = str(tool_choice["function"]["name"])
+        named = _NAMED.get(self.parser_name)
+        return named.format(start=self.tool[0], name=name) if named else self.tool[0]
+
+    def machine(self, tools: bool) -> TextStateMachine:
+        """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
+        edges: dict[str, list[tuple[str, str]]] = {NORMAL: []}
+        if self.think is not None:
+            edges[NORMAL].append((self.think[0], REASONING))
+            edges[REASONING] = [(self.think[1], NORMAL)]
+        if tools:
+            edges[NORMAL].append((self.tool[0], TOOL))
+            if self.think is not None:
+                edges[REASONING].append((self.tool[0], TOOL))
+            edges[TOOL] = [(self.tool[1], NORMAL)] if self.tool[1] else []
+        return TextStateMachine(edges)
+
+
+# Forced named calls: the opening of a call to {name}, in each family's own syntax.
+_NAMED = {
+    "hermes": '{start}\n{{"name": "{name}", "arguments": ',
+    "json_tools": '{start}\n{{"name": "{name}", "arguments": ',
+    "qwen3_coder": "{start}\n<function={name}>\n",
+    "glm47": "{start}{name}",
+    "kimi_k2": "{start}<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+    "minimax_m2": '{start}\n<invoke name="{name}">\n',
+    "mistral": "{start}{name}[ARGS]",
+    "gemma4": "{start}call:{name}{{",
+    "pythonic": "{start}[{name}(",
+}
+
+
+@dataclass
+class Delta:
+    """What to show now; ``tool_calls`` are complete OpenAI calls carrying their stream ``index``."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+    def merge(self, other: Delta) -> None:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+
+    def sse_deltas(self) -> list[dict[str, Any]]:
+        """OpenAI ``delta`` objects: reasoning (as ``reasoning_content``, the field OpenAI-compatible
+        clients read, and ``reasoning``, mlx_lm.server's), then content, then each call."""
+        out: list[dict[str, Any]] = []
+        if self.reasoning:
+            out.append({"reasoning_content": self.reasoning, "reasoning": self.reasoning})
+        if self.content:
+            out.append({"content": self.content})
+        out.extend({"tool_calls": [call]} for call in self.tool_calls)
+        return out
+
+
+class ChatOutput:
+    """One request's output parser. ``feed(text) -> Delta``; ``finish(engine_reason) -> (Delta,
+    finish_reason)``; ``result`` accumulates everything shown (the non-streamed message)."""
+
+    def __init__(
+        self,
+        fmt: OutputFormat,
+        tools: list[dict[str, Any]] | None = None,
+        parse_tools: bool = True,
+        parallel_tool_calls: bool = True,
+        start_in_reasoning: bool = False,
+    ) -> None:
+        self.fmt, self.tools, self.parallel = fmt, tools, parallel_tool_calls
+        self._sm = fmt.machine(parse_tools).make_state(REASONING if start_in_reasoning else NORMAL)
+        self._state = self._sm[0]
+        self._tool_text = ""
+        # trailing whitespace per channel, shown once more text follows
+        self._held = {NORMAL: "", REASONING: ""}
+        self._lstrip = {NORMAL: False, REASONING: start_in_reasoning}
+        self.n_calls = 0
+        self.result = Delta()
+
+    # -- feeding ---------------------------------------------------------------------------------
+    def feed(self, text: str) -> Delta:
+        out = Delta()
+        if text:
+            self._sm, segments = TextStateMachine.split(self._sm, text)
+            for state, piece in segments:
+                self._segment(state, piece, out)
+        self.result.merge(out)
+        return out
+
+    def finish(self, engine_reason: str | None) -> tuple[Delta, str | None]:
+        """End of output: pending text, an open call block parsed (formats without an end marker run
+        to the end), and the OpenAI finish reason (``tool_calls`` when a call ended the output)."""
+        out = Delta()
+        self._sm, rest, _ = TextStateMachine.flush(self._sm)
+        if rest:
+            self._segment(self._state, rest, out)
+        if self._state == TOOL:
+            self._close_call(out, closed=bool(not self.fmt.tool[1]))
+            self._state = NORMAL
+        if not self.n_calls and self._state == NORMAL:
+            out.content += self._held[NORMAL]  # plain text keeps its trailing whitespace
+        self.result.merge(out)
+        return out, _finish_reason(engine_reason, self.n_calls > 0)
+
+    def _segment(self, state: str, piece: str, out: Delta) -> None:
+        if state != self._state:
+            self._transition(self._state, state, out)
+        if state == TOOL:
+            self._tool_text += piece
+        elif state in (NORMAL, REASONING):
+            self._show(state, piece, out)
+
+    def _transition(self, old: str, new: str, out: Delta) -> None:
+        if old == TOOL:
+            self._close_call(out, closed=True)
+        elif old in self._held:
+            self._held[old] = ""  # whitespace before a marker is not text
+        if new == TOOL:
+            self._tool_text = ""
+        elif old == REASONING or new == REASONING:
+            self._lstrip[new] = True  # nor is whitespace just inside or after a think block
+        self._state = new
+
+    def _show(self, channel: str, text: str, out: Delta) -> None:
+        if self._lstrip[channel]:
+            text = text.lstrip()
+            if not text:
+                return
+            self._lstrip[channel] = False
+        body = text.rstrip()
+        if body:
+            shown = self._held[channel] + body
+            self._held[channel] = text[len(body) :]
+            if channel == NORMAL:
+                out.content += shown
+            else:
+                out.reasoning += shown
+        else:
+            self._held[channel] += text
+
+    # -- calls -----------------------------------------------------------------------------------
+    def _close_call(self, out: Delta, closed: bool) -> bool:
+        """Parse the block just ended; False when it is shown as text instead."""
+        text, self._tool_text = self._tool_text, ""
+        calls = self._parse(text)
+        if calls is None:  # not a call after all (or cut short): the block is text
+            start, end = self.fmt.tool
+            out.content += self._held[NORMAL] + start + text + (end if closed else "")
+            self._held[NORMAL] = ""
+            return False
+        for call in calls:
+            if self.n_calls and not self.parallel:
+                continue
+            out.tool_calls.append({"index": self.n_calls, **call})
+            self.n_calls += 1
+        return True
+
+    def _parse(self, text: str) -> list[dict[str, Any]] | None:
+        try:
+            parsed = self.fmt.parse(text, self.tools)
+        except Exception as e:  # third-party parsers raise ValueError, JSON, regex or key errors
+            log.info("model output is not a %s tool call (%s)", self.fmt.parser_name, e)
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            calls.append(_openai_call(item, self.fmt.parser_name))
+        return calls or None
+
+
+def new_call_id(parser_name: str) -> str:
+    """A fresh call id. Mistral templates refuse history whose ids are not 9 alphanumerics."""
+    if parser_name == "mistral":
+        return uuid.uuid4().hex[:9]
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any]:
+    args = parsed.get("arguments")
+    if args is None:
+        args = {}
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    cid = parsed.get("id")
+    return {
+        "id": cid if isinstance(cid, str) and cid else new_call_id(parser_name),
+        "type": "function",
+        "function": {"name": parsed["name"], "arguments": args},
+    }
+
+
+def _finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+    """Engine finish reason → OpenAI's ("cancelled" happens only when nobody listens)."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"

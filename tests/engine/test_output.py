@@ -1,0 +1,372 @@
+"""engine/output.py: every tool-call format mlx-lm ships, reasoning split, streamed = whole, plain text untouched.
+
+Each case renders a prompt with the family's real chat template on the tiny model directory
+(``family_dirs``: the tiny model wearing the template and the family's marker tokens) and loads the
+tokenizer through mlx-lm, so the tool parser and think markers are the ones mlx-lm infers for the real
+model. Templates: llama.cpp's ``models/templates/<file>`` (as vendored in the pinned llama-cpp-python
+sdist, ``engine/models/templates.py``), which llama.cpp copied from the model's Hugging Face repository
+named in ``SOURCES``. Model outputs are canned, written in the syntax the same template uses to render an
+assistant tool call in history.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from engine.output import ChatOutput, Delta, OutputFormat
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+USER = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Weather?"},
+]
+PARIS = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
+OSLO = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+
+# family → the Hugging Face repository whose template llama.cpp keeps (templates.FAMILIES names the file)
+SOURCES = {
+    "qwen3-coder": "Qwen/Qwen3-Coder-30B-A3B-Instruct (llama.cpp models/templates/Qwen3-Coder.jinja)",
+    "qwen3": "Qwen/Qwen3-0.6B (llama.cpp models/templates/Qwen-Qwen3-0.6B.jinja)",
+    "glm-4.6": "zai-org/GLM-4.6 (llama.cpp models/templates/GLM-4.6.jinja)",
+    "glm-4.7": "zai-org/GLM-4.7-Flash (llama.cpp models/templates/GLM-4.7-Flash.jinja)",
+    "kimi-k2": "moonshotai/Kimi-K2-Instruct (llama.cpp models/templates/moonshotai-Kimi-K2.jinja)",
+    "kimi-k2-thinking": "moonshotai/Kimi-K2-Thinking (llama.cpp models/templates/Kimi-K2-Thinking.jinja)",
+    "minimax-m2": "MiniMaxAI/MiniMax-M2 (llama.cpp models/templates/MiniMax-M2.jinja)",
+    "devstral": "unsloth/Devstral-Small-2507 (llama.cpp models/templates/unsloth-mistral-Devstral-Small-2507.jinja)",
+    "mistral-small-3.2": "mistralai/Mistral-Small-3.2-24B-Instruct-2506 (llama.cpp models/templates/Mistral-Small-3.2-24B-Instruct-2506.jinja)",
+    "gemma-4": "google/gemma-4-31B-it (llama.cpp models/templates/google-gemma-4-31B-it.jinja)",
+    "lfm2.5": "LiquidAI/LFM2.5-8B-A1B (llama.cpp models/templates/LFM2.5-8B-A1B.jinja)",
+    "deepseek-r1-distill": "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja)",
+}
+
+# family, parser mlx-lm picks, canned output, expected reasoning, expected content, expected calls
+CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
+    (
+        "qwen3-coder",
+        "qwen3_coder",
+        "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+        "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+        "",
+        "I'll check.",
+        [PARIS, OSLO],
+    ),
+    (
+        "qwen3",
+        "json_tools",
+        "<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+        "The user wants the weather.",
+        "",
+        [PARIS],
+    ),
+    (
+        "glm-4.6",
+        "glm47",
+        "<think>Need the weather.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+        "Need the weather.",
+        "",
+        [PARIS],
+    ),
+    (  # the generation prompt opens <think>: the output starts in reasoning
+        "glm-4.7",
+        "glm47",
+        "Need the weather.</think><tool_call>get_weather<arg_key>city</arg_key>"
+        "<arg_value>Oslo</arg_value></tool_call>",
+        "Need the weather.",
+        "",
+        [OSLO],
+    ),
+    (
+        "kimi-k2",
+        "kimi_k2",
+        "Checking both.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>"
+        '{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>',
+        "",
+        "Checking both.",
+        [PARIS, OSLO],
+    ),
+    (
+        "kimi-k2-thinking",
+        "kimi_k2",
+        "<think>Two cities.</think><|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+        "<|tool_calls_section_end|>",
+        "Two cities.",
+        "",
+        [OSLO],
+    ),
+    (  # opens <think>\n in the generation prompt
+        "minimax-m2",
+        "minimax_m2",
+        'Check the weather.\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+        '<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n'
+        "</invoke>\n</minimax:tool_call>",
+        "Check the weather.",
+        "",
+        [PARIS],
+    ),
+    (  # no end marker: the call runs to the end of the output
+        "devstral",
+        "mistral",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+        "",
+        "Sure.",
+        [PARIS],
+    ),
+    (
+        "mistral-small-3.2",
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+        "",
+        "",
+        [PARIS, OSLO],
+    ),
+    (
+        "gemma-4",
+        "gemma4",
+        "<|channel>thought\nWeather lookup.<channel|>"
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>',
+        "Weather lookup.",
+        "",
+        [PARIS],
+    ),
+    (
+        "lfm2.5",
+        "pythonic",
+        'One moment.<|tool_call_start|>[get_weather(city="Paris", days=3), '
+        'get_weather(city="Oslo")]<|tool_call_end|>',
+        "",
+        "One moment.",
+        [PARIS, OSLO],
+    ),
+]
+
+
+def _fmt_and_prompt(family_dirs: dict, family: str) -> tuple[OutputFormat, str]:
+    tok = load_tokenizer(family_dirs[family])
+    prompt = tok.apply_chat_template(USER, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    return OutputFormat.of(tok), prompt
+
+
+def _run(out: ChatOutput, pieces: list[str], reason: str = "stop") -> tuple[Delta, str | None]:
+    got = Delta()
+    for p in pieces:
+        got.merge(out.feed(p))
+    tail, finish = out.finish(reason)
+    got.merge(tail)
+    return got, finish
+
+
+def _calls(delta: Delta) -> list[dict[str, Any]]:
+    return [
+        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+        for c in delta.tool_calls
+    ]
+
+
+def _pieces(text: str, n: int) -> list[str]:
+    return [text[i : i + n] for i in range(0, len(text), n)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_family_tool_calls_whole_and_streamed(family_dirs, case):
+    family, parser, output, reasoning, content, calls = case
+    fmt, prompt = _fmt_and_prompt(family_dirs, family)
+    assert fmt.parser_name == parser, SOURCES[family]
+    start = fmt.opens_reasoning(prompt)
+    whole, finish = _run(ChatOutput(fmt, TOOLS, start_in_reasoning=start), [output])
+    assert (whole.reasoning, whole.content, _calls(whole)) == (reasoning, content, calls)
+    assert finish == "tool_calls"
+    assert [c["index"] for c in whole.tool_calls] == list(range(len(calls)))
+    for n in (1, 2, 7):  # markers split over pieces in every way
+        out = ChatOutput(fmt, TOOLS, start_in_reasoning=start)
+        streamed, finish = _run(out, _pieces(output, n))
+        assert (streamed.reasoning, streamed.content, _calls(streamed)) == (
+            reasoning,
+            content,
+            calls,
+        )
+        assert out.result.content == streamed.content and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_family_plain_text_untouched(family_dirs, case):
+    fmt, _ = _fmt_and_prompt(family_dirs, case[0])
+    text = "Paris is sunny, 21°C.\n\n- no rain\n- light wind "
+    whole, finish = _run(ChatOutput(fmt, TOOLS), _pieces(text, 3))
+    assert (whole.content, whole.reasoning, whole.tool_calls, finish) == (text, "", [], "stop")
+
+
+def test_reasoning_start_state_from_prompt(family_dirs):
+    """Templates that open the think block in the generation prompt start the output in reasoning."""
+    opened = {f for f in family_dirs if f != "llama-3.3" and _opens(family_dirs, f)}
+    assert {"glm-4.7", "minimax-m2", "deepseek-r1-distill"} <= opened
+    assert "qwen3" not in opened and "kimi-k2" not in opened
+    fmt, prompt = _fmt_and_prompt(family_dirs, "deepseek-r1-distill")
+    out = ChatOutput(fmt, None, parse_tools=False, start_in_reasoning=fmt.opens_reasoning(prompt))
+    got, finish = _run(out, ["Let me think", ".\n</th", "ink>\n\nIt is ", "sunny."])
+    assert (got.reasoning, got.content, finish) == ("Let me think.", "It is sunny.", "stop")
+
+
+def _opens(family_dirs: dict, family: str) -> bool:
+    fmt, prompt = _fmt_and_prompt(family_dirs, family)
+    return fmt.opens_reasoning(prompt)
+
+
+def test_reasoning_without_tools_and_tool_choice_none(family_dirs):
+    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3")
+    text = '<think>\nhmm\n</think>\n\n<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>'
+    got, finish = _run(ChatOutput(fmt, TOOLS, parse_tools=False), [text])
+    assert got.reasoning == "hmm" and got.content.startswith("<tool_call>") and finish == "stop"
+
+
+def test_truncated_reasoning_is_reasoning_and_length(family_dirs):
+    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3")
+    got, finish = _run(ChatOutput(fmt, TOOLS), ["<think>\nstill thinking about"], "length")
+    assert (got.reasoning, got.content, finish) == ("still thinking about", "", "length")
+
+
+def test_unparseable_block_is_content(family_dirs):
+    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3-coder")
+    bad = "<tool_call>\nnot a function\n</tool_call>"
+    got, finish = _run(ChatOutput(fmt, TOOLS), _pieces(bad, 4))
+    assert got.content == bad and got.tool_calls == [] and finish == "stop"
+
+
+def test_parallel_tool_calls_false_keeps_the_first(family_dirs):
+    fmt, _ = _fmt_and_prompt(family_dirs, "kimi-k2")
+    got, _ = _run(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [CASES[4][2]])
+    assert _calls(got) == [PARIS]
+
+
+def test_mistral_call_ids_fit_its_template(family_dirs):
+    """Mistral Small 3.2's template raises on history whose call ids are not 9 alphanumerics."""
+    fmt, _ = _fmt_and_prompt(family_dirs, "mistral-small-3.2")
+    got, _ = _run(ChatOutput(fmt, TOOLS), ['[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'])
+    cid = got.tool_calls[0]["id"]
+    assert len(cid) == 9 and cid.isalnum()
+    tok = load_tokenizer(family_dirs["mistral-small-3.2"])
+    call = {k: got.tool_calls[0][k] for k in ("id", "type", "function")}
+    history = USER + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": cid, "content": "sunny"},
+    ]
+    tok.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+def test_hermes_fallback_without_mlx_parser():
+    """A tokenizer without an mlx-lm parser (SmolLM2's template ignores tools): Hermes, as injected."""
+    fmt = OutputFormat.of(object())
+    assert fmt.parser_name == "hermes" and fmt.think is None
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "parameters": {"city": "Oslo"}}\n</tool_call>'
+    got, finish = _run(ChatOutput(fmt, TOOLS), _pieces(text, 5))
+    assert (got.content, _calls(got), finish) == ("Let me look.", [OSLO], "tool_calls")
+
+
+def test_forced_prefixes(family_dirs):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    hermes = OutputFormat()
+    assert hermes.forced_prefix("required") == "<tool_call>\n"
+    assert hermes.forced_prefix(named) == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert hermes.forced_prefix("auto") == ""
+    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3-coder")
+    prefix = fmt.forced_prefix(named)
+    assert prefix == "<tool_call>\n<function=get_weather>\n"
+    out = ChatOutput(fmt, TOOLS)
+    got, finish = _run(
+        out, [prefix, "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"]
+    )
+    assert _calls(got) == [OSLO] and finish == "tool_calls"
+
+
+def test_sse_deltas_shape():
+    d = Delta("hi", "why", [{"index": 0, "id": "call_1", "type": "function", "function": {}}])
+    assert d.sse_deltas() == [
+        {"reasoning_content": "why", "reasoning": "why"},
+        {"content": "hi"},
+        {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {}}]},
+    ]
+
+
+# --- Hermes (the injected format; also the tiny model's own template) ---------------------------
+
+
+def _hermes(pieces: list[str], **kw: Any) -> tuple[Delta, str | None]:
+    return _run(ChatOutput(OutputFormat(), TOOLS, **kw), pieces)
+
+
+def test_hermes_single_call_with_text():
+    got, _ = _hermes(
+        [
+            'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        ]
+    )
+    call = got.tool_calls[0]
+    assert got.content == "Let me check." and call["type"] == "function"
+    assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_hermes_parallel_calls_string_arguments():
+    one = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
+    two = '<tool_call>\n{"name": "b", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
+    got, _ = _hermes([one + "\n" + two + "\n"])
+    assert got.content == "" and [c["function"]["name"] for c in got.tool_calls] == ["a", "b"]
+    assert json.loads(got.tool_calls[1]["function"]["arguments"]) == {"x": 1}
+
+
+def test_hermes_invalid_block_stays_text():
+    text = "<tool_call>\nnot json\n</tool_call> done"
+    got, finish = _hermes([text])
+    assert (got.content, got.tool_calls, finish) == (text, [], "stop")
+
+
+def test_hermes_streaming_holds_text_from_opener():
+    out = ChatOutput(OutputFormat(), TOOLS)
+    pieces = [
+        "Sure",
+        " <tool",
+        '_call>\n{"name": ',
+        '"a", "arguments": {}}',
+        "\n</tool_",
+        "call>",
+        " bye",
+    ]
+    shown = [out.feed(p) for p in pieces]
+    tail, _ = out.finish("stop")
+    assert "".join(d.content for d in shown) + tail.content == "Sure bye"
+    assert shown[1].content == "" and shown[2].content == "" and out.n_calls == 1
+
+
+def test_hermes_unclosed_complete_json_is_a_call():
+    got, finish = _hermes(
+        ['<tool_call>\n{"name": "get_weather", "arguments": ', '{"city": "Oslo"}}']
+    )
+    assert _calls(got) == [OSLO] and finish == "tool_calls"
+
+
+def test_hermes_disabled_passes_text():
+    got, _ = _hermes(["<tool_call>{}</tool_call>"], parse_tools=False)
+    assert got.content == "<tool_call>{}</tool_call>"

@@ -1,0 +1,137 @@
+"""Issues 12.5 and 12.6 over real HTTP: every client mistake is a 400 with an OpenAI-shaped body,
+a failed turn keeps the cached conversation, and requests cut off by a shutdown get a 503 JSON."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from engine.generate import Engine
+from engine.server import create_app
+from reliability.server import Server, clean_env, free_port
+from tiered_kv.config import Config
+
+USER = {"role": "user", "content": "hi"}
+
+
+def _call(function: object) -> bytes:
+    call = {"id": "c1", "type": "function", "function": function}
+    msgs = [USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # fmt: skip
+    return json.dumps({"messages": msgs, "max_tokens": 2}).encode()
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CASES = [
+    (COMPLETIONS, b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    (CHAT, b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": ' + b"9" * 4301 + b"}"),
+    (COMPLETIONS, b'{"prompt": "hi", "seed": ' + b"1" * 5000 + b"}"),
+    (COMPLETIONS, b'{"prompt": "hi \\ud800", "max_tokens": 2}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi \\udc00"}], "max_tokens": 2}'),
+    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "seed": -1}'),
+    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "seed": 18446744073709551616}'),
+    (CHAT, json.dumps({"messages": [USER], "max_tokens": 2, "seed": -5}).encode()),
+    (CHAT, _call("get_weather")),
+    (CHAT, _call(["get_weather"])),
+    (CHAT, _call(7)),
+]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    d = tmp_path_factory.mktemp("errors")
+    env = clean_env(TIERED_KV_DIR=str(d / "kv"), TIERED_KV_MODELS_DIR=str(d / "m"),
+                    TIERED_KV_BLOCK_TOKENS="16", TIERED_KV_MIN_CONTINUATION_TOKENS="16")  # fmt: skip
+    s = Server(tiny_model_dir, env, d / "log").start()
+    yield s
+    s.kill()
+
+
+@pytest.mark.parametrize("path, raw", CASES, ids=range(len(CASES)))
+def test_client_mistake_is_openai_shaped_400(live, path, raw):
+    r = httpx.post(live.url + path, content=raw, timeout=60,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"] and "code" in err
+    assert live.proc is not None and live.proc.poll() is None
+
+
+def test_failed_turn_keeps_the_cached_conversation(live):
+    """Issue 12.5: the turn with a bad seed is refused before the cache is touched; the next
+    good turn still finds the conversation's entry (it was lost before: 0 cached tokens)."""
+    history = [{"role": "user", "content": "tell me a long story about a cache " * 8}]
+    first = httpx.post(live.url + CHAT, timeout=60,
+                       json={"messages": history, "max_tokens": 8, "temperature": 0}).json()  # fmt: skip
+    history += [first["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+    bad = httpx.post(live.url + CHAT, timeout=60,
+                     json={"messages": history, "max_tokens": 4, "seed": -1})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
+    good = httpx.post(live.url + CHAT, timeout=60,
+                      json={"messages": history, "max_tokens": 4, "seed": 1}).json()  # fmt: skip
+    cached = good["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"], good["usage"]
+
+
+class _Slow:
+    """The real engine, each prefill held ``delay`` seconds first (queued requests pile up). It
+    yields to the batch loop every 20 ms (a prefill budget of one step each), so the loop still
+    sees cancellation and shutdown."""
+
+    prefill_chunk = 1
+
+    def __init__(self, engine: Engine, delay: float):
+        self._engine, self.delay = engine, delay
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def prefill_steps(self, lease, fed, on_progress=None):
+        deadline = time.monotonic() + self.delay
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            yield
+        return (yield from self._engine.prefill_steps(lease, fed, on_progress))
+
+
+def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
+    config = Config(cache_dir=tmp_path, tiers=("hot",), max_batch=1)
+    app = create_app(lambda: _Slow(Engine(tiny_model_dir, config), 30.0), config)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
+                                           timeout_graceful_shutdown=1))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    replies: list[httpx.Response] = []
+
+    def send() -> None:
+        replies.append(httpx.post(url + COMPLETIONS, timeout=60,
+                                  json={"prompt": "queued", "max_tokens": 2}))  # fmt: skip
+
+    senders = [threading.Thread(target=send) for _ in range(3)]
+    for t in senders:
+        t.start()
+    while httpx.get(url + "/health").json()["queued"] < 2:  # one running, two queued
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    server.should_exit = True
+    for t in senders:
+        t.join(60)
+    thread.join(60)
+    assert len(replies) == 3
+    for r in replies:
+        assert r.status_code == 503, (r.status_code, r.text)
+        assert r.json()["error"]["code"] == "server_shutting_down"
