@@ -56,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-micro", action="store_true", help="skip reload/lookup/spill micro-benchmarks"
     )
+    p.add_argument(
+        "--sizes",
+        default="",
+        help="entry size sweep, comma list of GB (e.g. 0.25,1,4): cold write / reload GB/s vs dd "
+        "and mlx-lm save/load_prompt_cache (needs ~2x the largest size free on disk)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work dir (KV dirs, server logs)")
     p.add_argument(
         "--concurrency",
@@ -190,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         "measurements": [m.to_dict() for m in measurements],
     }
     if not args.no_micro:
-        results["micro"] = micro.run_all(args.config, model, suffix_turns(measurements))
+        gbs = tuple(float(x) for x in args.sizes.split(",") if x.strip())
+        results["micro"] = micro.run_all(args.config, model, suffix_turns(measurements), gbs)
     results["meta"]["wall_s"] = time.time() - t0
     print(report.write(results, args.out))
     print(f"results: {args.out}/table.md, results.json, ttft.png; server logs: {work}")

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from tiered_kv.cold import fsafe, usage
-from tiered_kv.cold.index import Index, IndexUnreadable
+from tiered_kv.cold.index import Index, IndexUnreadable, UnsafeCacheDir, check_private
 from tiered_kv.cold.verify import entry_files, verify_dir
 
 
@@ -37,11 +38,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         q = sub.add_parser(name, help=text)
         q.add_argument("--dir", type=Path, default=None, help="cache dir (default TIERED_KV_DIR)")
-        q.set_defaults(func=func)
+        q.set_defaults(func=_refusing_unsafe(func))
         if name == "verify":
             q.add_argument("--fix", action="store_true", help="quarantine bad files, drop orphans")
         if name == "clear":
             q.add_argument("--fingerprint", default=None, help="only this fingerprint")
+
+
+def _refusing_unsafe(func: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    """A cache dir or index that other users can write to: one line on stderr, exit 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            check_private(_root(args))
+            return func(args)
+        except UnsafeCacheDir as e:
+            print(f"tiered-kv: TIERED_KV_DIR: {e}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def _root(args: argparse.Namespace) -> Path:
@@ -54,16 +69,19 @@ def _fingerprints(root: Path) -> list[Path]:
 
 
 @contextmanager
-def _index(fp_dir: Path) -> Iterator[Index | None]:
+def _index(fp_dir: Path, write: bool = False) -> Iterator[Index | None]:
     """The fingerprint's index, or None when it is absent / unreadable (rebuilt at next open).
-    Never creates one: an empty new index would make every file look like an orphan."""
+    Never creates one: an empty new index would make every file look like an orphan. Opened
+    read-only unless ``write`` (verify --fix). Plain sqlite: nothing in it is unpickled."""
     path = fp_dir / "index"
     if not (path / "cache.db").exists():
         yield None
         return
+    for p in (fp_dir, path):
+        check_private(p)
     try:
-        index = Index(path)
-    except IndexUnreadable:
+        index = Index(path, readonly=not write, create=False)
+    except (IndexUnreadable, sqlite3.Error):
         yield None
         return
     try:
@@ -104,17 +122,23 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    """Exit 0: everything checked and clean (or fixed); 1: problems found; 2: something could
+    not be checked (no readable index, unreadable files) — never 0 for what was not checked."""
     root = _root(args)
-    clean = True
+    clean, unchecked = True, False
     for fp_dir in _fingerprints(root):
-        with _index(fp_dir) as index:
+        with _index(fp_dir, write=args.fix) as index:
             report = verify_dir(fp_dir, fp_dir.name, index, root / usage.QUARANTINE, args.fix)
-        note = "" if index is not None else " (no readable index: rebuilt from files at next open)"
+        note = "" if index is not None else " (could not check: no readable index)"
+        unchecked = unchecked or index is None
         print(f"{fp_dir.name}: {len(report.ok)} ok{note}")
         for kind in ("orphans", "corrupt", "foreign", "missing", "temp"):
             for name in getattr(report, kind):
                 print(f"  {kind}: {name}")
         clean = clean and report.clean
+    if unchecked:
+        print("not everything could be checked: run `tiered-kv serve` once to rebuild the index")
+        return 2
     if args.fix and not clean:
         print("fixed: bad files quarantined, orphans removed, missing records dropped")
         return 0

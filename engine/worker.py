@@ -157,8 +157,14 @@ class Worker:
     def busy(self) -> bool:
         return self.in_flight > 0
 
-    def close(self, timeout: float | None = 60.0) -> None:
-        """Cancel the running and queued jobs, then let the thread close the engine and exit."""
+    def close(self, timeout: float | None = None) -> None:
+        """Cancel the running and queued jobs, then let the thread close the engine and exit.
+
+        The default wait covers the cold tier's shutdown writes (``shutdown_seconds``) plus a
+        minute for the job in flight to stop."""
+        if timeout is None:
+            config = getattr(self.engine, "config", None)
+            timeout = getattr(config, "shutdown_seconds", 240.0) + 60.0
         with self._lock:
             if self._closed:
                 return

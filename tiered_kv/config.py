@@ -84,8 +84,16 @@ class Config:
     disk_free_floor: int = 1024**3
     #: TIERED_KV_BLOCK_TOKENS — tokens per hashed block of the cold index.
     block_tokens: int = 256
-    #: TIERED_KV_SPILL_QUEUE_BYTES — bound of the write-behind queue; oldest spill dropped past it.
+    #: TIERED_KV_SPILL_QUEUE_BYTES — bytes of evicted entries waiting for the disk writer (the one
+    #: being written not counted); past it the oldest waiting spill is dropped (logged, counted).
+    #: An entry larger than the bound is still written: it is admitted when nothing else waits.
     spill_queue_bytes: int = 2 * 1024**3
+    #: TIERED_KV_COLD_DEADLINE — seconds a cold lookup (index query, entry header read) may take
+    #: on the request path; past it the lookup is a miss (a stalled disk never stalls requests).
+    cold_deadline: float = 0.5
+    #: TIERED_KV_SHUTDOWN_SECONDS — at shutdown, how long to wait for every memory-only entry to
+    #: be written to disk (none is dropped for size or queue); what is left then is logged.
+    shutdown_seconds: float = 300.0
     #: TIERED_KV_WRITE_THROUGH — persist every finished turn (crash loses at most the turn in flight).
     write_through: bool = False
     #: TIERED_KV_PREFETCH — warm start loads this many most recent entries ("4") or bytes ("2GiB").
@@ -137,6 +145,13 @@ def _tiers(text: str) -> tuple[str, ...]:
 def _fraction(text: str) -> float:
     v = float(text)
     if not 0.0 < v <= 1.0:
+        raise ValueError(text)
+    return v
+
+
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v <= 86400.0:
         raise ValueError(text)
     return v
 
@@ -208,6 +223,8 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_DISK_FREE_FLOOR": ("disk_free_floor", _size, SIZE_FORM),
     "TIERED_KV_BLOCK_TOKENS": ("block_tokens", _block, "an integer from 16 to 8192"),
     "TIERED_KV_SPILL_QUEUE_BYTES": ("spill_queue_bytes", _size, SIZE_FORM),
+    "TIERED_KV_COLD_DEADLINE": ("cold_deadline", _seconds, "seconds in (0, 86400], e.g. 0.5"),
+    "TIERED_KV_SHUTDOWN_SECONDS": ("shutdown_seconds", _seconds, "seconds in (0, 86400], e.g. 300"),
     "TIERED_KV_WRITE_THROUGH": ("write_through", _bool, "1/0, true/false, yes/no, on/off"),
     "TIERED_KV_KV_BITS": ("kv_bits", _kv_bits, "0, 4 or 8"),
     "TIERED_KV_KV_GROUP_SIZE": ("kv_group_size", _group, "32, 64 or 128"),

@@ -16,7 +16,7 @@ import xxhash
 #: On-disk / key format version. Bump on any incompatible change of the entry file or the key
 #: scheme: it is mixed into every fingerprint, so old files land in another directory (and are
 #: evicted as stale) instead of being misread.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chunked xxh3 per tensor in the entry header, sqlite index
 
 BlockHash = NewType("BlockHash", int)  # xxh3_64 of (parent key, block ids as int32 LE bytes)
 

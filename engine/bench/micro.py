@@ -5,6 +5,8 @@
   fsync-ed first; a filesystem that ignores the advice makes both numbers page-cache numbers).
 - ``lookup``: mean ColdTier.lookup time with 100 / 1k / 10k entries in the index.
 - ``suffix``: measured time to prefill only each turn's new tokens (the bound for the hot-tier goal).
+- ``sizes`` (``--sizes 0.25,1,4``): write / reload GB/s of one entry per size vs ``dd`` and mlx-lm's
+  ``save_prompt_cache`` / ``load_prompt_cache`` (``engine/bench/sizes.py``, also runnable alone).
 - ``spill``: prefill (TTFT) and decode tok/s of the model with the cold writer thread busy writing a large
   spill vs idle, alternated to cancel drift.
 
@@ -263,18 +265,30 @@ def suffix_prefill(model_dir: Path, turns: dict[int, tuple[int, int]], chunk: in
     return {"chunk": chunk, "seconds": out, "mean_s": statistics.fmean(out.values())}
 
 
+def sizes(config: Config, gbs: tuple[float, ...]) -> list[dict]:
+    """The entry size sweep on the bench model's KV shape (see ``engine/bench/sizes.py``)."""
+    from engine.bench import sizes as sweep
+
+    shape = sweep.SHAPES["bench"]
+    return sweep.run("bench", sweep.tokens_for_gb(shape, list(gbs)), None, config)
+
+
 def run_all(
-    config: Config, model_dir: Path, turns: dict[int, tuple[int, int]] | None = None
+    config: Config,
+    model_dir: Path,
+    turns: dict[int, tuple[int, int]] | None = None,
+    size_gbs: tuple[float, ...] = (),
 ) -> dict:
     """Every micro-benchmark; a failure of one is recorded as ``<name>_error`` and the rest still run."""
     out: dict[str, Any] = {}
     for name, fn in (
+        ("sizes", lambda: sizes(config, size_gbs)),
         ("suffix", lambda: suffix_prefill(model_dir, turns or {}, config.prefill_chunk or 512)),
         ("reload", lambda: reload(config)),
         ("lookup", lambda: lookup(config)),
         ("spill", lambda: spill(config, model_dir)),
     ):
-        if name == "suffix" and not turns:
+        if name == "suffix" and not turns or name == "sizes" and not size_gbs:
             continue
         try:
             out[name] = fn()

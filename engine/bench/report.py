@@ -246,6 +246,10 @@ def _micro_lines(micro: dict | None) -> list[str]:
             f"{sp['tps_without']:.1f} → {sp['tps_with']:.1f} tok/s ({sp['prompt_tokens']}-token prompt, "
             f"median of {sp['rounds']})"
         )
+    if rows := micro.get("sizes"):
+        from engine.bench.sizes import table
+
+        out += ["- entry size sweep (`python -m engine.bench.sizes`):", "", table(rows), ""]
     out += [f"- {k}: {v}" for k, v in micro.items() if k.endswith("_error")]
     return [*out, ""]
 

@@ -87,3 +87,18 @@ def test_api_key_is_compared_in_constant_time():
     src = inspect.getsource(engine.server) + inspect.getsource(engine.http_edge)
     assert "hmac.compare_digest" in src
     assert "== self.config.api_key" not in src and "api_key ==" not in src
+
+
+def test_serve_refuses_a_cache_dir_others_can_write_in_one_line(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    os.chmod(kv_dir, 0o777)  # e.g. made under umask 000: anyone could plant entries or an index
+    env = clean_env(TIERED_KV_DIR=str(kv_dir), TIERED_KV_MODELS_DIR=str(tmp_path / "m"))
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tiny_model_dir),
+                        "--port", "9"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-800:]
+    assert "writable by other users" in r.stderr and "TIERED_KV_DIR" in r.stderr, r.stderr[-800:]

@@ -191,6 +191,17 @@ def test_disk_fault_while_serving(server_factory, reference, tmp_path, code):
     assert s.tail(10**6).count(f"cold spill failed ({name})") == 1, s.tail()  # logged once
 
 
+def wait_metric(server: Server, name: str, value: float, timeout: float = 30.0) -> dict:
+    """Poll /metrics until ``name`` equals ``value`` (a deadline, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m.get(name) == value:
+            return m
+        assert time.monotonic() < deadline, (name, m.get(name), server.tail())
+        time.sleep(0.05)
+
+
 def test_cache_dir_deleted_while_serving(server_factory, reference, tmp_path):
     import shutil
 
@@ -199,11 +210,15 @@ def test_cache_dir_deleted_while_serving(server_factory, reference, tmp_path):
                        TIERED_KV_BLOCK_TOKENS="16")  # fmt: skip
     for p in PROMPTS[:3]:
         s.complete(p)
-    shutil.rmtree(kv)
+    wait_metric(s, "tiered_kv_cache_cold_writer_idle", 1)  # no write in flight
+    gone = tmp_path / "kv-deleted"
+    kv.rename(gone)  # one step: the writer never sees a half-deleted tree
+    shutil.rmtree(gone)
     for p in PROMPTS[3:9]:
         assert s.complete(p)["choices"][0]["text"] == reference[p]
-    time.sleep(0.3)
-    assert s.metrics()["tiered_kv_cache_cold_dir_recreated"] == 1
+    wait_metric(s, "tiered_kv_cache_cold_dir_recreated", 1)
+    m = wait_metric(s, "tiered_kv_cache_cold_writer_idle", 1)
+    assert m["tiered_kv_cache_cold_write_errors"] == 0, m
     s.stop()
     assert s.tail(10**6).count("vanished: re-creating it") == 1
     s = server_factory("d2", TIERED_KV_DIR=str(kv), TIERED_KV_BLOCK_TOKENS="16")

@@ -160,13 +160,14 @@ def test_file_vanishing_between_check_and_load_is_a_miss(tmp_path, monkeypatch):
     ids = list(range(32))
     a.persist(np.array(ids), kv_for(ids))
     hit = a.lookup(ids)
-    real = store.check_data
+    real = store.read_header
 
-    def check_then_vanish(path: Path, header: store.Header) -> None:
-        real(path, header)
+    def check_then_vanish(path: Path, fingerprint: str | None = None) -> store.Header:
+        header = real(path, fingerprint)
         path.unlink()  # another process superseded it right after our checks
+        return header
 
-    monkeypatch.setattr(store, "check_data", check_then_vanish)
+    monkeypatch.setattr(store, "read_header", check_then_vanish)
     assert a.load(hit) is None
     assert a.stats()["quarantined"] == 0 and a.stats()["misses_missing"] == 1
     assert not (tmp_path / "quarantine").exists()

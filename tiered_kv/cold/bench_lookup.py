@@ -4,7 +4,7 @@
 
 The lookup index is filled directly (records + token ids, no entry files): lookup never reads
 files. All entries share a 1024-token "system prompt" with the probe, the worst case for the
-block → entries lists; one 32k-token entry is the probe's real prefix.
+``blocks(hash)`` index; one 32k-token entry is the probe's real prefix.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def bench_lookup(root: Path, entries: int, prompt_tokens: int, entry_tokens: int
         hit = tier.lookup(prompt)
         times.append(time.perf_counter() - t)
     assert hit is not None
-    other = Index(tier.dir / "index")  # a second process's commits: replayed by the next lookup
+    other = Index(tier.dir / "index")  # a second process's commits: seen by the next query
     after = []
     for i in range(20):
         toks = rng.integers(0, 50_000, entry_tokens, dtype=np.int32)
@@ -68,7 +68,7 @@ def bench_lookup(root: Path, entries: int, prompt_tokens: int, entry_tokens: int
         after.append(time.perf_counter() - t)
     other.close()
     tier.close()
-    t = time.perf_counter()  # warm start of the index: mirror rebuilt from the sqlite records
+    t = time.perf_counter()  # opening the index (nothing is loaded into memory)
     Index(tier.dir / "index").close()  # (a ColdTier would also drop these file-less records)
     reopen = time.perf_counter() - t
     return {"entries": entries, "prompt_tokens": len(prompt), "hit_tokens": hit.tokens,

@@ -1,44 +1,62 @@
-"""The cold index: diskcache (sqlite) on disk, with an in-memory mirror for fast lookups.
+"""The cold index: plain sqlite (no pickles), the source of truth for what the disk tier holds.
 
-On disk (source of truth, survives restarts) under ``<cache_dir>/<fingerprint>/index/``::
+``<cache_dir>/<fingerprint>/index/cache.db`` (WAL, ``synchronous=FULL``)::
 
-    ("meta",)        → {"schema": 1, "seed": str, "block_tokens": int}
-    ("rec", id)      → Record fields (file, n_tokens, nbytes, created, last_used, blocks)
-    ("tok", id)      → the entry's token ids, int32 LE bytes (exact comparison)
-    ("seq",)         → (epoch, n): n counts committed adds/removes; a new epoch after a clear
-    ("log", n)       → (added ids, removed ids) of commit n (the last ``LOG_KEEP`` are kept)
+    meta(key TEXT PRIMARY KEY, value TEXT)        JSON values: "meta" → {"schema", "seed",
+                                                  "block_tokens"}; a mismatch clears the index
+    entries(id TEXT PRIMARY KEY, file, n_tokens, nbytes, created, last_used, tokens BLOB)
+                                                  tokens: the ids as int32 LE (exact comparison)
+    blocks(hash INTEGER, entry TEXT, depth INTEGER, last INTEGER)
+                                                  one row per full block of an entry: its chained
+                                                  key (as signed 64-bit), 1-based depth, 1 on the
+                                                  entry's last block; indexed by hash (lookup),
+                                                  entry (removal) and hash of last blocks
 
-The mirror maps every block key to the entries holding it (oldest first) and keeps the records
-without token bytes; it is rebuilt from the records at open. Several processes may share one
-index: :meth:`refresh` (one small read) notices other processes' commits through ``("seq",)``
-and replays their ``("log", n)`` rows into the mirror (a full reload when the log is gone or the
-epoch changed). Thread-safety: every method takes the index lock, so the request thread
-(lookup, quarantine) and the writer thread (add, evict) may both call it; each mutation commits
-on disk before the mirror changes.
+Nothing is kept in memory: every read is a query, so several processes sharing the directory see
+each other's commits at once. Each thread gets its own connection (all closed by :meth:`close`);
+writes are ``BEGIN IMMEDIATE`` transactions. Whoever calls a method owns the wait: the tier calls
+the request-path queries through its deadline-bound reader thread.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sqlite3
+import stat
 import threading
-import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-import diskcache
 import numpy as np
 
 from tiered_kv.cold import fsafe
 
-SCHEMA = 1
+SCHEMA = 2
+DB = "cache.db"
 _MAX_CANDIDATES = 4
-LOG_KEEP = 4096  # change-log rows kept for other processes' incremental refresh
-_SEQ = ("seq",)
+_PARAMS = 500  # host parameters per IN (...) query
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS entries(
+    id TEXT PRIMARY KEY, file TEXT NOT NULL, n_tokens INTEGER NOT NULL, nbytes INTEGER NOT NULL,
+    created REAL NOT NULL, last_used REAL NOT NULL, tokens BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks(hash INTEGER NOT NULL, entry TEXT NOT NULL,
+    depth INTEGER NOT NULL, last INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS blocks_hash ON blocks(hash);
+CREATE INDEX IF NOT EXISTS blocks_last ON blocks(hash) WHERE last=1;
+CREATE INDEX IF NOT EXISTS blocks_entry ON blocks(entry);
+"""
+_COLS = "id, file, n_tokens, nbytes, created, last_used"
 
 
 class IndexUnreadable(RuntimeError):
     """The sqlite index is missing its schema, damaged or not an index at all."""
+
+
+class UnsafeCacheDir(OSError):
+    """A cache dir or index file that another user could write to (or a symlink)."""
 
 
 @dataclass(frozen=True)
@@ -49,250 +67,289 @@ class Record:
     nbytes: int
     created: float
     last_used: float
-    blocks: tuple[int, ...]
+    #: the entry's chained block keys — carried by records being *added* only; records read
+    #: back from the index leave it empty (the keys live in the ``blocks`` table)
+    blocks: tuple[int, ...] = ()
+
+
+def check_private(path: Path, follow: bool = False) -> None:
+    """Refuse ``path`` (one clear line) when it is owned by another user or writable by group /
+    others: whoever can write there could plant entries or an index. ``follow``: check a
+    symlink's target (the cache root may be a link); other links are left to :mod:`fsafe`."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        return  # a link inside the cache dir is never followed: fsafe removes or refuses it
+    if st.st_uid != os.geteuid():
+        raise UnsafeCacheDir(f"{path} is owned by uid {st.st_uid}, not this user; refusing it")
+    if st.st_mode & 0o022:
+        raise UnsafeCacheDir(
+            f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"refusing it (chmod go-w {path})"
+        )
+
+
+def _signed(h: int) -> int:
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 class Index:
-    def __init__(self, path: Path) -> None:
-        """Open (or create) the diskcache at ``path``. Raises IndexUnreadable on a damaged one."""
-        self.path = path
-        self._lock = threading.RLock()
+    def __init__(self, path: Path, readonly: bool = False, create: bool = True) -> None:
+        """Open (``create``: or create) the index in directory ``path``. ``readonly`` opens an
+        existing database without writing (a read-only disk). Raises IndexUnreadable on a
+        damaged or foreign one, UnsafeCacheDir on one that others can write."""
+        self.path = Path(path)
+        self.db = self.path / DB
+        self.readonly = readonly
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        for p in (self.path, self.db, self.path / f"{DB}-wal", self.path / f"{DB}-shm"):
+            check_private(p)  # before anything is created, chmod-ed or opened there
+        if create and not readonly:
+            _private(self.path)
+        elif self.path.is_symlink() or self.db.is_symlink():
+            raise IndexUnreadable(f"{self.db}: a symlink (never followed)")
+        if not self.db.exists():
+            raise IndexUnreadable(f"{self.db}: missing")
         try:
-            _private(path)
-            self._db = diskcache.Cache(
-                str(path),
-                eviction_policy="none",
-                size_limit=2**62,
-                sqlite_synchronous=2,  # FULL: a committed record survives power loss
-                cull_limit=0,
-                disk_min_file_size=2**30,  # token ids inside sqlite: no extra (0644) value files
-            )
-            meta = self._db.get(("meta",))
-        except (sqlite3.Error, OSError, ValueError, EOFError) as e:
-            raise IndexUnreadable(f"{path}: {e!r}") from None
-        self.meta: dict | None = meta if isinstance(meta, dict) else None
-        self._records: dict[str, Record] = {}
-        self._blocks: dict[int, list[str]] = {}
-        self._seq: tuple[str, int] = ("", 0)
-        self.reloads = 0  # full mirror reloads after open (another process cleared / log gone)
-        self._reload()
+            conn = self._conn()
+            if not readonly:
+                conn.executescript(_DDL)
+            self._meta = self._read_meta()
+        except sqlite3.Error as e:
+            self.close()
+            raise IndexUnreadable(f"{self.db}: {e!r}") from None
 
-    def _reload(self) -> None:
-        """Rebuild the mirror from every record on disk. Raises IndexUnreadable."""
+    # -- connections -------------------------------------------------------------------------
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self.readonly:
+                uri = f"file:{self.db}?mode=ro"
+                conn = sqlite3.connect(uri, uri=True, check_same_thread=False,
+                                       isolation_level=None, timeout=5)  # fmt: skip
+            else:
+                conn = sqlite3.connect(str(self.db), check_same_thread=False,
+                                       isolation_level=None, timeout=10)  # fmt: skip
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")  # a committed record survives power loss
+            conn.execute("PRAGMA trusted_schema=OFF")
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    def _read_meta(self) -> dict | None:
         try:
-            # seq first: a commit racing with this read is replayed again later (idempotent)
-            seq = self._db.get(_SEQ)
-            raw = list(self._db.iterkeys())
-            recs = [self._db.get(k) for k in raw if isinstance(k, tuple) and k[:1] == ("rec",)]
-        except (sqlite3.Error, OSError, ValueError, EOFError) as e:
-            raise IndexUnreadable(f"{self.path}: {e!r}") from None
-        self._records.clear()
-        self._blocks.clear()
+            row = self._conn().execute("SELECT value FROM meta WHERE key='meta'").fetchone()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                raise IndexUnreadable(f"{self.db}: not a tiered-kv index ({e})") from None
+            raise
+        if row is None:
+            return None
         try:
-            for r in sorted((Record(**d) for d in recs if d), key=lambda r: r.created):
-                self._mirror_add(r)
-        except TypeError as e:
-            raise IndexUnreadable(f"{self.path}: bad record {e!r}") from None
-        self._seq = _as_seq(seq)
+            meta = json.loads(row[0])
+        except ValueError:
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    @property
+    def meta(self) -> dict | None:
+        return self._meta
+
+    def set_meta(self, meta: dict) -> None:
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO meta VALUES('meta', ?)", (json.dumps(meta),))
+        self._meta = meta
 
     def refresh(self) -> None:
-        """Bring the mirror up to date with commits of other processes (and this one's writer).
-
-        Costs one key read when nothing changed; replays the change log otherwise, or reloads
-        everything when the log no longer reaches back (or the index was cleared meanwhile)."""
-        with self._lock:
-            seq = _as_seq(self._db.get(_SEQ))
-            if seq == self._seq:
-                return
-            epoch, n = self._seq
-            if seq[0] != epoch or not n < seq[1] <= n + LOG_KEEP:
-                self.reloads += 1
-                self._reload()
-                return
-            for i in range(n + 1, seq[1] + 1):
-                change = self._db.get(("log", i))
-                if change is None:  # trimmed meanwhile
-                    self.reloads += 1
-                    self._reload()
-                    return
-                added, removed = change
-                for eid in removed:
-                    if eid in self._records:
-                        self._mirror_remove(eid)
-                for eid in added:
-                    d = self._db.get(("rec", eid))
-                    if d is not None:
-                        self._mirror_add(Record(**d))
-            self._seq = seq
+        """Kept for callers of the old mirror: every read is a query now."""
 
     # -- reads (any thread) ------------------------------------------------------------------
     def records(self) -> list[Record]:
-        with self._lock:
-            return list(self._records.values())
+        rows = self._conn().execute(f"SELECT {_COLS} FROM entries").fetchall()
+        return [Record(*r) for r in rows]
+
+    def summary(self) -> tuple[int, int]:
+        """(entries, bytes) — one query."""
+        n, b = self._conn().execute("SELECT count(*), coalesce(sum(nbytes), 0) FROM entries").fetchone()
+        return int(n), int(b)
 
     def get(self, entry_id: str) -> Record | None:
-        with self._lock:
-            return self._records.get(entry_id)
+        row = self._conn().execute(f"SELECT {_COLS} FROM entries WHERE id=?", (entry_id,)).fetchone()
+        return None if row is None else Record(*row)
 
     def tokens(self, entry_id: str) -> np.ndarray | None:
-        raw = self._db.get(("tok", entry_id))
-        return None if raw is None else np.frombuffer(raw, dtype="<i4")
+        row = self._conn().execute("SELECT tokens FROM entries WHERE id=?", (entry_id,)).fetchone()
+        return None if row is None else np.frombuffer(row[0], dtype="<i4")
 
-    def candidates(self, keys: Sequence[int]) -> list[tuple[str, int]]:
+    def _newest_holder(self, key: int) -> str | None:
+        q = "SELECT entry FROM blocks WHERE hash=? ORDER BY rowid DESC LIMIT 1"
+        row = self._conn().execute(q, (_signed(key),)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _present(self, key: int) -> bool:
+        q = "SELECT 1 FROM blocks WHERE hash=? LIMIT 1"
+        return self._conn().execute(q, (_signed(key),)).fetchone() is not None
+
+    def candidates(self, keys: Sequence[int]) -> Iterator[tuple[str, int]]:
         """(entry id, matched full blocks), deepest first: the newest entry at the deepest
-        present block, then shallower ones (a collision fallback), at most 4, distinct."""
-        with self._lock:
-            depth = 0
-            for k in keys:
-                if k not in self._blocks:
-                    break
-                depth += 1
-            out: list[tuple[str, int]] = []
-            for d in range(depth, 0, -1):
-                eid = self._blocks[keys[d - 1]][-1]
-                if all(eid != e for e, _ in out):
-                    out.append((eid, d))
-                    if len(out) == _MAX_CANDIDATES:
-                        break
-            return out
+        present block, then shallower ones (a collision fallback), at most 4, distinct.
+
+        Keys are chained, so the present ones form a prefix of ``keys``: the deepest is found by
+        binary search (log2(len(keys)) point queries); a generator, so a caller that is
+        satisfied by the first candidate stops the queries there."""
+        lo, hi = 0, len(keys)  # keys[:lo] present, keys[hi:] absent
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._present(keys[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        seen: set[str] = set()
+        for d in range(lo, 0, -1):
+            eid = self._newest_holder(keys[d - 1])
+            if eid is not None and eid not in seen:
+                seen.add(eid)
+                yield eid, d
+                if len(seen) == _MAX_CANDIDATES:
+                    return
 
     def prefixes_of(self, keys: Sequence[int]) -> list[Record]:
-        """Records whose full blocks are a prefix of ``keys`` (exact token check is the caller's)."""
-        with self._lock:
-            found: dict[str, Record] = {}
-            for k in keys:
-                for eid in self._blocks.get(k, ()):
-                    r = self._records[eid]
-                    if len(r.blocks) <= len(keys) and r.blocks[-1] == keys[len(r.blocks) - 1]:
-                        found[eid] = r
-            return list(found.values())
+        """Records whose full blocks are a prefix of ``keys``: their last block is
+        ``keys[depth - 1]`` at their own block count (exact token check is the caller's)."""
+        out: dict[str, Record] = {}
+        conn = self._conn()
+        for i in range(0, len(keys), _PARAMS):
+            part = [_signed(k) for k in keys[i : i + _PARAMS]]
+            q = ("SELECT entry, depth, hash FROM blocks WHERE last=1 AND hash IN "
+                 f"({','.join('?' * len(part))})")  # fmt: skip
+            for eid, depth, h in conn.execute(q, part).fetchall():
+                if depth <= len(keys) and _signed(keys[depth - 1]) == h and eid not in out:
+                    rec = self.get(eid)
+                    if rec is not None:
+                        out[eid] = rec
+        return list(out.values())
 
-    # -- mutations (commit first, then mirror) -------------------------------------------------
-    def set_meta(self, meta: dict) -> None:
-        with self._lock:
-            self._db.set(("meta",), meta)
-            self.meta = meta
-
+    # -- mutations ---------------------------------------------------------------------------
     def claim_meta(self, meta: dict) -> bool:
         """Make ``meta`` the index's meta; when it differs, clear the index in the same
         transaction (so two processes opening at once clear it once). True: it was cleared
         (the caller rebuilds from the files)."""
-        with self._lock:
-            with self._db.transact():
-                if self._db.get(("meta",)) == meta:
-                    cleared = False
-                else:
-                    for k in list(self._db.iterkeys()):
-                        self._db.delete(k)
-                    self._db.set(("meta",), meta)
-                    self._db.set(_SEQ, (uuid.uuid4().hex, 0))
-                    cleared = True
-            self.meta = meta
-            self._reload()
-            return cleared
+        with self._tx() as c:
+            row = c.execute("SELECT value FROM meta WHERE key='meta'").fetchone()
+            same = row is not None and _loads(row[0]) == meta
+            if not same:
+                c.execute("DELETE FROM blocks")
+                c.execute("DELETE FROM entries")
+                c.execute("INSERT OR REPLACE INTO meta VALUES('meta', ?)", (json.dumps(meta),))
+        self._meta = meta
+        return not same
 
-    def _log(self, added: Sequence[str], removed: Sequence[str]) -> None:
-        """Inside a transaction: count this commit and record what it changed."""
-        prev = _as_seq(self._db.get(_SEQ))
-        new = (prev[0] or uuid.uuid4().hex, prev[1] + 1)
-        self._db.set(_SEQ, new)
-        self._db.set(("log", new[1]), (tuple(added), tuple(removed)))
-        self._db.delete(("log", new[1] - LOG_KEEP))
-        if self._seq == prev:  # nobody else committed since our last look
-            self._seq = new
-
-    def add(self, rec: Record, tokens: bytes, remove: Iterable[str] = ()) -> None:
-        """Insert ``rec`` and delete ``remove`` in one transaction."""
-        with self._lock:
-            gone = [e for e in remove if e in self._records]
-            with self._db.transact():
-                self._db.set(("rec", rec.entry_id), asdict(rec))
-                self._db.set(("tok", rec.entry_id), tokens)
-                for eid in gone:
-                    self._db.delete(("rec", eid))
-                    self._db.delete(("tok", eid))
-                self._log([rec.entry_id], gone)
-            for eid in gone:
-                self._mirror_remove(eid)
-            self._mirror_add(rec)
+    def add(self, rec: Record, tokens: bytes, remove: Iterable[str] = ()) -> list[Record]:
+        """Insert ``rec`` (with ``rec.blocks``) and delete ``remove`` in one transaction;
+        returns the removed records that existed."""
+        with self._tx() as c:
+            gone = self._delete(c, list(remove))
+            self._insert(c, rec, tokens)
+        return gone
 
     def add_many(self, items: Iterable[tuple[Record, bytes]]) -> None:
-        with self._lock:
-            items = list(items)
-            with self._db.transact():
-                for rec, tokens in items:
-                    self._db.set(("rec", rec.entry_id), asdict(rec))
-                    self._db.set(("tok", rec.entry_id), tokens)
-                self._log([rec.entry_id for rec, _ in items], [])
-            for rec, _ in sorted(items, key=lambda i: i[0].created):
-                self._mirror_add(rec)
+        with self._tx() as c:
+            for rec, tokens in sorted(items, key=lambda i: i[0].created):
+                self._delete(c, [rec.entry_id])  # adopted twice (two processes): keep one
+                self._insert(c, rec, tokens)
 
     def remove(self, entry_ids: Iterable[str]) -> list[Record]:
         """Delete records (one transaction); returns those that existed."""
-        with self._lock:
-            gone = [self._records[e] for e in entry_ids if e in self._records]
-            with self._db.transact():
-                for r in gone:
-                    self._db.delete(("rec", r.entry_id))
-                    self._db.delete(("tok", r.entry_id))
-                if gone:
-                    self._log([], [r.entry_id for r in gone])
-            for r in gone:
-                self._mirror_remove(r.entry_id)
-            return gone
+        ids = list(entry_ids)
+        if not ids:
+            return []
+        with self._tx() as c:
+            return self._delete(c, ids)
 
-    def touch(self, entry_id: str, when: float, persist: bool = True) -> None:
-        """Update last_used in the mirror; ``persist`` also writes it (writer thread)."""
-        with self._lock:
-            r = self._records.get(entry_id)
-            if r is None:
-                return
-            r = Record(**{**asdict(r), "last_used": max(when, r.last_used)})
-            self._records[entry_id] = r
-            if persist:
-                with self._db.transact():  # never resurrect a record another process removed
-                    if ("rec", entry_id) in self._db:
-                        self._db.set(("rec", entry_id), asdict(r))
+    def touch(self, entry_id: str, when: float) -> None:
+        """Raise last_used (never resurrects a record another process removed)."""
+        with self._tx() as c:
+            c.execute("UPDATE entries SET last_used=max(last_used, ?) WHERE id=?", (when, entry_id))
 
     def clear(self) -> None:
-        with self._lock:
-            self._db.clear()
-            self._db.set(_SEQ, (uuid.uuid4().hex, 0))
-            self._records.clear()
-            self._blocks.clear()
-            self._seq = ("", -1)  # differs from anything on disk: the next refresh reloads
-            self.meta = None
+        with self._tx() as c:
+            c.execute("DELETE FROM blocks")
+            c.execute("DELETE FROM entries")
+            c.execute("DELETE FROM meta")
+        self._meta = None
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            conns, self._conns = self._conns, []
+        for c in conns:
+            try:
+                c.close()
+            except sqlite3.Error:
+                pass
+        self._local = threading.local()
 
-    # -- mirror ------------------------------------------------------------------------------
-    def _mirror_add(self, r: Record) -> None:
-        if r.entry_id in self._records:  # replayed from the log or adopted twice
-            self._mirror_remove(r.entry_id)
-        self._records[r.entry_id] = r
-        for k in r.blocks:
-            self._blocks.setdefault(k, []).append(r.entry_id)
+    # -- helpers -----------------------------------------------------------------------------
+    def _tx(self) -> _Tx:
+        return _Tx(self._conn())
 
-    def _mirror_remove(self, entry_id: str) -> None:
-        r = self._records.pop(entry_id)
-        for k in r.blocks:
-            lst = self._blocks.get(k)
-            if lst is not None:
-                lst[:] = [e for e in lst if e != entry_id]
-                if not lst:
-                    del self._blocks[k]
+    @staticmethod
+    def _insert(c: sqlite3.Connection, rec: Record, tokens: bytes) -> None:
+        c.execute(f"INSERT INTO entries({_COLS}, tokens) VALUES(?,?,?,?,?,?,?)",
+                  (rec.entry_id, rec.file, rec.n_tokens, rec.nbytes, rec.created, rec.last_used,
+                   tokens))  # fmt: skip
+        n = len(rec.blocks)
+        c.executemany("INSERT INTO blocks VALUES(?,?,?,?)",
+                      [(_signed(h), rec.entry_id, d, int(d == n))
+                       for d, h in enumerate(rec.blocks, 1)])  # fmt: skip
+
+    @staticmethod
+    def _delete(c: sqlite3.Connection, ids: list[str]) -> list[Record]:
+        gone: list[Record] = []
+        for eid in ids:
+            row = c.execute(f"SELECT {_COLS} FROM entries WHERE id=?", (eid,)).fetchone()
+            if row is None:
+                continue
+            gone.append(Record(*row))
+            c.execute("DELETE FROM entries WHERE id=?", (eid,))
+            c.execute("DELETE FROM blocks WHERE entry=?", (eid,))
+        return gone
 
 
-def _as_seq(value: object) -> tuple[str, int]:
-    if isinstance(value, tuple) and len(value) == 2:
-        return (str(value[0]), int(value[1]))
-    return ("", 0)
+class _Tx:
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` (``ROLLBACK`` on error)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if kind is None:
+            self.conn.execute("COMMIT")
+        else:
+            try:
+                self.conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+
+
+def _loads(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _private(path: Path) -> None:
     """The index dir 0700 and ``cache.db`` created 0600 before sqlite opens it (sqlite gives its
     -wal / -shm files the database's mode): the index holds prompt token ids. No symlink there
-    is followed (:func:`fsafe.private_db`)."""
-    fsafe.private_db(path, "cache.db")
+    is followed (:func:`fsafe.private_db` removes planted links)."""
+    fsafe.private_db(path, DB)

@@ -1,16 +1,22 @@
-"""Entry files: one safetensors file per cold entry, written from evaluated arrays' bytes.
+"""Entry files: the byte format of one cold entry (a standard safetensors file), no I/O policy.
 
-Layout (standard safetensors, readable by ``mx.load`` / ``safetensors``)::
+Layout (readable by ``mx.load`` / ``safetensors``)::
 
     u64 LE header length N | N bytes JSON header (space padded to 8) | data section
 
-The header maps every tensor name to ``{dtype, shape, data_offsets}``; tensors are the
-``layers.encode`` arrays plus ``tokens`` (int32 ids). ``__metadata__`` holds ``format_version``,
-``fingerprint``, ``n_tokens``, ``layout``, ``layers`` (the encode tree), ``created``, ``data_xxh``
-(xxh3_64 of the data section) and ``header_xxh`` (xxh3_64 of the canonical header without itself).
+The header maps every tensor name to ``{dtype, shape, data_offsets}``; tensors are ``tokens``
+(int32 ids, first) then the ``layers.encode`` arrays, contiguous in that order. ``__metadata__``
+holds ``format_version`` (:data:`FORMAT`), ``fingerprint``, ``n_tokens``, ``layout``, ``layers``
+(the encode tree), ``checkpoints`` (optional), ``created``, ``chunk_bytes`` and ``xxh3``: a JSON
+object mapping each tensor name to the concatenated 16-hex-digit xxh3_64 digests of its bytes cut
+into ``chunk_bytes`` pieces (the last one shorter; none for an empty tensor). So a reader of any
+byte range of a tensor can check just the chunks it covers. ``header_xxh`` is the xxh3_64 of the
+canonical header (sorted keys, without ``header_xxh``).
 
-Threads: :func:`write_entry` runs on the writer thread and only reads buffers (``memoryview``);
-:func:`load_entry` runs on the request thread (it calls ``mx.load``). Neither keeps state.
+Threads: :func:`encode` runs on the writer thread and reads only buffers (numpy views of
+evaluated arrays); :func:`verify_arrays` reads the bytes of evaluated arrays (request thread,
+hashing on a small pool of byte-only threads); :func:`read_header` / :func:`check_data` /
+:func:`read_tokens` are plain file reads usable from any thread (verify, CLI).
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 import xxhash
 
@@ -33,16 +39,21 @@ SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-_CHUNK = 8 << 20
+FORMAT = FORMAT_VERSION
+#: checksum granularity: a reader of part of a tensor checks (and so reads) whole chunks
+CHUNK_BYTES = 4 << 20
+_READ = 64 << 20  # bytes per read() when streaming a file
 _MAX_HEADER = 64 << 20
+_MAX_CHUNK = _READ  # a larger claimed chunk is refused (and would not fit the read buffer)
+_HEX = 16
 
 DTYPES: dict[str, str] = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
     "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64",
     "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
 }  # fmt: skip
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8,
-             "I64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # fmt: skip
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8,
+            "I64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # fmt: skip
 
 
 class CorruptEntry(ValueError):
@@ -51,6 +62,25 @@ class CorruptEntry(ValueError):
 
 class ForeignEntry(CorruptEntry):
     """A well-formed file of another fingerprint or an unknown / older format version."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: its safetensors dtype code, logical shape and bytes (any strides;
+    a numpy array whose dtype has the same item size, e.g. uint16 for bfloat16)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An entry's bytes as pieces to write in order (header first); ``nbytes`` in all."""
+
+    pieces: list[memoryview]
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -70,110 +100,154 @@ class Header:
     def fingerprint(self) -> str:
         return self.metadata["fingerprint"]
 
+    def digests(self, name: str) -> str:
+        return self._sums().get(name, "")
 
-def _canon(header: Mapping[str, Any]) -> bytes:
-    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    def _sums(self) -> dict[str, str]:
+        try:
+            sums = json.loads(self.metadata["xxh3"])
+        except (KeyError, ValueError) as e:
+            raise CorruptEntry(f"bad checksum table: {e!r}") from None
+        if not isinstance(sums, dict):
+            raise CorruptEntry("bad checksum table")
+        return sums
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.metadata["chunk_bytes"])
 
 
-def _buffer(x: Any) -> memoryview:
-    """A C-contiguous byte view (copies only strided slices). Never builds an MLX graph."""
-    m = memoryview(x)
-    return m if m.c_contiguous else memoryview(m.tobytes())
+_POOL: ThreadPoolExecutor | None = None
 
 
-def write_entry(
-    path: Path, tokens: np.ndarray, arrays: Mapping[str, Any], metadata: Mapping[str, str]
-) -> int:
-    """Atomically publish ``path``: temp file in the same dir → fsync → ``os.replace`` → dir fsync.
+def pool() -> ThreadPoolExecutor:
+    """Byte-only hashing threads (xxhash releases the GIL on large buffers)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 2), thread_name_prefix="tkv-xxh3")
+    return _POOL
 
-    ``arrays`` are *evaluated* mx arrays (or numpy); ``tokens`` int32. Returns the file size.
-    OSError (ENOSPC, EROFS, ENOENT) propagates after the temp file is removed.
-    """
-    assert "tokens" not in arrays and tokens.dtype == np.dtype("<i4")
-    items: list[tuple[str, Any]] = [("tokens", tokens), *arrays.items()]
-    tensors: dict[str, Any] = {}
+
+# -- bytes of (possibly strided) arrays --------------------------------------------------------
+def flat_bytes(a: Any) -> memoryview:
+    """A C-contiguous buffer's bytes as a flat ``B`` view (no copy)."""
+    return memoryview(a).cast("B")
+
+
+def byte_blocks(a: np.ndarray) -> list[memoryview]:
+    """``a``'s bytes in C order as a few contiguous byte views (no copy for the strided slices
+    a KV cache holds: one block per leading index)."""
+    if a.size == 0:
+        return []
+    if a.flags.c_contiguous:
+        return [flat_bytes(a.reshape(-1))]
+    k = a.ndim  # the longest contiguous tail of dimensions
+    expect = a.itemsize
+    while k > 0 and (a.shape[k - 1] == 1 or a.strides[k - 1] == expect):
+        expect *= a.shape[k - 1]
+        k -= 1
+    if k == a.ndim:  # not even the last axis is contiguous: copy (not a layout we produce)
+        return [flat_bytes(np.ascontiguousarray(a).reshape(-1))]
+    return [flat_bytes(np.ascontiguousarray(a[idx]).reshape(-1))
+            for idx in np.ndindex(*a.shape[:k])]  # fmt: skip
+
+
+def chunk_digests(blocks: Sequence[memoryview], chunk: int = CHUNK_BYTES) -> str:
+    """Concatenated xxh3_64 hex digests of the byte stream ``blocks`` cut into ``chunk`` pieces."""
+    if len(blocks) == 1:
+        mv = blocks[0]
+        return "".join(xxhash.xxh3_64_hexdigest(mv[i : i + chunk]) for i in range(0, len(mv), chunk))
+    out: list[str] = []
+    h: Any = None
+    left = chunk
+    for b in blocks:
+        pos, n = 0, len(b)
+        while pos < n:
+            take = min(left, n - pos)
+            h = h or xxhash.xxh3_64()
+            h.update(b[pos : pos + take])
+            pos += take
+            left -= take
+            if left == 0:
+                out.append(h.hexdigest())
+                h, left = None, chunk
+    if h is not None:
+        out.append(h.hexdigest())
+    return "".join(out)
+
+
+# -- encode (writer thread) --------------------------------------------------------------------
+def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str, str]) -> Encoded:
+    """The entry's bytes: checksums computed over the same buffers that will be written (in
+    parallel per tensor), then the header. No copy of contiguous data."""
+    assert tokens.dtype == np.dtype("<i4") and all(t.name != "tokens" for t in tensors)
+    items = [Tensor("tokens", "I32", (len(tokens),), tokens), *tensors]
+    blocks = [byte_blocks(t.data) for t in items]
+    sums = list(pool().map(chunk_digests, blocks))
+    table: dict[str, Any] = {}
     off = 0
-    for name, x in items:
-        dtype = DTYPES[str(x.dtype).removeprefix("mlx.core.")]
-        n = int(x.nbytes)
-        tensors[name] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [off, off + n]}
+    for t, bl in zip(items, blocks, strict=True):
+        n = sum(len(b) for b in bl)
+        assert n == int(np.prod(t.shape, dtype=np.int64)) * ITEMSIZE[t.dtype], t.name
+        table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + n]}
         off += n
-    meta = {**metadata, "format_version": str(FORMAT_VERSION), "n_tokens": str(len(tokens))}
-    meta["data_xxh"] = "0" * 16  # fixed width: the header length is known before the data
-    header_len = len(_header_bytes(tensors, meta))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            f.seek(8 + header_len)
-            h = xxhash.xxh3_64()
-            for _, x in items:
-                buf = _buffer(x)
-                h.update(buf)
-                f.write(buf)
-            meta["data_xxh"] = h.hexdigest()
-            head = _header_bytes(tensors, meta)
-            assert len(head) == header_len
-            f.seek(0)
-            f.write(struct.pack("<Q", header_len) + head)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return 8 + header_len + off
+    meta = {**metadata, "format_version": str(FORMAT), "n_tokens": str(len(tokens)),
+            "chunk_bytes": str(CHUNK_BYTES),
+            "xxh3": json.dumps({t.name: s for t, s in zip(items, sums, strict=True)},
+                               separators=(",", ":"))}  # fmt: skip
+    head = header_bytes(table, meta)
+    pieces = [memoryview(struct.pack("<Q", len(head)) + head)]
+    pieces += [b for bl in blocks for b in bl]
+    return Encoded(pieces, 8 + len(head) + off)
 
 
-def _header_bytes(tensors: dict[str, Any], meta: dict[str, str]) -> bytes:
-    meta = dict(meta)
-    meta.pop("header_xxh", None)
+def header_bytes(tensors: Mapping[str, Any], meta: Mapping[str, str]) -> bytes:
+    """The JSON header with ``header_xxh`` (re)computed, space padded to 8 bytes."""
+    meta = {k: v for k, v in meta.items() if k != "header_xxh"}
     meta["header_xxh"] = xxhash.xxh3_64_hexdigest(_canon({**tensors, "__metadata__": meta}))
     raw = json.dumps({**tensors, "__metadata__": meta}, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _canon(header: Mapping[str, Any]) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
 
 
-def read_header(path: Path, fingerprint: str | None = None) -> Header:
-    """Parse and check the header (checksum, offsets, file size, version, fingerprint).
-
-    Raises CorruptEntry / ForeignEntry; FileNotFoundError when the file is gone.
-    """
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        raw8 = f.read(8)
-        if len(raw8) != 8:
-            raise CorruptEntry("short file: no header length")
-        (n,) = struct.unpack("<Q", raw8)
-        if n > min(_MAX_HEADER, size - 8):
-            raise CorruptEntry(f"header length {n} beyond file size {size}")
-        raw = f.read(n)
+# -- parse / check ------------------------------------------------------------------------------
+def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Header:
+    """Check the JSON header ``raw`` of a file of ``size`` bytes (checksum, offsets, size,
+    version, fingerprint). Raises CorruptEntry / ForeignEntry."""
     try:
         header = json.loads(raw)
         meta = dict(header.pop("__metadata__"))
         claimed = meta.pop("header_xxh")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptEntry(f"unparsable header: {e!r}") from None
+    if not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptEntry("metadata values must be strings")
     if xxhash.xxh3_64_hexdigest(_canon({**header, "__metadata__": meta})) != claimed:
         raise CorruptEntry("header checksum mismatch")
     version = meta.get("format_version")
-    if version != str(FORMAT_VERSION):
-        raise ForeignEntry(f"format version {version!r} (this build reads {FORMAT_VERSION})")
+    if version != str(FORMAT):
+        raise ForeignEntry(f"format version {version!r} (this build reads {FORMAT})")
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
         raise ForeignEntry(f"fingerprint {meta.get('fingerprint')!r} is not {fingerprint!r}")
     data_len = _check_tensors(header)
+    n = len(raw)
     if size != 8 + n + data_len:
         raise CorruptEntry(f"file size {size} != {8 + n + data_len} (truncated or padded)")
     if header.get("tokens", {}).get("shape") != [int(meta.get("n_tokens", -1))]:
         raise CorruptEntry("tokens tensor does not match n_tokens")
-    return Header(header, meta, 8 + n, data_len)
+    out = Header(header, meta, 8 + n, data_len)
+    chunk = out.chunk_bytes if meta.get("chunk_bytes", "").isdigit() else 0
+    if not 0 < chunk <= _MAX_CHUNK:
+        raise CorruptEntry("bad chunk_bytes")
+    sums = out._sums()
+    for name, t in header.items():
+        start, stop = t["data_offsets"]
+        if len(sums.get(name, "")) != _HEX * -(-(stop - start) // chunk):
+            raise CorruptEntry(f"tensor {name!r}: checksum table does not match its size")
+    return out
 
 
 def _check_tensors(tensors: dict[str, Any]) -> int:
@@ -182,10 +256,10 @@ def _check_tensors(tensors: dict[str, Any]) -> int:
         try:
             count = int(np.prod(t["shape"], dtype=np.int64))
             start, stop = (int(v) for v in t["data_offsets"])
-            width = _ITEMSIZE[t["dtype"]]
+            width = ITEMSIZE[t["dtype"]]
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptEntry(f"tensor {name!r}: {e!r}") from None
-        if stop - start != count * width:
+        if stop - start != count * width or count < 0:
             raise CorruptEntry(f"tensor {name!r}: offsets do not match shape")
         spans.append((start, stop))
     spans.sort()
@@ -197,47 +271,102 @@ def _check_tensors(tensors: dict[str, Any]) -> int:
     return end
 
 
+def open_entry(path: Path) -> int:
+    """An fd for reading ``path`` that never follows a symlink (ELOOP → CorruptEntry)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == 40:  # ELOOP: a symlink planted in the cache dir
+            raise CorruptEntry(f"{path.name} is a symlink") from None
+        raise
+
+
+def read_header_fd(fd: int, fingerprint: str | None = None) -> Header:
+    size = os.fstat(fd).st_size
+    raw8 = os.pread(fd, 8, 0)
+    if len(raw8) != 8:
+        raise CorruptEntry("short file: no header length")
+    (n,) = struct.unpack("<Q", raw8)
+    if n > min(_MAX_HEADER, size - 8):
+        raise CorruptEntry(f"header length {n} beyond file size {size}")
+    raw = os.pread(fd, n, 8)
+    if len(raw) != n:
+        raise CorruptEntry("short header")
+    return parse_header(raw, size, fingerprint)
+
+
+def read_header(path: Path, fingerprint: str | None = None) -> Header:
+    """Parse and check ``path``'s header. Raises CorruptEntry / ForeignEntry; FileNotFoundError
+    when the file is gone."""
+    fd = open_entry(path)
+    try:
+        return read_header_fd(fd, fingerprint)
+    finally:
+        os.close(fd)
+
+
+def check_buffer(name: str, data: memoryview, header: Header) -> None:
+    """``data`` (one tensor's bytes) against its chunk digests. Raises CorruptEntry."""
+    if chunk_digests([data] if len(data) else [], header.chunk_bytes) != header.digests(name):
+        raise CorruptEntry(f"checksum mismatch in tensor {name!r}")
+
+
 def check_data(path: Path, header: Header) -> None:
-    """Stream the data section through xxh3_64 and compare with ``data_xxh``."""
-    h = xxhash.xxh3_64()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(header.data_start)
-        left = header.data_len
-        while left:
-            got = f.readinto(view[: min(left, _CHUNK)])
-            if not got:
-                raise CorruptEntry("short read in data section")
-            h.update(view[:got])
-            left -= got
-    if h.hexdigest() != header.metadata.get("data_xxh"):
-        raise CorruptEntry("data checksum mismatch")
+    """Stream the data section (one pass, large reads) and check every chunk digest."""
+    fd = open_entry(path)
+    try:
+        buf = bytearray(_READ)
+        view = memoryview(buf)
+        for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            start, stop = t["data_offsets"]
+            pieces = _stream(fd, view, header.data_start + start, stop - start, header.chunk_bytes)
+            got = "".join(chunk_digests([b], header.chunk_bytes) for b in pieces)
+            if got != header.digests(name):
+                raise CorruptEntry(f"checksum mismatch in tensor {name!r}")
+    finally:
+        os.close(fd)
+
+
+def _stream(
+    fd: int, view: memoryview, offset: int, length: int, chunk: int
+) -> Iterable[memoryview]:
+    """Pieces of [offset, offset+length) read into ``view``, each a whole number of chunks."""
+    step = max(chunk, len(view) // chunk * chunk)
+    assert step <= len(view)
+    while length > 0:
+        want = min(step, length)
+        got = os.preadv(fd, [view[:want]], offset)
+        if got != want:
+            raise CorruptEntry("short read in data section")
+        yield view[:want]
+        offset += want
+        length -= want
 
 
 def read_tokens(path: Path, header: Header) -> np.ndarray:
-    """The entry's token ids (int32) via one positioned read."""
+    """The entry's token ids (int32), checked against their digests."""
     start, stop = header.tensors["tokens"]["data_offsets"]
-    with open(path, "rb", buffering=0) as f:
-        raw = os.pread(f.fileno(), stop - start, header.data_start + start)
+    fd = open_entry(path)
+    try:
+        raw = os.pread(fd, stop - start, header.data_start + start)
+    finally:
+        os.close(fd)
     if len(raw) != stop - start:
         raise CorruptEntry("short read of tokens")
+    check_buffer("tokens", memoryview(raw), header)
     return np.frombuffer(raw, dtype="<i4").copy()
 
 
-def load_entry(path: Path, fingerprint: str) -> tuple[dict[str, mx.array], Header, np.ndarray]:
-    """Verify (header + data checksum) and load: (encoded arrays, header, token ids).
+def parse_buffer(buf: memoryview, fingerprint: str | None = None) -> Header:
+    """The header of a whole entry held in memory (a backend without local files)."""
+    if len(buf) < 8:
+        raise CorruptEntry("short entry: no header length")
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n > min(_MAX_HEADER, len(buf) - 8):
+        raise CorruptEntry(f"header length {n} beyond entry size {len(buf)}")
+    return parse_header(bytes(buf[8 : 8 + n]), len(buf), fingerprint)
 
-    Request thread only (builds MLX arrays). Raises CorruptEntry / ForeignEntry / OSError.
-    """
-    header = read_header(path, fingerprint)
-    check_data(path, header)
-    try:
-        loaded = mx.load(str(path), return_metadata=True)
-        assert isinstance(loaded, tuple)
-        arrays: dict[str, mx.array] = loaded[0]
-        mx.eval(list(arrays.values()))
-    except (RuntimeError, ValueError) as e:  # changed between the check and the load
-        raise CorruptEntry(f"mx.load failed: {e}") from None
-    tokens = np.array(arrays.pop("tokens"), dtype="<i4")
-    return arrays, header, tokens
+
+def tensor_bytes(buf: memoryview, header: Header, name: str) -> memoryview:
+    start, stop = header.tensors[name]["data_offsets"]
+    return buf[header.data_start + start : header.data_start + stop]

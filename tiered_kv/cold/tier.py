@@ -1,46 +1,54 @@
-"""ColdTier: the disk tier facade (files via store.py, index via index.py, writes via writer.py).
+"""ColdTier: the disk tier's facade. Each concern has one owner module:
+
+* :mod:`site`   — directories, backend, index opening / rebuild / degraded mode;
+* :mod:`codec`  — caches ⇄ tensors (MLX, request thread), verified loads;
+* :mod:`store`  — the entry file format and its checksums (bytes only);
+* :mod:`backend`— where entry bytes live (put / get / contains / delete by key);
+* :mod:`writes` — the write path (writer thread);
+* :mod:`evict`  — the one delete path and the disk budget;
+* :mod:`verify` — reconcile at open, full verify, quarantine;
+* :mod:`faults` — counters and rate-limited logging;
+* :mod:`writer` / :mod:`reader` — the write-behind thread and the deadline-bound reader thread.
 
 Threads and ownership:
 
-* the **request thread** owns MLX: it calls ``lookup``, ``load`` (builds arrays with ``mx.load``),
-  ``spill`` / ``persist`` (encodes the caches and ``mx.eval``-s the sliced arrays *before* they
-  cross to the writer), ``recent``, ``stats``, ``verify``;
-* the **writer thread** only reads those evaluated arrays' bytes, writes files and commits the
-  index; it never builds an MLX graph. Spilled arrays belong to the queue until written or dropped.
+* the **request thread** owns MLX: it calls ``lookup``, ``load`` (``mx.load`` + checksums),
+  ``spill`` / ``persist`` (encodes the caches and ``mx.eval``-s them *before* they cross to the
+  writer), ``recent``, ``stats``. It never waits on the disk without a bound: index queries and
+  entry headers go through the reader thread with ``cold_deadline`` seconds (past it: a miss,
+  counted as ``lookup_timeouts``); touches are queued to the writer and never waited for;
+* the **writer thread** only reads evaluated arrays' bytes, writes files and commits the index.
 
 Misses are ``None``; corrupt / foreign files raise ``store.CorruptEntry`` inside the tier and are
-quarantined, counted and turned into misses; I/O errors while writing are counted and logged
-once per kind, never raised into the request path.
+quarantined, counted and turned into misses; I/O errors are counted by kind and logged once.
 """
 
 from __future__ import annotations
 
-import errno
-import json
-import logging
-import shutil
 import sqlite3
-import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import mlx.core as mx
 import numpy as np
 
 from tiered_kv import keys, layers
-from tiered_kv.cold import budget, store, usage
-from tiered_kv.cold.index import Index, IndexUnreadable, Record
-from tiered_kv.cold.verify import VerifyReport, quarantine, reconcile, verify_dir
+from tiered_kv.cold import codec, store
+from tiered_kv.cold.codec import Prepared
+from tiered_kv.cold.evict import Remover
+from tiered_kv.cold.faults import Faults
+from tiered_kv.cold.index import Index, Record
+from tiered_kv.cold.reader import Late, Reader
+from tiered_kv.cold.site import Site
+from tiered_kv.cold.verify import VerifyReport, verify_dir
 from tiered_kv.cold.writer import Writer
+from tiered_kv.cold.writes import WritePath
 from tiered_kv.config import Config
 from tiered_kv.prefix import common_prefix
 
-log = logging.getLogger(__name__)
-_HEADER_SLACK = 64 << 10  # bytes reserved for a header when checking the budget
+_MIN_RATE = 50e6  # bytes/s below which a write-through wait gives up (the write goes on)
 
 
 @dataclass(frozen=True)
@@ -57,95 +65,50 @@ class Loaded(NamedTuple):
     checkpoints: dict[int, list]
 
 
-@dataclass
-class _Spill:
-    tokens: np.ndarray
-    arrays: dict[str, mx.array]
-    metadata: dict[str, str]
-    nbytes: int
-    #: lengths of older entries this one may replace: any length when every layer can be cut
-    #: back, else only its checkpoint positions
-    serves: frozenset[int] | None = None
-
-
-_CKPT = "ckpt."
-#: write-error kinds counted apart (stats ``disk_full`` ...; exported as metrics by the server)
-_FAULTS = ("disk_full", "read_only", "dir_missing")
-_FAULT_OF = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "read_only",
-             errno.EACCES: "read_only", errno.EPERM: "read_only", errno.ENOENT: "dir_missing"}  # fmt: skip
-
-
 class ColdTier:
     def __init__(self, root: Path, fingerprint: str, config: Config) -> None:
-        """Open ``root/<fingerprint>/`` (created 0700), open or rebuild the index, reconcile it
-        with the files and start the writer thread. ``fingerprint`` comes from the engine;
-        a cache salt or stored-KV quantisation is mixed in here (``keys.tier_fingerprint``)."""
+        """Open ``root/<fingerprint>/`` (created 0700; refused when others can write it), open or
+        rebuild the index, reconcile it with the files and start the writer and reader threads.
+        A full or read-only disk starts the tier degraded (logged once), never fails the start.
+        ``fingerprint`` comes from the engine; a cache salt or stored-KV quantisation is mixed
+        in here (``keys.tier_fingerprint``)."""
         self.config = config
-        self.root = Path(root)
         self.fingerprint = keys.tier_fingerprint(
             fingerprint, config.cache_salt, config.kv_bits, config.kv_group_size
         )
-        self.dir = self.root / self.fingerprint
-        self.quarantine_dir = self.root / usage.QUARANTINE
         self.block_tokens = config.block_tokens
-        self.seed = f"{self.fingerprint}:{self.block_tokens}"
-        self._stats = dict.fromkeys(
-            ("spills", "spill_bytes", "drops", "drop_bytes", "quarantined", "write_errors",
-             "skipped", "evictions", "superseded", "loads", "load_bytes", "misses_missing",
-             *_FAULTS, "index_errors", "dir_recreated"), 0
-        )  # fmt: skip
-        self._stats_lock = threading.Lock()
-        self._load_seconds = 0.0
-        self._logged: set[str] = set()
-        self._ensure_dirs()
-        self.index = self._open_index()
-        self.writer = Writer(config.spill_queue_bytes, self._on_drop)
+        self.faults = Faults()
+        self.site = Site(Path(root), self.fingerprint, config, self.faults)
+        self.root, self.dir = self.site.root, self.site.dir
+        self.quarantine_dir, self.seed = self.site.quarantine_dir, self.site.seed
+        self.remover = Remover(self.site, config.disk_bytes, config.disk_free_floor)
+        self.writes = WritePath(self.site, self.remover)
+        self.writer = Writer(config.spill_queue_bytes, self.faults.drop)
+        self.reader = Reader()
+        self._summary = (0, 0)
+        self._touched: dict[str, float] = {}
+        self._refresh_summary()
 
-    # -- opening -------------------------------------------------------------------------------
-    def _ensure_dirs(self) -> None:
-        for d in (self.root, self.dir):
-            d.mkdir(mode=store.DIR_MODE, parents=True, exist_ok=True)
-
-    def _open_index(self) -> Index:
-        path = self.dir / "index"
-        try:
-            index = Index(path)
-        except IndexUnreadable as e:
-            log.warning("cold index unreadable, rebuilding from files: %s", e)
-            shutil.rmtree(path, ignore_errors=True)
-            index = Index(path)
-        want = {"schema": 1, "seed": self.seed, "block_tokens": self.block_tokens}
-        rebuild = index.claim_meta(want)  # atomic: of two processes opening at once, one clears
-        stats = reconcile(self.dir, self.fingerprint, index, self.quarantine_dir, rebuild, self.seed,
-                          self.block_tokens)  # fmt: skip
-        self._count("quarantined", stats.get("quarantined", 0))
-        return index
-
-    def _check_index(self) -> None:
-        """Writer thread: when the directory (and so the index file) was deleted under us,
-        re-create it and open a fresh index (rebuilt from whatever files are there)."""
-        if (self.dir / "index" / "cache.db").exists():
-            return
-        self._log_once("dir_gone", "cold tier directory %s vanished: re-creating it", self.dir)
-        self._count("dir_recreated")
-        self._ensure_dirs()
-        self.index = self._open_index()  # the old one is dropped, not closed: readers may hold it
+    @property
+    def index(self) -> Index:
+        """The current index (tests, CLI); None-safe callers use ``site.index``."""
+        assert self.site.index is not None, "cold tier has no index (degraded)"
+        return self.site.index
 
     # -- request thread: lookup / load -----------------------------------------------------------
     def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> ColdHit | None:
-        """Longest exact prefix of ``prompt_ids`` held by one entry, or None. No file I/O."""
+        """Longest exact prefix of ``prompt_ids`` held by one entry, or None (also when the
+        index does not answer within ``cold_deadline``)."""
         tokens = keys.as_int32(prompt_ids)
         hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
-        try:
-            return self._lookup(tokens, hashes)
-        except sqlite3.Error as e:
-            self._count("index_errors")
-            self._log_once("index_read", "cold index unreadable, treating as a miss: %s", e)
+        if not hashes:
             return None
+        return self._ask(lambda: self._lookup(tokens, hashes), None)
 
     def _lookup(self, tokens: np.ndarray, hashes: list) -> ColdHit | None:
-        index = self.index
-        index.refresh()  # another process may have committed (or removed) entries
+        index = self.site.index
+        if index is None:
+            return None
         best: ColdHit | None = None
         for eid, depth in index.candidates(hashes):
             stored = index.tokens(eid)
@@ -158,72 +121,121 @@ class ColdTier:
                 break  # the hashes were right: nothing shallower can match further
         return best
 
+    def _ask(self, fn: Any, default: Any, deadline: float | None = None) -> Any:
+        """``fn()`` on the reader thread within the deadline; ``default`` when late or when the
+        index fails (counted, logged once)."""
+        try:
+            return self.reader.call(fn, self.config.cold_deadline if deadline is None else deadline)
+        except Late as e:
+            self.faults.count("lookup_timeouts")
+            self.faults.once("late", "cold index / disk too slow, treating as a miss: %s", e)
+        except sqlite3.Error as e:
+            self.faults.count("index_errors")
+            self.faults.once("index_read", "cold index unreadable, treating as a miss: %s", e)
+        return default
+
     def load(self, hit: ColdHit) -> Loaded | None:
         """(caches holding the whole entry, entry token ids, checkpoints) or None (missing /
-        corrupt).
-
-        The caller trims to ``hit.tokens``. Request thread only (creates MLX arrays)."""
-        try:
-            return self._load(hit)
-        except sqlite3.Error as e:
-            self._count("index_errors")
-            self._log_once("index_read", "cold index unreadable, treating as a miss: %s", e)
+        corrupt / too slow). The caller trims to ``hit.tokens``. Request thread only."""
+        found = self._ask(lambda: self._locate(hit.entry_id), None)
+        if found is None:
             return None
-
-    def _load(self, hit: ColdHit) -> Loaded | None:
-        rec = self.index.get(hit.entry_id)
-        if rec is None:
+        if found == "gone":  # removed since the lookup (superseded / evicted, maybe elsewhere)
+            self.faults.count("misses_missing")
             return None
-        path = self.dir / rec.file
+        rec, path, header, stored = found
+        if isinstance(header, Exception):
+            self._bad(rec, path, header)
+            return None
         t0 = time.perf_counter()
         try:
-            arrays, header, tokens = store.load_entry(path, self.fingerprint)
-            stored = self.index.tokens(rec.entry_id)
-            if stored is None:  # superseded / evicted (maybe by another process) while loading
-                raise FileNotFoundError(path)
+            arrays = codec.load_file(path, header)
+            tokens = codec.tokens_of(arrays)
             if not np.array_equal(stored, tokens):
                 raise store.CorruptEntry("file tokens differ from the index")
-            caches, checkpoints = _decode(arrays, header.metadata)
+            caches, checkpoints = codec.decode(arrays, header.metadata)
         except FileNotFoundError:
             self._vanished(rec)
             return None
         except (store.CorruptEntry, layers.CorruptState, layers.UnsupportedCache) as e:
-            if self._was_replaced(rec, path):
-                self._vanished(rec)  # deleted between our reads: a miss, not corruption
-            else:
-                self._quarantine(rec, e)
+            self._bad(rec, path, e)
             return None
-        dt = time.perf_counter() - t0
-        with self._stats_lock:
-            self._stats["loads"] += 1
-            self._stats["load_bytes"] += rec.nbytes
-            self._load_seconds += dt
+        self.faults.add_load(rec.nbytes, time.perf_counter() - t0)
         now = time.time()
-        self.index.touch(rec.entry_id, now, persist=False)
-        self.writer.submit(lambda: self._persist_touch(rec.entry_id, now), 0, droppable=False)
+        self._touched[rec.entry_id] = now  # seen by recent() before the queued touch commits
+        self.writer.submit(lambda: self._touch(rec.entry_id, now), 0, droppable=False)
         return Loaded(caches, tokens, checkpoints)
 
+    def _touch(self, entry_id: str, when: float) -> None:
+        self.writes.touch(entry_id, when)
+        if self._touched.get(entry_id) == when:
+            del self._touched[entry_id]
+
+    def _locate(self, entry_id: str) -> tuple[Record, Path, Any, np.ndarray] | str | None:
+        """Reader thread: the record, its path, its checked header (or the error reading it)
+        and the indexed token ids."""
+        index = self.site.index
+        if index is None:
+            return None
+        rec = index.get(entry_id)
+        stored = index.tokens(entry_id) if rec is not None else None
+        if rec is None or stored is None:
+            return "gone"
+        path = self.dir / Path(rec.file).name
+        try:
+            header: Any = store.read_header(path, self.fingerprint)
+            if header.n_tokens != len(stored):
+                raise store.CorruptEntry("file token count differs from the index")
+        except (FileNotFoundError, store.CorruptEntry) as e:
+            header = e
+        except OSError as e:
+            header = store.CorruptEntry(f"unreadable: {e}")
+        return rec, path, header, stored
+
+    def _bad(self, rec: Record, path: Path, err: Exception) -> None:
+        if isinstance(err, FileNotFoundError) or self._was_replaced(rec, path):
+            self._vanished(rec)  # deleted between our reads: a miss, not corruption
+        else:
+            self.faults.once(f"corrupt:{type(err).__name__}", "cold entry %s quarantined: %s",
+                             rec.file, err)  # fmt: skip
+            self._remove([rec.entry_id], "quarantined")
+
     def _vanished(self, rec: Record) -> None:
-        self.index.remove([rec.entry_id])
-        self._count("misses_missing")
+        self._remove([rec.entry_id], "vanished")
+
+    def _remove(self, ids: list[str], reason: str) -> None:
+        index = self.site.index
+        if index is None:
+            return
+
+        def remove() -> None:
+            self.remover.remove(index, ids, reason)
+            self._refresh_summary()
+
+        try:
+            self._ask(remove, None)
+        except OSError as e:  # quarantine cannot move / delete (read-only disk)
+            self.faults.once("remove", "cold entry removal failed: %s", e)
 
     def _was_replaced(self, rec: Record, path: Path) -> bool:
         """The file is gone or its record was removed (another process superseded / evicted
         it while we read): what we read may be half of a vanished file, not a corrupt one."""
-        if not path.exists():
+        index = self.site.index
+        if index is None:
             return True
-        self.index.refresh()
-        return self.index.get(rec.entry_id) is None or self.index.tokens(rec.entry_id) is None
+        return bool(self._ask(lambda: not path.exists() or index.tokens(rec.entry_id) is None, True))
 
     def recent(self, limit_entries: int, limit_bytes: int) -> list[ColdHit]:
         """Most recently used entries first, within both limits (0 = no limit on that axis;
         both 0 = nothing), for warm-start prefetch."""
-        if limit_entries <= 0 and limit_bytes <= 0:
+        if limit_entries <= 0 and limit_bytes <= 0 or self.site.index is None:
             return []
+        index = self.site.index
+        recs = self._ask(index.records, [], deadline=max(5.0, self.config.cold_deadline))
         out: list[ColdHit] = []
         total = 0
-        self.index.refresh()
-        for r in sorted(self.index.records(), key=lambda r: -r.last_used):
+        touched = dict(self._touched)
+        for r in sorted(recs, key=lambda r: -max(r.last_used, touched.get(r.entry_id, 0.0))):
             if limit_entries > 0 and len(out) >= limit_entries:
                 break
             if limit_bytes > 0 and total + r.nbytes > limit_bytes:
@@ -236,8 +248,9 @@ class ColdTier:
     def spill(
         self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None = None
     ) -> None:
-        """Queue the entry for writing and return at once (oldest queued spill dropped when the
-        queue passes ``spill_queue_bytes``). Entries shorter than one block are not stored."""
+        """Queue the entry for writing and return at once. Never dropped for its size; the oldest
+        waiting spill is dropped when the queue passes ``spill_queue_bytes`` (logged, counted).
+        Entries shorter than one block are not stored."""
         job = self._prepare(token_ids, caches, checkpoints)
         if job is not None:
             self.writer.submit(lambda: self._write(job), job.nbytes)
@@ -245,190 +258,98 @@ class ColdTier:
     def persist(
         self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None = None
     ) -> None:
-        """Write-through: returns once the file and its index record are durable (or the write
-        failed, counted and logged)."""
+        """Write-through: returns once the file and its index record are durable, the write
+        failed (counted, logged), or a stalled disk made it late (it completes later)."""
         job = self._prepare(token_ids, caches, checkpoints)
-        if job is not None:
-            self.writer.run_sync(lambda: self._write(job))
+        if job is None:
+            return
+        try:
+            self.writer.run_sync(lambda: self._write(job), 30.0 + job.nbytes / _MIN_RATE)
+        except TimeoutError:
+            self.faults.count("late_write_through")
+            self.faults.once("late_write", "cold write-through is late (stalled disk?)")
+        except RuntimeError:  # closed
+            self.faults.drop(job.nbytes, "closed")
 
     def _prepare(
         self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None
-    ) -> _Spill | None:
+    ) -> Prepared | None:
         tokens = keys.as_int32(token_ids)
         if len(tokens) < self.block_tokens:
-            self._count("skipped")
+            self.faults.count("skipped")
             return None
         try:
-            arrays, meta = layers.encode(caches)
-            layout = layers.layout(caches)
-            ckpts = checkpoints or {}
-            tree = {}
-            for pos, snap in ckpts.items():
-                a, m = layers.encode(snap)
-                arrays.update({f"{_CKPT}{pos}.{k}": x for k, x in a.items()})
-                tree[str(pos)] = m["layers"]
-            if tree:
-                meta["checkpoints"] = json.dumps(tree, separators=(",", ":"))
-            serves = None if layers.can_trim(caches) else frozenset(ckpts) | {len(tokens)}
+            return codec.prepare(tokens, caches, checkpoints, self.fingerprint)
         except layers.UnsupportedCache as e:
-            self._log_once("unsupported", "cold tier does not store this cache: %s", e)
-            self._count("skipped")
+            self.faults.once("unsupported", "cold tier does not store this cache: %s", e)
+            self.faults.count("skipped")
             return None
-        mx.eval(list(arrays.values()))  # slices evaluated here: the writer only reads bytes
-        metadata = {**meta, "fingerprint": self.fingerprint, "layout": layout,
-                    "created": repr(time.time())}  # fmt: skip
-        return _Spill(tokens, arrays, metadata, sum(a.nbytes for a in arrays.values()), serves)
 
-    # -- writer thread ---------------------------------------------------------------------------
-    def _write(self, job: _Spill) -> None:
-        path: Path | None = None
+    def _write(self, job: Prepared) -> None:
+        self.writes.write(job)
+        self._refresh_summary()
+
+    def _refresh_summary(self) -> None:
+        index = self.site.index
         try:
-            self._check_index()
-            self._ensure_dirs()
-            self.index.refresh()  # budget and supersede see the other processes' entries
-            size = job.nbytes + 4 * len(job.tokens) + _HEADER_SLACK
-            if not self._make_room(size):
-                self._count("skipped")
-                return
-            eid = uuid.uuid4().hex
-            path = self.dir / f"{eid}{store.SUFFIX}"
-            nbytes = store.write_entry(path, job.tokens, job.arrays, job.metadata)
-            now = time.time()
-            blocks = tuple(keys.block_hashes(job.tokens, self.block_tokens, self.seed))
-            rec = Record(eid, path.name, len(job.tokens), nbytes, now, now, blocks)
-            older = [r for r in self.index.prefixes_of(list(blocks)) if self._is_prefix(r, job)]
-            self.index.add(rec, job.tokens.tobytes(), remove=[r.entry_id for r in older])
-            path = None  # committed
-            for r in older:  # continuation: superseded entries, deleted after the commit
-                (self.dir / r.file).unlink(missing_ok=True)
-            with self._stats_lock:
-                self._stats["spills"] += 1
-                self._stats["spill_bytes"] += nbytes
-                self._stats["superseded"] += len(older)
-        except (OSError, sqlite3.Error, IndexUnreadable) as e:
-            self._count("write_errors")
-            code = getattr(e, "errno", None) or 0
-            fault = _FAULT_OF.get(code, "index_errors" if not isinstance(e, OSError) else "")
-            if fault:
-                self._count(fault)
-            kind = errno.errorcode.get(code, type(e).__name__)
-            self._log_once(f"write:{kind}", "cold spill failed (%s): %s", kind, e)
-            if path is not None:
-                path.unlink(missing_ok=True)
-
-    def _is_prefix(self, r: Record, job: _Spill) -> bool:
-        stored = self.index.tokens(r.entry_id)
-        if stored is None or not 0 < len(stored) <= len(job.tokens):
-            return False
-        if job.serves is not None and len(stored) not in job.serves:
-            return False  # the new entry could not serve the old one's length
-        return bool(np.array_equal(stored, job.tokens[: len(stored)]))
-
-    def _make_room(self, incoming: int) -> bool:
-        use = usage.scan(self.root, self.fingerprint, self.index.records())
-        free = shutil.disk_usage(self.root).free
-        plan = budget.select_victims(use.items, used=use.used, incoming=incoming,
-                                     budget=self.config.disk_bytes, free=free,
-                                     floor=self.config.disk_free_floor)  # fmt: skip
-        if not plan.fits:
-            self._log_once(
-                "budget", "cold entry of %d bytes does not fit the disk budget", incoming
-            )
-            return False
-        self._evict(plan.victims)
-        return True
-
-    def _evict(self, victims: list[budget.Item]) -> None:
-        """The one deletion path: index commit first, then the files."""
-        ids = [k[1] for k in (v.key for v in victims) if k[0] == "entry"]  # type: ignore[index]
-        gone = self.index.remove(ids)
-        for r in gone:
-            (self.dir / r.file).unlink(missing_ok=True)
-        for v in victims:
-            if v.key[0] == "path":  # type: ignore[index]
-                usage.remove_path(v.key[1])  # type: ignore[index]
-        self._count("evictions", len(victims))
-
-    def _persist_touch(self, entry_id: str, when: float) -> None:
-        try:
-            self.index.touch(entry_id, when)
-        except sqlite3.Error as e:
-            self._log_once("touch", "cold index touch failed: %s", e)
-
-    # -- faults / bookkeeping ------------------------------------------------------------------
-    def _quarantine(self, rec: Record, err: Exception) -> None:
-        self._log_once(f"corrupt:{type(err).__name__}", "cold entry %s quarantined: %s",
-                       rec.file, err)  # fmt: skip
-        self.index.remove([rec.entry_id])
-        quarantine(self.dir / rec.file, self.quarantine_dir, self.fingerprint)
-        self._count("quarantined")
-
-    def _on_drop(self, nbytes: int) -> None:
-        with self._stats_lock:
-            self._stats["drops"] += 1
-            self._stats["drop_bytes"] += nbytes
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._stats[name] += n
-
-    def _log_once(self, kind: str, msg: str, *args: Any) -> None:
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.warning(msg, *args)
+            self._summary = index.summary() if index is not None else (0, 0)
+        except sqlite3.Error:
+            pass
 
     # -- maintenance -----------------------------------------------------------------------------
-    def flush(self, timeout: float | None = None) -> None:
-        """Block until every queued spill is written (or ``timeout`` passes)."""
-        self.writer.flush(timeout)
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every queued spill is written (or ``timeout`` passes); False if late."""
+        done = self.writer.wait_idle(timeout)
+        if done:
+            self._ask(self._refresh_summary, None)
+        return done
 
-    def stats(self) -> dict:
-        recs = self.index.records()
-        with self._stats_lock:
-            out: dict[str, Any] = dict(self._stats)
-            out["load_seconds"] = self._load_seconds
+    def begin_close(self) -> None:
+        """Shutdown starts: from now on no spill is dropped (close writes them all)."""
+        self.writer.hold_all()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes; never touches the disk (sizes as of the last write or flush)."""
+        out = self.faults.snapshot()
         out["errors"] = out["write_errors"]
-        out["entries"] = len(recs)
-        out["bytes"] = sum(r.nbytes for r in recs)
+        out["entries"], out["bytes"] = self._summary
         out["queue_bytes"] = self.writer.pending_bytes
+        out["writer_idle"] = int(self.writer.idle)
+        out["degraded_now"] = int(self.site.index is None or not self.site.writable)
         return out
 
     def verify(self, fix: bool = False) -> VerifyReport:
         """Check every file (checksums included) against the index; ``fix`` quarantines bad
         files, removes orphans and drops records whose file is missing."""
         self.flush()
-        return self.writer.run_sync(
-            lambda: verify_dir(self.dir, self.fingerprint, self.index, self.quarantine_dir, fix)
+        report = self.writer.run_sync(
+            lambda: verify_dir(self.dir, self.fingerprint, self.site.index, self.quarantine_dir, fix)
         )
+        self.writer.run_sync(self._refresh_summary)
+        return report
 
-    def close(self) -> None:
-        """Drain the spill queue, stop the writer, close the index (the writer thread's sqlite
-        connection too: diskcache keeps one per thread, and a leaked one keeps the -shm file
-        mapped, so a later open of a damaged index in this process died of SIGBUS)."""
-        self.writer.flush()
-        try:
-            self.writer.run_sync(self.index.close)
-        except RuntimeError:  # already closed
-            pass
-        self.writer.close()
-        self.index.close()
+    def close(self, timeout: float | None = None) -> bool:
+        """Write every queued spill (nothing is dropped from here on) within ``timeout`` seconds
+        (default ``shutdown_seconds``), then stop the threads and close the index. What could
+        not be written in time is logged with its bytes and counted. False if that happened."""
+        self.begin_close()
+        limit = self.config.shutdown_seconds if timeout is None else timeout
+        done = self.writer.wait_idle(limit)
+        if not done:
+            left = self.writer.unwritten()
+            self.faults.count("shutdown_unwritten", len(left))
+            self.faults.count("shutdown_unwritten_bytes", sum(left))
+            self.faults.once("shutdown", "cold tier: %d entries (%d bytes) not written within "
+                             "%gs at shutdown", len(left), sum(left), limit)  # fmt: skip
+        if done:
+            try:  # the writer thread's sqlite connection is closed with the others below
+                self.writer.run_sync(lambda: None, 10)
+            except (RuntimeError, TimeoutError):
+                pass
+        self.writer.close(0 if not done else None)
+        self.reader.close()
+        self.site.close()
+        return done
 
 
-__all__ = ["ColdHit", "ColdTier", "VerifyReport"]
-
-
-def _decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list, dict[int, list]]:
-    """The entry's caches and its checkpoints (arrays named ``ckpt.<pos>.<path>``)."""
-    main = {k: v for k, v in arrays.items() if not k.startswith(_CKPT)}
-    caches = layers.decode(main, metadata)
-    try:
-        tree = json.loads(metadata.get("checkpoints", "{}"))
-        positions = {int(p): t for p, t in tree.items()}
-    except (ValueError, AttributeError) as e:
-        raise layers.CorruptState(f"bad checkpoint metadata: {e}") from None
-    checkpoints: dict[int, list] = {}
-    for pos, layer_tree in positions.items():
-        prefix = f"{_CKPT}{pos}."
-        sub = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
-        checkpoints[pos] = layers.decode(sub, {"layers": layer_tree})
-    return caches, checkpoints
+__all__ = ["ColdHit", "ColdTier", "Loaded", "VerifyReport"]

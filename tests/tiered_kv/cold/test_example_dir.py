@@ -17,6 +17,8 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "cache_dir.example"
 def open_copy(tmp_path: Path) -> tuple[ColdTier, Path]:
     root = tmp_path / "kv"
     shutil.copytree(EXAMPLE, root)
+    for p in [root, *root.rglob("*")]:  # git keeps no modes; a umask 002 checkout is 0775
+        p.chmod(0o700 if p.is_dir() else 0o600)
     (fp,) = [p for p in root.iterdir() if p.is_dir()]
     return ColdTier(root, fp.name, Config(cache_dir=root, block_tokens=16)), fp
 

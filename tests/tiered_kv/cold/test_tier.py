@@ -193,29 +193,16 @@ def test_damaged_file_is_a_miss_and_quarantined(tmp_path, damage):
 
 def _rewrite_meta(path: Path, **changes: str) -> None:
     """Re-sign a file with changed metadata (a well-formed foreign file)."""
-    arrays, meta = mx.load(str(path), return_metadata=True)
-    tokens = np.array(arrays.pop("tokens"), dtype="<i4")
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
     meta.update(changes)
-    version = meta.pop("format_version")
-    for k in ("data_xxh", "header_xxh", "n_tokens"):
-        meta.pop(k)
-    store.write_entry(path, tokens, arrays, meta)
-    if version != str(keys.FORMAT_VERSION):  # write_entry stamps the current version
-        import json
-        import struct
-
-        import xxhash
-
-        raw = path.read_bytes()
-        n = struct.unpack("<Q", raw[:8])[0]
-        head = json.loads(raw[8 : 8 + n])
-        head["__metadata__"]["format_version"] = version
-        head["__metadata__"].pop("header_xxh")
-        canon = json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
-        head["__metadata__"]["header_xxh"] = xxhash.xxh3_64_hexdigest(canon)
-        new = json.dumps(head, separators=(",", ":")).encode()
-        new += b" " * (-len(new) % 8)
-        path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+    new = store.header_bytes(head, meta)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
 def test_file_of_another_fingerprint_is_refused(tmp_path):
@@ -266,9 +253,7 @@ def test_cache_dir_deleted_during_operation(tmp_path):
 
 
 def test_budget_evicts_least_recently_used(tmp_path):
-    import dataclasses
-
-    from tiered_kv.cold import usage
+    from tiered_kv.cold import evict, usage
 
     tier = make_tier(tmp_path / "kv", disk_free_floor=0)
     for i in range(3):
@@ -276,8 +261,9 @@ def test_budget_evicts_least_recently_used(tmp_path):
     assert tier.load(tier.lookup(list(range(8)))) is not None  # touch entry 0
     tier.flush()
     used = usage.scan(tier.root, tier.fingerprint, tier.index.records()).used
-    incoming = 2 * (2 * 8 * 64 * 2) + 4 * 8 + (64 << 10)  # the tier's estimate
-    tier.config = dataclasses.replace(tier.config, disk_bytes=used + incoming - 1)
+    # the tier's estimate: data, tokens, header slack and the entry's index rows
+    incoming = 2 * (2 * 8 * 64 * 2) + 4 * 8 + evict.HEADER_SLACK + evict.index_bytes(8, B)
+    tier.remover.disk_bytes = used + incoming - 1
     tier.persist(np.arange(8) + 300, [kv(8, d=64)])
     assert tier.lookup(list(range(8))) is not None  # recently used: kept
     assert tier.lookup(list(range(100, 108))) is None  # least recently used: evicted

@@ -13,20 +13,62 @@ def test_queue_full_drops_oldest_and_counts():
     drops: list[int] = []
     gate = threading.Event()
     done: list[str] = []
-    w = Writer(max_bytes=100, on_drop=drops.append)
+    w = Writer(max_bytes=100, on_drop=lambda n, why: drops.append(n))
     w.submit(gate.wait, 0, droppable=False)  # hold the thread
     for name in ("a", "b", "c"):
         assert w.submit(lambda n=name: done.append(n), 40)
     assert drops == [40]  # "a" dropped to admit "c"
-    assert not w.submit(lambda: done.append("huge"), 101)
     gate.set()
-    assert w.flush(5)
-    assert done == ["b", "c"] and drops == [40, 101]
+    assert w.wait_idle(5)
+    assert done == ["b", "c"] and drops == [40]
     w.close(5)
 
 
+def test_task_larger_than_the_bound_is_never_dropped_for_its_size():
+    drops: list[int] = []
+    gate = threading.Event()
+    done: list[str] = []
+    w = Writer(max_bytes=100, on_drop=lambda n, why: drops.append(n))
+    w.submit(gate.wait, 0, droppable=False)
+    assert w.submit(lambda: done.append("huge"), 1000)  # waits alone: admitted
+    assert drops == []
+    assert w.submit(lambda: done.append("next"), 10)  # queue pressure: the older one goes
+    assert drops == [1000]
+    assert w.submit(lambda: done.append("huge2"), 1000)  # drops "next", waits alone
+    gate.set()
+    assert w.wait_idle(5)
+    assert done == ["huge2"] and drops == [1000, 10]
+    w.close(5)
+
+
+def test_hold_all_drops_nothing_and_idle_signal():
+    drops: list[int] = []
+    gate = threading.Event()
+    done: list[int] = []
+    w = Writer(max_bytes=10, on_drop=lambda n, why: drops.append(n))
+    w.submit(gate.wait, 0, droppable=False)
+    w.hold_all()  # shutdown
+    for i in range(5):
+        assert w.submit(lambda i=i: done.append(i), 100)
+    assert not w.idle and not w.wait_idle(0.05)
+    gate.set()
+    assert w.wait_idle(5) and w.idle
+    assert done == [0, 1, 2, 3, 4] and drops == []
+    w.close(5)
+
+
+def test_close_after_a_timed_out_drain_reports_what_is_left():
+    gate = threading.Event()
+    w = Writer(max_bytes=10**9, on_drop=lambda n, why: None)
+    w.submit(gate.wait, 0, droppable=False)
+    w.submit(lambda: None, 123)
+    assert w.unwritten() == [123]
+    assert not w.close(0.05)
+    gate.set()
+
+
 def test_run_sync_returns_and_raises():
-    w = Writer(10, on_drop=lambda n: None)
+    w = Writer(10, on_drop=lambda n, why: None)
     assert w.run_sync(lambda: 42) == 42
     with pytest.raises(ZeroDivisionError):
         w.run_sync(lambda: 1 / 0)

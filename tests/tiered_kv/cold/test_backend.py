@@ -1,0 +1,84 @@
+"""tiered_kv/cold/backend.py: the narrow storage interface (put / get / contains / delete)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as C
+
+from tiered_kv.cold import codec, store
+from tiered_kv.cold.backend import Backend, FileBackend
+
+
+class DictBackend:
+    """What a shared tier on a key-value server would implement: bytes by key."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def put(self, key: str, pieces: Sequence[memoryview]) -> int:
+        self.data[key] = b"".join(pieces)
+        return len(self.data[key])
+
+    def get(self, key: str) -> bytearray | None:
+        v = self.data.get(key)
+        return None if v is None else bytearray(v)
+
+    def contains(self, key: str) -> bool:
+        return key in self.data
+
+    def delete(self, key: str) -> None:
+        self.data.pop(key, None)
+
+
+def entry_pieces() -> tuple[list[memoryview], C.KVCache]:
+    c = C.KVCache()
+    c.update_and_fetch(mx.random.normal((1, 2, 40, 8)), mx.random.normal((1, 2, 40, 8)))
+    job = codec.prepare(np.arange(40, dtype=np.int32), [c], None, "fp")
+    return store.encode(job.tokens, job.tensors, job.metadata).pieces, c
+
+
+@pytest.mark.parametrize("kind", ["file", "dict"])
+def test_any_backend_round_trips_an_entry(tmp_path, kind):
+    backend = FileBackend(tmp_path) if kind == "file" else DictBackend()
+    assert isinstance(backend, Backend)
+    pieces, c = entry_pieces()
+    assert not backend.contains("e1") and backend.get("e1") is None
+    n = backend.put("e1", pieces)
+    assert backend.contains("e1") and n == sum(len(p) for p in pieces)
+    buf = backend.get("e1")
+    assert buf is not None
+    header = store.parse_buffer(memoryview(buf), "fp")
+    arrays = codec.load_buffer(memoryview(buf), header)
+    caches, _ = codec.decode(arrays, header.metadata)
+    assert mx.array_equal(caches[0].keys, c.keys[..., :40, :]).item()
+    backend.delete("e1")
+    backend.delete("e1")  # absent is fine
+    assert not backend.contains("e1")
+
+
+def test_file_backend_put_is_atomic_and_private(tmp_path, monkeypatch):
+    import os
+
+    b = FileBackend(tmp_path)
+    pieces, _ = entry_pieces()
+    b.put("e1", pieces)
+    assert (tmp_path / "e1.safetensors").stat().st_mode & 0o777 == 0o600
+
+    def fail(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(OSError):
+        b.put("e2", pieces)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e1.safetensors"]  # no temp left
+
+
+def test_keys_are_never_paths(tmp_path):
+    b = FileBackend(tmp_path)
+    for bad in ("../x", "a/b", "", ".hidden", "x" * 65):
+        with pytest.raises(ValueError):
+            b.path(bad)

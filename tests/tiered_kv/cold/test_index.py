@@ -1,0 +1,143 @@
+"""tiered_kv/cold/index.py: plain sqlite, nothing unpickled, refused when others can write it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as C
+
+from tiered_kv import keys
+from tiered_kv.cold.index import Index, Record, UnsafeCacheDir
+from tiered_kv.cold.tier import ColdTier
+from tiered_kv.config import Config
+
+FP = "0123456789abcdef0123456789abcdef"
+
+
+def kv(n: int) -> C.KVCache:
+    c = C.KVCache()
+    c.update_and_fetch(mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8)))
+    return c
+
+
+def make_tier(root: Path) -> ColdTier:
+    return ColdTier(root, FP, Config(cache_dir=root, block_tokens=16))
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (open, (str(self.marker), "w"))  # runs on unpickling
+
+
+def _plant_diskcache_index(db: Path, marker: Path) -> None:
+    """The index format before issue 12: diskcache tables with pickled values (a planted
+    ``("meta",)`` record ran code on `serve` and `cache stats`)."""
+    for p in db.parent.glob("cache.db*"):
+        p.unlink()
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE Cache (rowid INTEGER PRIMARY KEY, key BLOB, raw INTEGER, "
+                "store_time REAL, expire_time REAL, access_time REAL, access_count INTEGER, "
+                "tag BLOB, size INTEGER, mode INTEGER, filename TEXT, value BLOB)")  # fmt: skip
+    evil = pickle.dumps(_Payload(marker))
+    con.execute("INSERT INTO Cache(key, raw, mode, value) VALUES(?, 0, 4, ?)",
+                (pickle.dumps(("meta",)), evil))  # fmt: skip
+    con.commit()
+    con.close()
+    os.chmod(db, 0o600)
+
+
+def test_planted_pickles_never_run_on_open_or_cache_stats(tmp_path):
+    root = tmp_path / "kv"
+    tier = make_tier(root)
+    tier.persist(np.arange(32), [kv(32)])
+    tier.close()
+    marker = tmp_path / "owned"
+    _plant_diskcache_index(tier.dir / "index" / "cache.db", marker)
+    env = {**os.environ, "TIERED_KV_DIR": str(root)}
+    for cmd in ("stats", "ls", "verify"):
+        r = subprocess.run([sys.executable, "-m", "engine.cli", "cache", cmd], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert "Traceback" not in r.stderr, r.stderr
+    assert not marker.exists()
+    tier = make_tier(root)  # foreign index: rebuilt from the files beside it, then swapped in
+    assert not marker.exists()
+    assert tier.stats()["entries"] == 1 and tier.lookup(np.arange(32)) is not None
+    tier.close()
+
+
+@pytest.mark.parametrize("what", ["root", "fingerprint_dir", "index_dir", "index_file"])
+def test_cache_dir_or_index_writable_by_others_is_refused(tmp_path, what):
+    root = tmp_path / "kv"
+    make_tier(root).close()
+    target = {"root": root, "fingerprint_dir": root / FP, "index_dir": root / FP / "index",
+              "index_file": root / FP / "index" / "cache.db"}[what]  # fmt: skip
+    os.chmod(target, 0o777 if target.is_dir() else 0o666)
+    with pytest.raises(UnsafeCacheDir, match="writable by other users"):
+        make_tier(root)
+    env = {**os.environ, "TIERED_KV_DIR": str(root)}
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "cache", "stats"], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "writable by other users" in lines[0], r
+
+
+def test_symlinked_index_dir_is_replaced_not_followed(tmp_path):
+    root = tmp_path / "kv"
+    tier = make_tier(root)
+    tier.persist(np.arange(32), [kv(32)])
+    tier.close()
+    elsewhere = tmp_path / "elsewhere"
+    os.replace(root / FP / "index", elsewhere)
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    os.symlink(elsewhere, root / FP / "index")
+    tier = make_tier(root)  # the link is removed; a fresh index is rebuilt from the files
+    assert not (root / FP / "index").is_symlink() and tier.lookup(np.arange(32)) is not None
+    tier.close()
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
+
+
+def test_lookup_queries_find_the_deepest_newest_entry_and_prefixes(tmp_path):
+    index = Index(tmp_path / "index")
+    seed = "s:4"
+
+    def add(eid: str, toks: list[int], when: float) -> None:
+        blocks = tuple(keys.block_hashes(toks, 4, seed))
+        rec = Record(eid, f"{eid}.safetensors", len(toks), 1, when, when, blocks)
+        index.add(rec, np.asarray(toks, "<i4").tobytes())
+
+    base = list(range(100, 116))
+    add("short", base[:8], 1)
+    add("long", base, 2)
+    add("other", base[:4] + [7] * 12, 3)
+    probe = keys.block_hashes(base + [1, 2, 3, 4], 4, seed)
+    assert list(index.candidates(probe))[0] == ("long", 4)
+    assert {r.entry_id for r in index.prefixes_of(probe)} == {"short", "long"}
+    assert index.summary() == (3, 3)
+    gone = index.remove(["long"])
+    assert [r.entry_id for r in gone] == ["long"] and index.get("long") is None
+    assert list(index.candidates(probe))[0] == ("short", 2)
+    index.close()
+
+
+def test_symlinked_index_file_is_never_followed(tmp_path):
+    root = tmp_path / "kv"
+    make_tier(root).close()
+    db = root / FP / "index" / "cache.db"
+    target = tmp_path / "victim.db"
+    target.write_bytes(b"precious")
+    for p in db.parent.glob("cache.db*"):
+        p.unlink()
+    os.symlink(target, db)
+    make_tier(root).close()
+    assert target.read_bytes() == b"precious" and not db.is_symlink()

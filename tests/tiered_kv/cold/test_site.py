@@ -1,0 +1,106 @@
+"""tiered_kv/cold/site.py: a full or read-only cache disk at start never stops the server and
+never deletes an index that cannot be rebuilt; a full disk counts as ``disk_full``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as C
+
+from tiered_kv.cold import index as index_mod
+from tiered_kv.cold import site as site_mod
+from tiered_kv.cold.tier import ColdTier
+from tiered_kv.config import Config
+
+FP = "0123456789abcdef0123456789abcdef"
+
+
+def kv(n: int) -> C.KVCache:
+    c = C.KVCache()
+    c.update_and_fetch(mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8)))
+    return c
+
+
+def make_tier(root: Path) -> ColdTier:
+    return ColdTier(root, FP, Config(cache_dir=root, block_tokens=16, disk_free_floor=0))
+
+
+def test_damaged_index_on_a_full_disk_is_kept_and_the_tier_starts(tmp_path, monkeypatch):
+    root = tmp_path / "kv"
+    tier = make_tier(root)
+    tier.persist(np.arange(32), [kv(32)])
+    tier.close()
+    db = tier.dir / "index" / "cache.db"
+    damaged = os.urandom(8192)
+    db.write_bytes(damaged)
+    real = index_mod.Index.__init__
+
+    def full(self, path, readonly=False, create=True):  # type: ignore[no-untyped-def]
+        if "rebuild" in Path(path).name:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(self, path, readonly, create)
+
+    monkeypatch.setattr(index_mod.Index, "__init__", full)
+    tier = make_tier(root)  # starts: no traceback, no exit
+    st = tier.stats()
+    assert st["degraded"] >= 1 and st["disk_full"] >= 1 and st["degraded_now"] == 1, st
+    assert db.read_bytes() == damaged  # never deleted what could not be rebuilt
+    assert tier.lookup(np.arange(32)) is None  # no index: a miss
+    tier.persist(np.arange(48), [kv(48)])  # no crash; skipped
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "cache", "verify"],
+                       env={**os.environ, "TIERED_KV_DIR": str(root)}, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and "could not check" in r.stdout, r  # never "clean"
+    monkeypatch.undo()  # space is back: the next write rebuilds the index and goes on
+    monkeypatch.setattr(site_mod, "_RETRY_SECONDS", 0.0)
+    tier.persist(np.arange(64), [kv(64)])
+    assert tier.stats()["degraded_now"] == 0
+    assert tier.lookup(np.arange(32)) is not None and tier.lookup(np.arange(64)) is not None
+    tier.close()
+
+
+def test_read_only_index_at_start_still_serves(tmp_path, monkeypatch):
+    root = tmp_path / "kv"
+    tier = make_tier(root)
+    tier.persist(np.arange(32), [kv(32)])
+    tier.close()
+    real = index_mod.Index.__init__
+
+    def read_only_disk(self, path, readonly=False, create=True):  # type: ignore[no-untyped-def]
+        if not readonly:
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        real(self, path, readonly, create)
+
+    monkeypatch.setattr(index_mod.Index, "__init__", read_only_disk)
+    tier = make_tier(root)
+    st = tier.stats()
+    assert st["degraded"] == 1 and st["read_only"] == 1 and st["entries"] == 1, st
+    hit = tier.lookup(list(range(32)) + [1])
+    assert hit is not None and tier.load(hit) is not None  # read-only serving
+    tier.close()
+
+
+def test_full_index_disk_counts_as_disk_full(tmp_path):
+    root = tmp_path / "kv"
+    tier = make_tier(root)
+    tier.persist(np.arange(32), [kv(32)])
+
+    def cap() -> None:  # the writer thread's own connection: the database cannot grow
+        conn = tier.index._conn()
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count={pages}")
+
+    tier.writer.run_sync(cap)
+    for i in range(1, 4):
+        tier.persist(np.arange(400) + 1000 * i, [kv(400)])
+    st = tier.stats()
+    assert st["disk_full"] >= 1 and st["index_errors"] == 0, st  # was counted as index_errors
+    assert not list(tier.dir.glob(".*.tmp"))
+    tier.close()

@@ -1,0 +1,103 @@
+"""tiered_kv/cold/store.py: entry format 2 — one safetensors file, chunked xxh3 per tensor."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as C
+
+from tiered_kv.cold import codec, store
+from tiered_kv.cold.backend import FileBackend
+from tiered_kv.cold.tier import ColdTier
+from tiered_kv.config import Config
+
+
+def big_kv(tokens: int) -> C.KVCache:
+    c = C.KVCache()
+    x = mx.random.normal((1, 4, tokens, 128)).astype(mx.bfloat16)  # 1 KiB per token per array
+    c.update_and_fetch(x, -x)
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def test_file_is_standard_safetensors_with_chunk_digests(tmp_path):
+    caches = [big_kv(10_000), big_kv(10_000)]  # ~10 MB per tensor: 3 chunks each
+    job = codec.prepare(np.arange(10_000, dtype=np.int32), caches, None, "fp")
+    b = FileBackend(tmp_path)
+    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata).pieces)
+    path = b.path("e1")
+    arrays, meta = mx.load(str(path), return_metadata=True)  # any safetensors reader works
+    assert mx.array_equal(arrays["0.keys"], caches[0].keys[..., :10_000, :]).item()
+    assert meta["format_version"] == "2" and int(meta["chunk_bytes"]) == store.CHUNK_BYTES
+    header = store.read_header(path, "fp")
+    assert len(header.digests("0.keys")) == 16 * 3
+    store.check_data(path, header)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_byte_in_any_chunk_of_a_large_file_is_a_miss(tmp_path, where):
+    tier = ColdTier(tmp_path, "fp", Config(cache_dir=tmp_path, block_tokens=256))
+    ids = np.arange(12_000)
+    tier.persist(ids, [big_kv(12_000), big_kv(12_000)])  # ~48 MB, 12+ chunks
+    (path,) = tier.dir.glob("*.safetensors")
+    header = store.read_header(path)
+    start, size = header.data_start, path.stat().st_size
+    offset = {"first": start + 5, "middle": (start + size) // 2, "last": size - 1}[where]
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+    hit = tier.lookup(ids)
+    assert hit is not None
+    assert tier.load(hit) is None  # detected before anything is served
+    assert tier.stats()["quarantined"] == 1 and tier.lookup(ids) is None
+    tier.close()
+
+
+def test_strided_views_are_written_without_copy_and_read_back_equal(tmp_path):
+    c = C.KVCache()  # 300 tokens in a 512-slot buffer: the encoded slices are strided views
+    c.update_and_fetch(mx.random.normal((1, 2, 200, 8)), mx.random.normal((1, 2, 200, 8)))
+    c.update_and_fetch(mx.random.normal((1, 2, 100, 8)), mx.random.normal((1, 2, 100, 8)))
+    assert c.keys.shape[2] > c.offset
+    job = codec.prepare(np.arange(300, dtype=np.int32), [c], None, "fp")
+    assert any(not t.data.flags.c_contiguous for t in job.tensors)
+    enc = store.encode(job.tokens, job.tensors, job.metadata)
+    buf = memoryview(b"".join(enc.pieces))
+    header = store.parse_buffer(buf, "fp")
+    arrays = codec.load_buffer(buf, header)
+    assert mx.array_equal(arrays["0.keys"], c.keys[..., :300, :]).item()
+    assert np.array_equal(codec.tokens_of(arrays), np.arange(300))
+
+
+def test_symlinked_entry_file_is_never_followed(tmp_path):
+    tier = ColdTier(tmp_path / "kv", "fp", Config(cache_dir=tmp_path / "kv", block_tokens=16))
+    tier.persist(np.arange(32), [big_kv(32)])
+    (path,) = tier.dir.glob("*.safetensors")
+    outside = tmp_path / "outside.safetensors"
+    os.replace(path, outside)
+    os.symlink(outside, path)
+    with pytest.raises(store.CorruptEntry):
+        store.read_header(path)
+    assert tier.load(tier.lookup(np.arange(32))) is None
+    assert outside.exists()  # the link was quarantined, not its target
+    tier.close()
+
+
+def test_header_claiming_huge_chunks_is_refused(tmp_path):
+    job = codec.prepare(np.arange(32, dtype=np.int32), [big_kv(32)], None, "fp")
+    enc = store.encode(job.tokens, job.tensors, job.metadata)
+    raw = b"".join(enc.pieces)
+    import json
+
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
+    meta["chunk_bytes"] = str(1 << 40)
+    new = store.header_bytes(head, meta)
+    with pytest.raises(store.CorruptEntry):
+        store.parse_buffer(memoryview(struct.pack("<Q", len(new)) + new + raw[8 + n :]))

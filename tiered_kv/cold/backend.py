@@ -1,0 +1,166 @@
+"""Where entry bytes live: the cold tier's narrow storage interface and its local-file backend.
+
+A backend stores one opaque byte string per key (an entry id) and knows nothing of KV caches,
+the index or budgets. The cold tier needs exactly four operations of it::
+
+    put(key, pieces)  -> int          write the concatenation of ``pieces`` under ``key``,
+                                      atomically (a reader sees the old value, nothing, or the
+                                      whole new one) and durably before returning; the size
+    get(key)          -> buffer|None  the whole value (one read), or None when absent
+    contains(key)     -> bool
+    delete(key)       -> None         absent is fine
+
+Errors are ``OSError`` (ENOSPC, EROFS, ENOENT of the directory ... counted by the tier).
+A shared backend (e.g. a key-value server) implements these four; :class:`FileBackend` adds
+``path(key)`` so the tier can hand a local file to ``mx.load`` (reads straight into the arrays'
+memory). Keys are ``[0-9A-Za-z_-]{1,64}`` (entry ids), never paths.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from tiered_kv.cold import store
+
+_KEY = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+_WRITE = 1 << 30  # at most this many bytes per write(): Linux caps one write at ~2 GiB
+_COALESCE = 8 << 20  # small pieces are gathered into one write up to this size
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Bytes of entries by key (see the module docstring for the contract)."""
+
+    def put(self, key: str, pieces: Sequence[memoryview]) -> int: ...
+    def get(self, key: str) -> bytearray | None: ...
+    def contains(self, key: str) -> bool: ...
+    def delete(self, key: str) -> None: ...
+
+
+def is_key(key: str) -> bool:
+    return bool(_KEY.match(key))
+
+
+def check_key(key: str) -> str:
+    if not _KEY.match(key):
+        raise ValueError(f"bad entry key {key!r}")
+    return key
+
+
+class FileBackend:
+    """One file per key, ``<dir>/<key>.safetensors`` (0600, the dir 0700).
+
+    ``put`` writes a temp file in the same directory with large sequential writes, one fsync,
+    ``os.replace`` into place, then fsyncs the directory. Nothing follows a symlink: files are
+    opened with ``O_NOFOLLOW`` and temp files created with ``O_EXCL``. Thread-safe (no state).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+
+    def path(self, key: str) -> Path:
+        return self.dir / f"{check_key(key)}{store.SUFFIX}"
+
+    def put(self, key: str, pieces: Sequence[memoryview]) -> int:
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}{store.TMP_SUFFIX}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, store.FILE_MODE)
+        except FileExistsError:  # a leftover of ours (same pid, earlier failure): replace it
+            os.unlink(tmp)
+            fd = os.open(tmp, flags, store.FILE_MODE)
+        try:
+            try:
+                total = _write_all(fd, pieces)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        fsync_dir(self.dir)
+        return total
+
+    def get(self, key: str) -> bytearray | None:
+        try:
+            fd = store.open_entry(self.path(key))
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            view = memoryview(buf)
+            off = 0
+            while off < size:
+                got = os.preadv(fd, [view[off : off + _WRITE]], off)
+                if got == 0:
+                    return None  # shrank while reading: replaced under us
+                off += got
+            return buf
+        finally:
+            os.close(fd)
+
+    def contains(self, key: str) -> bool:
+        try:
+            st = os.lstat(self.path(key))
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode)
+
+    def delete(self, key: str) -> None:
+        _unlink(self.path(key))
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_all(fd: int, pieces: Sequence[memoryview]) -> int:
+    """Write ``pieces`` in order: large ones directly, runs of small ones gathered first."""
+    total = 0
+    small: list[memoryview] = []
+    small_n = 0
+    for p in pieces:
+        if len(p) >= _COALESCE:
+            if small:
+                total += _write(fd, memoryview(b"".join(small)))
+                small, small_n = [], 0
+            total += _write(fd, p)
+        else:
+            small.append(p)
+            small_n += len(p)
+            if small_n >= _COALESCE:
+                total += _write(fd, memoryview(b"".join(small)))
+                small, small_n = [], 0
+    if small:
+        total += _write(fd, memoryview(b"".join(small)))
+    return total
+
+
+def _write(fd: int, view: memoryview) -> int:
+    off, n = 0, len(view)
+    while off < n:
+        wrote = os.write(fd, view[off : off + _WRITE])
+        if wrote <= 0:
+            raise OSError(errno.EIO, "write returned 0")
+        off += wrote
+    return n
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,172 @@
+"""Caches ⇄ entry tensors: the MLX side of the cold tier (request thread only).
+
+* :func:`prepare` turns caches (+ checkpoints) into :class:`store.Tensor` views of *evaluated*
+  arrays — the only MLX work of a spill, done on the request thread before the job crosses to
+  the writer, which then reads bytes only;
+* :func:`load_file` builds the arrays of an entry file with ``mx.load`` (it reads straight into
+  the arrays' memory, on MLX's parallel reader) and checks every chunk digest over those same
+  bytes on the hashing pool while the next tensors load: one read from disk, no extra copy;
+* :func:`load_buffer` does the same from a whole entry in memory (a backend without files);
+* :func:`decode` rebuilds the caches and checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from tiered_kv import layers
+from tiered_kv.cold import store
+
+CKPT = "ckpt."
+_GROUP = 256 << 20  # bytes evaluated per step of a load (hashing overlaps the next step)
+_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_MX = {"BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
+       "U32": mx.uint32, "I32": mx.int32, "U64": mx.uint64, "I64": mx.int64,
+       "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32, "F64": mx.float64}  # fmt: skip
+
+
+@dataclass
+class Prepared:
+    """An entry ready for the writer: token ids, tensor views of evaluated arrays, metadata."""
+
+    tokens: np.ndarray
+    tensors: list[store.Tensor]
+    metadata: dict[str, str]
+    nbytes: int
+    #: lengths of older entries this one may replace: any length when every layer can be cut
+    #: back, else only its checkpoint positions
+    serves: frozenset[int] | None = None
+
+
+def prepare(
+    tokens: np.ndarray, caches: list, checkpoints: dict[int, list] | None, fingerprint: str
+) -> Prepared:
+    """Encode and evaluate (request thread). Raises layers.UnsupportedCache."""
+    arrays, meta = layers.encode(caches)
+    ckpts = checkpoints or {}
+    tree = {}
+    for pos, snap in ckpts.items():
+        a, m = layers.encode(snap)
+        arrays.update({f"{CKPT}{pos}.{k}": x for k, x in a.items()})
+        tree[str(pos)] = m["layers"]
+    if tree:
+        meta["checkpoints"] = json.dumps(tree, separators=(",", ":"))
+    serves = None if layers.can_trim(caches) else frozenset(ckpts) | {len(tokens)}
+    # same-width unsigned views: numpy has no bfloat16; a view shares the buffer (no copy)
+    raw = {k: x.view(_UINT[x.itemsize]) if x.dtype == mx.bfloat16 else x for k, x in arrays.items()}
+    mx.eval(list(raw.values()))
+    tensors = [
+        store.Tensor(k, store.DTYPES[str(x.dtype).removeprefix("mlx.core.")], tuple(x.shape),
+                     _numpy(raw[k]))
+        for k, x in arrays.items()
+    ]  # fmt: skip
+    metadata = {**meta, "fingerprint": fingerprint, "layout": layers.layout(caches),
+                "created": repr(time.time())}  # fmt: skip
+    return Prepared(tokens, tensors, metadata, sum(t.data.nbytes for t in tensors), serves)
+
+
+def _numpy(x: Any) -> np.ndarray:
+    """A numpy view of an evaluated array's memory (strides kept), or a copy where the buffer
+    cannot be exported."""
+    try:
+        return np.asarray(memoryview(x))
+    except (TypeError, ValueError, BufferError):
+        return np.array(x)
+
+
+def _bytes_of(x: Any) -> memoryview:
+    """The bytes of an evaluated, contiguous array (no copy where MLX exports its buffer)."""
+    try:
+        return store.flat_bytes(np.frombuffer(memoryview(x), dtype=np.uint8))
+    except (TypeError, ValueError, BufferError):
+        return store.flat_bytes(np.array(x.view(_UINT[x.itemsize])).reshape(-1))
+
+
+def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
+    """Every tensor of ``path`` (whose checked header is ``header``), each verified against its
+    chunk digests. Raises store.CorruptEntry (also when the file changed since ``header``),
+    FileNotFoundError."""
+    try:
+        loaded = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        if not path.exists():
+            raise FileNotFoundError(path) from None
+        raise store.CorruptEntry(f"mx.load failed: {e}") from None
+    assert isinstance(loaded, tuple)
+    arrays: dict[str, mx.array] = loaded[0]
+    meta = {k: v for k, v in loaded[1].items() if k != "header_xxh"}
+    if meta != header.metadata or set(arrays) != set(header.tensors):
+        raise store.CorruptEntry("file changed since its header was checked")
+    order = sorted(header.tensors, key=lambda n: header.tensors[n]["data_offsets"][0])
+    pending: list[Future] = []
+    group: list[str] = []
+    size = 0
+    try:
+        for i, name in enumerate(order):
+            group.append(name)
+            size += arrays[name].nbytes
+            if size >= _GROUP or i == len(order) - 1:
+                mx.eval([arrays[n] for n in group])
+                pending += [_check(n, arrays[n], header) for n in group]
+                group, size = [], 0
+    except store.CorruptEntry:
+        raise
+    except (RuntimeError, ValueError) as e:
+        raise store.CorruptEntry(f"mx.load failed: {e}") from None
+    for f in pending:
+        f.result()  # raises store.CorruptEntry
+    return arrays
+
+
+def _check(name: str, x: mx.array, header: store.Header) -> Future:
+    t = header.tensors[name]
+    dtype = store.DTYPES.get(str(x.dtype).removeprefix("mlx.core."))
+    if list(x.shape) != t["shape"] or dtype != t["dtype"]:
+        raise store.CorruptEntry(f"tensor {name!r} does not match its header")
+    return store.pool().submit(store.check_buffer, name, _bytes_of(x), header)
+
+
+def load_buffer(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
+    """Tensors of a whole entry in memory, verified first (one copy into MLX memory)."""
+    futures = [store.pool().submit(store.check_buffer, n, store.tensor_bytes(buf, header, n), header)
+               for n in header.tensors]  # fmt: skip
+    for f in futures:
+        f.result()
+    out: dict[str, mx.array] = {}
+    for name, t in header.tensors.items():
+        width = store.ITEMSIZE[t["dtype"]]
+        raw = np.frombuffer(store.tensor_bytes(buf, header, name), dtype=_NP_UINT[width])
+        out[name] = mx.array(raw).view(_MX[t["dtype"]]).reshape(t["shape"])
+    mx.eval(list(out.values()))
+    return out
+
+
+def decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list, dict[int, list]]:
+    """The entry's caches and its checkpoints (arrays named ``ckpt.<pos>.<path>``).
+    Raises layers.CorruptState / layers.UnsupportedCache."""
+    main = {k: v for k, v in arrays.items() if not k.startswith(CKPT) and k != "tokens"}
+    caches = layers.decode(main, metadata)
+    try:
+        tree = json.loads(metadata.get("checkpoints", "{}"))
+        positions = {int(p): t for p, t in tree.items()}
+    except (ValueError, AttributeError) as e:
+        raise layers.CorruptState(f"bad checkpoint metadata: {e}") from None
+    checkpoints: dict[int, list] = {}
+    for pos, layer_tree in positions.items():
+        prefix = f"{CKPT}{pos}."
+        sub = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+        checkpoints[pos] = layers.decode(sub, {"layers": layer_tree})
+    return caches, checkpoints
+
+
+def tokens_of(arrays: dict[str, Any]) -> np.ndarray:
+    return np.array(arrays["tokens"], dtype="<i4")

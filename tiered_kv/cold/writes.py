@@ -1,0 +1,87 @@
+"""The write path of the cold tier (writer thread only): budget, bytes, publish, index commit.
+
+One entry is written as: make room (evicting LRU entries through the one delete path) → encode
+(chunk checksums over the evaluated arrays' own buffers, on the hashing pool) → ``backend.put``
+(large sequential writes, one fsync, atomic rename, directory fsync) → one index transaction
+that adds the record and removes the older entries it continues → delete those files. A failure
+anywhere is counted by kind (:class:`faults.Faults`), logged once, and leaves no temp file.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+import uuid
+
+import numpy as np
+
+from tiered_kv.cold import store
+from tiered_kv.cold.codec import Prepared
+from tiered_kv.cold.evict import Remover
+from tiered_kv.cold.index import Index, IndexUnreadable, Record
+from tiered_kv.cold.site import Site
+
+
+class WritePath:
+    def __init__(self, site: Site, remover: Remover) -> None:
+        self.site = site
+        self.remover = remover
+
+    def write(self, job: Prepared) -> None:
+        """Write one entry; a directory deleted under the write is re-created and the write
+        retried once (the entry is not lost to the race)."""
+        for attempt in (0, 1):
+            try:
+                self._write(job)
+                return
+            except FileNotFoundError as e:
+                if attempt == 0 and not self.site.dir.is_dir():
+                    continue
+                self.site.faults.io_error("spill", e)
+            except (OSError, sqlite3.Error, IndexUnreadable) as e:
+                self.site.faults.io_error("spill", e)
+            return
+
+    def _write(self, job: Prepared) -> None:
+        site = self.site
+        index = site.ensure()
+        if index is None:
+            site.faults.count("skipped")
+            return
+        if not self.remover.make_room(index, len(job.tokens), job.nbytes):
+            site.faults.count("skipped")
+            return
+        key = uuid.uuid4().hex
+        encoded = store.encode(job.tokens, job.tensors, job.metadata)
+        nbytes = site.backend.put(key, encoded.pieces)
+        try:
+            now = time.time()
+            blocks = tuple(site.block_hashes(job.tokens))
+            rec = Record(key, site.backend.path(key).name, len(job.tokens), nbytes, now, now, blocks)
+            older = [r.entry_id for r in index.prefixes_of(list(blocks))
+                     if self._is_prefix(index, r, job)]  # fmt: skip
+            gone = index.add(rec, job.tokens.tobytes(), remove=older)
+        except BaseException:
+            site.backend.delete(key)  # published but never committed
+            raise
+        self.remover.files_gone(gone, "superseded")  # continuation: deleted after the commit
+        site.faults.count("spills")
+        site.faults.count("spill_bytes", nbytes)
+
+    @staticmethod
+    def _is_prefix(index: Index, r: Record, job: Prepared) -> bool:
+        stored = index.tokens(r.entry_id)
+        if stored is None or not 0 < len(stored) <= len(job.tokens):
+            return False
+        if job.serves is not None and len(stored) not in job.serves:
+            return False  # the new entry could not serve the old one's length
+        return bool(np.array_equal(stored, job.tokens[: len(stored)]))
+
+    def touch(self, entry_id: str, when: float) -> None:
+        index = self.site.index
+        if index is None or not self.site.writable:
+            return
+        try:
+            index.touch(entry_id, when)
+        except sqlite3.Error as e:
+            self.site.faults.once("touch", "cold index touch failed: %s", e)
