@@ -76,6 +76,8 @@ class _Seq:
     hit: Hit = Hit()
     t_prefill: float = 0.0
     t_first: float = 0.0
+    prefill_busy: float = 0.0  # seconds inside this request's own prefill chunks
+    prefill_from: int = 0  # tokens the cache served (where its prefill started)
 
     def usage(self, now: float) -> Usage:
         t = now - self.started
@@ -179,8 +181,10 @@ class BatchLoop:
             self._finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
             return
         assert seq.steps is not None and seq.lease is not None
+        t0 = time.perf_counter()
         try:
             next(seq.steps)
+            seq.prefill_busy += time.perf_counter() - t0
             return
         except StopIteration as done:
             logits = done.value
@@ -188,8 +192,13 @@ class BatchLoop:
             self.prefilling = None
             self._fail(seq, e, seq.lease.caches)
             return
+        seq.prefill_busy += time.perf_counter() - t0
         self.prefilling = None
         seq.t_prefill = time.perf_counter() - seq.started
+        done_hook = getattr(self.engine, "prefill_done", None)
+        if done_hook is not None:
+            new = len(seq.fed) - seq.prefill_from
+            done_hook(seq.lease, seq.prefill_from, new, seq.prefill_busy)
         try:
             # the requests prefilling after this one may share its prompt: publish it now
             self.engine.cache.share(seq.lease, seq.fed)
@@ -211,6 +220,7 @@ class BatchLoop:
                 seq.hit = Hit(info.tokens, info.tier, info.load_seconds)
                 seq.sink.emit(seq.hit)
                 seq.fed = list(seq.prompt_ids[: info.tokens])
+                seq.prefill_from = info.tokens
                 seq.text = self.engine.text_stream(seq.params)
                 seq.sampler = sampling.for_request(seq.params)
                 seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)

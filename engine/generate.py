@@ -63,6 +63,33 @@ class Engine:
                 raise CacheDirError(f"TIERED_KV_DIR={config.cache_dir}: {e.strerror or e}") from e
         self.cache = TieredCache(config, lambda: make_prompt_cache(self.model), cold)
         self.prefill_chunk = config.prefill_chunk or default_prefill_chunk()
+        self.restorer = self._restorer(cold)  # issue 15
+
+    # -- issue 15: restore plans (load / compute / both) ------------------------------------
+    def _restorer(self, cold: Any) -> Any:
+        """The disk-hit planner with this model's learned costs (None without a cold tier)."""
+        if cold is None:
+            return None
+        from tiered_kv.restore.costs import CostBook
+        from tiered_kv.restore.restorer import Restorer, blocker_of, calibrate
+
+        device = str(mx.default_device())
+        costs = CostBook(CostBook.file_for(cold.dir, device), cold.fingerprint, device)
+        mode: Any = self.config.restore  # validated by config: auto | load | compute | both
+        r = Restorer(mode, costs, self.compute_prefix,
+                     blocker_of(make_prompt_cache(self.model)), self.config.kv_bits,
+                     self.config.kv_group_size)  # fmt: skip
+        self.cache.restorer = r
+        unknown = costs.learned.prefill is None and self.config.restore == "auto"
+        if unknown and cold.stats()["entries"]:
+            calibrate(self.compute_prefix, costs)  # the first disk hit must not plan blind
+        return r
+
+    def compute_prefix(self, ids: list[int]) -> list[Any]:
+        """Fresh caches holding exactly ``ids`` (prefilled here, on the engine thread)."""
+        lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
+        prefill(self.model, lease, [], self.prefill_chunk)
+        return lease.caches
 
     # -- prompts ---------------------------------------------------------------------------
     def encode_chat(
@@ -81,6 +108,16 @@ class Engine:
             return []
         eos = set(self.tokenizer.eos_token_ids)
         return checkpoint_positions(len(fed), lease.remaining, eos, self.config.checkpoint_tokens)
+
+    def prefill_done(self, lease: Lease, start: int, new: int, seconds: float) -> None:
+        """A request's suffix prefill finished: ``new`` tokens onto ``start`` cached ones in
+        ``seconds`` of prefill work (the batch loop's decode steps in between not counted). Issue 15:
+        every prefill teaches the restore cost model, and a planned disk restore learns its outcome."""
+        if self.restorer is None:
+            return
+        self.restorer.costs.observe_prefill(new, start, seconds)
+        if lease.hit.restore is not None:
+            self.restorer.outcome(lease.hit.restore, lease.hit.load_seconds + seconds)
 
     def logits(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, HitInfo]:
         """Next-token logits after ``prompt_ids`` through the cache (stores the entry)."""
@@ -137,6 +174,8 @@ class Engine:
 
     def close(self) -> None:
         self.cache.close()
+        if self.restorer is not None:
+            self.restorer.close()
 
 
 class _ListSink:

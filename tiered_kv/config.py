@@ -51,6 +51,7 @@ def default_root() -> Path:
 
 
 TIERS = ("hot", "cold")
+RESTORE_MODES = ("auto", "load", "compute", "both")
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ class Config:
     max_batch: int = 8
     #: TIERED_KV_MAX_QUEUE — requests waiting for a place in the batch; past it, a 429.
     max_queue: int = 64
+    #: TIERED_KV_RESTORE — how a disk hit is restored: "auto" (the faster of load, compute and
+    #: both by this machine's measured costs), or forced "load", "compute" or "both" (benchmarks).
+    restore: str = "auto"
 
     @property
     def hot_enabled(self) -> bool:
@@ -184,6 +188,13 @@ def _group(text: str) -> int:
     return v
 
 
+def _restore(text: str) -> str:
+    t = text.strip().lower()
+    if t not in RESTORE_MODES:
+        raise ValueError(text)
+    return t
+
+
 def _path(text: str) -> Path:
     if not text.strip():
         raise ValueError(text)
@@ -233,6 +244,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_MAX_BODY_BYTES": ("max_body_bytes", _size, SIZE_FORM),
     "TIERED_KV_MAX_BATCH": ("max_batch", _positive_int, "an integer ≥ 1"),
     "TIERED_KV_MAX_QUEUE": ("max_queue", _nonneg_int, "an integer ≥ 0"),
+    "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
 }
 PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'
 

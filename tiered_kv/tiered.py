@@ -54,6 +54,8 @@ class HitInfo:
     tier: str = "none"  # "hot" | "cold" | "none"
     load_seconds: float = 0.0
     load_bytes: int = 0
+    #: issue 15: the restore plan taken for a disk hit (a ``restore.restorer.Decision``)
+    restore: Any = None
 
 
 @dataclass
@@ -77,6 +79,7 @@ class _Candidate:
     tier: str
     load_seconds: float = 0.0
     load_bytes: int = 0
+    restore: Any = None  # issue 15: the Decision that produced / passed over this candidate
 
 
 class TieredCache:
@@ -97,6 +100,8 @@ class TieredCache:
         )
         self.needs_checkpoints = layers.needs_checkpoints(make_cache())
         self._unsupported_logged = False
+        #: issue 15: plans disk hits (load / compute / both); set by the engine, None = always load
+        self.restorer: Any = None
         self.counters = {"fetches": 0, "hit_tokens_hot": 0, "hit_tokens_cold": 0, "stores": 0}
 
     @property
@@ -111,15 +116,15 @@ class TieredCache:
             raise ValueError("empty prompt")
         self.counters["fetches"] += 1
         cand = self._find(prompt) if self.enabled else None
-        if cand is not None:
+        decision = cand.restore if cand is not None else None
+        if cand is not None and cand.entry is not None:
             lease = self._lease_from(cand, prompt)
             if lease is not None:
                 key = "hit_tokens_hot" if lease.hit.tier == "hot" else "hit_tokens_cold"
                 self.counters[key] += lease.hit.tokens
                 return lease
-        return Lease(
-            self.make_cache(), prompt.tolist(), HitInfo(), None, {}, self.needs_checkpoints
-        )
+        hit = HitInfo(restore=decision)
+        return Lease(self.make_cache(), prompt.tolist(), hit, None, {}, self.needs_checkpoints)
 
     def _find(self, prompt: TokenArray) -> _Candidate | None:
         best = self.hot.best(prompt) if self.config.hot_enabled else None
@@ -128,9 +133,35 @@ class TieredCache:
         if self.cold is not None and hot_n < len(prompt) - 1:
             hit = self.cold.lookup(prompt)
             if hit is not None and policy.servable_tokens(hit.tokens, len(prompt)) > hot_n:
-                loaded = self._load(hit, prompt)
-                if loaded is not None:
+                loaded = self._restore(hit, prompt, hot_n)
+                if loaded is not None and loaded.entry is not None:
                     cand = loaded
+                elif loaded is not None:  # computing beats loading: the plan rides along
+                    cand = cand or loaded
+                    cand.restore = loaded.restore
+        return cand
+
+    # -- issue 15: load, compute or both ----------------------------------------------------
+    def _restore(self, hit: ColdHitLike, prompt: TokenArray, hot_n: int) -> _Candidate | None:
+        """The candidate of a disk hit restored the planned way; a candidate with no entry
+        when the plan is to recompute; None on a miss (vanished / corrupt)."""
+        r = self.restorer
+        if r is None:
+            return self._load(hit, prompt)
+        assert self.cold is not None
+        n = policy.servable_tokens(hit.tokens, len(prompt))
+        d = r.plan(self.cold, hit, n, len(prompt), hot_n)
+        if d.kind == "compute":
+            return _Candidate(None, 0, "none", restore=d)  # type: ignore[arg-type]
+        if d.kind == "both":
+            got = r.both(self.cold, hit, prompt, d)
+            if got is not None:
+                entry = new_entry(got.tokens, got.caches, {}, persisted=True)
+                return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d)
+        cand = self._load(hit, prompt)
+        if cand is not None:
+            r.observe_load(hit.entry_id, cand.load_bytes, cand.load_seconds)
+            cand.restore = d
         return cand
 
     def _load(self, hit: ColdHitLike, prompt: TokenArray) -> _Candidate | None:
@@ -173,7 +204,7 @@ class TieredCache:
                 self.hot.touch(entry)
             elif self.config.hot_enabled:
                 self.hot.insert(entry)  # a reloaded cold entry stays in memory for the next turn
-        hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes)
+        hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes, cand.restore)
         if self.needs_checkpoints and n not in inherited:
             inherited[n] = layers.snapshot(caches)  # the state we start from is a checkpoint too
         return Lease(caches, prompt[n:].tolist(), hit, taken, inherited, self.needs_checkpoints)
@@ -242,6 +273,9 @@ class TieredCache:
     def _spill(self, entry: Entry) -> None:
         """Hot-tier eviction hand-off: write-behind to the cold tier unless already there."""
         if self.cold is not None and not entry.persisted:
+            r = self.restorer  # issue 15: admission by value (counted by the restorer)
+            if r is not None and not r.admit(len(entry.tokens), entry.nbytes):
+                return
             self.cold.spill(entry.tokens, entry.caches, self._disk_checkpoints(entry))
             entry.persisted = True
 
@@ -285,6 +319,8 @@ class TieredCache:
         )
         if self.cold is not None:
             s.update({f"cold_{k}": v for k, v in self.cold.stats().items()})
+        if self.restorer is not None:
+            s.update(self.restorer.stats())  # issue 15: restore_* and learned_* figures
         return s
 
     def close(self) -> None:

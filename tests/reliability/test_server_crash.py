@@ -73,8 +73,10 @@ def test_kill9_at_random_moments_across_spills(server_factory, reference, tmp_pa
     # machine answers fewer requests between two kills, which must not fail the test
     run = -1
     while (run := run + 1) < restarts or (total_spills < target and run < 6 * restarts):
+        # RESTORE=load: every entry is spilled (auto may refuse files that never beat a recompute)
         env = {"TIERED_KV_DIR": str(kv), "TIERED_KV_HOT_BYTES": "1", "TIERED_KV_BLOCK_TOKENS": "16",
-               "TIERED_KV_WRITE_THROUGH": "1" if run % 3 == 0 else "0"}  # fmt: skip
+               "TIERED_KV_WRITE_THROUGH": "1" if run % 3 == 0 else "0",
+               "TIERED_KV_RESTORE": "load"}  # fmt: skip
         s = server_factory(f"run{run}", **env)  # it always starts
         killer = threading.Timer(rng.uniform(0.3, 1.5), s.kill)
         killer.start()

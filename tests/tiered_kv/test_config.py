@@ -69,3 +69,10 @@ def test_bad_value_names_the_variable(name, value):
 def test_env_table_lists_every_variable():
     names = {row[0] for row in env_table()}
     assert "TIERED_KV_DIR" in names and "TIERED_KV_PREFETCH" in names and len(names) >= 17
+
+
+def test_restore_mode():
+    assert from_env({}).restore == "auto"
+    assert from_env({"TIERED_KV_RESTORE": " Compute "}).restore == "compute"
+    with pytest.raises(ConfigError, match="TIERED_KV_RESTORE"):
+        from_env({"TIERED_KV_RESTORE": "fastest"})

@@ -177,13 +177,15 @@ def chunk_digests(blocks: Sequence[memoryview], chunk: int = CHUNK_BYTES) -> str
 
 
 # -- encode (writer thread) --------------------------------------------------------------------
-def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str, str]) -> Encoded:
+def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str, str],
+           chunk: int = CHUNK_BYTES) -> Encoded:  # fmt: skip
     """The entry's bytes: checksums computed over the same buffers that will be written (in
-    parallel per tensor), then the header. No copy of contiguous data."""
+    parallel per tensor), then the header. No copy of contiguous data. ``chunk``: the checksum
+    granularity (tests use small ones to exercise ranged reads)."""
     assert tokens.dtype == np.dtype("<i4") and all(t.name != "tokens" for t in tensors)
     items = [Tensor("tokens", "I32", (len(tokens),), tokens), *tensors]
     blocks = [byte_blocks(t.data) for t in items]
-    sums = list(pool().map(chunk_digests, blocks))
+    sums = list(pool().map(lambda b: chunk_digests(b, chunk), blocks))
     table: dict[str, Any] = {}
     off = 0
     for t, bl in zip(items, blocks, strict=True):
@@ -192,7 +194,7 @@ def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str,
         table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + n]}
         off += n
     meta = {**metadata, "format_version": str(FORMAT), "n_tokens": str(len(tokens)),
-            "chunk_bytes": str(CHUNK_BYTES),
+            "chunk_bytes": str(chunk),
             "xxh3": json.dumps({t.name: s for t, s in zip(items, sums, strict=True)},
                                separators=(",", ":"))}  # fmt: skip
     head = header_bytes(table, meta)

@@ -166,6 +166,17 @@ class ColdTier:
         self.writer.submit(lambda: self._touch(rec.entry_id, now), 0, droppable=False)
         return Loaded(caches, tokens, checkpoints)
 
+    def describe(self, hit: ColdHit) -> tuple[Path, int] | None:
+        """(entry file path, file bytes) of a hit, or None when its record is gone or the index
+        does not answer within the deadline (issue 15: the restore plan sizes the read and probes
+        the page cache with it). Request thread; the index query runs on the reader thread."""
+        return self._ask(lambda: self._describe(hit.entry_id), None)
+
+    def _describe(self, entry_id: str) -> tuple[Path, int] | None:
+        index = self.site.index
+        rec = index.get(entry_id) if index is not None else None
+        return None if rec is None else (self.dir / Path(rec.file).name, rec.nbytes)
+
     def _touch(self, entry_id: str, when: float) -> None:
         self.writes.touch(entry_id, when)
         if self._touched.get(entry_id) == when:

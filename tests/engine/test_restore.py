@@ -1,0 +1,140 @@
+# mypy: disable-error-code="arg-type,union-attr,operator,index,dict-item"
+"""Restore plans end to end (issue 15), over real HTTP across restarts on one TIERED_KV_DIR: a disk
+throttled to 0.1 MB/s makes the server recompute; a slow compute makes it load; the learned costs
+survive the restart (the first request after it already knows); greedy output never changes."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from engine.generate import Engine, SamplingParams
+from tests.engine.test_server import serve
+from tiered_kv.config import Config
+
+WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex jolly boxers".split()
+MESSAGES = [{"role": "user", "content": " ".join(WORDS[i * 7 % len(WORDS)] for i in range(120))}]
+
+
+def config(tmp_path, **kw) -> Config:
+    return Config(cache_dir=tmp_path, block_tokens=16, prefill_chunk=64, min_continuation_tokens=16,
+                  **kw)  # fmt: skip
+
+
+def ask(live) -> tuple[str, dict]:
+    r = live.client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=6, temperature=0.0
+    )
+    return r.choices[0].message.content, r.usage.model_dump()
+
+
+def metric(live, name: str) -> float:
+    body = httpx.get(live.url + "/metrics", headers={"Authorization": "Bearer sekret"}).text
+    m = re.search(rf"^{name} (\S+)$", body, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def throttle(engine: Engine, bytes_per_s: float) -> None:
+    """Injected fault: every read of the cold tier (load and ranged) runs at ``bytes_per_s``."""
+    cold, restorer = engine.cache.cold, engine.restorer
+    load, reader = cold.load, restorer.reader
+
+    def slow_load(hit):
+        got = load(hit)
+        desc = cold.describe(hit)
+        time.sleep((desc[1] if desc else 0) / bytes_per_s)
+        return got
+
+    def slow_reader(*args):
+        rr = reader(*args)
+        time.sleep(rr.nbytes / bytes_per_s)
+        return rr
+
+    cold.load, restorer.reader = slow_load, slow_reader
+
+
+class SlowModel:
+    """Injected slow compute: the real model, 3 ms per token fed."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, x, cache=None):
+        time.sleep(0.003 * x.shape[-1])
+        return self._model(x, cache=cache)
+
+
+def run_once(model_dir, cfg, inject=None):
+    def make():  # on the server's engine thread, which owns MLX
+        engine = Engine(model_dir, cfg)
+        if inject:
+            inject(engine)
+        return engine
+
+    with serve(make, cfg) as live:
+        text, usage = ask(live)
+        figures = {k: metric(live, f"tiered_kv_cache_{k}") for k in (
+            "restore_load", "restore_compute", "restore_both", "learned_prefill_tok_s",
+            "learned_load_cold_gb_s", "learned_load_warm_gb_s", "restore_not_admitted",
+            "restore_predicted_seconds", "restore_actual_seconds")}  # fmt: skip
+    return text, usage, figures
+
+
+def test_throttled_disk_makes_the_server_recompute(tiny_model_dir, tmp_path):
+    cfg = config(tmp_path)
+    slow = lambda e: throttle(e, 1e5)  # noqa: E731
+    text0, usage0, _ = run_once(tiny_model_dir, cfg)  # learns prefill; close spills the entry
+    assert usage0["cache_tier"] == "none"
+    # restart 1: reads not learned yet → load (the safe default), which teaches 0.1 MB/s
+    text1, usage1, f1 = run_once(tiny_model_dir, cfg, slow)
+    assert usage1["cache_tier"] == "cold" and f1["restore_load"] == 1
+    assert text1 == text0
+    # restart 2: the first request already knows: recomputing beats a 0.1 MB/s disk
+    text2, usage2, f2 = run_once(tiny_model_dir, cfg, slow)
+    assert f2["restore_compute"] == 1 and f2["restore_load"] == 0, f2
+    assert usage2["cache_tier"] == "none" and usage2["prompt_tokens_details"]["cached_tokens"] == 0
+    assert text2 == text0
+    assert (
+        f2["learned_prefill_tok_s"] > 0
+        and f2["learned_load_cold_gb_s"] + f2["learned_load_warm_gb_s"] > 0
+    )
+    assert f2["restore_predicted_seconds"] > 0 and f2["restore_actual_seconds"] > 0
+
+
+def test_slow_compute_makes_the_server_load(tiny_model_dir, tmp_path):
+    cfg = config(tmp_path)
+    slow = lambda e: setattr(e, "model", SlowModel(e.model))  # noqa: E731
+    text0, _, _ = run_once(tiny_model_dir, cfg, slow)
+    _, usage1, f1 = run_once(tiny_model_dir, cfg, slow)  # load (not learned) teaches the read
+    assert usage1["cache_tier"] == "cold"
+    text2, usage2, f2 = run_once(tiny_model_dir, cfg, slow)
+    assert f2["restore_load"] + f2["restore_both"] == 1 and f2["restore_compute"] == 0, f2
+    assert usage2["cache_tier"] == "cold" and text2 == text0
+
+
+@pytest.mark.parametrize("mode", ["load", "compute", "both"])
+def test_forced_modes_give_identical_greedy_output(tiny_model_dir, tmp_path, mode):
+    text0, _, _ = run_once(tiny_model_dir, config(tmp_path))
+    text, usage, f = run_once(tiny_model_dir, config(tmp_path, restore=mode))
+    assert text == text0 and f[f"restore_{mode}"] == 1
+    assert usage["cache_tier"] == ("none" if mode == "compute" else "cold")
+
+
+def test_admission_by_value_is_counted(tiny_model_dir, tmp_path):
+    cfg = config(tmp_path)
+    run_once(tiny_model_dir, cfg)  # learns prefill, spills the entry
+    engine = Engine(tiny_model_dir, cfg)
+    for warm in (0.0, 1.0):  # a disk (and page cache) of 1 kB/s, as learned before
+        engine.restorer.costs.observe_load(10**6, 1000.0, warm)
+    list(engine.generate(engine.encode_chat(MESSAGES), SamplingParams(max_tokens=2)))
+    assert engine.cache.stats()["restore_compute"] == 1
+    engine.close()  # the longer entry is not worth a file here: refused, counted
+    assert engine.restorer.counters["restore_not_admitted"] == 1
+    assert engine.cache.cold.stats()["spills"] == 0

@@ -1,0 +1,119 @@
+"""tiered_kv/cold/ranged.py: ranged reads of format-2 entries, verified by the entry's own chunk
+checksums (one integrity scheme with the load path): exact rows, only the covering chunks read, a
+flipped byte in any chunk served is caught, one outside the range is never read, no symlink is
+followed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from tiered_kv.cold import codec, ranged, store
+from tiered_kv.cold.backend import FileBackend
+
+N, HEADS, DIM = 600, 2, 8
+CHUNK = 1000  # bytes: a head's run of 600 float32 rows of 8 is 19200 bytes, ~20 chunks
+
+
+def write(tmp_path, dtype=mx.float32, chunk=CHUNK):
+    """An entry of N tokens written the cold tier's way (codec.prepare → store.encode → backend),
+    with small checksum chunks; returns its path and the keys it holds (float32)."""
+    c = KVCache()
+    big = mx.arange(HEADS * 700 * DIM).reshape(1, HEADS, 700, DIM).astype(dtype)
+    c.update_and_fetch(big[..., :N, :], (big * 2)[..., :N, :])
+    job = codec.prepare(np.arange(N, dtype=np.int32), [c], None, "fp")
+    b = FileBackend(tmp_path)
+    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk).pieces)
+    return b.path("e1"), np.array(big[..., :N, :].astype(mx.float32))
+
+
+def flip(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_range_read_returns_exact_rows_and_reads_only_covering_chunks(tmp_path):
+    path, keys = write(tmp_path)
+    rr = ranged.read_range(path, "fp", 300, 590)
+    assert (rr.start, rr.stop) == (300, 590) and rr.tokens.tolist() == list(range(590))
+    dtype, u8 = rr.tensors["0.keys"]
+    assert dtype == "F32" and set(rr.tensors) == {"0.keys", "0.values"}
+    np.testing.assert_array_equal(u8.view(np.float32)[0], keys[0, :, 300:590])
+    assert rr.nbytes < path.stat().st_size * 0.75  # head 0's first half was not read
+
+
+def test_bf16_rows_round_trip(tmp_path):
+    path, keys = write(tmp_path, dtype=mx.bfloat16)
+    rr = ranged.read_range(path, "fp", 1, N)
+    dtype, u8 = rr.tensors["0.keys"]
+    got = mx.array(u8.view(np.uint16)).view(mx.bfloat16).astype(mx.float32)
+    assert dtype == "BF16"
+    np.testing.assert_array_equal(np.array(got)[0], keys[0, :, 1:N])
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_flipped_byte_in_any_chunk_served_is_caught(tmp_path, where):
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    start, stop = h.tensors["0.values"]["data_offsets"]
+    row = DIM * 4
+    head1 = h.data_start + start + N * row  # the second head's run
+    offset = {"first": head1 + 5, "middle": head1 + 300 * row, "last": h.data_start + stop - 1}
+    flip(path, offset[where])
+    with pytest.raises(store.CorruptEntry, match="range checksum"):
+        ranged.read_range(path, "fp", 1, N)
+
+
+def test_corrupt_chunk_outside_the_range_is_not_read(tmp_path):
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    flip(path, h.data_start + h.tensors["0.keys"]["data_offsets"][0] + 3)  # token 0, head 0
+    assert ranged.read_range(path, "fp", 256, N).start == 256  # never served, never read
+    with pytest.raises(store.CorruptEntry):
+        ranged.read_range(path, "fp", 0, N)
+
+
+def test_tokens_are_verified(tmp_path):
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    flip(path, h.data_start + h.tensors["tokens"]["data_offsets"][0] + 8)
+    with pytest.raises(store.CorruptEntry, match="tokens"):
+        ranged.read_range(path, "fp", 300, N)
+
+
+def test_a_planted_symlink_is_not_followed(tmp_path):
+    path, _ = write(tmp_path)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(path)
+    with pytest.raises(store.CorruptEntry, match="symlink"):
+        ranged.read_range(link, "fp", 300, N)
+    assert ranged.resident_share(link) is None
+
+
+def test_foreign_and_out_of_range(tmp_path):
+    path, _ = write(tmp_path)
+    with pytest.raises(store.ForeignEntry):
+        ranged.read_range(path, "other", 300, N)
+    with pytest.raises(ValueError):
+        ranged.read_range(path, "fp", 300, N + 1)
+
+
+def test_layers_without_token_rows_cannot_be_split(tmp_path):
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, HEADS, 40, DIM)), mx.zeros((1, HEADS, 40, DIM)))
+    at20 = KVCache()
+    at20.update_and_fetch(mx.zeros((1, HEADS, 20, DIM)), mx.zeros((1, HEADS, 20, DIM)))
+    job = codec.prepare(np.arange(40, dtype=np.int32), [c], {20: [at20]}, "fp")  # a checkpoint
+    b = FileBackend(tmp_path)
+    b.put("e2", store.encode(job.tokens, job.tensors, job.metadata, CHUNK).pieces)
+    with pytest.raises(ranged.Unsplittable):
+        ranged.read_range(b.path("e2"), "fp", 10, 40)
+
+
+def test_resident_share_is_a_share_or_unknown(tmp_path):
+    path, _ = write(tmp_path)
+    share = ranged.resident_share(path)
+    assert share is None or 0.0 <= share <= 1.0

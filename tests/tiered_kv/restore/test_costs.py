@@ -1,0 +1,73 @@
+"""tiered_kv/restore/costs.py: fits recover the costs that produced the observations; the book
+persists as JSON per model and machine, and a bad file starts afresh."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiered_kv.restore.costs import CostBook, fit_prefill, fit_read, machine_id
+from tiered_kv.restore.plan import PrefillCost
+
+
+def test_prefill_fit_recovers_rate_and_context_term():
+    true = PrefillCost(0.01, 1 / 5000, 1e-8)
+    obs = [[k, c, true.seconds(k, c)] for k in (64, 512, 4096) for c in (0, 8192, 32768)]
+    got = fit_prefill(obs)
+    assert got is not None
+    for k, c in ((1000, 0), (8000, 60000)):
+        assert got.seconds(k, c) == pytest.approx(true.seconds(k, c), rel=0.02)
+
+
+def test_one_observation_gives_a_plain_rate():
+    got = fit_prefill([[1000, 0, 0.5]])
+    assert got is not None and got.tokens_per_second(1000) == pytest.approx(2000)
+
+
+def test_read_fit():
+    obs = [[n, 0.002 + n / 2e9] for n in (1e6, 1e8, 1e9)]
+    got = fit_read(obs)
+    assert got is not None and got.bytes_per_s == pytest.approx(2e9, rel=0.01)
+
+
+def test_persisted_per_fingerprint_and_machine(tmp_path):
+    path = CostBook.file_for(tmp_path)
+    assert machine_id()[0] in path.name
+    a = CostBook(path, "fp")
+    a.observe_prefill(1000, 0, 0.5)
+    a.observe_load(10**8, 0.1, 0.0)
+    a.observe_load(10**8, 0.01, 1.0)
+    a.save(force=True)
+    assert json.loads(path.read_text())["version"] == 1  # JSON, never a pickle
+    b = CostBook(path, "fp")
+    assert b.learned == a.learned and b.learned.load_cold.bytes_per_s == pytest.approx(1e9)
+    assert b.learned.load_warm.bytes_per_s == pytest.approx(1e10)
+    assert CostBook(path, "other-model").learned.prefill is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "not json",
+        '{"version": 1, "fingerprint": "fp", "observations": '
+        '{"prefill": [[1, "x", 3]], "load": 5}}',
+        "[]",
+    ],
+)
+def test_bad_file_starts_afresh(tmp_path, body):
+    path = CostBook.file_for(tmp_path)
+    path.write_text(body)
+    book = CostBook(path, "fp")
+    assert book.learned.prefill is None
+    book.observe_prefill(100, 0, 0.1)
+    book.save(force=True)
+    assert CostBook(path, "fp").learned.prefill is not None
+
+
+def test_observations_stay_bounded_and_diverse():
+    book = CostBook(None, "fp")
+    for _ in range(500):
+        book.observe_prefill(1000, 0, 0.5)
+    book.observe_prefill(10, 0, 0.01)
+    assert len(book.obs["prefill"]) == 4  # 3 of the repeated size, the new size kept

@@ -1,0 +1,130 @@
+"""tiered_kv/restore/plan.py: the restore plan as a pure function of learned costs (table-driven)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiered_kv.restore.plan import (
+    Hit,
+    Learned,
+    PrefillCost,
+    ReadCost,
+    plan,
+    split,
+    worth_spilling,
+)
+
+KIB = 1024
+GB = 1e9
+# 32k tokens of an 8B-shaped model (128 KiB per token): a 4 GiB entry
+N = 32768
+BPT = 128 * KIB
+HIT = Hit(N, N * BPT, BPT, warm=0.0, block=256)
+
+PREFILL_FAST = PrefillCost(0.0, 1 / 20000, 0.0)  # 20k tok/s: 1.6 s for 32k
+PREFILL_SLOW = PrefillCost(0.0, 1 / 100, 0.0)  # CPU: 100 tok/s
+
+
+def reads(gb_s: float) -> ReadCost:
+    return ReadCost(0.0, gb_s * GB)
+
+
+def learned(prefill: PrefillCost | None, load: float | None, rng: float | None = None) -> Learned:
+    return Learned(
+        prefill=prefill,
+        load_cold=reads(load) if load else None,
+        range_cold=reads(rng) if rng else None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "hit", "costs", "mode", "kind", "reason"),
+    [
+        ("fast disk, slow compute → load", HIT, learned(PREFILL_SLOW, 5.0), "auto", "load", "learned"),
+        ("slow disk, fast compute → compute", HIT, learned(PREFILL_FAST, 0.1), "auto", "compute", "learned"),
+        ("comparable → both", HIT, learned(PREFILL_FAST, 2.7), "auto", "both", "learned"),
+        ("nothing learned → load", HIT, Learned(), "auto", "load", "not learned"),
+        ("no read learned → load", HIT, learned(PREFILL_FAST, None), "auto", "load", "not learned"),
+        ("no prefill learned → load", HIT, learned(None, 0.1), "auto", "load", "not learned"),
+        ("forced load", HIT, learned(PREFILL_FAST, 0.1), "load", "load", "forced"),
+        ("forced compute", HIT, learned(PREFILL_SLOW, 5.0), "compute", "compute", "forced"),
+        ("forced both", HIT, learned(PREFILL_SLOW, 5.0), "both", "both", "forced"),
+        ("forced both, nothing learned: the middle", HIT, Learned(), "both", "both",
+         "forced, not learned"),
+    ],
+)  # fmt: skip
+def test_plan_table(name, hit, costs, mode, kind, reason):
+    p = plan(hit, costs, mode)
+    assert (p.kind, p.reason) == (kind, reason), name
+    assert 0 <= p.m <= hit.tokens
+    if kind == "load":
+        assert p.m == 0
+    if kind == "compute":
+        assert p.m == hit.tokens
+    if kind == "both":
+        assert 0 < p.m < hit.tokens and p.m % hit.block == 0
+
+
+def test_both_split_finishes_together():
+    """m is where computing [0, m) takes as long as reading [m, n), to within one block."""
+    costs = learned(PREFILL_FAST, 2.7)
+    m, seconds = split(HIT, costs)  # type: ignore[misc]
+    compute = PREFILL_FAST.seconds(m)
+    read = (N - m) * BPT / (2.7 * GB)
+    one_block = max(PREFILL_FAST.seconds(256), 256 * BPT / (2.7 * GB))
+    assert abs(compute - read) <= one_block
+    # compute 20k tok/s vs read 2.7 GB/s ≈ 20.6k tok/s: meet near the middle
+    assert 0.4 * N < m < 0.6 * N
+    p = plan(HIT, costs)
+    assert p.kind == "both" and p.m == m and p.seconds == pytest.approx(seconds)
+    assert p.seconds < 0.9 * min(p.load_s, p.compute_s)  # type: ignore[type-var]
+
+
+def test_both_split_uses_the_range_reader_cost_when_known():
+    slow_range = split(HIT, learned(PREFILL_FAST, 2.7, rng=1.0))
+    fast_range = split(HIT, learned(PREFILL_FAST, 2.7, rng=10.0))
+    assert slow_range and fast_range and slow_range[0] > fast_range[0]  # slower reads: compute more
+
+
+def test_blocked_both_falls_back_and_says_why():
+    hit = Hit(N, N * BPT, BPT, 0.0, "RotatingKVCache layers cannot be split by tokens", 256)
+    p = plan(hit, learned(PREFILL_FAST, 2.7))
+    assert p.kind in ("load", "compute") and "RotatingKVCache" in p.reason
+    forced = plan(hit, learned(PREFILL_FAST, 2.7), "both")
+    assert forced.kind in ("load", "compute") and forced.reason.startswith("both unavailable")
+    short = plan(Hit(100, 100 * BPT, BPT, 0.0, "", 256), Learned(), "both")
+    assert short.kind == "load" and "too short" in short.reason
+
+
+def test_page_cache_warm_share_moves_the_choice():
+    costs = Learned(prefill=PREFILL_FAST, load_cold=reads(0.5), load_warm=reads(20.0))
+    cold = plan(Hit(N, N * BPT, BPT, warm=0.0, block=256), costs)
+    warm = plan(Hit(N, N * BPT, BPT, warm=1.0, block=256), costs)
+    unknown = plan(Hit(N, N * BPT, BPT, warm=None, block=256), costs)
+    assert cold.kind == "compute" and warm.kind == "load"
+    assert unknown.kind == cold.kind  # unknown page cache: plan for the disk
+
+
+def test_context_term_makes_long_prompts_dearer():
+    quad = PrefillCost(0.0, 1 / 40000, 2e-9)
+    assert quad.seconds(N) > 2 * quad.seconds(N // 2)
+    assert quad.seconds(1000, 30000) > quad.seconds(1000, 0)
+
+
+@pytest.mark.parametrize(
+    ("costs", "tokens", "admit"),
+    [
+        (Learned(), 512, True),  # nothing known: admit
+        (learned(PREFILL_FAST, 0.05), 512, False),  # fast GPU, slow disk: never worth it
+        (learned(PREFILL_SLOW, 0.05), 512, True),  # CPU: loading wins
+        (learned(PREFILL_FAST, 5.0), N, True),
+        (learned(PREFILL_FAST, 2.2), 4096, True),  # reload 1.2x compute: within the noise margin
+    ],
+)
+def test_admission_by_value(costs, tokens, admit):
+    assert worth_spilling(tokens, tokens * BPT, BPT, costs) is admit
+
+
+def test_admission_assumes_the_best_page_cache_state():
+    costs = Learned(prefill=PREFILL_FAST, load_cold=reads(0.05), load_warm=reads(50.0))
+    assert worth_spilling(N, N * BPT, BPT, costs)

@@ -1,0 +1,221 @@
+"""tiered_kv/restore/restorer.py: `both` joins correctly at any m (plain, quantised KV), falls back
+where layers cannot be split (sliding window, recurrent), and TieredCache follows the plan."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.prefill import prefill
+from tests.tiered_kv.conftest import feed, make_llama, tokens
+from tests.tiered_kv.test_cache_types import QuantizedLlama, gemma, qwen_next
+from tiered_kv.cold.tier import ColdTier
+from tiered_kv.config import Config
+from tiered_kv.restore.costs import CostBook
+from tiered_kv.restore.restorer import Decision, Restorer, blocker_of
+from tiered_kv.tiered import HitInfo, Lease, TieredCache
+
+N = 600  # ranges start at any token (reads round out to whole checksum chunks)
+
+
+def llama_kv8():
+    from mlx_lm.models import llama
+
+    mx.random.seed(5)
+    m = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                                    intermediate_size=128, num_attention_heads=2,
+                                    num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=256))  # fmt: skip
+    mx.eval(m.parameters())
+    return m
+
+
+def compute_with(model):
+    def compute(ids):
+        lease = Lease(make_prompt_cache(model), list(ids), HitInfo())
+        prefill(model, lease, [], 64)
+        return lease.caches
+
+    return compute
+
+
+def greedy(model, caches, suffix, steps=4):
+    logits = feed(model, caches, suffix)
+    first = logits.copy()
+    out = []
+    for _ in range(steps):
+        tok = int(np.argmax(logits))
+        out.append(tok)
+        logits = feed(model, caches, [tok])
+    return first, out
+
+
+class Setup:
+    """An entry of N tokens on disk (written by a TieredCache that closed), and a fresh cold tier."""
+
+    def __init__(self, model, root, kv_bits=0, seed=7):
+        self.model, self.root = model, root
+        self.cfg = Config(cache_dir=root, block_tokens=16, kv_bits=kv_bits, kv_group_size=64)
+        self.ids = tokens(seed, N)
+        tc = self.tiered()
+        lease = tc.fetch(self.ids)
+        fed = self.ids[: lease.hit.tokens]
+        prefill(model, lease, fed, 64)
+        tc.store(lease, fed)
+        tc.close()
+        self.cold = ColdTier(root, "fp", self.cfg)
+
+    def tiered(self, restorer=None):
+        tc = TieredCache(self.cfg, lambda: make_prompt_cache(self.model),
+                         ColdTier(self.root, "fp", self.cfg))  # fmt: skip
+        tc.restorer = restorer
+        return tc
+
+    def restorer(self, mode="both", reader=None):
+        kw = {"reader": reader} if reader else {}
+        return Restorer(mode, CostBook(None), compute_with(self.model),
+                        blocker_of(make_prompt_cache(self.model)), self.cfg.kv_bits,
+                        self.cfg.kv_group_size, **kw)  # fmt: skip
+
+    def both(self, m, n):
+        r = self.restorer()
+        hit = self.cold.lookup(self.ids)
+        got = r.both(self.cold, hit, self.ids, Decision("both", n, m, 0.0, 0.0, "test"))
+        assert got is not None, r.counters
+        return got
+
+    def loaded(self, n):
+        caches, _, _ = self.cold.load(self.cold.lookup(self.ids))
+        from tiered_kv import layers
+
+        return layers.view(caches, n, N)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    s = Setup(make_llama(seed=4), tmp_path_factory.mktemp("plain"))
+    yield s
+    s.cold.close()
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(m=st.integers(1, N - 2), cut=st.integers(0, 40))
+def test_both_joins_at_any_m_plain_kv(plain, m, cut):
+    n = N - 1 - cut  # a prefix hit of n tokens, the rest of the prompt is a new suffix
+    m = min(m, n - 1)
+    got = plain.both(m, n)
+    assert got.tokens.tolist() == plain.ids[:n]
+    suffix = plain.ids[n:] + [9, 8]
+    logits, toks = greedy(plain.model, got.caches, suffix)
+    ref_logits, ref_toks = greedy(
+        plain.model, make_prompt_cache(plain.model), plain.ids[:n] + suffix
+    )
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert toks == ref_toks
+
+
+@pytest.mark.parametrize("kind", ["tier kv_bits=8", "model QuantizedKVCache"])
+def test_both_joins_quantised_kv(tmp_path, kind):
+    if kind == "tier kv_bits=8":
+        s = Setup(llama_kv8(), tmp_path, kv_bits=8)
+    else:
+        s = Setup(QuantizedLlama(), tmp_path)
+    for m in (1, 255, 256, 300, N - 2):
+        n = N - 1
+        got = s.both(m, n)
+        suffix = s.ids[n:] + [3]
+        logits, toks = greedy(s.model, got.caches, suffix)
+        # the stored entry is quantised: `both` must equal a load of it ...
+        ref_logits, ref_toks = greedy(s.model, s.loaded(n), suffix)
+        np.testing.assert_allclose(logits, ref_logits, rtol=1e-3, atol=1e-3)
+        assert toks == ref_toks
+        # ... and stay near a cold prefill (quantisation error only)
+        cold = feed(s.model, make_prompt_cache(s.model), s.ids[:n] + suffix)
+        assert np.abs(logits - cold).max() < 0.05 * max(1.0, np.abs(cold).max())
+    s.cold.close()
+
+
+@pytest.mark.parametrize("factory", [gemma, qwen_next], ids=["sliding-window", "recurrent"])
+def test_both_unavailable_falls_back_to_load_and_says_so(tmp_path, factory):
+    model = factory()
+    s = Setup(model, tmp_path)
+    r = s.restorer("both")
+    assert r.blocker  # e.g. "RotatingKVCache layers cannot be split by tokens"
+    tc = s.tiered(r)
+    ids = s.ids + [4, 5]
+    lease = tc.fetch(ids)
+    assert lease.hit.tier == "cold" and lease.hit.restore.kind in ("load", "compute")
+    assert lease.hit.restore.reason.startswith("both unavailable")
+    fed = ids[: lease.hit.tokens]
+    out = np.array(prefill(model, lease, fed, 64))
+    ref = feed(model, make_prompt_cache(model), ids)
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3)
+    assert r.counters["restore_both"] == 0
+    tc.close()
+    s.cold.close()
+
+
+def test_tiered_cache_serves_both_as_cold(plain, tmp_path):
+    r = plain.restorer("both")
+    tc = plain.tiered(r)
+    ids = plain.ids + [1, 2, 3]
+    lease = tc.fetch(ids)
+    assert lease.hit.tier == "cold" and lease.hit.tokens == N
+    assert lease.hit.restore.kind == "both" and 0 < lease.hit.restore.m < N
+    fed = ids[: lease.hit.tokens]
+    out = np.array(prefill(plain.model, lease, fed, 64))
+    np.testing.assert_allclose(out, feed(plain.model, make_prompt_cache(plain.model), ids),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    tc.store(lease, fed)
+    assert r.counters["restore_both"] == 1 and r.costs.obs["range"] and r.costs.obs["join"]
+    tc.hot.entries.clear()
+    tc.cold.close()
+
+
+def test_tiered_cache_compute_plan_is_a_truthful_miss(plain):
+    r = plain.restorer("compute")
+    tc = plain.tiered(r)
+    lease = tc.fetch(plain.ids + [1])
+    assert lease.hit.tier == "none" and lease.hit.tokens == 0
+    assert lease.hit.restore.kind == "compute" and len(lease.remaining) == N + 1
+    tc.cold.close()
+
+
+def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
+    s = Setup(make_llama(seed=4), tmp_path)
+    hit = s.cold.lookup(s.ids)
+    path, _ = s.cold.describe(hit)
+    raw = bytearray(path.read_bytes())
+    raw[-1000] ^= 0xFF  # a byte inside the last layer's values, in the range read
+    path.write_bytes(bytes(raw))
+    r = s.restorer("both")
+    assert r.both(s.cold, hit, s.ids, Decision("both", N - 1, 100, 0, 0, "t")) is None
+    assert r.counters["restore_both_fallbacks"] == 1
+    tc = s.tiered(r)
+    lease = tc.fetch(s.ids + [1])
+    assert lease.hit.tier == "none"  # the load found it corrupt too: quarantined, a miss
+    assert tc.stats()["cold_quarantined"] == 1
+    tc.close()
+    s.cold.close()
+
+
+def test_io_thread_never_touches_mlx(plain):
+    """The reader returns numpy only; arrays are built after the join, on this thread."""
+    seen = []
+
+    def reader(*a):
+        from tiered_kv.cold import ranged
+
+        rr = ranged.read_range(*a)
+        seen.extend(type(x).__module__ for _, x in rr.tensors.values())
+        return rr
+
+    r = plain.restorer("both", reader=reader)
+    hit = plain.cold.lookup(plain.ids)
+    assert r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t")) is not None
+    assert seen and set(seen) == {"numpy"}

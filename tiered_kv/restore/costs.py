@@ -1,0 +1,262 @@
+"""Learned costs: the engine's own prefills and the cold tier's own reads, fitted and persisted.
+
+A :class:`CostBook` keeps a bounded, diverse set of observations per kind —
+
+* ``prefill`` (k new tokens, c context tokens, seconds) from every prefill the engine runs;
+* ``load``  (bytes, seconds, share warm) from every cold reload (read + verify + build arrays);
+* ``range`` (bytes, seconds, share warm) from the ranged reads of `both`;
+* ``join``  (bytes, seconds) from joining computed and read halves —
+
+and fits them (non-negative least squares on relative error) into the pure
+:class:`~tiered_kv.restore.plan.Learned` that :func:`~tiered_kv.restore.plan.plan` reads.
+
+Persistence: one JSON file per (model fingerprint, machine) in the cold tier's directory, written
+atomically (temp + ``os.replace``), at most every ``save_every`` seconds and at close. A missing,
+unreadable or foreign file starts empty (logged once): it is advice, never code (no pickle).
+
+Threads: the engine thread observes and plans; ``stats()`` may be read from a metrics scrape, so
+the fitted snapshot is swapped in whole (a scrape sees the old or the new one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiered_kv.restore.plan import Learned, PrefillCost, ReadCost
+
+log = logging.getLogger(__name__)
+VERSION = 1
+KINDS = ("prefill", "load", "range", "join")
+_PER_BUCKET = 3  # observations kept per size bucket: recent ones, spread over sizes
+_MAX_PER_KIND = 192
+WARM = 0.5  # a read with at least this share in the page cache counts as warm
+
+
+def machine_id(device: str = "") -> tuple[str, dict[str, Any]]:
+    """(short id, description) of this machine: host, CPU, core count and the MLX device."""
+    desc = {
+        "node": platform.node(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count() or 0,
+        "device": device,
+    }
+    raw = json.dumps(desc, sort_keys=True).encode()
+    return hashlib.sha256(raw).hexdigest()[:16], desc
+
+
+def _bucket(kind: str, obs: list[float]) -> tuple[int, ...]:
+    if kind == "prefill":
+        k, c = obs[0], obs[1]
+        return (round(math.log2(max(k, 1))), round(math.log2(c + 1)))
+    warm = int(obs[2] >= WARM) if len(obs) > 2 else 0
+    return (round(math.log2(max(obs[0], 1))), warm)
+
+
+def fit(
+    features: np.ndarray, seconds: np.ndarray, prefer: list[tuple[int, ...]]
+) -> np.ndarray | None:
+    """Non-negative coefficients over ``features`` minimising the relative error of ``seconds``.
+
+    Tries the column subsets in ``prefer`` (simplest first) and keeps a richer one only when it
+    cuts the residual by 10 %: few, similar observations then give a plain rate, not a wild split.
+    """
+    if len(seconds) == 0:
+        return None
+    w = 1.0 / np.maximum(seconds, 1e-6)
+    a, b = features * w[:, None], seconds * w
+    best: np.ndarray | None = None
+    best_res = math.inf
+    for cols in prefer:
+        sub = a[:, list(cols)]
+        coef, *_ = np.linalg.lstsq(sub, b, rcond=None)
+        if np.any(coef < 0) or not np.all(np.isfinite(coef)):
+            continue
+        res = float(np.sum((sub @ coef - b) ** 2))
+        if best is None or res < 0.9 * best_res - 1e-12:
+            full = np.zeros(features.shape[1])
+            full[list(cols)] = coef
+            best, best_res = full, res
+    if best is None or not np.any(best > 0):
+        return None
+    return best
+
+
+_PREFILL_SUBSETS = [(1,), (0, 1), (1, 2), (0, 1, 2), (2,), (0, 2)]
+_READ_SUBSETS = [(1,), (0, 1)]
+
+
+def fit_prefill(obs: list[list[float]]) -> PrefillCost | None:
+    if not obs:
+        return None
+    o = np.asarray(obs, dtype=np.float64)
+    k, c, s = o[:, 0], o[:, 1], o[:, 2]
+    feats = np.stack([np.ones_like(k), k, k * (c + k / 2)], axis=1)
+    coef = fit(feats, s, _PREFILL_SUBSETS)
+    if coef is None or coef[1] + coef[2] <= 0:
+        return None
+    return PrefillCost(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def fit_read(obs: list[list[float]]) -> ReadCost | None:
+    if not obs:
+        return None
+    o = np.asarray(obs, dtype=np.float64)
+    feats = np.stack([np.ones(len(o)), o[:, 0]], axis=1)
+    coef = fit(feats, o[:, 1], _READ_SUBSETS)
+    if coef is None or coef[1] <= 0:
+        return None
+    return ReadCost(float(coef[0]), float(1.0 / coef[1]))
+
+
+class CostBook:
+    """Observations of one model on one machine, their fit, and their file (see module doc)."""
+
+    def __init__(self, path: Path | None, fingerprint: str = "", device: str = "",
+                 save_every: float = 2.0) -> None:  # fmt: skip
+        self.path = path
+        self.fingerprint = fingerprint
+        self.machine, self.machine_desc = machine_id(device)
+        self.save_every = save_every
+        self.obs: dict[str, list[list[float]]] = {k: [] for k in KINDS}
+        self._dirty = False
+        self._saved_at = 0.0
+        self._learned = Learned()
+        if path is not None:
+            self._read(path)
+        self._refit()
+
+    @staticmethod
+    def file_for(directory: Path, device: str = "") -> Path:
+        return Path(directory) / f"costs-{machine_id(device)[0]}.json"
+
+    # -- observing ---------------------------------------------------------------------------
+    def observe_prefill(self, new_tokens: int, context: int, seconds: float) -> None:
+        if new_tokens > 0 and seconds > 0:
+            self._add("prefill", [float(new_tokens), float(context), seconds])
+
+    def observe_load(self, nbytes: int, seconds: float, warm: float | None) -> None:
+        if nbytes > 0 and seconds > 0:
+            self._add("load", [float(nbytes), seconds, -1.0 if warm is None else warm])
+
+    def observe_range(self, nbytes: int, seconds: float, warm: float | None) -> None:
+        if nbytes > 0 and seconds > 0:
+            self._add("range", [float(nbytes), seconds, -1.0 if warm is None else warm])
+
+    def observe_join(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self._add("join", [float(nbytes), seconds])
+
+    def _add(self, kind: str, obs: list[float]) -> None:
+        rows = self.obs[kind]
+        key = _bucket(kind, obs)
+        same = [i for i, r in enumerate(rows) if _bucket(kind, r) == key]
+        if len(same) >= _PER_BUCKET:
+            rows.pop(same[0])  # the oldest of its bucket: recent, but still spread over sizes
+        rows.append(obs)
+        if len(rows) > _MAX_PER_KIND:
+            rows.pop(0)
+        self._dirty = True
+        self._refit()
+        self.save()
+
+    # -- fitting -----------------------------------------------------------------------------
+    def _refit(self) -> None:
+        def reads(kind: str, warm: bool) -> ReadCost | None:
+            rows = [r[:2] for r in self.obs[kind] if (r[2] >= WARM) == warm]
+            return fit_read(rows)
+
+        join = [r for r in self.obs["join"]]
+        join_bw = sum(r[0] for r in join) / sum(r[1] for r in join) if join else None
+        self._learned = Learned(
+            prefill=fit_prefill(self.obs["prefill"]),
+            load_cold=reads("load", False),
+            load_warm=reads("load", True),
+            range_cold=reads("range", False),
+            range_warm=reads("range", True),
+            join_bytes_per_s=join_bw,
+        )
+
+    @property
+    def learned(self) -> Learned:
+        return self._learned
+
+    def stats(self) -> dict[str, float]:
+        """Learned rates for /metrics: prefill tok/s (1k tokens on an empty context), GB/s."""
+        le = self._learned
+        out: dict[str, float] = {
+            "prefill_tok_s": le.prefill.tokens_per_second() if le.prefill else 0.0,
+            "prefill_tok_s_at_32k": le.prefill.tokens_per_second(1024, 32768)
+            if le.prefill
+            else 0.0,
+        }
+        for name in ("load_cold", "load_warm", "range_cold", "range_warm"):
+            cost: ReadCost | None = getattr(le, name)
+            out[f"{name}_gb_s"] = cost.bytes_per_s / 1e9 if cost else 0.0
+        out["join_gb_s"] = (le.join_bytes_per_s or 0.0) / 1e9
+        for kind in KINDS:
+            out[f"{kind}_observations"] = float(len(self.obs[kind]))
+        return out
+
+    # -- persistence -------------------------------------------------------------------------
+    def _read(self, path: Path) -> None:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.warning("restore costs %s unreadable, starting afresh: %s", path, e)
+            return
+        try:
+            if raw.get("version") != VERSION or raw.get("fingerprint") != self.fingerprint:
+                return  # another format or model: start afresh
+            for kind in KINDS:
+                rows = raw.get("observations", {}).get(kind, [])
+                width = 3 if kind != "join" else 2
+                clean = [
+                    [float(x) for x in r] for r in rows
+                    if isinstance(r, list) and len(r) == width
+                    and all(isinstance(x, (int, float)) and math.isfinite(x) for x in r)
+                ][-_MAX_PER_KIND:]  # fmt: skip
+                self.obs[kind] = [
+                    r for r in clean if r[0] > 0 and r[1 if kind != "prefill" else 2] > 0
+                ]
+        except (AttributeError, TypeError, ValueError) as e:
+            log.warning("restore costs %s malformed, starting afresh: %s", path, e)
+            self.obs = {k: [] for k in KINDS}
+
+    def save(self, force: bool = False) -> None:
+        """Write the file if something changed (throttled unless ``force``). Errors are logged:
+        losing advice costs a calibration, never a request."""
+        if self.path is None or not self._dirty:
+            return
+        now = time.monotonic()
+        if not force and now - self._saved_at < self.save_every:
+            return
+        body = {"version": VERSION, "fingerprint": self.fingerprint, "machine": self.machine_desc,
+                "observations": self.obs}  # fmt: skip
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(body, f, separators=(",", ":"))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("restore costs not saved to %s: %s", self.path, e)
+            tmp.unlink(missing_ok=True)
+            return
+        self._dirty = False
+        self._saved_at = now
+
+
+__all__ = ["CostBook", "fit_prefill", "fit_read", "machine_id"]

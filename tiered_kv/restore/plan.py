@@ -1,0 +1,224 @@
+"""The restore plan of one disk hit: load it, recompute it, or both at once. Pure: no I/O, no MLX.
+
+Given what this machine has measured (:class:`Learned`) and the facts of a hit (:class:`Hit`),
+:func:`plan` picks the way that makes the hit's first ``n`` tokens ready soonest:
+
+* ``load``    — read the whole entry file and build its arrays (today's cold reload);
+* ``compute`` — ignore the file and prefill the ``n`` tokens (a miss, as far as the cache goes);
+* ``both``    — prefill ``[0, m)`` on the MLX thread while an I/O thread reads ``[m, n)`` of every
+  layer from the file, then join. ``m`` is chosen so that both finish together (Cake, 2024).
+
+The suffix prefill after the restore costs the same whichever way, so it does not enter the choice.
+When a cost is not known yet the plan is ``load`` (the behaviour before plans existed), which also
+teaches the read bandwidth. :func:`worth_spilling` is the admission rule built on the same costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Kind = Literal["load", "compute", "both"]
+Mode = Literal["auto", "load", "compute", "both"]
+KINDS: tuple[Kind, ...] = ("load", "compute", "both")
+
+#: `both` is taken only when predicted at most this share of the better single way: it pays a
+#: thread hand-off and a join that the model below estimates only roughly.
+BOTH_MARGIN = 0.9
+#: an entry is refused a file only when its best reload is predicted this many times slower than
+#: recomputing it (measurements of short loads and prefills are noisy)
+ADMIT_MARGIN = 1.5
+#: joining builds MLX arrays from the read bytes and concatenates them (two memory copies);
+#: assumed this fast until a join has been measured.
+DEFAULT_JOIN_BYTES_PER_S = 4e9
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """seconds(k new tokens after c context tokens) = overhead + k·per_token + k·(c + k/2)·per_pair.
+
+    ``per_pair`` is the attention term: each new token attends to the context and to the new
+    tokens before it."""
+
+    overhead: float
+    per_token: float
+    per_pair: float
+
+    def seconds(self, k: int, c: int = 0) -> float:
+        if k <= 0:
+            return 0.0
+        return self.overhead + k * self.per_token + k * (c + k / 2) * self.per_pair
+
+    def tokens_per_second(self, k: int = 1024, c: int = 0) -> float:
+        s = self.seconds(k, c)
+        return k / s if s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ReadCost:
+    """seconds(bytes) = overhead + bytes / bytes_per_s, for one page-cache state."""
+
+    overhead: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.overhead + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What this machine measured for this model (any part may be unknown: None)."""
+
+    prefill: PrefillCost | None = None
+    #: the whole load path (read + verify + build arrays), page cache cold / warm
+    load_cold: ReadCost | None = None
+    load_warm: ReadCost | None = None
+    #: the ranged reader of `both` (positioned reads of checksum chunks, no arrays), per byte served
+    range_cold: ReadCost | None = None
+    range_warm: ReadCost | None = None
+    join_bytes_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A disk hit: ``tokens`` to restore from an entry file of ``entry_bytes``."""
+
+    tokens: int
+    entry_bytes: int
+    #: KV bytes per token of the layers a ranged read returns
+    bytes_per_token: float
+    #: share of the file in the page cache (probed), None when it cannot be told
+    warm: float | None = None
+    #: "" when `both` can serve this entry; else why not (e.g. "recurrent layers")
+    both_blocker: str = ""
+    #: `m` is a multiple of this (1: ranged reads round to checksum chunks themselves)
+    block: int = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: Kind
+    m: int  # tokens computed: 0 for load, n for compute, the split for both
+    seconds: float  # predicted seconds until the n tokens are ready (0.0 when not known)
+    reason: str  # "learned" | "forced" | "not learned" | why `both` was not possible
+    load_s: float | None = None
+    compute_s: float | None = None
+    both_s: float | None = None
+
+
+def _mix(warm: float | None, cold_cost: ReadCost | None, warm_cost: ReadCost | None,
+         nbytes: float) -> float | None:  # fmt: skip
+    """Seconds to read ``nbytes`` with share ``warm`` in the page cache (unknown share: cold)."""
+    if cold_cost is None and warm_cost is None:
+        return None
+    cold_cost = cold_cost or warm_cost
+    warm_cost = warm_cost or cold_cost
+    assert cold_cost is not None and warm_cost is not None
+    f = 0.0 if warm is None else min(1.0, max(0.0, warm))
+    return f * warm_cost.seconds(nbytes) + (1 - f) * cold_cost.seconds(nbytes)
+
+
+def load_seconds(hit: Hit, learned: Learned) -> float | None:
+    return _mix(hit.warm, learned.load_cold, learned.load_warm, hit.entry_bytes)
+
+
+def range_seconds(hit: Hit, learned: Learned, tokens: int) -> float | None:
+    """Reading ``tokens`` tokens of every layer by ranges (falls back on the load path's cost)."""
+    cold = learned.range_cold or learned.load_cold
+    warm = learned.range_warm or learned.load_warm
+    return _mix(hit.warm, cold, warm, tokens * hit.bytes_per_token)
+
+
+def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
+    """(m, predicted seconds) of `both`: the smallest block-aligned m where computing [0, m)
+    takes at least as long as reading [m, n), or the better of its neighbour; None if unknown."""
+    p = learned.prefill
+    if p is None or range_seconds(hit, learned, 1) is None:
+        return None
+    n, block = hit.tokens, max(1, hit.block)
+
+    def cost(m: int) -> float:
+        r = range_seconds(hit, learned, n - m) or 0.0
+        join = (
+            (n - m) * hit.bytes_per_token / (learned.join_bytes_per_s or DEFAULT_JOIN_BYTES_PER_S)
+        )
+        return max(p.seconds(m), r) + join
+
+    lo, hi = 0, n // block  # in blocks: compute(m) rises with m, read(n - m) falls
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if p.seconds(mid * block) >= (range_seconds(hit, learned, n - mid * block) or 0.0):
+            hi = mid
+        else:
+            lo = mid + 1
+    options = [b * block for b in (lo - 1, lo) if 0 < b * block < n]
+    if not options:
+        return None
+    m = min(options, key=cost)
+    return m, cost(m)
+
+
+def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
+    """The way to restore ``hit`` (see the module doc). ``mode`` other than auto forces a way;
+    a forced `both` that the entry cannot do falls back to auto's choice of load / compute."""
+    n = hit.tokens
+    load_s = load_seconds(hit, learned)
+    compute_s = learned.prefill.seconds(n) if learned.prefill else None
+    both = split(hit, learned) if not hit.both_blocker else None
+    both_s = both[1] if both else None
+    est = {"load_s": load_s, "compute_s": compute_s, "both_s": both_s}
+    if mode == "load":
+        return Plan("load", 0, load_s or 0.0, "forced", **est)
+    if mode == "compute":
+        return Plan("compute", n, compute_s or 0.0, "forced", **est)
+    if mode == "both":
+        if both is not None:
+            return Plan("both", both[0], both[1], "forced", **est)
+        block = max(1, hit.block)
+        m = max(block, (n // 2) // block * block)  # nothing learned: meet in the middle
+        if not hit.both_blocker and 0 < m < n:
+            return Plan("both", m, 0.0, "forced, not learned", **est)
+        # the entry cannot be split (or is too short to be): choose as auto does, and say why
+        why = hit.both_blocker or "too short to split"
+        return replace(plan(hit, learned, "auto"), reason=f"both unavailable: {why}")
+    if load_s is None or compute_s is None:
+        return Plan("load", 0, load_s or 0.0, "not learned", **est)
+    reason = f"learned; both unavailable: {hit.both_blocker}" if hit.both_blocker else "learned"
+    if both is not None and both[1] < BOTH_MARGIN * min(load_s, compute_s):
+        return Plan("both", both[0], both[1], reason, **est)
+    if compute_s < load_s:
+        return Plan("compute", n, compute_s, reason, **est)
+    return Plan("load", 0, load_s, reason, **est)
+
+
+def worth_spilling(tokens: int, entry_bytes: int, bytes_per_token: float, learned: Learned,
+                   both_blocker: str = "") -> bool:  # fmt: skip
+    """Admission by value: False only when, on what this machine measured, reloading the entry
+    (by load or by both, from a warm page cache — the best case) could never beat recomputing it:
+    it would take more than ``ADMIT_MARGIN`` times as long (a margin for noisy measurements).
+    Unknown costs admit."""
+    fastest = _fastest(learned)
+    if fastest is None or learned.prefill is None:
+        return True
+    hit = Hit(tokens, entry_bytes, bytes_per_token, 1.0, both_blocker, 1)
+    p = plan(hit, fastest, "auto")
+    if p.compute_s is None or p.load_s is None:
+        return True
+    reload = p.load_s
+    if p.both_s is not None and p.both_s < BOTH_MARGIN * p.compute_s:
+        reload = min(reload, p.both_s)  # a `both` that mostly computes is no reason for a file
+    return reload <= ADMIT_MARGIN * p.compute_s
+
+
+def _fastest(learned: Learned) -> Learned | None:
+    """``learned`` with each read cost replaced by the fastest one known (page-cache warm)."""
+
+    def best(*costs: ReadCost | None) -> ReadCost | None:
+        known = [c for c in costs if c is not None]
+        return min(known, key=lambda c: c.seconds(1 << 30)) if known else None
+
+    load = best(learned.load_warm, learned.load_cold)
+    if load is None:
+        return None
+    rng = best(learned.range_warm, learned.range_cold)
+    return replace(learned, load_cold=load, load_warm=load, range_cold=rng, range_warm=rng)

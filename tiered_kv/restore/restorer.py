@@ -1,0 +1,267 @@
+"""Restorer: plans each disk hit (load / compute / both), runs `both`, learns from every outcome.
+
+Ownership and threads: a Restorer belongs to the engine thread that owns MLX. Only in
+:meth:`Restorer.both` does it use a second thread — its I/O thread runs
+:func:`tiered_kv.cold.ranged.read_range` (files, bytes, numpy; never MLX) while the engine thread
+prefills ``[0, m)``; the join (MLX arrays from the read bytes, concatenation) runs on the engine
+thread after the read returns. The CostBook it feeds is saved at most every few seconds and at
+:meth:`close`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from tiered_kv import layers
+from tiered_kv.cold import ranged, store
+from tiered_kv.restore.costs import CostBook
+from tiered_kv.restore.plan import KINDS, Hit, Mode, Plan, plan, worth_spilling
+
+log = logging.getLogger(__name__)
+
+#: prefill(ids) → model caches holding exactly ``ids`` (engine thread)
+Compute = Callable[[list[int]], list[Any]]
+Reader = Callable[[Path, str, int, int], ranged.RangeRead]
+#: layer classes whose computed and read halves can be joined along the token axis
+JOINABLE = frozenset({"KVCache", "QuantizedKVCache"})
+
+
+class ColdFiles(Protocol):
+    """What the Restorer needs of the cold tier."""
+
+    fingerprint: str
+
+    def describe(self, hit: Any) -> tuple[Path, int] | None: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A plan as taken for one request, with the predicted time until the prompt is prefilled."""
+
+    kind: str
+    tokens: int  # disk-hit tokens the plan restores
+    m: int
+    predicted_restore_s: float
+    predicted_total_s: float  # restore + the suffix prefill (0.0 when not known)
+    reason: str
+
+
+@dataclass
+class BothResult:
+    caches: list[Any]
+    tokens: np.ndarray
+    seconds: float
+    nbytes: int
+
+
+_NP = {"BF16": (np.uint16, mx.bfloat16), "F16": (np.float16, None), "F32": (np.float32, None),
+       "U32": (np.uint32, None), "I32": (np.int32, None), "U8": (np.uint8, None),
+       "I8": (np.int8, None), "U16": (np.uint16, None), "I16": (np.int16, None)}  # fmt: skip
+
+
+def blocker_of(caches: Sequence[Any]) -> str:
+    """Why a model's entries cannot be restored by `both` ("" when they can)."""
+    names = {type(c).__name__ for c in layers.leaves(caches)}
+    other = sorted(names - JOINABLE)
+    return f"{', '.join(other)} layers cannot be split by tokens" if other else ""
+
+
+class Restorer:
+    def __init__(
+        self,
+        mode: Mode,
+        costs: CostBook,
+        compute: Compute,
+        blocker: str,
+        kv_bits: int = 0,
+        kv_group_size: int = 64,
+        reader: Reader = ranged.read_range,
+    ) -> None:
+        self.mode, self.costs, self.compute = mode, costs, compute
+        self.blocker, self.kv_bits, self.kv_group_size = blocker, kv_bits, kv_group_size
+        self.reader = reader
+        self._pool: ThreadPoolExecutor | None = None
+        self._warm: dict[str, float | None] = {}
+        self._lock = threading.Lock()  # counters are read by metrics scrapes
+        self.counters: dict[str, float] = {
+            **{f"restore_{k}": 0 for k in KINDS},
+            "restore_both_fallbacks": 0, "restore_not_admitted": 0,
+            "restore_not_admitted_bytes": 0, "restore_predicted_seconds": 0.0,
+            "restore_actual_seconds": 0.0, "restore_last_predicted_seconds": 0.0,
+            "restore_last_actual_seconds": 0.0,
+        }  # fmt: skip
+
+    # -- planning ----------------------------------------------------------------------------
+    def plan(self, cold: ColdFiles, hit: Any, n: int, prompt_len: int, start: int = 0) -> Decision:
+        """The way to restore ``n`` tokens of ``hit`` for a prompt of ``prompt_len`` tokens when
+        memory already holds ``start`` of them (a shorter hot hit)."""
+        desc = cold.describe(hit)
+        if desc is None:
+            return Decision("load", n, 0, 0.0, 0.0, "entry vanished")  # load turns it into a miss
+        path, nbytes = desc
+        warm = ranged.resident_share(path)
+        self._warm = {hit.entry_id: warm}  # only the plan in flight is observed
+        entry_tokens = max(1, int(hit.entry_tokens))
+        blocker = self.blocker or ("memory holds a shorter prefix" if start else "")
+        h = Hit(n, nbytes, nbytes / entry_tokens, warm, blocker, 1)  # any m: reads are by chunk
+        learned = self.costs.learned
+        p: Plan = plan(h, learned, self.mode)
+        if p.kind == "compute" and start:
+            restore_s = learned.prefill.seconds(n - start, start) if learned.prefill else 0.0
+        else:
+            restore_s = p.seconds
+        suffix = learned.prefill.seconds(prompt_len - n, n) if learned.prefill else 0.0
+        known = p.seconds > 0 and learned.prefill is not None
+        d = Decision(p.kind, n, p.m, restore_s, restore_s + suffix if known else 0.0, p.reason)
+        self._count(f"restore_{p.kind}")
+        log.debug("restore plan %s (n=%d m=%d warm=%s): %s; load %s compute %s both %s", p.kind,
+                  n, p.m, warm, p.reason, p.load_s, p.compute_s, p.both_s)  # fmt: skip
+        return d
+
+    # -- learning ----------------------------------------------------------------------------
+    def observe_load(self, entry_id: str, nbytes: int, seconds: float) -> None:
+        self.costs.observe_load(nbytes, seconds, self._warm.pop(entry_id, None))
+
+    def outcome(self, decision: Decision, actual_total_s: float) -> None:
+        """The prompt is prefilled: record predicted vs actual (only for predictions made)."""
+        if decision.predicted_total_s <= 0:
+            return
+        with self._lock:
+            c = self.counters
+            c["restore_predicted_seconds"] += decision.predicted_total_s
+            c["restore_actual_seconds"] += actual_total_s
+            c["restore_last_predicted_seconds"] = decision.predicted_total_s
+            c["restore_last_actual_seconds"] = actual_total_s
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit(self, n_tokens: int, nbytes: int) -> bool:
+        """Admission by value (auto mode only): False when a reload could never beat a
+        recompute of this entry on this machine; counted."""
+        if self.mode != "auto" or n_tokens <= 0:
+            return True
+        ok = worth_spilling(n_tokens, nbytes, nbytes / n_tokens, self.costs.learned, self.blocker)
+        if not ok:
+            with self._lock:
+                self.counters["restore_not_admitted"] += 1
+                self.counters["restore_not_admitted_bytes"] += nbytes
+        return ok
+
+    # -- both --------------------------------------------------------------------------------
+    def both(
+        self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision
+    ) -> BothResult | None:
+        """Compute ``[0, m)`` here while the I/O thread reads ``[m, n)``; join. None when the
+        file cannot serve the range (gone, corrupt, unsplittable): the caller loads instead,
+        and the cold tier's own load then quarantines what is corrupt."""
+        desc = cold.describe(hit)
+        if desc is None:
+            return self._fell_back("entry vanished")
+        path, _ = desc
+        n, m = d.tokens, d.m
+        t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="restore-io")
+        future = self._pool.submit(self.reader, path, cold.fingerprint, m, n)
+        computed = self.compute(np.asarray(prompt[:m]).tolist())
+        t_compute = time.perf_counter() - t0
+        try:
+            rr = future.result()
+        except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError) as e:
+            return self._fell_back(f"{type(e).__name__}: {e}")
+        self.costs.observe_prefill(m, 0, t_compute)
+        # bytes served, not read: the learned range rate then prices in the whole-chunk overread
+        served = sum(u8.nbytes for _, u8 in rr.tensors.values())
+        self.costs.observe_range(served, rr.seconds, self._warm.pop(hit.entry_id, None))
+        if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
+            return self._fell_back("file tokens differ from the prompt")
+        t_join = time.perf_counter()
+        try:
+            caches = self.join(computed, rr, m, n)
+        except (layers.CorruptState, layers.UnsupportedCache, ranged.Unsplittable, KeyError) as e:
+            return self._fell_back(f"join: {e}")
+        self.costs.observe_join(rr.nbytes, time.perf_counter() - t_join)
+        return BothResult(caches, rr.tokens[:n].copy(), time.perf_counter() - t0, rr.nbytes)
+
+    def join(self, computed: list[Any], rr: ranged.RangeRead, m: int, n: int) -> list[Any]:
+        """Caches holding ``[0, n)``: the computed ``[0, m)`` (quantised like the entry when the
+        tier stores quantised KV) then the read ``[m, n)``. Engine thread."""
+        if self.kv_bits:
+            computed = layers.quantize(computed, self.kv_bits, self.kv_group_size)
+        mine, _ = layers.encode(computed)
+        if set(mine) != set(rr.tensors):
+            raise ranged.Unsplittable("computed layers differ from the entry's tensors")
+        arrays: dict[str, mx.array] = {}
+        for name, (dtype, u8) in rr.tensors.items():
+            if dtype not in _NP:
+                raise ranged.Unsplittable(f"dtype {dtype}")
+            np_t, mx_t = _NP[dtype]
+            part = np.ascontiguousarray(u8[:, :, m - rr.start : n - rr.start]).view(np_t)
+            read = mx.array(part)
+            if mx_t is not None:
+                read = read.view(mx_t)
+            arrays[name] = mx.concatenate([mine[name][..., :m, :], read], axis=2)
+        mx.eval(list(arrays.values()))
+        tree = json.loads(rr.metadata["layers"])
+        _set_offsets(tree, n)
+        return layers.decode(arrays, {"layers": json.dumps(tree)})
+
+    def _fell_back(self, why: str) -> BothResult | None:
+        """Count and log a `both` that could not be done; None (the caller loads instead)."""
+        log.info("restore by both fell back to load: %s", why)
+        self._count("restore_both_fallbacks")
+        return None
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.counters[key] += 1
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out = dict(self.counters)
+        out.update({f"learned_{k}": v for k, v in self.costs.stats().items()})
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.costs.save(force=True)
+
+
+def _set_offsets(tree: list[dict[str, Any]], n: int) -> None:
+    for node in tree:
+        if node.get("cls") == "CacheList":
+            _set_offsets(node["items"], n)
+        elif node.get("cls") in JOINABLE:
+            node["meta"]["offset"] = n
+        else:
+            raise ranged.Unsplittable(f"layer class {node.get('cls')}")
+
+
+def calibrate(compute: Compute, costs: CostBook, budget_s: float = 2.0) -> int:
+    """A short prefill calibration when nothing is known: a warm-up, then prompts of growing
+    length until ``budget_s`` is spent. Returns the prefills recorded. Engine thread."""
+    compute([1] * 8)  # warm-up: first-call overheads are not the machine's speed
+    done, t_all = 0, time.perf_counter()
+    for k in (64, 256, 1024, 4096):
+        ids = [(i * 7919) % 200 + 3 for i in range(k)]
+        t0 = time.perf_counter()
+        compute(ids)
+        dt = time.perf_counter() - t0
+        costs.observe_prefill(k, 0, dt)
+        done += 1
+        if time.perf_counter() - t_all + 4 * dt > budget_s:
+            break  # the next one is 4x longer
+    return done
