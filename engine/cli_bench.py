@@ -63,6 +63,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and mlx-lm save/load_prompt_cache (needs ~2x the largest size free on disk)",
     )
     p.add_argument("--keep", action="store_true", help="keep the work dir (KV dirs, server logs)")
+    p.add_argument(
+        "--concurrency",
+        help="run the concurrency scenario instead: comma list of K concurrent sessions, e.g. 1,2,4,8",
+    )
+    p.add_argument(
+        "--decode-tokens", type=int, default=64, help="tokens per request of the decode pass"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="title + main pattern repetitions (median)"
+    )
     p.set_defaults(func=run)
 
 
@@ -156,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     turns = args.turns or (4 if args.real else 6)
     scale = args.scale or (0.15 if args.real else 0.25)
     model = _model_dir(args)
+    if args.concurrency:
+        return run_concurrency(args, model, turns, scale)
     session = build_session(turns, args.seed, args.max_tokens, scale)
     work = Path(tempfile.mkdtemp(prefix="tiered-kv-bench-"))
     servers = {
@@ -190,6 +202,50 @@ def run(args: argparse.Namespace) -> int:
     print(report.write(results, args.out))
     print(f"results: {args.out}/table.md, results.json, ttft.png; server logs: {work}")
     if not args.keep and not any(m.error for m in measurements):
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def run_concurrency(args: argparse.Namespace, model: Path, turns: int, scale: float) -> int:
+    """K concurrent sessions on a shared system prompt + tools: ours (b) then the peer (d)."""
+    from engine.bench import concurrency as conc
+
+    ks = [int(k) for k in args.concurrency.split(",") if k.strip()]
+    work = Path(tempfile.mkdtemp(prefix="tiered-kv-bench-conc-"))
+    specs = _specs(["b", "d"], model, work, args.blas)
+    names = {"b": "tiered-kv", "d": "mlx_lm.server"}
+    rows, pattern, single = [], {}, {}
+    for s, spec in specs.items():
+        srv = ServerProcess(spec, work / f"server-{s}.log")
+        srv.start()
+        try:
+            with httpx.Client() as client:
+                mid = "default_model" if s == "d" else model_id(client, srv.base_url, model.name)
+            for k in ks:
+                sessions = conc.shared_sessions(k, turns, args.seed, args.max_tokens, scale)
+                row = conc.run_sessions(srv.base_url, mid, names[s], sessions)
+                row.decode_tps = conc.run_decode(
+                    srv.base_url, mid, names[s], k, args.decode_tokens, args.seed + k
+                )
+                if k == 1:
+                    single[names[s]] = row.decode_tps
+                rows.append(row)
+                print(f"{names[s]} K={k}: {row}", flush=True)
+            pattern[names[s]] = conc.title_main(
+                srv.base_url, mid, names[s], args.seed, args.max_tokens, scale, args.repeats
+            )
+        finally:
+            srv.stop()
+    rows.sort(key=lambda r: (r.k, r.server))
+    out = conc.table(rows, pattern, single)
+    head = (
+        f"model {model.name}, {turns} turns per session, scale {scale}, max_tokens "
+        f"{args.max_tokens}, decode pass {args.decode_tokens} tokens, blas {args.blas}"
+    )
+    print(head + "\n\n" + out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "concurrency.md").write_text(head + "\n\n" + out + "\n")
+    if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

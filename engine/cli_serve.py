@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.generate import CacheDirError, Engine
     from engine.loading import looks_like_hub_id
-    from engine.server import create_app
+    from engine.server import batch_limits, create_app
     from engine.worker import Worker
 
     log.info(
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         config.cache_dir,
     )
     # The model is loaded on the engine thread (the one thread that owns MLX), before serving.
-    worker = Worker(lambda: Engine(model_dir, config))
+    worker = Worker(lambda: Engine(model_dir, config), **batch_limits(config))
     try:
         worker.start()
     except CacheDirError as e:

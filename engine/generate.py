@@ -1,65 +1,38 @@
-"""Engine: suffix-only prefill through the tiered cache, then sampling and streaming.
+"""Engine: a loaded model, its tiered prompt cache, and suffix-only prefill through it.
 
-Ownership: an Engine is driven by one thread at a time (MLX is not thread-safe). ``generate`` is a
-generator; the cache entry for the ids actually fed to the model is stored when it finishes, is
-closed early (``close()`` / garbage collection) or ``should_stop()`` turns true.
+Ownership: an Engine is driven by one thread, the one that owns MLX (the server's batch loop, see
+``engine/batch.py``). ``generate`` runs one request alone through the same loop on the calling
+thread; the cache entry for the ids actually fed to the model is stored when it finishes, is closed
+early (``close()`` / garbage collection) or ``should_stop()`` turns true.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
-from engine.detok import IncrementalDecoder
+from engine.batch import BatchLoop
+from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
 from engine.loading import context_length, fingerprint_parts, load_model
-from engine.prefill import PrefillStopped, Progress, checkpoint_positions, prefill
+from engine.prefill import Progress, checkpoint_positions, prefill, prefill_steps
+from engine.textout import TextStream
 from tiered_kv.config import Config
 from tiered_kv.keys import fingerprint
 from tiered_kv.tiered import HitInfo, Lease, TieredCache
+
+__all__ = ["CacheDirError", "Chunk", "Engine", "SamplingParams", "Usage"]
 
 log = logging.getLogger(__name__)
 
 
 class CacheDirError(OSError):
     """The cold tier's directory cannot be opened or created at start."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    cache_tier: str
-    ttft_seconds: float
-    prefill_seconds: float
-    decode_seconds: float
-    load_seconds: float
-
-
-@dataclass(frozen=True)
-class Chunk:
-    text: str
-    token: int | None
-    finish_reason: str | None = None
-    usage: Usage | None = None
 
 
 def default_prefill_chunk() -> int:
@@ -138,69 +111,74 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # -- prefill ---------------------------------------------------------------------------
-    def _prefill(
-        self,
-        lease: Lease,
-        fed: list[int],
-        on_progress: Progress | None,
-        should_stop: Callable[[], bool],
-    ) -> mx.array:
-        cuts: list[int] = []
-        if lease.needs_checkpoints:
-            eos = set(self.tokenizer.eos_token_ids)
-            cuts = checkpoint_positions(
-                len(fed), lease.remaining, eos, self.config.checkpoint_tokens
-            )
-        t0, start, new = time.perf_counter(), len(fed), len(lease.remaining)
-        out = prefill(
-            self.model, lease, fed, self.prefill_chunk, cuts, on_progress, should_stop
-        )
-        if self.restorer is not None:  # issue 15: every prefill teaches the cost model
-            dt = time.perf_counter() - t0
-            self.restorer.costs.observe_prefill(new, start, dt)
-            if lease.hit.restore is not None:
-                self.restorer.outcome(lease.hit.restore, lease.hit.load_seconds + dt)
-        return out
+    def _cuts(self, lease: Lease, fed: list[int]) -> list[int]:
+        if not lease.needs_checkpoints:
+            return []
+        eos = set(self.tokenizer.eos_token_ids)
+        return checkpoint_positions(len(fed), lease.remaining, eos, self.config.checkpoint_tokens)
+
+    def prefill_done(self, lease: Lease, start: int, new: int, seconds: float) -> None:
+        """A request's suffix prefill finished: ``new`` tokens onto ``start`` cached ones in
+        ``seconds`` of prefill work (the batch loop's decode steps in between not counted). Issue 15:
+        every prefill teaches the restore cost model, and a planned disk restore learns its outcome."""
+        if self.restorer is None:
+            return
+        self.restorer.costs.observe_prefill(new, start, seconds)
+        if lease.hit.restore is not None:
+            self.restorer.outcome(lease.hit.restore, lease.hit.load_seconds + seconds)
 
     def logits(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, HitInfo]:
         """Next-token logits after ``prompt_ids`` through the cache (stores the entry)."""
         lease = self.cache.fetch(prompt_ids)
         fed = list(prompt_ids[: lease.hit.tokens])
         try:
-            out = self._prefill(lease, fed, None, lambda: False)
+            out = prefill(self.model, lease, fed, self.prefill_chunk, self._cuts(lease, fed))
             return np.array(out.astype(mx.float32)), lease.hit
         finally:
             self.cache.store(lease, fed)
 
+    def prefill_steps(
+        self, lease: Lease, fed: list[int], on_progress: Progress | None = None
+    ) -> Generator[None, None, mx.array]:
+        """The lease's suffix prefill, one evaluated chunk per ``next()`` (see prefill_steps)."""
+        return prefill_steps(
+            self.model, lease, fed, self.prefill_chunk, self._cuts(lease, fed), on_progress
+        )
+
     # -- generation ------------------------------------------------------------------------
+    def text_stream(self, params: SamplingParams) -> TextStream:
+        """How one request's sampled ids become its text (stop strings, limits)."""
+        return TextStream(self.tokenizer, params, self.tokenizer.eos_token_ids)
+
     def generate(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
         on_progress: Progress | None = None,
         should_stop: Callable[[], bool] | None = None,
-        on_hit: Callable[[HitInfo], None] | None = None,
+        on_hit: Callable[[Hit], None] | None = None,
     ) -> Iterator[Chunk]:
-        """Stream the completion of ``prompt_ids``; the last chunk has finish_reason + usage.
+        """Stream the completion of ``prompt_ids`` alone, on the calling thread; the last chunk
+        has finish_reason + usage. The same batch loop as the server's, with one request in it.
 
-        ``on_hit`` hears the cache lookup's result before the prefill starts (response headers)."""
-        stop_check = should_stop or (lambda: False)
-        t0 = time.perf_counter()
-        lease = self.cache.fetch(prompt_ids)
-        fed = list(prompt_ids[: lease.hit.tokens])
-        try:  # from here on the lease goes back to the cache whatever fails (the entry may be taken)
-            if on_hit is not None:
-                on_hit(lease.hit)
-            out = _Decode(self, params, len(prompt_ids), lease.hit)
-            try:
-                logits = self._prefill(lease, fed, on_progress, stop_check)
-            except PrefillStopped:
-                yield out.finish("cancelled", t0)
-                return
-            out.prefill_done(t0)
-            yield from out.run(logits, lease, fed, stop_check, t0)
+        ``on_hit`` hears the cache lookup's result before the prefill starts. The cache entry is
+        stored when the generation finishes, is closed early or ``should_stop()`` turns true."""
+        loop = BatchLoop(self, max_batch=1)
+        sink = _ListSink(should_stop or (lambda: False))
+        loop.add(sink, prompt_ids, params, on_progress)
+        try:
+            while loop.active:
+                loop.step()
+                for ev in sink.take():
+                    if isinstance(ev, Hit):
+                        if on_hit is not None:
+                            on_hit(ev)
+                    elif isinstance(ev, Failed):
+                        raise ev.error
+                    elif isinstance(ev, Chunk):
+                        yield ev
         finally:
-            self.cache.store(lease, fed)
+            loop.close()
 
     def close(self) -> None:
         self.cache.close()
@@ -208,83 +186,19 @@ class Engine:
             self.restorer.close()
 
 
-class _Decode:
-    """Sampling loop state: stop strings, detokenisation, timings."""
+class _ListSink:
+    """Events of the one request of :meth:`Engine.generate`, collected on the calling thread."""
 
-    def __init__(self, engine: Engine, params: SamplingParams, prompt_len: int, hit: HitInfo):
-        self.e, self.p, self.hit, self.prompt_len = engine, params, hit, prompt_len
-        self.sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
-        self.detok = IncrementalDecoder(engine.tokenizer)
-        self.eos = set(engine.tokenizer.eos_token_ids)
-        self.completion = 0
-        self.text = ""  # text decoded so far
-        self.sent = 0  # chars of self.text already emitted
-        self.t_prefill = self.t_first = 0.0
-        if params.seed is not None:
-            mx.random.seed(params.seed)
+    def __init__(self, should_stop: Callable[[], bool]) -> None:
+        self.events: list[Event] = []
+        self.should_stop = should_stop
 
-    def prefill_done(self, t0: float) -> None:
-        self.t_prefill = time.perf_counter() - t0
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
 
-    def _sample(self, logits: mx.array) -> int:
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return int(self.sampler(logprobs[None])[0].item())
+    def cancelled(self) -> bool:
+        return self.should_stop()
 
-    def run(
-        self, logits: mx.array, lease: Lease, fed: list[int], stop: Callable[[], bool], t0: float
-    ) -> Iterator[Chunk]:
-        model, caches = self.e.model, lease.caches
-        while True:
-            tok = self._sample(logits)
-            if not self.t_first:
-                self.t_first = time.perf_counter() - t0
-            if tok in self.eos:
-                yield self.finish("stop", t0)
-                return
-            self.completion += 1
-            self.text += self.detok.add(tok)
-            cut = self._stop_at()
-            if cut is not None:
-                yield Chunk(self.text[self.sent : cut], tok)
-                yield self.finish("stop", t0, flush=False)  # nothing after the stop string
-                return
-            hold = max((len(s) - 1 for s in self.p.stop), default=0)
-            upto = max(self.sent, len(self.text) - hold)
-            yield Chunk(self.text[self.sent : upto], tok)
-            self.sent = upto
-            if self.completion >= self.p.max_tokens:
-                yield self.finish("length", t0)
-                return
-            if stop():
-                yield self.finish("cancelled", t0)
-                return
-            logits = model(mx.array([[tok]]), cache=caches)[0, -1, :]
-            mx.eval(logits)
-            fed.append(tok)
-
-    def _stop_at(self) -> int | None:
-        cuts = [
-            i
-            for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.p.stop if s)
-            if i >= 0
-        ]
-        return min(cuts) if cuts else None
-
-    def finish(self, reason: str, t0: float, flush: bool = True) -> Chunk:
-        """The last chunk: held-back text (unless a stop string ended it) and usage."""
-        tail = ""
-        if flush:
-            self.text += self.detok.flush()
-            tail = self.text[self.sent :]
-        now = time.perf_counter() - t0
-        usage = Usage(
-            prompt_tokens=self.prompt_len,
-            completion_tokens=self.completion,
-            cached_tokens=self.hit.tokens,
-            cache_tier=self.hit.tier,
-            ttft_seconds=self.t_first or now,
-            prefill_seconds=self.t_prefill,
-            decode_seconds=max(0.0, now - (self.t_first or now)),
-            load_seconds=self.hit.load_seconds,
-        )
-        return Chunk(tail, None, reason, usage)
+    def take(self) -> list[Event]:
+        out, self.events = self.events, []
+        return out

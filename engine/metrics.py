@@ -60,10 +60,33 @@ class _CacheCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(value))
 
 
+class _BatchCollector(Collector):
+    """The batch loop's gauges, read at scrape time from the worker's plain ints."""
+
+    def __init__(self, worker: Any) -> None:
+        self._w = worker
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        w = self._w
+        yield GaugeMetricFamily(
+            "tiered_kv_batch_size", "Requests decoding together now", value=w.batch_size
+        )
+        yield GaugeMetricFamily(
+            "tiered_kv_in_flight",
+            "Requests in the batch loop (waiting to prefill, prefilling or decoding)",
+            value=w.in_flight,
+        )
+        yield GaugeMetricFamily(
+            "tiered_kv_queue_length", "Requests waiting for a place in the batch", value=w.pending()
+        )
+
+
 class Metrics:
     """The server's metrics; ``render()`` gives the /metrics body."""
 
-    def __init__(self, cache_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, cache_stats: Callable[[], dict[str, Any]] | None = None, worker: Any = None
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -92,14 +115,22 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.ttft_total = Histogram(
+            "tiered_kv_request_ttft_seconds",
+            "Time to first token of each request as its client sees it (queue included)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "tiered_kv_queue_wait_seconds",
-            "Time a request waited for the worker",
+            "Time a request waited before its prefill started (queue and batch admission)",
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         if cache_stats is not None:
             r.register(_CacheCollector(cache_stats))
+        if worker is not None:
+            r.register(_BatchCollector(worker))
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -119,6 +150,8 @@ class Metrics:
         if usage.cached_tokens:
             self.cached_tokens.labels(tier=usage.cache_tier).inc(usage.cached_tokens)
         self.ttft.observe(usage.ttft_seconds)
+        self.queue_wait.observe(usage.queue_seconds)
+        self.ttft_total.observe(usage.queue_seconds + usage.ttft_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

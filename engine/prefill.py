@@ -6,7 +6,7 @@ recurrent / sliding-window layers, whose state is then recorded in ``lease.check
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,7 +44,28 @@ def prefill(
     should_stop: Callable[[], bool] = lambda: False,
 ) -> mx.array:
     """Feed ``lease.remaining`` into ``lease.caches``; ``fed`` (ids the caches hold) grows with
-    each evaluated chunk. Returns the last position's logits (1-D). Raises PrefillStopped.
+    each evaluated chunk. Returns the last position's logits (1-D). Raises PrefillStopped."""
+    steps = prefill_steps(model, lease, fed, chunk_size, cuts, on_progress)
+    while True:
+        if should_stop():
+            steps.close()
+            raise PrefillStopped
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill_steps(
+    model: nn.Module,
+    lease: Lease,
+    fed: list[int],
+    chunk_size: int,
+    cuts: list[int] = (),  # type: ignore[assignment]
+    on_progress: Progress | None = None,
+) -> Generator[None, None, mx.array]:
+    """:func:`prefill` one evaluated chunk per ``next()``: the batch loop interleaves these with
+    decode steps of other requests. The generator's return value is the last position's logits.
 
     Only the cache state of each chunk is evaluated; the vocabulary projection runs for the last
     prompt token alone (fed as its own step), not for every position of every chunk.
@@ -54,15 +75,12 @@ def prefill(
     body = len(rem) - 1  # every token but the last: only their KV is needed
     i = 0
     while i < body:
-        if should_stop():
-            raise PrefillStopped
         end = min([i + chunk_size, body] + [c - start for c in cuts if c - start > i])
         _step(model, lease, fed, rem[i:end], cuts, on_progress, total)
         i = end
         if body > chunk_size:
             mx.clear_cache()
-    if should_stop():
-        raise PrefillStopped
+        yield
     out = model(mx.array([rem[-1:]]), cache=lease.caches)
     logits = out[0, -1, :]
     mx.eval([logits] + [c.state for c in lease.caches])

@@ -1,146 +1,45 @@
-"""OpenAI-compatible HTTP transport (FastAPI): parse → tokenize → queue on the worker → JSON or SSE.
+"""OpenAI-compatible HTTP transport (FastAPI): bytes → request → worker → SSE or JSON.
 
-Ownership: handlers run on the asyncio loop and never touch MLX; tokenizing runs in the thread pool, and
-the model is loaded and run on the single :class:`engine.worker.Worker` thread (the engine thread). Schemas
-and validation live in ``engine/api.py``, prompt rendering in ``engine/chat.py``, content / reasoning /
-tool-call output in ``engine/output.py``. This is the HTTP edge: any
+Transport only. Handlers run on the asyncio loop and never touch MLX; rendering and tokenizing run
+in the thread pool, generation on the :class:`engine.worker.Worker` thread (continuous batching).
+Schemas live in ``engine/api.py``; prompts, tool calls, finish reasons and usage in
+``engine/respond.py``; the events a job yields in ``engine/events.py``. This is the HTTP edge: any
 exception becomes an OpenAI-shaped error body here, never a traceback to the client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, chat, output
+from engine import api, respond
 from engine.api import ApiError, ChatRequest, CompletionRequest
-from engine.generate import Chunk, SamplingParams
+from engine.events import END, Chunk, Event, Failed
+from engine.http_edge import Auth, ShutdownGuard, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
-from engine.worker import END, Job, Worker
+from engine.worker import Job, QueueFull, Worker
 from tiered_kv.config import Config
-from tiered_kv.tiered import HitInfo
 
 log = logging.getLogger(__name__)
 #: request bodies parsed / prompts tokenised at once (thread pool): each holds memory
 #: proportional to its body or prompt, and a 16 MB body takes a CPU for a while
 TOKENIZE_CONCURRENCY = 2
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-KEEPALIVE = b": keep-alive\n\n"
-
-
-@dataclass
-class _Ctx:
-    """One generation request as the transport sees it."""
-
-    rid: str
-    created: int
-    model: str
-    job: Job
-    request: Request
-    include_usage: bool
-    out: output.ChatOutput | None = None  # chat only: content / reasoning / tool calls
-    hit: HitInfo | None = None
+KEEPALIVE, DONE = b": keep-alive\n\n", b"data: [DONE]\n\n"
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-def _tier_headers(hit: HitInfo | None) -> dict[str, str]:
-    if hit is None:
-        return {}
-    return {"x-tiered-kv-cache-tier": hit.tier, "x-tiered-kv-cached-tokens": str(hit.tokens)}
-
-
-class _Auth:
-    """ASGI middleware: ``Authorization: Bearer <api_key>`` on every path except /health."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.key and scope["path"] != "/health":
-            headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                body = api.error_body(
-                    "invalid or missing API key", "invalid_request_error", None, "invalid_api_key"
-                )
-                await JSONResponse(body, status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _ShutdownGuard:
-    """ASGI middleware: a request still waiting when the server stops (uvicorn cancels it after
-    its graceful-shutdown timeout) gets a 503 JSON body, not uvicorn's plain-text 500."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def send_tracked(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_tracked)
-        except asyncio.CancelledError:
-            if started:
-                raise
-            body = api.error_body(
-                "the server is shutting down; retry the request",
-                "server_error",
-                None,
-                "server_shutting_down",
-            )
-            headers = {"connection": "close", "retry-after": "1"}
-            await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
-
-
-async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, bounded in size (413) and in time (408: a client that trickles its body)."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
-
-    async def collect() -> bytes:
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise ApiError(
-                    413, f"request body larger than {limit} bytes", code="request_too_large"
-                )
-            parts.append(part)
-        return b"".join(parts)
-
-    try:
-        return await asyncio.wait_for(collect(), timeout)
-    except asyncio.TimeoutError:
-        raise ApiError(
-            408, f"request body not received within {timeout:g} s", code="request_timeout"
-        ) from None
 
 
 class Server:
@@ -158,8 +57,7 @@ class Server:
         self.body_timeout = body_timeout_seconds
         self._model_id = model_id
         self.created = api.now()
-        self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {})
-        worker.set_on_wait(self.metrics.queue_wait.observe)
+        self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {}, worker)
         self._max_token_chars = 0  # from the tokenizer, once the engine is loaded
         self._tokenizing = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
 
@@ -170,9 +68,8 @@ class Server:
 
     @property
     def model_id(self) -> str:
-        return self._model_id or self.engine.model_dir.name
+        return self._model_id or str(self.engine.model_dir.name)
 
-    # -- plumbing --------------------------------------------------------------------------------
     def _error(self, endpoint: str, e: Exception) -> JSONResponse:
         if isinstance(e, ApiError):
             self.metrics.request(endpoint, e.status)
@@ -191,243 +88,118 @@ class Server:
         async with self._tokenizing:
             return await run_in_threadpool(fn, *args)
 
-    def _params(self, req: Any, prompt_len: int) -> SamplingParams:
-        max_tokens = api.check_length(prompt_len, req.requested_max(), self.engine.context_length)
-        return SamplingParams(max_tokens, req.temperature, req.top_p, req.seed, req.stop_tuple())
+    async def _events(self, job: Job) -> AsyncIterator[Event | None]:
+        """A job's events up to its end; None on each idle keep-alive interval."""
+        while (ev := await job.get(self.keepalive)) is not END:
+            yield ev
 
-    async def _wait_hit(self, ctx: _Ctx) -> list[Any]:
-        """Events up to the cache hit (so headers can name the tier), waiting at most one keep-alive."""
-        got: list[Any] = []
-        while ctx.hit is None:
-            item = await ctx.job.get(self.keepalive)
-            if item is None:
-                break
-            if isinstance(item, HitInfo):
-                ctx.hit = item
-            else:
-                got.append(item)
-                if item is END or isinstance(item, Exception):
-                    break
-        return got
-
-    async def _events(self, ctx: _Ctx, early: list[Any]) -> AsyncIterator[Any]:
-        """Chunks / exception of a job; None on each idle keep-alive interval."""
-        for item in early:
-            if item is END:
-                return
-            yield item
-        while True:
-            item = await ctx.job.get(self.keepalive)
-            if item is END:
-                return
-            if isinstance(item, HitInfo):
-                ctx.hit = item
-                continue
-            yield item
-
-    async def _collect(self, ctx: _Ctx, early: list[Any]) -> tuple[str, Chunk]:
-        """Non-streaming: all text and the last chunk; a client gone away cancels the job."""
-        text = []
-        async for item in self._events(ctx, early):
-            if item is None:
-                if await ctx.request.is_disconnected():
-                    ctx.job.cancel.set()
-                continue
-            if isinstance(item, Exception):
-                raise item
-            text.append(item.text)
-            if item.finish_reason is not None:
-                if item.usage is not None:
-                    self.metrics.generation(item.usage)
-                return "".join(text), item
-        raise RuntimeError("generation ended without a final chunk")
-
-    # -- chat ------------------------------------------------------------------------------------
-    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], output.ChatOutput]:
-        """The prompt ids and the request's output parser (formats from the model's tokenizer)."""
-        tools, tok = req.tool_dicts(), self.engine.tokenizer
-        fmt = output.OutputFormat.of(tok, hermes=not chat.template_supports_tools(tok))
-        parse = bool(tools) and req.tool_choice != "none"
-        prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
+    async def _serve(
+        self, request: Request, endpoint: str, schema: type, prepare: Callable[[Any], Any]
+    ) -> Response:
+        """Both endpoints: parse, prepare (thread pool), queue, then stream or collect."""
         try:
-            text = chat.render_chat(tok, req.message_dicts(), tools)
-        except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
-            raise ApiError(
-                400, f"the model's chat template rejected the messages: {e}", param="messages"
-            ) from None
-        reasoning = fmt.opens_reasoning(text) and not prefix
-        out = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
-        out.feed(prefix)  # a forced call's opener is held until the model closes the call
-        self._check_chars(len(text) + len(prefix), "messages")
-        return self.engine.encode_text(text + prefix), out
+            body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
+            req = await self._off_loop(api.parse_body, body, schema)
+            ids, out = await self._off_loop(prepare, req)
+            params = respond.sampling(req, len(ids), self.engine.context_length)
+            try:
+                job = self.worker.submit(ids, params, endpoint)
+            except QueueFull as e:
+                raise ApiError(
+                    429, f"server busy: {e}", type_="rate_limit_error", code="queue_full"
+                ) from None
+            events = self._events(job)
+            first = await anext(events)  # the cache hit (or a failure), so headers name the tier
+            headers = respond.hit_headers(first)
+            if req.stream:
+                self.metrics.request(endpoint, 200)
+                stream = self._pump(job, out, first, events)
+                return StreamingResponse(
+                    stream, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+                )
+            try:
+                result = await self._collect(job, request, out, first, events)
+            finally:
+                job.cancel.set()
+            self.metrics.request(endpoint, 200)
+            return JSONResponse(result, headers=headers)
+        except Exception as e:
+            return self._error(endpoint, e)
+
+    async def _collect(self, job: Job, request: Request, out: Any, first: Any, events: Any) -> Any:
+        """Non-streaming: every chunk through ``out``, then its body; a client gone away cancels."""
+        ev = first
+        while True:
+            if ev is None and await request.is_disconnected():
+                job.cancel.set()
+            elif isinstance(ev, Failed):
+                raise ev.error
+            elif isinstance(ev, Chunk):
+                out.feed(ev)
+                if ev.finish_reason is not None:
+                    self.metrics.generation(ev.usage)
+                    return out.body()
+            ev = await anext(events, END)
+            if ev is END:
+                raise RuntimeError("generation ended without a final chunk")
+
+    async def _pump(self, job: Job, out: Any, first: Any, events: Any) -> AsyncIterator[bytes]:
+        """The one SSE pump of both endpoints: ``out``'s chunks, keep-alives, errors, [DONE]."""
+        try:
+            for obj in out.start():
+                yield _sse(obj)
+            ev = first
+            while ev is not END:
+                if ev is None:
+                    yield KEEPALIVE
+                elif isinstance(ev, Failed):
+                    yield _sse(respond.error_chunk(ev.error))
+                    break
+                elif isinstance(ev, Chunk):
+                    for obj in out.feed(ev):
+                        yield _sse(obj)
+                    if ev.usage is not None:
+                        self.metrics.generation(ev.usage)
+                ev = await anext(events, END)
+            yield DONE
+        finally:
+            job.cancel.set()  # no-op after the end; stops the request if the client went away
 
     async def chat_completions(self, request: Request) -> Response:
-        try:
-            raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
-            req = await self._off_loop(api.parse_body, raw, ChatRequest)
+        def prepare(req: ChatRequest) -> tuple[list[int], respond.Output]:
             self._check_chars(req.content_chars(), "messages")  # before rendering it
-            ids, out = await self._off_loop(self._chat_prompt, req)
-            params = self._params(req, len(ids))
-            ctx = _Ctx(
-                api.new_id("chatcmpl"),
-                api.now(),
-                self.model_id,
-                self.worker.submit(ids, params, "chat"),
-                request,
-                req.include_usage,
-                out=out,
+            tok = self.engine.tokenizer
+            return respond.chat_prompt(
+                tok, self.engine.encode_text, req, self.model_id, self._check_chars
             )
-            early = await self._wait_hit(ctx)
-            if req.stream:
-                self.metrics.request("chat", 200)
-                stream = self._chat_stream(ctx, early)
-                return StreamingResponse(
-                    stream,
-                    media_type="text/event-stream",
-                    headers={**SSE_HEADERS, **_tier_headers(ctx.hit)},
-                )
-            try:
-                text, last = await self._collect(ctx, early)
-            finally:
-                ctx.job.cancel.set()
-            out.feed(text)
-            _, finish = out.finish(last.finish_reason)
-            res = out.result
-            calls = [{k: v for k, v in c.items() if k != "index"} for c in res.tool_calls]
-            body = api.chat_response(
-                ctx.rid, ctx.model, res.content, calls, finish, last.usage, res.reasoning
-            )
-            self.metrics.request("chat", 200)
-            return JSONResponse(body, headers=_tier_headers(ctx.hit))
-        except Exception as e:
-            return self._error("chat", e)
 
-    async def _chat_stream(self, ctx: _Ctx, early: list[Any]) -> AsyncIterator[bytes]:
-        out = ctx.out
-        assert out is not None
+        return await self._serve(request, "chat", ChatRequest, prepare)
 
-        def delta(d: dict[str, Any], finish: str | None = None) -> bytes:
-            return _sse(api.chat_chunk(ctx.rid, ctx.created, ctx.model, d, finish))
-
-        try:
-            yield delta({"role": "assistant", "content": ""})
-            async for item in self._events(ctx, early):
-                if item is None:
-                    yield KEEPALIVE
-                    continue
-                if isinstance(item, Exception):
-                    yield _sse(_stream_error(item))
-                    break
-                for d in out.feed(item.text).sse_deltas():
-                    yield delta(d)
-                if item.finish_reason is not None:
-                    tail, finish = out.finish(item.finish_reason)
-                    for d in tail.sse_deltas():
-                        yield delta(d)
-                    yield delta({}, finish)
-                    if item.usage is not None:
-                        self.metrics.generation(item.usage)
-                        if ctx.include_usage:
-                            yield _sse(
-                                api.usage_chunk(
-                                    ctx.rid,
-                                    ctx.created,
-                                    ctx.model,
-                                    "chat.completion.chunk",
-                                    item.usage,
-                                )
-                            )
-            yield b"data: [DONE]\n\n"
-        finally:
-            ctx.job.cancel.set()  # no-op after the end; stops the engine if the client went away
-
-    # -- completions -----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        try:
-            raw = await _read_body(request, self.config.max_body_bytes, self.body_timeout)
-            req = await self._off_loop(api.parse_body, raw, CompletionRequest)
-            self._check_chars(len(req.prompt_text()), "prompt")
-            ids = await self._off_loop(self.engine.encode_text, req.prompt_text())
-            if not ids:
-                raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
-            params = self._params(req, len(ids))
-            ctx = _Ctx(
-                api.new_id("cmpl"),
-                api.now(),
-                self.model_id,
-                self.worker.submit(ids, params, "completion"),
-                request,
-                req.include_usage,
+        def prepare(req: CompletionRequest) -> tuple[list[int], respond.Output]:
+            return respond.completion_prompt(
+                self.engine.encode_text, req, self.model_id, self._check_chars
             )
-            early = await self._wait_hit(ctx)
-            if req.stream:
-                self.metrics.request("completions", 200)
-                return StreamingResponse(
-                    self._completion_stream(ctx, early),
-                    media_type="text/event-stream",
-                    headers={**SSE_HEADERS, **_tier_headers(ctx.hit)},
-                )
-            try:
-                text, last = await self._collect(ctx, early)
-            finally:
-                ctx.job.cancel.set()
-            finish = api.openai_finish(last.finish_reason, False)
-            self.metrics.request("completions", 200)
-            body = api.completion_response(ctx.rid, ctx.model, text, finish, last.usage)
-            return JSONResponse(body, headers=_tier_headers(ctx.hit))
-        except Exception as e:
-            return self._error("completions", e)
 
-    async def _completion_stream(self, ctx: _Ctx, early: list[Any]) -> AsyncIterator[bytes]:
-        try:
-            async for item in self._events(ctx, early):
-                if item is None:
-                    yield KEEPALIVE
-                    continue
-                if isinstance(item, Exception):
-                    yield _sse(_stream_error(item))
-                    break
-                finish = api.openai_finish(item.finish_reason, False)
-                if item.text or finish:
-                    yield _sse(
-                        api.completion_chunk(ctx.rid, ctx.created, ctx.model, item.text, finish)
-                    )
-                if item.usage is not None:
-                    self.metrics.generation(item.usage)
-                    if ctx.include_usage:
-                        yield _sse(
-                            api.usage_chunk(
-                                ctx.rid, ctx.created, ctx.model, "text_completion", item.usage
-                            )
-                        )
-            yield b"data: [DONE]\n\n"
-        finally:
-            ctx.job.cancel.set()
+        return await self._serve(request, "completions", CompletionRequest, prepare)
 
-    # -- small endpoints -------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         self.metrics.request("models", 200)
         return JSONResponse(api.models_response(self.model_id, self.created))
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse(
-            {
-                "status": "ok",
-                "model": self.model_id,
-                "busy": self.worker.busy(),
-                "queued": self.worker.pending(),
-            }
-        )
+        w = self.worker
+        status = {"status": "ok", "model": self.model_id, "busy": w.busy()}
+        status.update(queued=w.pending(), batch_size=w.batch_size, in_flight=w.in_flight)
+        return JSONResponse(status)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _stream_error(e: Exception) -> dict[str, Any]:
-    if isinstance(e, ApiError):
-        return e.body()
-    log.error("generation failed mid-stream: %s", e)
-    return api.error_body(f"internal error: {e}", "server_error")
+def batch_limits(config: Config) -> dict[str, int]:
+    """The Worker's keyword arguments from the config (TIERED_KV_MAX_BATCH / _MAX_QUEUE)."""
+    return {"max_batch": config.max_batch, "max_queue": config.max_queue}
 
 
 def create_app(
@@ -438,9 +210,9 @@ def create_app(
     body_timeout_seconds: float = 30.0,
 ) -> FastAPI:
     """The ASGI app over a :class:`Worker` (or a zero-argument engine factory, run on the worker's
-    thread). Its lifespan starts the worker (the model loads there); shutdown cancels jobs and closes
-    the engine."""
-    worker = engine if isinstance(engine, Worker) else Worker(engine)
+    thread). Its lifespan starts the worker (the model loads there); shutdown cancels jobs and
+    closes the engine."""
+    worker = engine if isinstance(engine, Worker) else Worker(engine, **batch_limits(config))
     server = Server(worker, config, keepalive_seconds, model_id, body_timeout_seconds)
 
     @asynccontextmanager
@@ -462,12 +234,10 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse(
-            api.error_body(str(exc.detail), "invalid_request_error", None, code),
-            status_code=exc.status_code,
-        )
+        body = api.error_body(str(exc.detail), "invalid_request_error", None, code)
+        return JSONResponse(body, status_code=exc.status_code)
 
     if config.api_key:
-        app.add_middleware(_Auth, api_key=config.api_key)
-    app.add_middleware(_ShutdownGuard)  # outermost
+        app.add_middleware(Auth, api_key=config.api_key)
+    app.add_middleware(ShutdownGuard)  # outermost
     return app

@@ -1,15 +1,16 @@
-"""The engine thread: it owns MLX. A FIFO of jobs, one Engine, cancellation by flag.
+"""The engine thread: it owns MLX. A bounded queue of jobs feeding one :class:`engine.batch.BatchLoop`.
 
-Ownership: the worker thread is the only thread that touches MLX. It *builds* the Engine (model loading:
-mlx-lm models keep lazy arrays — e.g. Llama 3's RoPE frequencies — that can only be evaluated on the thread
-that made them), runs the warm-start prefetch, runs ``engine.generate`` for one job at a time and finally
-``engine.close()`` (which flushes the spill queue). It runs on a stream it creates itself, so an array made on
-any other thread fails at once ("There is no Stream(...) in current thread") on the CPU exactly as it does on
-a GPU. Other threads read only the engine's plain attributes (tokenizer, context length, stats). Request
-handlers (asyncio) submit a
-:class:`Job` and read its events (``Chunk``, an exception, or the end) from an ``asyncio.Queue`` that the
-worker fills through ``loop.call_soon_threadsafe``. A handler whose client went away sets ``job.cancel``;
-the engine sees it through ``should_stop()`` between prefill chunks and decode steps, stops, and stores
+Ownership: the worker thread is the only thread that touches MLX. It *builds* the Engine (model
+loading: mlx-lm models keep lazy arrays — e.g. Llama 3's RoPE frequencies — that can only be
+evaluated on the thread that made them), runs the warm-start prefetch, runs the batch loop (every
+prefill chunk and decode step of every request) and finally ``engine.close()`` (which flushes the
+spill queue). It runs on a stream it creates itself, so an array made on any other thread fails at
+once ("There is no Stream(...) in current thread") on the CPU exactly as it does on a GPU. Other
+threads read only the engine's plain attributes (tokenizer, context length, stats). Request handlers (asyncio) :meth:`Worker.submit` a :class:`Job` and read its typed
+events (``engine/events.py``) from an ``asyncio.Queue`` that the worker fills through
+``loop.call_soon_threadsafe``. Up to ``max_batch`` jobs are in the loop at once; up to
+``max_queue`` more wait (then :class:`QueueFull`). A handler whose client went away sets
+``job.cancel``; the loop sees it at the next token boundary, stops that request alone, and stores
 what it computed.
 """
 
@@ -26,13 +27,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.generate import SamplingParams
+from engine.batch import BatchLoop
+from engine.events import END, Event, Failed, SamplingParams
 
 log = logging.getLogger(__name__)
-END = object()  # marks the end of a job's events
+__all__ = ["END", "Job", "QueueFull", "Worker"]
 
 
-@dataclass
+class QueueFull(Exception):
+    """``max_queue`` jobs already wait for a place in the batch."""
+
+
+@dataclass(eq=False)
 class Job:
     """One generation request; created on the event loop by :meth:`Worker.submit`."""
 
@@ -40,19 +46,24 @@ class Job:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     label: str = ""
-    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
-    started: float = 0.0
+    on_end: Callable[[], None] | None = field(default=None, repr=False)
 
-    def put(self, item: Any) -> None:
-        """Worker side: hand an event (HitInfo, Chunk, exception, END) to the request's loop (a closed loop means nobody listens)."""
+    def emit(self, event: Event) -> None:
+        """Worker side: hand an event to the request's loop (a closed loop means nobody listens)."""
+        if event is END and self.on_end is not None:
+            self.on_end()
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:
             self.cancel.set()
 
-    async def get(self, timeout: float) -> Any:
+    def cancelled(self) -> bool:
+        return self.cancel.is_set()
+
+    async def get(self, timeout: float) -> Event | None:
         """Request side: the next event, or None after ``timeout`` seconds without one."""
         try:
             return await asyncio.wait_for(self.events.get(), timeout)
@@ -66,13 +77,14 @@ class _Progress:
     def __init__(self, label: str, interval: float) -> None:
         self.label, self.interval = label, interval
         self.t0 = self.last = time.perf_counter()
-        self.first_done: int | None = None
+        self.start_done: int | None = None
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
-        if self.first_done is None:
-            self.first_done = done
+        if self.start_done is None:
             self.start_done = done
+            self.t0 = self.last = now
+            return
         if now - self.last < self.interval and done < total:
             return
         if done >= total and now - self.t0 < self.interval:
@@ -84,22 +96,26 @@ class _Progress:
 
 class Worker:
     """Owns the engine thread and the Engine it builds; ``start`` (waits until the model is loaded),
-    ``submit`` from the event loop, ``close`` at shutdown."""
+    ``submit`` from the event loop, ``close`` at shutdown. ``batch_size`` / ``in_flight`` /
+    ``pending`` are plain ints for /health and /metrics."""
 
     def __init__(
         self,
         make_engine: Callable[[], Any],
-        on_wait: Callable[[float], None] | None = None,
         progress_interval: float = 2.0,
+        max_batch: int = 8,
+        max_queue: int = 64,
     ) -> None:
         self._make_engine = make_engine
         self.engine: Any = None  # set on the engine thread before ``start`` returns
-        self._on_wait = on_wait
+        self.max_batch, self.max_queue = max_batch, max_queue
         self._progress_interval = progress_interval
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._current: Job | None = None
         self._closed = False
+        self._accepted = 0  # submitted and not ended: at most max_batch + max_queue
+        self.batch_size = 0  # requests decoding together (written by the worker thread only)
+        self.in_flight = 0  # requests in the loop: waiting to prefill, prefilling or decoding
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tiered-kv-engine", daemon=True)
@@ -115,26 +131,31 @@ class Worker:
         if self._load_error is not None:
             raise self._load_error
 
-    def set_on_wait(self, on_wait: Callable[[float], None]) -> None:
-        """Hear each job's queue wait (seconds) when it starts (the server's metrics)."""
-        self._on_wait = on_wait
-
     def submit(self, prompt_ids: list[int], params: SamplingParams, label: str = "") -> Job:
-        """Queue a job (FIFO). Must be called on the event loop that will read the job's events."""
-        job = Job(prompt_ids, params, asyncio.get_running_loop(), label)
+        """Queue a job. Must be called on the event loop that will read the job's events.
+        Raises QueueFull past ``max_queue`` waiting jobs, RuntimeError after close()."""
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), label, on_end=self._ended)
         with self._lock:
             if self._closed:
                 raise RuntimeError("server is shutting down")
+            if self._accepted >= self.max_batch + self.max_queue:
+                raise QueueFull(
+                    f"{self.max_batch} requests are generating and {self.max_queue} waiting"
+                )
+            self._accepted += 1
             self._queue.put(job)
         return job
 
+    def _ended(self) -> None:
+        with self._lock:
+            self._accepted -= 1
+
     def pending(self) -> int:
-        """Jobs waiting for the worker (the running one excluded)."""
+        """Jobs waiting for a place in the batch."""
         return self._queue.qsize()
 
     def busy(self) -> bool:
-        """Whether a job is running now."""
-        return self._current is not None
+        return self.in_flight > 0
 
     def close(self, timeout: float | None = None) -> None:
         """Cancel the running and queued jobs, then let the thread close the engine and exit.
@@ -148,14 +169,13 @@ class Worker:
             if self._closed:
                 return
             self._closed = True
-            if self._current is not None:
-                self._current.cancel.set()
             self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("worker did not stop within %ss; cache may not be flushed", timeout)
 
+    # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         # This thread's own stream: nothing made on another thread can be evaluated here.
         mx.set_default_stream(mx.new_stream(mx.default_device()))
@@ -168,20 +188,31 @@ class Worker:
             self._ready.set()
         try:
             self._prefetch()
-            while (job := self._queue.get()) is not None:
-                with self._lock:
-                    if self._closed:
-                        job.cancel.set()
-                    self._current = job
-                try:
-                    self._generate(job)
-                finally:
-                    with self._lock:
-                        self._current = None
+            loop = BatchLoop(self.engine, self.max_batch)
+            while self._admit(loop):
+                loop.step()
+                self.batch_size, self.in_flight = loop.decoding, loop.active
+            loop.close()
+            self.batch_size = self.in_flight = 0
             self._drain()
         finally:
             log.info("worker stopping: closing the engine (flushing the spill queue)")
             self.engine.close()
+
+    def _admit(self, loop: BatchLoop) -> bool:
+        """Move queued jobs into the loop while it has room (blocking while it is idle).
+        False once close() was called."""
+        while loop.has_room():
+            try:
+                job = self._queue.get(block=loop.active == 0)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            progress = _Progress(job.label, self._progress_interval)
+            loop.add(job, job.prompt_ids, job.params, progress, job.enqueued)
+            self.in_flight = loop.active
+        return not self._closed
 
     def _prefetch(self) -> None:
         """Warm start (TIERED_KV_PREFETCH): load recent disk entries into memory before serving;
@@ -192,34 +223,12 @@ class Worker:
             log.info("prefetched %d cold entries into memory in %.2fs", n, time.perf_counter() - t0)
 
     def _drain(self) -> None:
-        """After close(): jobs still queued end as cancelled without running."""
+        """After close(): jobs still queued end without running."""
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 return
             if job is not None:
-                job.put(RuntimeError("server is shutting down"))
-                job.put(END)
-
-    def _generate(self, job: Job) -> None:
-        job.started = time.perf_counter()
-        if self._on_wait is not None:
-            self._on_wait(job.started - job.enqueued)
-        if job.cancel.is_set():
-            job.put(END)
-            return
-        progress = _Progress(job.label, self._progress_interval)
-        try:
-            it = self.engine.generate(
-                job.prompt_ids, job.params, progress, job.cancel.is_set, on_hit=job.put
-            )
-            try:
-                for chunk in it:  # a set cancel flag ends the iterator with "cancelled"
-                    job.put(chunk)
-            finally:
-                it.close()
-        except Exception as e:  # the request's handler (the HTTP edge) turns it into an error body
-            log.exception("%s generation failed", job.label)
-            job.put(e)
-        job.put(END)
+                job.emit(Failed(RuntimeError("server is shutting down")))
+                job.emit(END)

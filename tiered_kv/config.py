@@ -121,6 +121,10 @@ class Config:
     #: TIERED_KV_SHARED_QUEUE_BYTES — bytes of entries waiting to be published to the shared tier
     #: (write-behind); past it the oldest waiting one is dropped (counted).
     shared_queue_bytes: int = 2 * 1024**3
+    #: TIERED_KV_MAX_BATCH — requests generating at once (continuous batching); more wait.
+    max_batch: int = 8
+    #: TIERED_KV_MAX_QUEUE — requests waiting for a place in the batch; past it, a 429.
+    max_queue: int = 64
     #: TIERED_KV_RESTORE — how a disk hit is restored: "auto" (the faster of load, compute and
     #: both by this machine's measured costs), or forced "load", "compute" or "both" (benchmarks).
     restore: str = "auto"
@@ -284,6 +288,8 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_SHARED": ("shared_url", redis_url, REDIS_FORM),
     "TIERED_KV_SHARED_TIMEOUT": ("shared_timeout", _seconds_short, "seconds in (0, 60], e.g. 1"),
     "TIERED_KV_SHARED_QUEUE_BYTES": ("shared_queue_bytes", _size, SIZE_FORM),
+    "TIERED_KV_MAX_BATCH": ("max_batch", _positive_int, "an integer ≥ 1"),
+    "TIERED_KV_MAX_QUEUE": ("max_queue", _nonneg_int, "an integer ≥ 0"),
     "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
 }
 _SECRET = {"TIERED_KV_SHARED"}  # never echoed in an error message

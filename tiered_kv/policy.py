@@ -31,14 +31,22 @@ def servable(
     return max((p for p in checkpoints if p <= n), default=0)
 
 
-def is_continuation(hit_tokens: int, prompt_len: int, min_tokens: int) -> bool:
-    """A hit at least ``min_tokens`` long that covers at least half of the prompt.
+def is_continuation(hit_tokens: int, prompt_len: int, min_tokens: int, entry_len: int) -> bool:
+    """A hit that covers the whole stored entry, at least ``min_tokens`` long and at least half
+    of the prompt.
 
     Then the request continues the stored entry: the entry is handed over (no copy) and the
-    longer result replaces it instead of duplicating it. Short hits (a shared system prompt of
-    another conversation, a title request) share the entry read-only and store a new one.
+    longer result replaces it instead of duplicating it. Other hits (a shared system prompt of
+    another conversation, a title request, a branch) share the entry read-only and store a new
+    one: handing such an entry over would cut it back and take it away from the requests that
+    run beside this one or come after it.
     """
-    return hit_tokens > 0 and hit_tokens >= min_tokens and 2 * hit_tokens >= prompt_len
+    return (
+        hit_tokens > 0
+        and hit_tokens == entry_len
+        and hit_tokens >= min_tokens
+        and 2 * hit_tokens >= prompt_len
+    )
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ class TieredCache:
         inherited = {p: snap for p, snap in entry.checkpoints.items() if p <= n}
         direct = entry.trimmable or n == total  # no checkpoint needed to serve n
         if direct and (
-            policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens)
+            policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens, total)
             or not self.config.hot_enabled
         ):
             # Hand the entry over: the caller writes into its buffers; the result replaces it.
@@ -285,6 +285,26 @@ class TieredCache:
         if self.config.write_through and self.cold is not None:
             self._persist(entry)
         self.hot.insert(entry)
+
+    def share(self, lease: Lease, token_ids: Sequence[int]) -> None:
+        """Publish a running request's prompt cache in the hot tier (new cache objects sharing its
+        arrays: no copy), so that requests running beside it hit its prefix. The request keeps
+        its lease; its final :meth:`store` supersedes this entry. Memory only, never persisted."""
+        ids = as_tokens(token_ids)
+        if not self.config.hot_enabled or len(ids) == 0:
+            return
+        try:
+            caches = layers.view(lease.caches, len(ids), len(ids))
+        except layers.UnsupportedCache:
+            return
+        if caches is None or not _make_consistent(caches, len(ids)):
+            return
+        if self.config.kv_bits:
+            caches = layers.quantize(caches, self.config.kv_bits, self.config.kv_group_size)
+        ckpts = {p: snap for p, snap in lease.checkpoints.items() if 0 < p <= len(ids)}
+        # persisted=True: never spilled (the final store is); the entries it would supersede stay
+        # until that store, so a crash in between loses nothing that was there before
+        self.hot.insert(new_entry(ids, caches, ckpts, persisted=True))
 
     def _persist(self, entry: Entry) -> None:
         if self.cold is not None:

@@ -12,16 +12,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import uvicorn
 
-from engine.generate import Chunk, Engine, SamplingParams, Usage
+from engine.generate import Engine, SamplingParams
 from engine.server import create_app
 from tiered_kv.config import Config
-from tiered_kv.tiered import HitInfo
 
 TOOLS = [
     {
@@ -91,9 +91,26 @@ def fresh(tiny_model_dir, tmp_path):
         yield s
 
 
+class _ScriptText:
+    """A TextStream that ignores the sampled ids and says ``script`` (then stops)."""
+
+    def __init__(self, script: list[str]):
+        self.script, self.completion = list(script), 0
+
+    def add(self, tok: int) -> tuple[str, str | None]:
+        if not self.script:
+            return "", "stop"
+        self.completion += 1
+        piece = self.script.pop(0)
+        return piece, (None if self.script else "stop")
+
+    def tail(self) -> str:
+        return ""
+
+
 class Scripted:
-    """The real engine, except that generate() replays ``script`` (the random tiny model never writes a
-    tool call, nor sleeps before its first token)."""
+    """The real engine (model, cache, batch loop), except that its text is ``script`` (the random tiny
+    model never writes a tool call) and its prefill sleeps ``delay`` seconds first."""
 
     def __init__(self, engine: Engine, script: list[str], delay: float = 0.0):
         self._engine, self.script, self.delay = engine, script, delay
@@ -101,18 +118,12 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(
-        self, prompt_ids, params: SamplingParams, on_progress=None, should_stop=None, on_hit=None
-    ):
-        if on_hit is not None:
-            on_hit(HitInfo())
+    def text_stream(self, params: SamplingParams) -> _ScriptText:
+        return _ScriptText(self.script)
+
+    def prefill_steps(self, lease, fed, on_progress=None):
         time.sleep(self.delay)
-        for piece in self.script:
-            yield Chunk(piece, 7)
-        usage = Usage(
-            len(prompt_ids), len(self.script), 0, "none", self.delay, self.delay, 0.0, 0.0
-        )
-        yield Chunk("", None, "stop", usage)
+        return (yield from self._engine.prefill_steps(lease, fed, on_progress))
 
 
 USER = [{"role": "user", "content": "what is the weather in paris and in london today?"}]
@@ -340,8 +351,70 @@ def test_models_health_metrics(live):
         "tiered_kv_hot_bytes",
         "tiered_kv_hot_evictions",
         "tiered_kv_ttft_seconds_bucket",
+        "tiered_kv_request_ttft_seconds_bucket",
+        "tiered_kv_queue_wait_seconds_bucket",
+        "tiered_kv_batch_size",
+        "tiered_kv_queue_length",
     ):
         assert name in text, name
+
+
+SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 12}
+
+
+def test_concurrent_sessions_share_the_system_prompt(fresh):
+    """Requests sent together on one system prompt each hit it (all but the first to prefill), and
+    the entries they store serve their conversations' next turns."""
+    c = fresh.client
+    firsts: dict[int, Any] = {}
+    convs = [
+        [SYSTEM, {"role": "user", "content": f"task number {i}: fix the bug"}] for i in range(4)
+    ]
+
+    def one(i: int) -> None:
+        firsts[i] = c.chat.completions.create(
+            model="t", messages=convs[i], max_tokens=6, temperature=0
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    system_tokens = len(fresh.app.state.server.engine.encode_text(SYSTEM["content"]))
+    cached = sorted(r.usage.prompt_tokens_details.cached_tokens for r in firsts.values())
+    assert cached[0] >= 0 and all(n >= system_tokens for n in cached[1:]), cached
+    for i in range(4):
+        history = convs[i] + [
+            {"role": "assistant", "content": firsts[i].choices[0].message.content},
+            {"role": "user", "content": "and now the tests"},
+        ]
+        r = c.chat.completions.create(model="t", messages=history, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens >= firsts[i].usage.prompt_tokens
+
+
+def test_queue_full_is_a_429_and_health_answers_while_the_batch_runs(tiny_model_dir, tmp_path):
+    config = hot_config(tmp_path, max_batch=1, max_queue=0)
+    with serve(lambda: Engine(tiny_model_dir, config), config) as s:
+        # (the random tiny model goes on without an end-of-sequence token after this prompt)
+        body = {
+            "prompt": "hello there " * 10,
+            "max_tokens": 20000,
+            "temperature": 0,
+            "stream": True,
+        }
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # kept open: closing it would hang up (and cancel)
+            while '"text"' not in next(lines):
+                pass  # until the one place in the batch is taken
+            health = httpx.get(s.url + "/health", timeout=5).json()
+            assert health["busy"] and health["batch_size"] == 1 and health["in_flight"] == 1
+            full = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+            assert full.status_code == 429
+            err = full.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+            metrics = httpx.get(s.url + "/metrics", timeout=5).text
+            assert "tiered_kv_batch_size 1.0" in metrics and "tiered_kv_queue_length 0.0" in metrics
 
 
 def test_fifo_concurrent_requests(live):

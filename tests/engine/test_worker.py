@@ -1,5 +1,5 @@
-"""engine/worker.py: FIFO order, the hit event before chunks, cancellation of queued and running jobs,
-prefill progress lines, close() closes the engine on the worker thread."""
+"""engine/worker.py: the hit event before chunks, requests that share a prompt share its cache,
+cancellation of queued and running jobs, prefill progress lines, the bounded queue, close()."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ import logging
 
 import pytest
 
-from engine.generate import Chunk, Engine, SamplingParams
-from engine.worker import END, Worker
+from engine.events import END, Chunk, Hit
+from engine.generate import Engine, SamplingParams
+from engine.worker import QueueFull, Worker
 from tiered_kv.config import Config
-from tiered_kv.tiered import HitInfo
 
 
 @pytest.fixture()
 def make_engine(tiny_model_dir, tmp_path):
-    return lambda: Engine(tiny_model_dir, Config(cache_dir=tmp_path, tiers=("hot",), prefill_chunk=16))
+    return lambda: Engine(
+        tiny_model_dir, Config(cache_dir=tmp_path, tiers=("hot",), prefill_chunk=16)
+    )
 
 
 async def drain(job) -> list:
@@ -27,7 +29,7 @@ async def drain(job) -> list:
     return out
 
 
-def test_fifo_hit_first_and_progress(make_engine, caplog):
+def test_hit_first_shared_prompt_and_progress(make_engine, caplog):
     worker = Worker(make_engine, progress_interval=0.0)
     worker.start()
     engine = worker.engine
@@ -40,9 +42,8 @@ def test_fifo_hit_first_and_progress(make_engine, caplog):
     with caplog.at_level(logging.INFO, logger="engine.worker"):
         results, jobs = asyncio.run(main())
     worker.close()
-    assert [j.started for j in jobs] == sorted(j.started for j in jobs)
     for events in results:
-        assert isinstance(events[0], HitInfo) and all(isinstance(e, Chunk) for e in events[1:])
+        assert isinstance(events[0], Hit) and all(isinstance(e, Chunk) for e in events[1:])
         assert events[-1].finish_reason == "length"
     assert results[0][0].tier == "none" and results[1][0].tier == "hot"
     assert any("job0 prefill" in r.message and "tok/s" in r.message for r in caplog.records)
@@ -59,7 +60,7 @@ def test_cancel_queued_and_running(make_engine):
         queued = worker.submit(ids, SamplingParams(max_tokens=5))
         queued.cancel.set()
         first = await running.get(30)
-        assert isinstance(first, HitInfo)
+        assert isinstance(first, Hit)
         assert isinstance(await running.get(30), Chunk)
         running.cancel.set()
         return await drain(running), await drain(queued)
@@ -81,3 +82,28 @@ def test_close_rejects_new_jobs(make_engine):
             worker.submit([1, 2, 3], SamplingParams())
 
     asyncio.run(main())
+
+
+def test_batch_bound_and_queue_full(make_engine):
+    """TIERED_KV_MAX_BATCH requests run at once, TIERED_KV_MAX_QUEUE more wait; past that, QueueFull."""
+    worker = Worker(make_engine, max_batch=2, max_queue=1)
+    worker.start()
+    ids = worker.engine.encode_text("a long answer please " * 4)
+
+    async def main():
+        running = []
+        for _ in range(2):
+            running.append(worker.submit(ids, SamplingParams(max_tokens=100000)))
+            while not isinstance(await running[-1].get(30), Chunk):
+                pass
+        waiting = worker.submit(ids, SamplingParams(max_tokens=2))
+        with pytest.raises(QueueFull):
+            worker.submit(ids, SamplingParams(max_tokens=2))
+        assert worker.in_flight == 2 and worker.pending() == 1
+        for job in running:
+            job.cancel.set()
+        return await drain(waiting)
+
+    events = asyncio.run(main())
+    worker.close()
+    assert events[-1].finish_reason == "length"

@@ -82,7 +82,11 @@ def test_failed_turn_keeps_the_cached_conversation(live):
 
 
 class _Slow:
-    """The real engine, each generation held ``delay`` seconds first (queued requests pile up)."""
+    """The real engine, each prefill held ``delay`` seconds first (queued requests pile up). It
+    yields to the batch loop every 20 ms (a prefill budget of one step each), so the loop still
+    sees cancellation and shutdown."""
+
+    prefill_chunk = 1
 
     def __init__(self, engine: Engine, delay: float):
         self._engine, self.delay = engine, delay
@@ -90,15 +94,16 @@ class _Slow:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, prompt_ids, params, on_progress=None, should_stop=None, on_hit=None):
+    def prefill_steps(self, lease, fed, on_progress=None):
         deadline = time.monotonic() + self.delay
-        while time.monotonic() < deadline and not (should_stop and should_stop()):
+        while time.monotonic() < deadline:
             time.sleep(0.02)
-        yield from self._engine.generate(prompt_ids, params, on_progress, should_stop, on_hit)
+            yield
+        return (yield from self._engine.prefill_steps(lease, fed, on_progress))
 
 
 def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
-    config = Config(cache_dir=tmp_path, tiers=("hot",))
+    config = Config(cache_dir=tmp_path, tiers=("hot",), max_batch=1)
     app = create_app(lambda: _Slow(Engine(tiny_model_dir, config), 30.0), config)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",

@@ -28,6 +28,8 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_PREFETCH": ["-1", "lots", "2 parsecs"],
     "TIERED_KV_SHARED": ["http://cache:6379", "redis://", "redis://cache:99999", "redis://h/x"],
     "TIERED_KV_SHARED_TIMEOUT": ["0", "61", "soon"],
+    "TIERED_KV_MAX_BATCH": ["0", "-2", "eight"],
+    "TIERED_KV_MAX_QUEUE": ["-1", "1.5", "lots"],
     "TIERED_KV_RESTORE": ["fast", "load,compute"],
     "TIERED_KV_COLD_DEADLINE": ["0", "-1", "soon", "nan"],
     "TIERED_KV_SHUTDOWN_SECONDS": ["0", "1e9", "forever"],

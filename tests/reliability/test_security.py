@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+import engine.http_edge
 import engine.server
 from reliability.server import Server, clean_env
 from tiered_kv.cold.tier import ColdTier
@@ -83,7 +84,7 @@ def test_no_request_field_becomes_a_path(tiny_model_dir, tmp_path):
 
 
 def test_api_key_is_compared_in_constant_time():
-    src = inspect.getsource(engine.server)
+    src = inspect.getsource(engine.server) + inspect.getsource(engine.http_edge)
     assert "hmac.compare_digest" in src
     assert "== self.config.api_key" not in src and "api_key ==" not in src
 

@@ -39,6 +39,9 @@ def test_values_from_env(tmp_path):
     assert c.tiers == ("cold",) and c.write_through and c.prefetch_bytes == 2 * 1024**3
     assert from_env({"TIERED_KV_PREFETCH": "3"}).prefetch_entries == 3
     assert from_env({"TIERED_KV_TIERS": "none"}).tiers == ()
+    batch = from_env({"TIERED_KV_MAX_BATCH": "4", "TIERED_KV_MAX_QUEUE": "0"})
+    assert (batch.max_batch, batch.max_queue) == (4, 0)
+    assert (Config().max_batch, Config().max_queue) == (8, 64)
 
 
 @pytest.mark.parametrize(
@@ -52,6 +55,8 @@ def test_values_from_env(tmp_path):
         ("TIERED_KV_KV_BITS", "3"),
         ("TIERED_KV_PREFETCH", "-1"),
         ("TIERED_KV_DISK_BYTES", "-5GB"),
+        ("TIERED_KV_MAX_BATCH", "0"),
+        ("TIERED_KV_MAX_QUEUE", "-1"),
         ("TIERED_KV_TYPO", "1"),
     ],
 )

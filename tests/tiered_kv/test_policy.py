@@ -9,10 +9,17 @@ def test_full_hit_still_recomputes_last_token():
 
 
 def test_continuation_needs_long_hit_and_half_the_prompt():
-    assert is_continuation(1000, 1900, 1000)
-    assert not is_continuation(999, 1000, 1000)
-    assert not is_continuation(1000, 2100, 1000)
-    assert not is_continuation(0, 10, 0)
+    assert is_continuation(1000, 1900, 1000, 1000)
+    assert not is_continuation(999, 1000, 1000, 999)
+    assert not is_continuation(1000, 2100, 1000, 1000)
+    assert not is_continuation(0, 10, 0, 0)
+
+
+def test_continuation_needs_the_whole_entry():
+    """A shared prefix of a longer entry (another conversation's system prompt) is shared read-only:
+    handing it over would cut the entry back under the requests running beside this one."""
+    assert not is_continuation(1000, 1100, 1000, 5000)
+    assert is_continuation(5000, 5100, 1000, 5000)
 
 
 def test_lru_victims_budget_and_memory():

@@ -1,0 +1,343 @@
+"""Continuous batching through the tiered cache, on the one thread that owns MLX.
+
+Requests join and leave at token boundaries. Each request leases its own prefix from the tiered
+cache, prefills its suffix one chunk per :meth:`BatchLoop.step` (between two decode steps of the
+running batch, so a long prefill never freezes the other streams), joins the decode batch, and on
+finishing or cancelling gives its cache back to the tiered cache as its own entry.
+
+Decode uses mlx-lm's ``GenerationBatch`` (``mx.async_eval`` pipelining, join by ``extend``, leave
+by ``filter``) over caches merged with mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache`` /
+``ArraysCache.merge`` and split back with ``extract``. Prefill is ours (``engine/prefill.py``), one
+request at a time in arrival order: it takes the recurrent / sliding-window checkpoints at our
+positions, which mlx-lm's prompt batch cannot. Caches without a batched form (quantised KV,
+chunked or concatenating KV) decode in a group of their own, stepped in the same loop.
+
+Ownership: a BatchLoop and every array it touches belong to the thread that calls ``step``; the
+sinks it emits into must be safe to call from that thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, StopSequences
+from mlx_lm.models import cache as C
+
+from engine import sampler as sampling
+from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams, Usage
+from tiered_kv.tiered import Lease
+
+log = logging.getLogger(__name__)
+NO_LIMIT = 1 << 62  # GenerationBatch's own max_tokens: ours (TextStream) ends requests
+Progress = Callable[[int, int], None]
+# cache classes whose mlx-lm ``merge`` / ``extract`` make a batch and split it back
+BATCHABLE = (C.KVCache, C.RotatingKVCache, C.ArraysCache)
+
+
+class Sink(Protocol):
+    """Where one request's events go (the worker's Job, or a list for the synchronous API)."""
+
+    def emit(self, event: Event) -> None: ...
+    def cancelled(self) -> bool: ...
+
+
+def batchable(caches: list[Any]) -> bool:
+    """True when every layer (CacheList members included) has an exact batched form."""
+    for c in caches:
+        if type(c) is C.CacheList:
+            if not batchable(list(c.caches)):
+                return False
+        elif type(c) not in BATCHABLE:
+            return False
+    return True
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request inside the loop."""
+
+    sink: Sink
+    prompt_ids: list[int]
+    params: SamplingParams
+    progress: Progress | None
+    enqueued: float
+    started: float = 0.0
+    lease: Lease | None = None
+    fed: list[int] = field(default_factory=list)  # ids whose KV the request's caches hold
+    steps: Generator[None, None, mx.array] | None = None
+    text: Any = None  # engine.textout.TextStream
+    sampler: sampling.Sampler | None = None
+    hit: Hit = Hit()
+    t_prefill: float = 0.0
+    t_first: float = 0.0
+    prefill_busy: float = 0.0  # seconds inside this request's own prefill chunks
+    prefill_from: int = 0  # tokens the cache served (where its prefill started)
+
+    def usage(self, now: float) -> Usage:
+        t = now - self.started
+        first = self.t_first or t
+        return Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=self.text.completion if self.text else 0,
+            cached_tokens=self.hit.tokens,
+            cache_tier=self.hit.tier,
+            ttft_seconds=first,
+            prefill_seconds=self.t_prefill,
+            decode_seconds=max(0.0, t - first),
+            load_seconds=self.hit.load_seconds,
+            queue_seconds=max(0.0, self.started - self.enqueued),
+        )
+
+
+@dataclass(eq=False)
+class _Group:
+    """Requests that decode together: merged caches (``batched``) or one request's own caches."""
+
+    gen: Any  # mlx_lm.generate.GenerationBatch
+    seqs: list[_Seq]
+    batched: bool
+
+
+class BatchLoop:
+    """The engine's requests in flight: ``add`` them, call ``step`` until ``active`` is 0."""
+
+    def __init__(self, engine: Any, max_batch: int = 8) -> None:
+        self.engine, self.max_batch = engine, max_batch
+        # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
+        self.prefill_budget = getattr(engine, "prefill_chunk", 0) or engine.config.prefill_chunk
+        self.waiting: deque[_Seq] = deque()  # admitted, prefill not started
+        self.prefilling: _Seq | None = None
+        self.batch: _Group | None = None  # the batched group
+        self.solo: list[_Group] = []  # requests whose caches cannot be batched
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    @property
+    def decoding(self) -> int:
+        return (len(self.batch.seqs) if self.batch else 0) + len(self.solo)
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not finished (at most ``max_batch``)."""
+        return len(self.waiting) + (self.prefilling is not None) + self.decoding
+
+    def has_room(self) -> bool:
+        return self.active < self.max_batch
+
+    def add(
+        self,
+        sink: Sink,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        progress: Progress | None = None,
+        enqueued: float | None = None,
+    ) -> None:
+        """Admit a request; its prefill starts when the ones before it have finished theirs."""
+        now = time.perf_counter()
+        self.waiting.append(_Seq(sink, list(prompt_ids), params, progress, enqueued or now))
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> None:
+        """One decode step of every decoding group, then up to ``prefill_budget`` prompt tokens
+        of prefill: one chunk of a long prompt, or the whole suffixes of several short ones."""
+        for group in [g for g in (self.batch, *self.solo) if g is not None]:
+            self._decode(group)
+        budget = self.prefill_budget
+        while budget > 0:
+            seq = self.prefilling or self._start_next()
+            if seq is None:
+                return
+            before = len(seq.fed)
+            self._prefill_once()
+            budget -= max(1, len(seq.fed) - before)
+
+    def close(self) -> None:
+        """Cancel everything in flight: what each request computed is stored, listeners get
+        a "cancelled" finish."""
+        for seq in list(self.waiting):
+            seq.sink.emit(END)
+        self.waiting.clear()
+        if self.prefilling is not None:
+            seq, self.prefilling = self.prefilling, None
+            self._finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
+        for group in [g for g in (self.batch, *self.solo) if g is not None]:
+            self._leave(group, list(range(len(group.seqs))), ["cancelled"] * len(group.seqs))
+        self.batch, self.solo = None, []
+
+    # -- prefill ----------------------------------------------------------------------------
+    def _prefill_once(self) -> None:
+        seq = self.prefilling
+        if seq is None:
+            seq = self._start_next()
+            if seq is None:
+                return
+        if seq.sink.cancelled():
+            self.prefilling = None
+            self._finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
+            return
+        assert seq.steps is not None and seq.lease is not None
+        t0 = time.perf_counter()
+        try:
+            next(seq.steps)
+            seq.prefill_busy += time.perf_counter() - t0
+            return
+        except StopIteration as done:
+            logits = done.value
+        except Exception as e:
+            self.prefilling = None
+            self._fail(seq, e, seq.lease.caches)
+            return
+        seq.prefill_busy += time.perf_counter() - t0
+        self.prefilling = None
+        seq.t_prefill = time.perf_counter() - seq.started
+        done_hook = getattr(self.engine, "prefill_done", None)
+        if done_hook is not None:
+            new = len(seq.fed) - seq.prefill_from
+            done_hook(seq.lease, seq.prefill_from, new, seq.prefill_busy)
+        try:
+            # the requests prefilling after this one may share its prompt: publish it now
+            self.engine.cache.share(seq.lease, seq.fed)
+            self._first_token(seq, logits)
+        except Exception as e:
+            self._fail(seq, e, seq.lease.caches)
+
+    def _start_next(self) -> _Seq | None:
+        """Lease the next waiting request's prefix and set up its prefill."""
+        while self.waiting:
+            seq = self.waiting.popleft()
+            if seq.sink.cancelled():  # gone before it started: nothing computed, nothing stored
+                seq.sink.emit(END)
+                continue
+            seq.started = time.perf_counter()
+            try:
+                seq.lease = self.engine.cache.fetch(seq.prompt_ids)
+                info = seq.lease.hit
+                seq.hit = Hit(info.tokens, info.tier, info.load_seconds)
+                seq.sink.emit(seq.hit)
+                seq.fed = list(seq.prompt_ids[: info.tokens])
+                seq.prefill_from = info.tokens
+                seq.text = self.engine.text_stream(seq.params)
+                seq.sampler = sampling.for_request(seq.params)
+                seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
+            except Exception as e:
+                self._fail(seq, e, seq.lease.caches if seq.lease else None)
+                continue
+            self.prefilling = seq
+            return seq
+        return None
+
+    def _first_token(self, seq: _Seq, logits: mx.array) -> None:
+        """Sample the first token from the prefill's logits, then join a decode group."""
+        assert seq.lease is not None
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        sampled = (seq.sampler or sampling.greedy)(logprobs[None])
+        tok = int(sampled.astype(mx.int32)[0].item())  # type: ignore[arg-type]
+        seq.t_first = time.perf_counter() - seq.started
+        reason = self._on_token(seq, tok)
+        if reason is not None:
+            self._finish(seq, reason, seq.lease.caches)
+            return
+        caches = seq.lease.caches
+        together = batchable(caches)
+        layer_caches = [c.merge([c]) for c in caches] if together else list(caches)
+        gen = GenerationBatch(
+            self.engine.model,
+            [id(seq)],
+            mx.array([tok]),
+            layer_caches,
+            [seq.fed],  # GenerationBatch appends each token it feeds: ``fed`` stays exact
+            [seq.sampler],
+            sampling.greedy,
+            [()],
+            [StopSequences()],
+            [NO_LIMIT],
+        )
+        if not together:
+            self.solo.append(_Group(gen, [seq], batched=False))
+        elif self.batch is None:
+            self.batch = _Group(gen, [seq], batched=True)
+        else:
+            self.batch.gen.extend(gen)
+            self.batch.seqs.append(seq)
+
+    # -- decode -----------------------------------------------------------------------------
+    def _decode(self, group: _Group) -> None:
+        try:
+            responses = group.gen.next()
+        except Exception as e:
+            log.exception("decode step failed")
+            for seq in group.seqs:
+                self._fail(seq, e, None)
+            self._drop(group)
+            return
+        done: list[int] = []
+        reasons: list[str] = []
+        for i, (seq, r) in enumerate(zip(group.seqs, responses, strict=True)):
+            reason = self._on_token(seq, int(r.token))
+            if reason is not None:
+                done.append(i)
+                reasons.append(reason)
+        if done:
+            self._leave(group, done, reasons)
+
+    def _on_token(self, seq: _Seq, tok: int) -> str | None:
+        """Emit the text ``tok`` brings; the finish reason when the request ends with it."""
+        assert seq.text is not None
+        text, reason = seq.text.add(tok)
+        if tok not in getattr(seq.text, "eos", ()):  # an end-of-sequence token is no output
+            seq.sink.emit(Chunk(text, tok))
+        if reason is None and seq.sink.cancelled():
+            reason = "cancelled"
+        return reason
+
+    def _leave(self, group: _Group, idx: list[int], reasons: list[str]) -> None:
+        """Finish ``group.seqs[idx]``: split their caches out, store them, drop them."""
+        for i, reason in zip(idx, reasons, strict=True):
+            seq = group.seqs[i]
+            caches = (
+                [c.extract(i) for c in group.gen.prompt_cache]
+                if group.batched
+                else group.gen.prompt_cache
+            )
+            self._finish(seq, reason, caches)
+        keep = [i for i in range(len(group.seqs)) if i not in set(idx)]
+        if not keep:
+            self._drop(group)
+            return
+        group.gen.filter(keep)
+        group.seqs = [group.seqs[i] for i in keep]
+
+    def _drop(self, group: _Group) -> None:
+        if group is self.batch:
+            self.batch = None
+        else:
+            self.solo.remove(group)
+
+    # -- the end of a request ---------------------------------------------------------------
+    def _finish(self, seq: _Seq, reason: str, caches: list[Any] | None) -> None:
+        """Last chunk (held-back text + usage), then store the request's cache as its entry."""
+        tail = seq.text.tail() if seq.text is not None else ""
+        seq.sink.emit(Chunk(tail, None, reason, seq.usage(time.perf_counter())))
+        self._store(seq, caches)
+        seq.sink.emit(END)
+
+    def _fail(self, seq: _Seq, error: Exception, caches: list[Any] | None) -> None:
+        log.error("generation failed: %s", error, exc_info=error)
+        seq.sink.emit(Failed(error))
+        self._store(seq, caches)
+        seq.sink.emit(END)
+
+    def _store(self, seq: _Seq, caches: list[Any] | None) -> None:
+        if seq.lease is None or caches is None:
+            return
+        seq.lease.caches = list(caches)
+        try:
+            self.engine.cache.store(seq.lease, seq.fed)
+        except Exception:  # a failed store loses a cache entry, never the response
+            log.exception("storing the cache entry failed")
+        seq.lease = None

@@ -1,0 +1,67 @@
+"""What a generation tells its listener, as typed values (no MLX, no transport).
+
+The engine thread emits, for each request, in order: one :class:`Hit` (the cache lookup, so the
+transport can name the tier in headers), then :class:`Chunk` values (the last one has
+``finish_reason`` and ``usage``), or a :class:`Failed` at any point, and finally :data:`END`.
+``None`` is never an event: a transport's idle tick is its own business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cache_tier: str
+    ttft_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    load_seconds: float
+    queue_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Hit:
+    """The cache lookup's result: prompt tokens served from the cache, and from which tier."""
+
+    tokens: int = 0
+    tier: str = "none"  # "hot" | "cold" | "none"
+    load_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    token: int | None
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the last chunk
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The generation raised; ``error`` is turned into an error body at the HTTP edge."""
+
+    error: Exception
+
+
+class _End:
+    def __repr__(self) -> str:
+        return "END"
+
+
+END: Final = _End()
+Event = Hit | Chunk | Failed | _End

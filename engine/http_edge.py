@@ -1,0 +1,87 @@
+"""The HTTP edge's guards (ASGI / Starlette, no MLX): the API key, a 503 for requests cut by
+shutdown, and a bounded request body."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from engine import api
+from engine.api import ApiError
+
+
+class Auth:
+    """ASGI middleware: ``Authorization: Bearer <api_key>`` on every path except /health."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.key and scope["path"] != "/health":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                body = api.error_body("invalid or missing API key", code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ShutdownGuard:
+    """ASGI middleware: a request still waiting when the server stops (uvicorn cancels it after
+    its graceful-shutdown timeout) gets a 503 JSON body, not uvicorn's plain-text 500."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            body = api.error_body(
+                "the server is shutting down; retry the request",
+                "server_error",
+                None,
+                "server_shutting_down",
+            )
+            headers = {"connection": "close", "retry-after": "1"}
+            await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, bounded in size (413) and in time (408: a client that trickles its body)."""
+    too_big = ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_big
+
+    async def collect() -> bytes:
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            parts.append(part)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(collect(), timeout)
+    except asyncio.TimeoutError:
+        msg = f"request body not received within {timeout:g} s"
+        raise ApiError(408, msg, code="request_timeout") from None

@@ -1,0 +1,167 @@
+"""OpenAI requests in, OpenAI chunks and bodies out: everything between HTTP and the engine.
+
+No transport and no MLX: ``engine/server.py`` reads the bytes and writes SSE / JSON, the engine
+thread produces typed events (``engine/events.py``). Here a request becomes prompt ids (chat
+template, forced tool prefix), and each engine :class:`Chunk` becomes the OpenAI objects of its
+endpoint through an :class:`Output` (content / reasoning / tool calls parsed by ``engine/output.py``): the
+same object serves streaming (``start`` + ``feed``) and
+non-streaming (``feed`` every chunk, then ``body``), so tool calls, finish reasons and usage are
+decided once for both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from jinja2 import TemplateError
+
+from engine import api, chat, output
+from engine.api import ApiError, ChatRequest, CompletionRequest
+from engine.events import Chunk, Hit, SamplingParams, Usage
+
+log = logging.getLogger(__name__)
+
+Encode = Callable[[str], list[int]]
+CheckChars = Callable[[int, str], None]  # (characters, param): a 400 when they cannot fit
+
+
+class Output(Protocol):
+    """One request's OpenAI view of the engine's chunks."""
+
+    def start(self) -> list[dict[str, Any]]: ...
+    def feed(self, chunk: Chunk) -> list[dict[str, Any]]: ...
+    def body(self) -> dict[str, Any]: ...
+
+
+class _Base:
+    obj = ""
+
+    def __init__(self, model: str, include_usage: bool, rid: str) -> None:
+        self.rid, self.created, self.model = rid, api.now(), model
+        self.include_usage = include_usage
+        self.text: list[str] = []
+        self.finish: str | None = None
+        self.usage: Usage | None = None
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def _usage_chunk(self) -> list[dict[str, Any]]:
+        if self.usage is None or not self.include_usage:
+            return []
+        return [api.usage_chunk(self.rid, self.created, self.model, self.obj, self.usage)]
+
+
+class CompletionOutput(_Base):
+    obj = "text_completion"
+
+    def __init__(self, model: str, include_usage: bool = False) -> None:
+        super().__init__(model, include_usage, api.new_id("cmpl"))
+
+    def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
+        self.text.append(chunk.text)
+        finish = api.openai_finish(chunk.finish_reason, False)
+        out = []
+        if chunk.text or finish:
+            out.append(api.completion_chunk(self.rid, self.created, self.model, chunk.text, finish))
+        if chunk.finish_reason is not None:
+            self.finish, self.usage = finish, chunk.usage
+            out += self._usage_chunk()
+        return out
+
+    def body(self) -> dict[str, Any]:
+        return api.completion_response(
+            self.rid, self.model, "".join(self.text), self.finish, self.usage
+        )
+
+
+class ChatOutput(_Base):
+    """The chat view: content, reasoning and tool calls split by ``engine/output.py``'s parser for
+    the model's format, the finish reason ("tool_calls" when the model called one) and usage."""
+
+    obj = "chat.completion.chunk"
+
+    def __init__(self, model: str, include_usage: bool, parser: output.ChatOutput) -> None:
+        super().__init__(model, include_usage, api.new_id("chatcmpl"))
+        self.parser = parser
+
+    def _delta(self, d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return api.chat_chunk(self.rid, self.created, self.model, d, finish)
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._delta({"role": "assistant", "content": ""})]
+
+    def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
+        out = [self._delta(d) for d in self.parser.feed(chunk.text).sse_deltas()]
+        if chunk.finish_reason is None:
+            return out
+        tail, self.finish = self.parser.finish(chunk.finish_reason)
+        out += [self._delta(d) for d in tail.sse_deltas()]
+        self.usage = chunk.usage
+        out.append(self._delta({}, self.finish))
+        return out + self._usage_chunk()
+
+    def body(self) -> dict[str, Any]:
+        res = self.parser.result
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in res.tool_calls]
+        return api.chat_response(
+            self.rid, self.model, res.content, calls, self.finish, self.usage, res.reasoning
+        )
+
+
+# --- requests → prompt ids ---------------------------------------------------------------------
+
+
+def chat_prompt(
+    tokenizer: Any, encode: Encode, req: ChatRequest, model: str, check_chars: CheckChars
+) -> tuple[list[int], ChatOutput]:
+    """The chat template's prompt (plus a forced tool call's opener) as ids, and its Output (the
+    output formats come from the model's tokenizer)."""
+    tools = req.tool_dicts()
+    fmt = output.OutputFormat.of(tokenizer, hermes=not chat.template_supports_tools(tokenizer))
+    parse = bool(tools) and req.tool_choice != "none"
+    prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
+    try:
+        text = chat.render_chat(tokenizer, req.message_dicts(), tools)
+    except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
+        raise ApiError(
+            400, f"the model's chat template rejected the messages: {e}", param="messages"
+        ) from None
+    reasoning = fmt.opens_reasoning(text) and not prefix
+    parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
+    parser.feed(prefix)  # a forced call's opener is held until the model closes the call
+    check_chars(len(text) + len(prefix), "messages")
+    return encode(text + prefix), ChatOutput(model, req.include_usage, parser)
+
+
+def completion_prompt(
+    encode: Encode, req: CompletionRequest, model: str, check_chars: CheckChars
+) -> tuple[list[int], CompletionOutput]:
+    check_chars(len(req.prompt_text()), "prompt")
+    ids = encode(req.prompt_text())
+    if not ids:
+        raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+    return ids, CompletionOutput(model, req.include_usage)
+
+
+def sampling(req: Any, prompt_tokens: int, context_length: int) -> SamplingParams:
+    """The engine's sampling parameters; ``max_tokens`` clamped to what the context leaves."""
+    max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length)
+    return SamplingParams(max_tokens, req.temperature, req.top_p, req.seed, req.stop_tuple())
+
+
+def hit_headers(first: Any) -> dict[str, str]:
+    """Response headers naming the cache tier, when the lookup's result came first."""
+    if not isinstance(first, Hit):
+        return {}
+    return {"x-tiered-kv-cache-tier": first.tier, "x-tiered-kv-cached-tokens": str(first.tokens)}
+
+
+def error_chunk(e: Exception) -> dict[str, Any]:
+    """A failure in the middle of a stream, as an OpenAI error object."""
+    if isinstance(e, ApiError):
+        return e.body()
+    log.error("generation failed mid-stream: %s", e)
+    return api.error_body(f"internal error: {e}", "server_error")

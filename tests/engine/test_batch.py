@@ -1,0 +1,219 @@
+"""engine/batch.py: N concurrent greedy requests through one batch loop give what each gives alone
+(plain KV, quantised stored KV, a sliding-window model, a recurrent model, a model whose own cache is
+quantised); prefill is interleaved with decode; a cancelled request leaves the others unchanged and
+stores what it computed.
+
+Real mlx-lm model classes with tiny random weights (tests/tiered_kv/test_cache_types.py) and a real
+TieredCache; the loop runs on the test's thread (the thread that made the models' arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.batch import BatchLoop, batchable
+from engine.events import END, Chunk, Event, Hit, SamplingParams
+from engine.prefill import checkpoint_positions, prefill_steps
+from tests.tiered_kv.conftest import make_llama, tokens
+from tests.tiered_kv.test_cache_types import EOS, EVERY, QuantizedLlama, gemma, qwen_next
+from tiered_kv.config import Config
+from tiered_kv.tiered import TieredCache
+
+
+class IdText:
+    """Token ids as text ("12 7 "): what the equivalence compares is the ids themselves."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.p, self.completion = params, 0
+
+    def add(self, tok: int) -> tuple[str, str | None]:
+        self.completion += 1
+        return f"{tok} ", ("length" if self.completion >= self.p.max_tokens else None)
+
+    def tail(self) -> str:
+        return ""
+
+
+class ModelEngine:
+    """What the batch loop needs of an Engine, over a bare mlx-lm model and a TieredCache."""
+
+    def __init__(self, model: Any, config: Config) -> None:
+        self.model, self.config = model, replace(config, prefill_chunk=8)
+        make = model.make_cache if hasattr(model, "make_cache") else None
+        self.cache = TieredCache(config, make or (lambda: make_prompt_cache(model)))
+
+    def prefill_steps(self, lease, fed, on_progress=None):
+        cuts = (
+            checkpoint_positions(len(fed), lease.remaining, {EOS}, EVERY)
+            if lease.needs_checkpoints
+            else []
+        )
+        return prefill_steps(self.model, lease, fed, self.config.prefill_chunk, cuts, on_progress)
+
+    def text_stream(self, params: SamplingParams) -> IdText:
+        return IdText(params)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.cancel = False
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def cancelled(self) -> bool:
+        return self.cancel
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return [e for e in self.events if isinstance(e, Chunk)]
+
+    @property
+    def ids(self) -> list[int]:
+        return [c.token for c in self.chunks if c.token is not None]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] is END
+
+
+def run_until(loop: BatchLoop, cond: Callable[[], bool], limit: int = 5000) -> None:
+    for _ in range(limit):
+        if cond():
+            return
+        loop.step()
+    raise AssertionError("the batch loop did not get there")
+
+
+SHARED = tokens(40, 24)  # a system prompt every request starts with
+PROMPTS = [SHARED + tokens(41 + i, 9 + 5 * i) for i in range(4)]
+MAX = [12, 20, 7, 16]
+
+
+def quantized_store_llama() -> tuple[Any, dict[str, Any]]:
+    return make_llama(seed=4), {"kv_bits": 8, "kv_group_size": 32}
+
+
+SETTINGS: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
+    "llama": lambda: (make_llama(seed=4), {}),
+    "llama-kv-bits-8": quantized_store_llama,
+    "gemma3_text-sliding": lambda: (gemma(), {}),
+    "qwen3_next-recurrent": lambda: (qwen_next(), {}),
+    "llama-quantized-cache": lambda: (QuantizedLlama(), {}),
+}
+
+
+def warmed(model: Any, extra: dict[str, Any]) -> ModelEngine:
+    """A fresh engine whose cache holds the shared prompt (so every request starts from a hit)."""
+    cfg = Config(tiers=("hot",), min_continuation_tokens=16, **extra)
+    engine = ModelEngine(model, cfg)
+    alone(engine, SHARED + [5], 1)
+    return engine
+
+
+def alone(engine: ModelEngine, ids: list[int], max_tokens: int) -> Sink:
+    loop, sink = BatchLoop(engine, max_batch=1), Sink()
+    loop.add(sink, ids, SamplingParams(max_tokens=max_tokens))
+    run_until(loop, lambda: sink.done)
+    return sink
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_concurrent_greedy_equals_alone(name):
+    model, extra = SETTINGS[name]()
+    ref = [alone(warmed(model, extra), p, m).ids for p, m in zip(PROMPTS, MAX, strict=True)]
+    engine = warmed(model, extra)
+    loop, sinks = BatchLoop(engine, max_batch=8), [Sink() for _ in PROMPTS]
+    for sink, p, m in zip(sinks, PROMPTS, MAX, strict=True):
+        loop.add(sink, p, SamplingParams(max_tokens=m))
+    biggest = 0
+    while not all(s.done for s in sinks):
+        loop.step()
+        biggest = max(biggest, len(loop.batch.seqs) if loop.batch else 0, loop.decoding)
+    assert [s.ids for s in sinks] == ref
+    assert biggest >= 3  # they did decode together
+    for s in sinks:
+        hit = next(e for e in s.events if isinstance(e, Hit))
+        assert hit.tokens >= EVERY and hit.tier == "hot"  # non-positional layers: a checkpoint
+        assert s.chunks[-1].usage.cached_tokens == hit.tokens
+
+
+def test_which_caches_batch():
+    assert batchable(make_prompt_cache(make_llama(seed=4)))
+    assert batchable(make_prompt_cache(gemma())) and batchable(make_prompt_cache(qwen_next()))
+    assert not batchable(QuantizedLlama().make_cache())
+
+
+def test_prefill_interleaves_with_decode_and_short_request_finishes_first():
+    """A long prefill does not freeze a running stream, and a short request that arrives during a
+    long generation gets its first token (and its end) before the long one finishes."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=("hot",)))
+    loop = BatchLoop(engine, max_batch=8)
+    long_gen, long_prompt, short = Sink(), Sink(), Sink()
+    loop.add(long_gen, tokens(50, 10), SamplingParams(max_tokens=400))
+    run_until(loop, lambda: len(long_gen.ids) >= 3)
+    loop.add(long_prompt, tokens(51, 200), SamplingParams(max_tokens=2))  # 25 chunks of 8
+    before = len(long_gen.ids)
+    run_until(loop, lambda: bool(long_prompt.ids))
+    assert len(long_gen.ids) - before >= 20  # one decode step per prefill chunk (8 tokens)
+    loop.add(short, tokens(52, 6), SamplingParams(max_tokens=3))
+    run_until(loop, lambda: short.done)
+    assert not long_gen.done and len(long_gen.ids) < 400
+    loop.close()
+    assert long_gen.chunks[-1].finish_reason == "cancelled"
+
+
+def test_cancel_one_others_unchanged_and_stored():
+    model = make_llama(seed=4)
+    ref = [alone(warmed(model, {}), p, m).ids for p, m in zip(PROMPTS, MAX, strict=True)]
+    engine = warmed(model, {})
+    loop, sinks = BatchLoop(engine, max_batch=8), [Sink() for _ in PROMPTS]
+    for sink, p, m in zip(sinks, PROMPTS, MAX, strict=True):
+        loop.add(sink, p, SamplingParams(max_tokens=m))
+    run_until(loop, lambda: len(sinks[1].ids) >= 4)
+    sinks[1].cancel = True
+    run_until(loop, lambda: all(s.done for s in sinks))
+    last = sinks[1].chunks[-1]
+    assert last.finish_reason == "cancelled" and last.usage.completion_tokens < MAX[1]
+    assert [s.ids for i, s in enumerate(sinks) if i != 1] == [
+        r for i, r in enumerate(ref) if i != 1
+    ]
+    assert sinks[1].ids == ref[1][: len(sinks[1].ids)]
+    # what the cancelled request computed is an entry: its prompt + the tokens it generated
+    again = engine.cache.fetch(PROMPTS[1] + sinks[1].ids + [7])
+    assert again.hit.tokens >= len(PROMPTS[1]) + len(sinks[1].ids) - 1
+
+
+def test_seeded_sampling_same_in_a_batch():
+    """A seed gives the same tokens whatever else runs in the batch (each seeded request has its
+    own random key; mlx-lm's samplers share the global one)."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=()))
+    params = SamplingParams(max_tokens=10, temperature=1.5, seed=1234)
+    solo = Sink()
+    loop = BatchLoop(engine)
+    loop.add(solo, PROMPTS[0], params)
+    run_until(loop, lambda: solo.done)
+    sinks = [Sink() for _ in range(3)]
+    loop.add(sinks[0], PROMPTS[1], SamplingParams(max_tokens=10, temperature=1.0))
+    loop.add(sinks[1], PROMPTS[0], params)
+    loop.add(sinks[2], PROMPTS[2], SamplingParams(max_tokens=10, temperature=0.7, seed=9))
+    run_until(loop, lambda: all(s.done for s in sinks))
+    assert sinks[1].ids == solo.ids
+
+
+def test_short_suffixes_prefill_together():
+    """Per step, prefill takes up to TIERED_KV_PREFILL_CHUNK prompt tokens: several short prompts
+    in one step rather than one per decode step of the running batch."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=()))
+    loop = BatchLoop(engine)
+    sinks = [Sink() for _ in range(3)]
+    for i, s in enumerate(sinks):
+        loop.add(s, tokens(60 + i, 2), SamplingParams(max_tokens=5))
+    loop.step()
+    assert all(s.ids for s in sinks)  # 3 prompts of 2 tokens, budget 8: all in the first step
