@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from engine import cli_shared
 from tiered_kv.cold import fsafe, usage
 from tiered_kv.cold.index import Index, IndexUnreadable, UnsafeCacheDir, check_private
 from tiered_kv.cold.verify import entry_files, verify_dir
@@ -106,6 +105,8 @@ def _stats(args: argparse.Namespace) -> int:
     total = usage.tree_size(root)[0] if root.exists() else 0
     print(f"total: {_fmt(total)} of budget {_fmt(args.config.disk_bytes)}")
     if args.config.shared_url:  # [shared tier, issue 17]
+        from engine import cli_shared  # imports redis: only when TIERED_KV_SHARED is set
+
         return cli_shared.stats(args.config)
     return 0
 
@@ -122,6 +123,8 @@ def _ls(args: argparse.Namespace) -> int:
                 when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.last_used))
                 print(f"  {r.entry_id}  {r.n_tokens:>8} tokens  {_fmt(r.nbytes):>10}  {when}")
     if args.config.shared_url:  # [shared tier, issue 17]
+        from engine import cli_shared  # imports redis: only when TIERED_KV_SHARED is set
+
         return cli_shared.ls(args.config)
     return 0
 
@@ -129,6 +132,8 @@ def _ls(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     status = _verify_local(args)
     if args.config.shared_url:  # [shared tier, issue 17]
+        from engine import cli_shared  # imports redis: only when TIERED_KV_SHARED is set
+
         return max(status, cli_shared.verify(args.config, args.fix))
     return status
 
