@@ -98,8 +98,12 @@ def test_throttled_disk_makes_the_server_recompute(tiny_model_dir, tmp_path):
     assert text1 == text0
     # restart 2: the first request already knows: recomputing beats a 0.1 MB/s disk
     text2, usage2, f2 = run_once(tiny_model_dir, cfg, slow)
-    assert f2["restore_compute"] == 1 and f2["restore_load"] == 0, f2
-    assert usage2["cache_tier"] == "none" and usage2["prompt_tokens_details"]["cached_tokens"] == 0
+    # never the whole-file load; compute, or `both` (computing most of it while the tail is read) when a
+    # loaded machine's learned prefill is slow enough that reading a few blocks at 0.1 MB/s pays off
+    assert f2["restore_load"] == 0 and f2["restore_compute"] + f2["restore_both"] == 1, f2
+    if f2["restore_compute"] == 1:
+        assert usage2["cache_tier"] == "none"
+        assert usage2["prompt_tokens_details"]["cached_tokens"] == 0
     assert text2 == text0
     assert (
         f2["learned_prefill_tok_s"] > 0
