@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -252,47 +253,11 @@ def model_config(shape: Shape, vocab_size: int) -> dict:
     }
 
 
-def random_weights(shape: Shape, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
-    """Fixed-seed float32 weights; linear layers ~ N(0, 1/fan_in) so activations stay O(1)."""
-    rng = np.random.default_rng(seed)
+def _llama_weights(shape: Shape, vocab_size: int, linear: Any, ones: Any, scale: Any) -> dict:
+    """mlx-lm llama weight names → arrays, drawn in a fixed order: ``linear(out, in)`` draws one
+    N(0, 1/fan_in) matrix, ``scale(w, gain)`` multiplies, ``ones`` is the norm weight."""
     h, hd, ff = shape.hidden_size, shape.head_dim, shape.intermediate_size
-
-    def linear(out_dim: int, in_dim: int) -> np.ndarray:
-        return (rng.standard_normal((out_dim, in_dim), dtype=np.float32) / np.sqrt(in_dim)).astype(
-            np.float32
-        )
-
-    weights = {"model.embed_tokens.weight": linear(vocab_size, h) * np.float32(np.sqrt(h) * 0.5)}
-    for i in range(shape.num_hidden_layers):
-        p = f"model.layers.{i}."
-        weights[p + "self_attn.q_proj.weight"] = linear(shape.num_attention_heads * hd, h)
-        weights[p + "self_attn.k_proj.weight"] = linear(shape.num_key_value_heads * hd, h)
-        weights[p + "self_attn.v_proj.weight"] = linear(shape.num_key_value_heads * hd, h)
-        weights[p + "self_attn.o_proj.weight"] = linear(h, shape.num_attention_heads * hd)
-        weights[p + "mlp.gate_proj.weight"] = linear(ff, h)
-        weights[p + "mlp.up_proj.weight"] = linear(ff, h)
-        weights[p + "mlp.down_proj.weight"] = linear(h, ff)
-        weights[p + "input_layernorm.weight"] = np.ones(h, dtype=np.float32)
-        weights[p + "post_attention_layernorm.weight"] = np.ones(h, dtype=np.float32)
-    weights["model.norm.weight"] = np.ones(h, dtype=np.float32)
-    return weights
-
-
-def _save_mlx_weights(path: Path, shape: Shape, vocab_size: int, seed: int) -> None:
-    """bfloat16 random weights of a large shape, drawn and written with MLX (same names and scales as
-    :func:`random_weights`)."""
-    import mlx.core as mx
-
-    mx.random.seed(seed)
-    h, hd, ff = shape.hidden_size, shape.head_dim, shape.intermediate_size
-
-    def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> mx.array:
-        w = mx.random.normal((out_dim, in_dim), dtype=mx.bfloat16) * (gain / float(np.sqrt(in_dim)))
-        mx.eval(w)
-        return w
-
-    ones = mx.ones((h,), dtype=mx.bfloat16)
-    weights = {"model.embed_tokens.weight": linear(vocab_size, h, float(np.sqrt(h) * 0.5))}
+    weights = {"model.embed_tokens.weight": scale(linear(vocab_size, h), np.sqrt(h) * 0.5)}
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
         weights[p + "self_attn.q_proj.weight"] = linear(shape.num_attention_heads * hd, h)
@@ -305,6 +270,39 @@ def _save_mlx_weights(path: Path, shape: Shape, vocab_size: int, seed: int) -> N
         weights[p + "input_layernorm.weight"] = ones
         weights[p + "post_attention_layernorm.weight"] = ones
     weights["model.norm.weight"] = ones
+    return weights
+
+
+def random_weights(shape: Shape, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
+    """Fixed-seed float32 weights; linear layers ~ N(0, 1/fan_in) so activations stay O(1)."""
+    rng = np.random.default_rng(seed)
+
+    def linear(out_dim: int, in_dim: int) -> np.ndarray:
+        return (rng.standard_normal((out_dim, in_dim), dtype=np.float32) / np.sqrt(in_dim)).astype(
+            np.float32
+        )
+
+    ones = np.ones(shape.hidden_size, dtype=np.float32)
+    return _llama_weights(shape, vocab_size, linear, ones, lambda w, g: w * np.float32(g))
+
+
+def _save_mlx_weights(path: Path, shape: Shape, vocab_size: int, seed: int) -> None:
+    """bfloat16 random weights of a large shape, drawn and written with MLX (same names, order and
+    scales as :func:`random_weights`): NumPy's generator is far too slow for 8B parameters."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+
+    def evaluated(w: mx.array) -> mx.array:
+        mx.eval(w)
+        return w
+
+    def linear(out_dim: int, in_dim: int) -> mx.array:
+        w = mx.random.normal((out_dim, in_dim), dtype=mx.bfloat16) * (1.0 / float(np.sqrt(in_dim)))
+        return evaluated(w)
+
+    ones = mx.ones((shape.hidden_size,), dtype=mx.bfloat16)
+    weights = _llama_weights(shape, vocab_size, linear, ones, lambda w, g: evaluated(w * float(g)))
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
 
 
