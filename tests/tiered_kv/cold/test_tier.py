@@ -25,6 +25,9 @@ B = 4  # block tokens
 
 
 def make_tier(root: Path, **kw) -> ColdTier:
+    # a loaded test machine can take longer than the 0.5 s lookup deadline: a miss there is not
+    # what these tests check (tests/tiered_kv/cold/test_reader.py tests the deadline itself)
+    kw.setdefault("cold_deadline", 30.0)
     cfg = Config(cache_dir=root, block_tokens=B, **kw)
     return ColdTier(root, FP, cfg)
 
