@@ -141,6 +141,13 @@ class TieredCache:
         hit = HitInfo(restore=decision)
         return Lease(self.make_cache(), prompt.tolist(), hit, None, {}, self.needs_checkpoints)
 
+    def peek(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens the hot tier could serve now: a scheduling estimate (no lease, no copy,
+        no disk, not counted as a hit)."""
+        prompt = as_tokens(prompt_ids)
+        best = self.hot.best(prompt, count=False) if self.config.hot_enabled else None
+        return policy.servable_tokens(best[1], len(prompt)) if best else 0
+
     def _find(self, prompt: TokenArray) -> _Candidate | None:
         best = self.hot.best(prompt) if self.config.hot_enabled else None
         hot_n = policy.servable_tokens(best[1], len(prompt)) if best else 0

@@ -217,3 +217,41 @@ def test_short_suffixes_prefill_together():
         loop.add(s, tokens(60 + i, 2), SamplingParams(max_tokens=5))
     loop.step()
     assert all(s.ids for s in sinks)  # 3 prompts of 2 tokens, budget 8: all in the first step
+
+
+def hit_of(sink: Sink) -> Hit:
+    return next(e for e in sink.events if isinstance(e, Hit))
+
+
+@pytest.mark.parametrize("title_started", [False, True])
+def test_cached_main_request_prefills_before_a_fresh_title(title_started):
+    """The least prompt left goes first: a main request whose long prompt is cached gets its first
+    token before a concurrent title request (fresh prompt) has prefilled — whether they arrive
+    together or the title's prefill is already under way (overtaken at a chunk boundary)."""
+    engine = warmed(make_llama(seed=4), {})
+    main_ids, title_ids = SHARED + tokens(71, 6), tokens(70, 60)  # 6 new tokens vs 60 (8 chunks)
+    ref = alone(warmed(make_llama(seed=4), {}), main_ids, 5).ids
+    loop, title, main = BatchLoop(engine), Sink(), Sink()
+    loop.add(title, title_ids, SamplingParams(max_tokens=20))
+    if title_started:
+        loop.step()
+        assert loop.prefilling and not title.ids  # one chunk of the title done
+    loop.add(main, main_ids, SamplingParams(max_tokens=5))
+    run_until(loop, lambda: bool(main.ids))
+    assert not title.ids  # the title is still prefilling
+    assert hit_of(main).tokens == len(SHARED)
+    run_until(loop, lambda: main.done and title.done)
+    assert main.ids == ref
+
+
+def test_requests_sharing_a_new_prompt_wait_for_the_first_ones_prefill():
+    """Two requests on one uncached system prompt, sent together: the second waits for the first's
+    prefill and starts from its published prompt instead of prefilling the shared part again."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=("hot",), min_continuation_tokens=16))
+    system = tokens(80, 100)
+    loop, a, b = BatchLoop(engine), Sink(), Sink()
+    loop.add(a, system + tokens(81, 5), SamplingParams(max_tokens=3))
+    loop.add(b, system + tokens(82, 4), SamplingParams(max_tokens=3))
+    run_until(loop, lambda: a.done and b.done)
+    first, second = sorted([hit_of(a).tokens, hit_of(b).tokens])
+    assert first == 0 and second >= len(system)
