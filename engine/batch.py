@@ -74,7 +74,8 @@ class _Seq:
     started: float = 0.0
     lease: Lease | None = None
     fed: list[int] = field(default_factory=list)  # ids whose KV the request's caches hold
-    steps: Generator[None, None, mx.array] | None = None
+    fetch: Generator[None, None, Lease] | None = None  # the cache lookup, step by step
+    steps: Generator[None, None, mx.array] | None = None  # the prefill, chunk by chunk
     text: Any = None  # engine.textout.TextStream
     sampler: sampling.Sampler | None = None
     hit: Hit = Hit()
@@ -125,6 +126,7 @@ class BatchLoop:
         # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
         self.prefill_budget = getattr(engine, "prefill_chunk", 0) or engine.config.prefill_chunk
         self.waiting: list[_Seq] = []  # admitted, no lease yet
+        self.loading: list[_Seq] = []  # a disk entry being read for them
         self.prefilling: list[_Seq] = []  # leased, prefill under way
         self.batch: _Group | None = None  # the batched group
         self.solo: list[_Group] = []  # requests whose caches cannot be batched
@@ -137,7 +139,7 @@ class BatchLoop:
     @property
     def active(self) -> int:
         """Requests admitted and not finished (at most ``max_batch``)."""
-        return len(self.waiting) + len(self.prefilling) + self.decoding
+        return len(self.waiting) + len(self.loading) + len(self.prefilling) + self.decoding
 
     def has_room(self) -> bool:
         return self.active < self.max_batch
@@ -162,9 +164,10 @@ class BatchLoop:
         of prefill: one chunk of a long prompt, or the whole suffixes of several short ones."""
         for group in [g for g in (self.batch, *self.solo) if g is not None]:
             self._decode(group)
-        for seq in [s for s in self.prefilling if s.sink.cancelled()]:
-            self.prefilling.remove(seq)
-            self._finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
+        self._poll_loading()
+        for gone in [s for s in self.prefilling if s.sink.cancelled()]:
+            self.prefilling.remove(gone)
+            self._finish(gone, "cancelled", gone.lease.caches if gone.lease else None)
         budget = self.prefill_budget
         while budget > 0:
             seq = self._next_prefill()
@@ -180,6 +183,11 @@ class BatchLoop:
         for seq in self.waiting:
             seq.sink.emit(END)
         self.waiting.clear()
+        for seq in self.loading:
+            assert seq.fetch is not None
+            seq.fetch.close()
+            self._finish(seq, "cancelled", None)
+        self.loading.clear()
         for seq in self.prefilling:
             self._finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
         self.prefilling.clear()
@@ -239,15 +247,47 @@ class BatchLoop:
             self._fail(seq, e, seq.lease.caches)
 
     def _start(self, seq: _Seq) -> bool:
-        """Lease ``seq``'s prefix and set up its prefill (it moves from waiting to prefilling);
-        False when it ended instead (cancelled before it started, or the lookup failed)."""
+        """Look up ``seq``'s prefix (it leaves ``waiting``); True when its prefill is set up. A
+        disk hit read while other requests run is read beside them (``loading``), so the read
+        never stops their decode steps; :meth:`_poll_loading` finishes it."""
         self.waiting.remove(seq)
         if seq.sink.cancelled():  # gone before it started: nothing computed, nothing stored
             seq.sink.emit(END)
             return False
         seq.started = time.perf_counter()
+        beside = bool(self.decoding or self.prefilling or self.loading)
         try:
-            seq.lease = self.engine.cache.fetch(seq.prompt_ids)
+            seq.fetch = self.engine.cache.fetch_steps(seq.prompt_ids, background=beside)
+        except Exception as e:
+            self._fail(seq, e, None)
+            return False
+        return self._fetch_once(seq)
+
+    def _poll_loading(self) -> None:
+        if self.loading and not (self.decoding or self.prefilling):
+            time.sleep(0.002)  # only reads in flight: wait for them without spinning
+        for seq in list(self.loading):
+            self.loading.remove(seq)
+            if seq.sink.cancelled():
+                assert seq.fetch is not None
+                seq.fetch.close()
+                self._finish(seq, "cancelled", None)
+            else:
+                self._fetch_once(seq)
+
+    def _fetch_once(self, seq: _Seq) -> bool:
+        """One step of ``seq``'s lookup; once it gives the lease, set up its prefill."""
+        assert seq.fetch is not None
+        try:
+            next(seq.fetch)
+            self.loading.append(seq)  # its entry is being read: not yet
+            return False
+        except StopIteration as done:
+            seq.lease = done.value
+        except Exception as e:
+            self._fail(seq, e, None)
+            return False
+        try:
             info = seq.lease.hit
             seq.hit = Hit(info.tokens, info.tier, info.load_seconds)
             seq.sink.emit(seq.hit)
@@ -257,7 +297,7 @@ class BatchLoop:
             seq.sampler = sampling.for_request(seq.params)
             seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
         except Exception as e:
-            self._fail(seq, e, seq.lease.caches if seq.lease else None)
+            self._fail(seq, e, seq.lease.caches)
             return False
         self.prefilling.append(seq)
         return True

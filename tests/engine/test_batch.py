@@ -9,6 +9,7 @@ TieredCache; the loop runs on the test's thread (the thread that made the models
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -255,3 +256,51 @@ def test_requests_sharing_a_new_prompt_wait_for_the_first_ones_prefill():
     run_until(loop, lambda: a.done and b.done)
     first, second = sorted([hit_of(a).tokens, hit_of(b).tokens])
     assert first == 0 and second >= len(system)
+
+
+def test_a_disk_hit_is_read_beside_the_running_streams(tmp_path, monkeypatch):
+    """A request whose prefix comes from the cold tier does not stop another stream: the file is
+    read on an I/O thread (here a disk made slow) while the running request keeps decoding, and the
+    arrays built from those bytes give what the engine-thread load gives."""
+    from tiered_kv.cold import codec
+    from tiered_kv.cold.tier import ColdTier
+
+    model = make_llama(seed=4)
+    cfg = Config(cache_dir=tmp_path, block_tokens=16, restore="load")
+
+    def restarted() -> ModelEngine:
+        e = ModelEngine(model, cfg)
+        e.cache = TieredCache(
+            e.config, lambda: make_prompt_cache(model), ColdTier(tmp_path, "fp", cfg)
+        )
+        return e
+
+    on_disk = tokens(90, 64)
+    first = restarted()
+    alone(first, on_disk + [5], 1)
+    first.cache.close()  # spilled: the entry is on disk only
+    asked = on_disk + tokens(91, 5)
+    ref = alone(restarted(), asked, 6)
+    assert hit_of(ref).tier == "cold"
+
+    def slow(fn: Callable) -> Callable:
+        def wrapped(*a: Any) -> Any:
+            time.sleep(0.5)
+            return fn(*a)
+
+        return wrapped
+
+    monkeypatch.setattr(ColdTier, "read", slow(ColdTier.read))
+    monkeypatch.setattr(codec, "load_file", slow(codec.load_file))  # the engine-thread load
+    engine = restarted()
+    loop, running, restored = BatchLoop(engine), Sink(), Sink()
+    loop.add(running, tokens(92, 8), SamplingParams(max_tokens=100_000))
+    run_until(loop, lambda: len(running.ids) >= 2)
+    loop.add(restored, asked, SamplingParams(max_tokens=6))
+    before = len(running.ids)
+    run_until(loop, lambda: any(isinstance(e, Hit) for e in restored.events), limit=10**6)
+    assert len(running.ids) - before >= 5  # it kept decoding while the entry was read
+    run_until(loop, lambda: restored.done, limit=10**6)
+    got, want = hit_of(restored), hit_of(ref)
+    assert (got.tokens, got.tier) == (want.tokens, "cold") and restored.ids == ref.ids
+    loop.close()
