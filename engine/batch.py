@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models import cache as C
 
 from engine import sampler as sampling
 from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams, Usage
-from tiered_kv.prefix import as_tokens, common_prefix
-from tiered_kv.tiered import Lease
+from tiered_kv import Lease
 
 log = logging.getLogger(__name__)
 NO_LIMIT = 1 << 62  # GenerationBatch's own max_tokens: ours (TextStream) ends requests
@@ -61,6 +61,13 @@ def batchable(caches: list[Any]) -> bool:
     return True
 
 
+def _shared(a: np.ndarray, b: np.ndarray) -> int:
+    """Leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
 @dataclass(eq=False)
 class _Seq:
     """One request inside the loop."""
@@ -70,7 +77,7 @@ class _Seq:
     params: SamplingParams
     progress: Progress | None
     enqueued: float
-    tokens: Any = None  # prompt_ids as a token array (tiered_kv.prefix), for prefix comparisons
+    tokens: Any = None  # prompt_ids as an int32 array, for prefix comparisons
     started: float = 0.0
     lease: Lease | None = None
     fed: list[int] = field(default_factory=list)  # ids whose KV the request's caches hold
@@ -155,7 +162,7 @@ class BatchLoop:
         """Admit a request; its prefill starts when :meth:`_next_prefill` picks it."""
         now = time.perf_counter()
         ids = list(prompt_ids)
-        seq = _Seq(sink, ids, params, progress, enqueued or now, as_tokens(ids))
+        seq = _Seq(sink, ids, params, progress, enqueued or now, np.array(ids, dtype=np.int32))
         self.waiting.append(seq)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -215,7 +222,7 @@ class BatchLoop:
         cache gives it now (both continue one conversation, or share a system prompt)."""
         if not self.prefilling:
             return False
-        most = max(common_prefix(seq.tokens, p.tokens) for p in self.prefilling)
+        most = max(_shared(seq.tokens, p.tokens) for p in self.prefilling)
         return most >= self.engine.cache.peek(seq.tokens) + SHARE_GAIN
 
     def _prefill_once(self, seq: _Seq) -> None:

@@ -1,4 +1,6 @@
-"""TieredCache: the engine's one door to the cache — hot tier first, then the cold tier.
+"""TieredCache: hot tier first, then the cold tier (then the shared tier) behind ``fetch`` / ``store``.
+
+Built by :func:`tiered_kv.opening.open_cache` (which decides the tiers and wires them).
 
 Ownership: every method runs on the single thread that runs MLX (the generation worker). A
 :class:`Lease` from :meth:`TieredCache.fetch` is owned by the caller until it is given back with
@@ -45,9 +47,7 @@ class ColdStore(Protocol):
     def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> Any: ...
     def load(self, hit: Any) -> Any: ...
     def spill(self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None) -> None: ...
-    def persist(
-        self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None
-    ) -> None: ...
+    def persist(self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None) -> None: ...
     def recent(self, limit_entries: int, limit_bytes: int) -> list[Any]: ...
     def flush(self, timeout: float | None = None) -> Any: ...
     def begin_close(self) -> None: ...
@@ -113,8 +113,12 @@ class TieredCache:
     ) -> None:
         self.config = config
         self.make_cache = make_cache
-        self.cold = cold if config.cold_enabled else None
-        self.shared = shared if self.cold is not None else None  # [shared tier] behind the disk
+        # which tiers are on is decided once, by tiered_kv.opening.open_cache: what is given is used
+        assert shared is None or cold is not None, "the shared tier sits behind the cold tier"
+        self.cold = cold
+        self.shared = shared  # [shared tier] behind the disk
+        #: the key this model's entries are filed under (set by open_cache; "" when built directly)
+        self.fingerprint = ""
         self.hot = HotTier(
             config.hot_bytes, config.memory_threshold, self._spill, probe, config.checkpoint_share
         )
@@ -263,9 +267,7 @@ class TieredCache:
         caches, ids, ckpts = got
         entry = new_entry(ids, caches, ckpts, persisted=True)
         seconds = time.perf_counter() - t0
-        return _Candidate(
-            entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes
-        )
+        return _Candidate(entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes)
 
     def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
         entry, total = cand.entry, len(cand.entry.tokens)
@@ -425,6 +427,8 @@ class TieredCache:
             self.cold.close()
         if self.shared is not None:  # [shared tier] after the cold tier queued its last writes
             self.shared.close(_SHARED_CLOSE_SECONDS)
+        if self.restorer is not None:  # saves the learned restore costs
+            self.restorer.close()
         if self._io is not None:
             self._io.shutdown(wait=True)
 

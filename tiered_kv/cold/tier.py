@@ -285,9 +285,7 @@ class ColdTier:
         index = self.site.index
         if index is None:
             return True
-        return bool(
-            self._ask(lambda: not path.exists() or index.tokens(rec.entry_id) is None, True)
-        )
+        return bool(self._ask(lambda: not path.exists() or index.tokens(rec.entry_id) is None, True))
 
     def recent(self, limit_entries: int, limit_bytes: int) -> list[ColdHit]:
         """Most recently used entries first, within both limits (0 = no limit on that axis;
@@ -414,9 +412,7 @@ class ColdTier:
         files, removes orphans and drops records whose file is missing."""
         self.flush()
         report = self.writer.run_sync(
-            lambda: verify_dir(
-                self.dir, self.fingerprint, self.site.index, self.quarantine_dir, fix
-            )
+            lambda: verify_dir(self.dir, self.fingerprint, self.site.index, self.quarantine_dir, fix)
         )
         self.writer.run_sync(self._refresh_summary)
         return report
