@@ -140,10 +140,22 @@ def _dtype(x: mx.array) -> str:
 
 def load_buffer(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
     """Tensors of a whole entry in memory, verified first (one copy into MLX memory)."""
+    check_buffer(buf, header)
+    return arrays_of(buf, header)
+
+
+def check_buffer(buf: memoryview, header: store.Header) -> None:
+    """Every tensor of a whole entry in memory against its chunk digests (bytes only: any
+    thread). Raises store.CorruptEntry."""
     futures = [store.pool().submit(store.check_buffer, n, store.tensor_bytes(buf, header, n), header)
                for n in header.tensors]  # fmt: skip
     for f in futures:
         f.result()
+
+
+def arrays_of(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
+    """The tensors of a whole entry in memory whose digests were checked (one copy into MLX
+    memory, evaluated: the thread that owns MLX)."""
     out: dict[str, mx.array] = {}
     for name, t in header.tensors.items():
         width = store.ITEMSIZE[t["dtype"]]
