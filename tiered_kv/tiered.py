@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -27,12 +26,13 @@ from tiered_kv.config import Config
 from tiered_kv.hot import Entry, HotTier, cache_bytes, checkpoint_bytes
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.prefix import TokenArray, as_tokens, common_prefix
+from tiered_kv.steps import Steps, drain
 
 log = logging.getLogger(__name__)
 #: [shared tier] at shutdown, how long queued publishes may take before they are dropped (counted)
 _SHARED_CLOSE_SECONDS = 30.0
-T = TypeVar("T")
-Steps = Generator[None, None, T]  # a step-wise call: next() until StopIteration carries the result
+#: a disk hit loaded beside running streams builds at most this many bytes of arrays per step
+_BESIDE_STEP_BYTES = 256 << 20
 
 
 class ColdHitLike(Protocol):
@@ -126,7 +126,6 @@ class TieredCache:
         self._unsupported_logged = False
         #: issue 15: plans disk hits (load / compute / both); set by the engine, None = always load
         self.restorer: Any = None
-        self._io: ThreadPoolExecutor | None = None  # reads disk entries for fetch_steps
         self.counters = {"fetches": 0, "hit_tokens_hot": 0, "hit_tokens_cold": 0,
                          "hit_tokens_shared": 0, "stores": 0}  # fmt: skip
 
@@ -137,16 +136,11 @@ class TieredCache:
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, prompt_ids: Sequence[int]) -> Lease:
         """Caches for the longest cached prefix of ``prompt_ids`` (never the last token)."""
-        steps = self.fetch_steps(prompt_ids, background=False)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drain(self.fetch_steps(prompt_ids, background=False))
 
     def fetch_steps(
         self, prompt_ids: Sequence[int], background: bool = True
-    ) -> Generator[None, None, Lease]:
+    ) -> Steps[Lease]:
         """:meth:`fetch`, for a thread with other work to keep going (the batch loop's decode
         steps): with ``background``, a disk entry's file is read on an I/O thread and each
         ``next()`` while it is read returns at once; the arrays are built here, at the end."""
@@ -222,7 +216,7 @@ class TieredCache:
     ) -> Steps[_Candidate | None]:
         assert self.cold is not None
         t0 = time.perf_counter()
-        if background and hasattr(self.cold, "locate"):
+        if background and hasattr(self.cold, "load_steps"):
             got = yield from self._load_beside(hit)
         else:
             got = self.cold.load(hit)
@@ -235,19 +229,11 @@ class TieredCache:
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
 
     def _load_beside(self, hit: ColdHitLike) -> Steps[Any]:
-        """The cold tier's load with its file read (bytes, digests) on the I/O thread: the
-        caller's thread goes on with other work meanwhile and builds the arrays at the end."""
+        """The cold tier's load step by step: its scan thread reads and verifies the file while
+        the caller's other work goes on; the arrays are built here a slice at a time."""
         assert self.cold is not None
         cold: Any = self.cold
-        at = cold.locate(hit)
-        if at is None:
-            return None
-        if self._io is None:
-            self._io = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-restore-read")
-        future = self._io.submit(cold.read, at)
-        while not future.done():
-            yield
-        return cold.finish(at, future.result)
+        return (yield from cold.load_steps(hit, _BESIDE_STEP_BYTES))
 
     def _load_shared(self, prompt: TokenArray, floor: int) -> _Candidate | None:
         """[shared tier, issue 17] The shared tier's longest hit when it serves more than
@@ -429,8 +415,6 @@ class TieredCache:
             self.shared.close(_SHARED_CLOSE_SECONDS)
         if self.restorer is not None:  # saves the learned restore costs
             self.restorer.close()
-        if self._io is not None:
-            self._io.shutdown(wait=True)
 
 
 def _known_lengths(caches: list[Any]) -> list[int]:

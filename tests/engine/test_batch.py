@@ -260,9 +260,9 @@ def test_requests_sharing_a_new_prompt_wait_for_the_first_ones_prefill():
 
 def test_a_disk_hit_is_read_beside_the_running_streams(tmp_path, monkeypatch):
     """A request whose prefix comes from the cold tier does not stop another stream: the file is
-    read on an I/O thread (here a disk made slow) while the running request keeps decoding, and the
-    arrays built from those bytes give what the engine-thread load gives."""
-    from tiered_kv.cold import codec
+    read by the scan thread (here a disk made slow) while the running request keeps decoding, and
+    the arrays built a slice at a time give what the load of a request alone gives."""
+    from tiered_kv.cold import store
     from tiered_kv.cold.tier import ColdTier
 
     model = make_llama(seed=4)
@@ -285,13 +285,12 @@ def test_a_disk_hit_is_read_beside_the_running_streams(tmp_path, monkeypatch):
 
     def slow(fn: Callable) -> Callable:
         def wrapped(*a: Any) -> Any:
-            time.sleep(0.5)
+            time.sleep(0.2)
             return fn(*a)
 
         return wrapped
 
-    monkeypatch.setattr(ColdTier, "read", slow(ColdTier.read))
-    monkeypatch.setattr(codec, "load_file", slow(codec.load_file))  # the engine-thread load
+    monkeypatch.setattr(store, "read_into", slow(store.read_into))  # every read of the scan
     engine = restarted()
     loop, running, restored = BatchLoop(engine), Sink(), Sink()
     loop.add(running, tokens(92, 8), SamplingParams(max_tokens=100_000))
