@@ -82,6 +82,9 @@ def _engine(model_dir, root, **kw):
     from engine.generate import Engine
 
     kw.setdefault("cold_deadline", 30.0)  # (the deadline itself: tests/tiered_kv/cold/test_reader.py)
+    # these tests ask whether entries reach the disk and serve: a disk hit is loaded (the planner,
+    # free to recompute a short hit, has its own tests in tests/tiered_kv/restore/)
+    kw.setdefault("restore", "load")
     return Engine(model_dir, Config(cache_dir=root, block_tokens=16, disk_free_floor=0, **kw))
 
 
