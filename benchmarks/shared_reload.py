@@ -251,7 +251,7 @@ def _one(work: Path, url: str, gb: float) -> str:
         t0 = time.perf_counter()
         fetched = link_b.fetch(sh)
         fetch = time.perf_counter() - t0
-        assert fetched is not None
+        assert fetched is not None, f"shared fetch missed: {link_b.stats()}"
         del fetched
     with peaks.phase("hit"):
         t0 = time.perf_counter()
