@@ -25,6 +25,20 @@ def test_one_observation_gives_a_plain_rate():
     assert got is not None and got.tokens_per_second(1000) == pytest.approx(2000)
 
 
+def test_a_slowed_prefill_does_not_make_the_plan_overestimate_compute():
+    """A first call (kernel compiles) or a loaded moment is slower than the machine; the fastest
+    prefill of a shape is what it can do (H200, 1B shape: predicted 1.0 s vs 0.46 s actual)."""
+    book = CostBook(None, "fp")
+    true = PrefillCost(0.0, 1 / 70_000, 0.0)
+    book.observe_prefill(32768, 0, 3 * true.seconds(32768))  # the first, slowed
+    book.observe_prefill(8192, 0, 2.5 * true.seconds(8192))
+    book.observe_prefill(32800, 0, true.seconds(32800))  # later ones, same shapes
+    book.observe_prefill(8224, 0, true.seconds(8224))
+    got = book.learned.prefill
+    assert got is not None
+    assert got.seconds(32768) == pytest.approx(true.seconds(32768), rel=0.05)
+
+
 def test_read_fit():
     obs = [[n, 0.002 + n / 2e9] for n in (1e6, 1e8, 1e9)]
     got = fit_read(obs)
