@@ -39,6 +39,21 @@ def test_a_slowed_prefill_does_not_make_the_plan_overestimate_compute():
     assert got.seconds(32768) == pytest.approx(true.seconds(32768), rel=0.05)
 
 
+def test_outcomes_become_a_correction_per_way_and_persist(tmp_path):
+    path = CostBook.file_for(tmp_path)
+    book = CostBook(path, "fp")
+    assert book.learned.factor("both") == 1.0  # nothing seen: no correction
+    for predicted, actual in ((0.4, 0.9), (0.5, 1.1), (0.8, 1.9)):
+        book.observe_outcome("both", predicted, actual)
+    book.observe_outcome("compute", 1.0, 0.5)
+    book.observe_outcome("load", 1.0, 1000.0)  # clamped
+    book.save(force=True)
+    again = CostBook(path, "fp").learned
+    assert again.factor("both") == pytest.approx(2.2, rel=0.05)
+    assert again.factor("compute") == pytest.approx(0.5)
+    assert again.factor("load") == 5.0
+
+
 def test_read_fit():
     obs = [[n, 0.002 + n / 2e9] for n in (1e6, 1e8, 1e9)]
     got = fit_read(obs)
