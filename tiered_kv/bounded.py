@@ -1,6 +1,7 @@
-"""BoundedWorker: one daemon thread draining a FIFO of tasks bounded in bytes, never blocking
-the submitter. The one queue behind the cold tier's write-behind (:mod:`tiered_kv.cold.writer`)
-and the shared tier's publisher (:mod:`tiered_kv.shared.publisher`).
+"""BoundedWorker: one daemon thread draining a FIFO of tasks bounded in bytes, never blocking.
+
+The one such queue of the project: behind the cold tier's write-behind
+(:mod:`tiered_kv.cold.writer`) and the shared tier's publisher (:mod:`tiered_kv.shared.publisher`).
 
 ``max_bytes`` bounds the bytes of droppable tasks *waiting* in the queue (the task running is not
 counted: its bytes are leaving). ``submit`` never blocks and never refuses a task for its size

@@ -1,5 +1,6 @@
-"""The cold tier's write-behind thread: a :class:`tiered_kv.bounded.BoundedWorker` (one thread,
-a FIFO bounded in bytes; its docstring has the rules) under the cold tier's names.
+"""Write-behind of the cold tier: a :class:`tiered_kv.bounded.BoundedWorker` under its names.
+
+One thread, a FIFO bounded in bytes; :mod:`tiered_kv.bounded` has the rules.
 
 Ownership: tasks run on the writer thread and must only touch files, the index and evaluated
 arrays' bytes (never build MLX graphs).

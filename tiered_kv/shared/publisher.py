@@ -1,5 +1,6 @@
-"""Write-behind to the shared tier: a :class:`tiered_kv.bounded.BoundedWorker` (one daemon
-thread draining a FIFO bounded in bytes) whose tasks publish local entries.
+"""Write-behind to the shared tier: a :class:`tiered_kv.bounded.BoundedWorker` publishing entries.
+
+One daemon thread draining a FIFO bounded in bytes (:mod:`tiered_kv.bounded` has the rules).
 
 The local cold tier hands over, for each entry it has written, a ``read`` function (the entry's
 bytes from the local store, or None when it is gone meanwhile) and the entry's token ids; the
