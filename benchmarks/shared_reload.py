@@ -32,6 +32,7 @@ same conversation plus one turn from Redis; C (no Redis) answers it cold. Time =
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import signal
@@ -52,7 +53,6 @@ from mlx_lm.models import cache as C
 from tiered_kv import Config
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.shared.link import SharedLink
-from tiered_kv.shared.publisher import map_file
 
 FP = "bench-shared"
 LAYERS, KV_HEADS, HEAD_DIM = 8, 8, 64  # float16: 16 KiB of KV per token
@@ -139,6 +139,12 @@ class Peaks:
             t.join()
             _, anon, hwm = _status()
             self.rows[name] = (max(hwm, _status()[0]) / 1e9, max(top[0], anon) / 1e9)
+
+
+def map_file(path: Path) -> memoryview:
+    """A read-only map of the entry file (what the publisher sends: pages, not a copy)."""
+    with path.open("rb") as f:
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def free_mlx() -> None:
@@ -229,7 +235,6 @@ def _one(work: Path, url: str, gb: float) -> str:
     size = path.stat().st_size
     with peaks.phase("publish"):
         data = map_file(path)  # page cache, not a copy in this process
-        assert data is not None
         t0 = time.perf_counter()
         assert link_a.tier.publish(data, tokens)
         publish = time.perf_counter() - t0
