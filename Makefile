@@ -7,7 +7,7 @@ test:
 test-slow:
 	bash scripts/test.sh -m slow
 lint:
-	$(PY) -m ruff check tiered_kv engine tests
+	$(PY) -m ruff check tiered_kv engine bench tests
 	$(PY) -m mypy tiered_kv engine
 bench:
 	.venv/bin/tiered-kv bench

@@ -21,11 +21,11 @@ from typing import Any
 
 import httpx
 
+from bench import micro, report
+from bench.replay import Measurement, model_id, send
+from bench.servers import ServerProcess, ServerSpec, ours_spec, peer_spec
+from bench.session import Session, build_session, describe
 from engine import blas
-from engine.bench import micro, report
-from engine.bench.replay import Measurement, model_id, send
-from engine.bench.servers import ServerProcess, ServerSpec, ours_spec, peer_spec
-from engine.bench.session import Session, build_session, describe
 
 RESTARTED = ("c", "e")
 ALL = "abcde"
@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--scale", type=float, help="session size factor; 1.0 = OpenCode's (default 0.25)"
     )
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
-    p.add_argument("--out", type=Path, default=Path("results/latest"), help="results directory")
+    p.add_argument("--out", type=Path, default=Path("bench/results/latest"), help="results directory")
     p.add_argument("--scenarios", default="a,b,c,d,e", help="comma list out of a,b,c,d,e")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_concurrency(args: argparse.Namespace, model: Path, turns: int, scale: float) -> int:
     """K concurrent sessions on a shared system prompt + tools: ours (b) then the peer (d)."""
-    from engine.bench import concurrency as conc
+    from bench import concurrency as conc
 
     ks = [int(k) for k in args.concurrency.split(",") if k.strip()]
     work = Path(tempfile.mkdtemp(prefix="tiered-kv-bench-conc-"))

@@ -5,7 +5,7 @@ cache dir; two streamed completions that share a long prefix (the second must re
 ``hot`` tier); a streamed chat carrying tools (well-formed SSE ending in ``[DONE]``; tool calls parsed are
 counted); SIGTERM (clean exit); a restart on the same cache dir; a third completion on the prefix, served from
 disk (tier ``cold``); then the same three completions against ``python -m mlx_lm.server`` for a side-by-side
-TTFT and decode tok/s. Runs the servers as subprocesses (`engine/bench/servers.py`).
+TTFT and decode tok/s. Runs the servers as subprocesses (`bench/servers.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.bench.servers import ServerProcess, ours_spec, peer_spec
+from bench.servers import ServerProcess, ours_spec, peer_spec
 
 _WORDS = (
     "cache disk memory token prompt server request block layer key value store load write read file "
