@@ -39,18 +39,22 @@ def first_step(caches: list[KVCache]) -> None:
 
 def measure(n: int, hit: int, how: str) -> tuple[float, int]:
     """Hand out ``hit`` tokens of an ``n``-token entry, then run one decode step on it."""
-    entry = make_entry(n)
+    entry: list[KVCache] | None = make_entry(n)
+    assert entry is not None
     base = mx.get_active_memory()
     t0 = time.perf_counter()
     if how == "deepcopy":  # exo / mlx-lm: copy the whole entry, then trim the copy
-        handed = copy.deepcopy(entry)
+        handed: list[KVCache] = copy.deepcopy(entry)
         for c in handed:
             c.trim(n - hit)
         mx.eval([c.state for c in handed])
     elif how == "view":  # ours, short hit: new cache objects sharing the stored arrays
-        handed = layers.view(entry, hit, n)
+        view = layers.view(entry, hit, n)
+        assert view is not None  # KVCache layers always serve a prefix
+        handed = view
     else:  # ours, continuation: the entry itself is handed over (it is replaced afterwards)
-        handed, entry = entry, None
+        handed = entry
+        entry = None
         for c in handed:
             c.trim(n - hit)
     first_step(handed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.models import llama
@@ -40,7 +41,7 @@ def sync() -> None:
 
 def prefill(model, n: int, chunk: int):
     caches = make_prompt_cache(model)
-    ids = mx.random.randint(0, 4096, (n,)).tolist()
+    ids = cast(list[int], mx.random.randint(0, 4096, (n,)).tolist())
     t0 = time.perf_counter()
     for i in range(0, n, chunk):
         out = model(mx.array([ids[i : i + chunk]]), cache=caches)

@@ -32,7 +32,7 @@ def greedy(model, tc: TieredCache | None, ids: list[int], n: int) -> tuple[np.nd
     first = np.array(logits)
     out = []
     for _ in range(n):
-        t = int(mx.argmax(logits).item())
+        t = int(mx.argmax(logits).item())  # type: ignore[arg-type]
         out.append(t)
         logits = model(mx.array([[t]]), cache=caches)[0, -1]
     return first, out

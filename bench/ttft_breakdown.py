@@ -42,7 +42,8 @@ def main() -> None:
     t_fetch = time.perf_counter() - t0
     fed = list(ids2[: lease.hit.tokens])
     t0 = time.perf_counter()
-    engine._prefill(lease, fed, None, lambda: False)
+    for _ in engine.prefill_steps(lease, fed):  # one evaluated chunk per step
+        pass
     t_pre = time.perf_counter() - t0
     engine.cache.store(lease, fed)
     new = len(ids2) - lease.hit.tokens
