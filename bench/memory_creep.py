@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 import mlx.core as mx
+import psutil
 import uvicorn
 
 from engine.generate import Engine
@@ -49,11 +50,10 @@ WORDS = "the of and to in file error def return class import value path line tes
 def rss_bytes() -> tuple[int, int]:
     """(resident, resident anonymous) bytes of this process: the anonymous part is the heap and
     MLX's buffers; the rest is mapped files (libraries, weights), which the kernel may drop."""
-    got = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "RssAnon:")):
-            got[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return got.get("VmRSS", 0), got.get("RssAnon", 0)
+    mem = psutil.Process().memory_info()
+    # Linux: ``shared`` is statm's resident shared pages (RssFile + RssShmem), so rss - shared is
+    # RssAnon; elsewhere there is no ``shared`` and the anonymous part is reported as the whole RSS
+    return mem.rss, mem.rss - getattr(mem, "shared", 0)
 
 
 def pymalloc_bytes() -> int:
@@ -125,15 +125,8 @@ def main() -> None:
     p.add_argument("--clear-cache", action="store_true", help="mx.clear_cache() after each round")
     p.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) after each round")
     p.add_argument("--tracemalloc", action="store_true", help="trace Python allocations")
-    p.add_argument("--sqlite-cache-pages", type=int, default=0,
-                   help="experiment: the cold index's sqlite page cache per connection (diskcache's "
-                        "default: 8192 pages = 32 MiB)")  # fmt: skip
     args = p.parse_args()
 
-    if args.sqlite_cache_pages:  # before the index opens: diskcache reads its defaults then
-        import diskcache.core
-
-        diskcache.core.DEFAULT_SETTINGS["sqlite_cache_size"] = args.sqlite_cache_pages
     tmp = Path(tempfile.mkdtemp(prefix="memory-creep-"))
     model = args.model
     if model is None:
@@ -152,7 +145,7 @@ def main() -> None:
     print(f"model {model.name}, tiers {args.tiers}, {args.rounds} rounds x {args.requests} "
           f"requests, hot budget {args.hot_bytes}, disk budget {args.disk_bytes}, "
           f"write_through={args.write_through}, clear_cache={args.clear_cache}, "
-          f"malloc_trim={args.malloc_trim}, sqlite_cache_pages={args.sqlite_cache_pages or 'default'}\n")  # fmt: skip
+          f"malloc_trim={args.malloc_trim}\n")  # fmt: skip
     cols = ["round", "RSS MB", "anon MB", "hot MB", "hot entries", "mlx active MB", "mlx cache MB",
             "py objects", "pymalloc MB", "cold entries", "index file MB", "spill queue MB"]  # fmt: skip
     cols += ["traced MB"] if args.tracemalloc else []

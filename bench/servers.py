@@ -1,8 +1,8 @@
 """Server subprocesses for the benchmark: start on a free 127.0.0.1 port, wait until ready, stop gracefully.
 
 Ownership: a :class:`ServerProcess` owns its child process and one sampler thread that polls the RSS of the
-child's whole process tree from ``/proc`` (Linux; elsewhere the peak stays 0). The peak survives restarts, so a
-restarted scenario reports the largest tree seen over all its lives.
+child's whole process tree (psutil). The peak survives restarts, so a restarted scenario reports the largest
+tree seen over all its lives.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 READY_PATHS = ("/health", "/v1/models")
 
@@ -53,42 +54,26 @@ def peer_spec(
 
 
 def tree_rss_bytes(root_pid: int) -> int:
-    """Sum of VmRSS over ``root_pid`` and all its descendants (0 when /proc is unavailable)."""
-    children: dict[int, list[int]] = {}
+    """Sum of RSS over ``root_pid`` and all its descendants (0 once it is gone)."""
     try:
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    except OSError:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
         return 0
-    total, stack = 0, [root_pid]
-    while stack:
-        pid = stack.pop()
-        stack.extend(children.get(pid, ()))
+    total = 0
+    for proc in procs:
         try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            continue
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue  # exited between the listing and the reading
     return total
 
 
 def _maps_openblas(pid: int) -> bool | None:
-    """Whether the process has libopenblas mapped (verifies the BLAS mode); None without /proc."""
+    """Whether the process has libopenblas mapped (verifies the BLAS mode); None where unknown."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            return "libopenblas" in f.read()
-    except OSError:
+        return any("libopenblas" in m.path for m in psutil.Process(pid).memory_maps())
+    except (psutil.Error, AttributeError, NotImplementedError):  # memory_maps: not on macOS
         return None
 
 
