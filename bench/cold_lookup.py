@@ -1,4 +1,4 @@
-"""Cold-tier micro-benchmarks (print, never assert): lookup latency and reload GB/s vs ``dd``.
+"""Cold-tier micro-benchmarks (print, never assert): lookup latency and reload GB/s vs ``dd``, cold and warm.
 
     python -m bench.cold_lookup [--entries 10000] [--prompt 32768] [--reload-mib 256]
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench import dd
 from tiered_kv import keys
 from tiered_kv.cold.index import Index, Record
 from tiered_kv.cold.tier import ColdTier
@@ -100,23 +100,22 @@ def bench_reload(root: Path, mib: int) -> dict:
     size = path.stat().st_size
     hit = tier.lookup(ids.tolist())
     assert hit is not None
-    loads = []
-    for _ in range(3):
-        t = time.perf_counter()
-        got = tier.load(hit)
-        loads.append(time.perf_counter() - t)
-        assert got is not None
-    dds = []
-    for _ in range(3):
-        t = time.perf_counter()
-        subprocess.run(
-            ["dd", f"if={path}", "of=/dev/null", "bs=8M"], check=True, capture_output=True
-        )
-        dds.append(time.perf_counter() - t)
+    loads: dict[bool, list[float]] = {True: [], False: []}  # cold (page cache dropped) / warm
+    dds: dict[bool, list[float]] = {True: [], False: []}
+    for cold in (True, False):
+        for _ in range(3):
+            if cold:
+                dd.drop_page_cache(path)
+            t = time.perf_counter()
+            got = tier.load(hit)
+            loads[cold].append(time.perf_counter() - t)
+            assert got is not None
+            dds[cold].append(dd.read(path, cold=cold))
     tier.close()
     gb = size / 1e9
-    return {"file_bytes": size, "persist_GBps": gb / write_s, "load_GBps": gb / min(loads),
-            "dd_GBps": gb / min(dds)}  # fmt: skip
+    return {"file_bytes": size, "persist_GBps": gb / write_s,
+            "load_cold_GBps": gb / min(loads[True]), "dd_cold_GBps": gb / min(dds[True]),
+            "load_GBps": gb / min(loads[False]), "dd_GBps": gb / min(dds[False])}  # fmt: skip
 
 
 def main() -> None:

@@ -15,9 +15,7 @@ Each function returns a plain dict for results.json; a missing ``tiered_kv.cold`
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import replace
@@ -28,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from bench import dd
 from tiered_kv.config import Config
 
 FINGERPRINT = "bench-micro"
@@ -59,25 +58,8 @@ def _arrays(caches: list) -> list[mx.array]:
     return [a for c in caches for a in c.state if isinstance(a, mx.array)]
 
 
-def _evict_page_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _data_files(root: Path, min_bytes: int) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and p.stat().st_size >= min_bytes]
-
-
-def _dd_seconds(paths: list[Path]) -> float:
-    t0 = time.perf_counter()
-    for p in paths:
-        subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=4M"], check=True, capture_output=True)
-    return time.perf_counter() - t0
 
 
 def reload(config: Config, entries: int = 4, tokens: int = 4096, repeats: int = 3) -> dict:
@@ -99,7 +81,7 @@ def reload(config: Config, entries: int = 4, tokens: int = 4096, repeats: int = 
         load_s, dd_s, loaded_bytes = [], [], 0
         for _ in range(repeats):
             hits = [tier.lookup(p) for p in prompts]
-            _evict_page_cache(files)
+            dd.drop_page_cache(*files)
             t0 = time.perf_counter()
             loaded_bytes = 0
             for h in hits:
@@ -110,19 +92,18 @@ def reload(config: Config, entries: int = 4, tokens: int = 4096, repeats: int = 
                 mx.eval(arrays)
                 loaded_bytes += sum(a.nbytes for a in arrays)
             load_s.append(time.perf_counter() - t0)
-            _evict_page_cache(files)
-            dd_s.append(_dd_seconds(files))
+            dd_s.append(dd.read(*files, cold=True))
         tier.close()
-    load, dd = statistics.median(load_s), statistics.median(dd_s)
+    load, dd_med = statistics.median(load_s), statistics.median(dd_s)
     return {
         "entries": entries,
         "tokens_per_entry": tokens,
         "file_bytes": file_bytes,
         "loaded_bytes": loaded_bytes,
         "load_s": load,
-        "dd_s": dd,
+        "dd_s": dd_med,
         "load_gbps": file_bytes / load / 1e9,
-        "dd_gbps": file_bytes / dd / 1e9,
+        "dd_gbps": file_bytes / dd_med / 1e9,
     }
 
 

@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as C
 
+from bench import dd
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.shared.link import SharedLink
@@ -77,23 +78,6 @@ def caches_of(n_tokens: int) -> list:
         mx.eval(c.keys, c.values)
         out.append(c)
     return out
-
-
-def drop_cache(path: Path) -> None:
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def dd_seconds(path: Path) -> float:
-    drop_cache(path)
-    t0 = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    return time.perf_counter() - t0
 
 
 def reload(sizes: list[float], url: str | None) -> None:
@@ -140,8 +124,8 @@ def _one(work: Path, url: str, gb: float) -> None:
     link_a.tier.publish(data, tokens)
     publish = time.perf_counter() - t0
     del data
-    dd = dd_seconds(path)
-    drop_cache(path)
+    dd_s = dd.read(path, cold=True)
+    dd.drop_page_cache(path)
     t0 = time.perf_counter()
     got = a.load(hit)
     disk = time.perf_counter() - t0
@@ -163,7 +147,7 @@ def _one(work: Path, url: str, gb: float) -> None:
     assert loaded is not None
     del loaded, fetched
     g = size / 1e9
-    print(f"| {g:.2f} GB | {n} | {g / dd:.2f} | {g / disk:.2f} | {g / fetch:.2f} | "
+    print(f"| {g:.2f} GB | {n} | {g / dd_s:.2f} | {g / disk:.2f} | {g / fetch:.2f} | "
           f"{g / shared_hit:.2f} | {g / publish:.2f} |", flush=True)  # fmt: skip
     for tier, link in ((a, link_a), (b, link_b)):
         tier.close()

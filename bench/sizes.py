@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from bench import dd
 from tiered_kv.config import Config
 
 FINGERPRINT = "bench-sizes"
@@ -71,34 +71,6 @@ def make_caches(shape: KVShape, tokens: int, seed: int = 0) -> list[KVCache]:
     return out
 
 
-def drop_page_cache(path: Path) -> None:
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _warm(path: Path) -> None:
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
-
-
-def dd_read(path: Path) -> float:
-    t = time.perf_counter()
-    _warm(path)
-    return time.perf_counter() - t
-
-
-def dd_write(path: Path, nbytes: int) -> float:
-    count = max(1, -(-nbytes // (16 << 20)))
-    t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "conv=fsync"],
-                   check=True, capture_output=True)  # fmt: skip
-    dt = time.perf_counter() - t
-    return dt * nbytes / (count * (16 << 20))  # per byte of the entry
-
-
 def _eval_caches(caches: list) -> None:
     mx.eval([a for c in caches for a in c.state])
 
@@ -122,8 +94,7 @@ def one_size(root: Path, shape: KVShape, tokens: int, config: Config) -> dict[st
     caches = make_caches(shape, tokens)
     ids = np.random.default_rng(tokens).integers(0, 100_000, tokens, dtype=np.int32)
     scratch = root / "dd.bin"  # writes measured back to back, each from a synced page cache
-    os.sync()
-    row["dd_write_s"] = dd_write(scratch, shape.bytes_per_token * tokens)
+    row["dd_write_s"] = dd.write(scratch, shape.bytes_per_token * tokens)
     scratch.unlink()
     os.sync()
     mlx_file = root / "mlx-lm.safetensors"
@@ -153,10 +124,9 @@ def one_size(root: Path, shape: KVShape, tokens: int, config: Config) -> dict[st
             ("load", path, lambda: getattr(tier.load(hit), "caches", None)),
             ("mlx_load", mlx_file, lambda: load_prompt_cache(str(mlx_file))),
         ):
-            drop_page_cache(file) if mode == "cold" else _warm(file)
+            dd.drop_page_cache(file) if mode == "cold" else dd.read(file, cold=False)
             row[f"{name}_{mode}_s"] = _timed_load(load)
-        drop_page_cache(path) if mode == "cold" else _warm(path)
-        row[f"dd_read_{mode}_s"] = dd_read(path)
+        row[f"dd_read_{mode}_s"] = dd.read(path, cold=mode == "cold")
     tier.close()
     shutil.rmtree(kv_dir)
     mlx_file.unlink()
