@@ -19,10 +19,9 @@ import mlx.core as mx
 import numpy as np
 
 from bench import dd
-from tiered_kv import keys
-from tiered_kv.cold.index import Index, Record
+from tiered_kv import Config, keys
+from tiered_kv.cold.index import Index, Record  # measured alone: the lookup index
 from tiered_kv.cold.tier import ColdTier
-from tiered_kv.config import Config
 
 
 def bench_lookup(root: Path, entries: int, prompt_tokens: int, entry_tokens: int = 2048) -> dict:

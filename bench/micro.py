@@ -27,7 +27,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from bench import dd
-from tiered_kv.config import Config
+from tiered_kv import Config
 
 FINGERPRINT = "bench-micro"
 

@@ -71,6 +71,11 @@ def test_library_imports_only_core_dependencies() -> None:
     assert _undeclared(ROOT / "tiered_kv", "core") == {}
 
 
+def test_examples_and_scripts_import_only_core_dependencies() -> None:
+    assert _undeclared(ROOT / "examples", "core") == {}
+    assert _undeclared(ROOT / "scripts", "core") == {}
+
+
 def test_engine_imports_core_dependencies_and_the_bench_extra_for_bench_commands() -> None:
     # the bench extra only inside `tiered-kv bench` / `smoke` (lazy: tests/engine/test_cli.py)
     assert _undeclared(ROOT / "engine", "core", "bench") == {}
