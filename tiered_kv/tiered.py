@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +31,8 @@ from tiered_kv.prefix import TokenArray, as_tokens, common_prefix
 log = logging.getLogger(__name__)
 #: [shared tier] at shutdown, how long queued publishes may take before they are dropped (counted)
 _SHARED_CLOSE_SECONDS = 30.0
+T = TypeVar("T")
+Steps = Generator[None, None, T]  # a step-wise call: next() until StopIteration carries the result
 
 
 class ColdHitLike(Protocol):
@@ -123,6 +126,7 @@ class TieredCache:
         self._unsupported_logged = False
         #: issue 15: plans disk hits (load / compute / both); set by the engine, None = always load
         self.restorer: Any = None
+        self._io: ThreadPoolExecutor | None = None  # reads disk entries for fetch_steps
         self.counters = {"fetches": 0, "hit_tokens_hot": 0, "hit_tokens_cold": 0,
                          "hit_tokens_shared": 0, "stores": 0}  # fmt: skip
 
@@ -133,11 +137,24 @@ class TieredCache:
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, prompt_ids: Sequence[int]) -> Lease:
         """Caches for the longest cached prefix of ``prompt_ids`` (never the last token)."""
+        steps = self.fetch_steps(prompt_ids, background=False)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def fetch_steps(
+        self, prompt_ids: Sequence[int], background: bool = True
+    ) -> Generator[None, None, Lease]:
+        """:meth:`fetch`, for a thread with other work to keep going (the batch loop's decode
+        steps): with ``background``, a disk entry's file is read on an I/O thread and each
+        ``next()`` while it is read returns at once; the arrays are built here, at the end."""
         prompt = as_tokens(prompt_ids)
         if len(prompt) == 0:
             raise ValueError("empty prompt")
         self.counters["fetches"] += 1
-        cand = self._find(prompt) if self.enabled else None
+        cand = (yield from self._find(prompt, background)) if self.enabled else None
         decision = cand.restore if cand is not None else None
         if cand is not None and cand.entry is not None:
             lease = self._lease_from(cand, prompt)
@@ -147,7 +164,14 @@ class TieredCache:
         hit = HitInfo(restore=decision)
         return Lease(self.make_cache(), prompt.tolist(), hit, None, {}, self.needs_checkpoints)
 
-    def _find(self, prompt: TokenArray) -> _Candidate | None:
+    def peek(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens the hot tier could serve now: a scheduling estimate (no lease, no copy,
+        no disk, not counted as a hit)."""
+        prompt = as_tokens(prompt_ids)
+        best = self.hot.best(prompt, count=False) if self.config.hot_enabled else None
+        return policy.servable_tokens(best[1], len(prompt)) if best else 0
+
+    def _find(self, prompt: TokenArray, background: bool) -> Steps[_Candidate | None]:
         best = self.hot.best(prompt) if self.config.hot_enabled else None
         hot_n = policy.servable_tokens(best[1], len(prompt)) if best else 0
         cand = _Candidate(best[0], best[1], "hot") if best else None
@@ -160,7 +184,7 @@ class TieredCache:
             if shared is not None:
                 cand = shared
             elif hit is not None and cold_n > hot_n:
-                loaded = self._restore(hit, prompt, hot_n)
+                loaded = yield from self._restore(hit, prompt, hot_n, background)
                 if loaded is not None and loaded.entry is not None:
                     cand = loaded
                 elif loaded is not None:  # computing beats loading: the plan rides along
@@ -169,12 +193,14 @@ class TieredCache:
         return cand
 
     # -- issue 15: load, compute or both ----------------------------------------------------
-    def _restore(self, hit: ColdHitLike, prompt: TokenArray, hot_n: int) -> _Candidate | None:
+    def _restore(
+        self, hit: ColdHitLike, prompt: TokenArray, hot_n: int, background: bool
+    ) -> Steps[_Candidate | None]:
         """The candidate of a disk hit restored the planned way; a candidate with no entry
         when the plan is to recompute; None on a miss (vanished / corrupt)."""
         r = self.restorer
         if r is None:
-            return self._load(hit, prompt)
+            return (yield from self._load(hit, prompt, background))
         assert self.cold is not None
         n = policy.servable_tokens(hit.tokens, len(prompt))
         d = r.plan(self.cold, hit, n, len(prompt), hot_n)
@@ -185,16 +211,21 @@ class TieredCache:
             if got is not None:
                 entry = new_entry(got.tokens, got.caches, {}, persisted=True)
                 return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d)
-        cand = self._load(hit, prompt)
+        cand = yield from self._load(hit, prompt, background)
         if cand is not None:
             r.observe_load(hit.entry_id, cand.load_bytes, cand.load_seconds)
             cand.restore = d
         return cand
 
-    def _load(self, hit: ColdHitLike, prompt: TokenArray) -> _Candidate | None:
+    def _load(
+        self, hit: ColdHitLike, prompt: TokenArray, background: bool
+    ) -> Steps[_Candidate | None]:
         assert self.cold is not None
         t0 = time.perf_counter()
-        got = self.cold.load(hit)
+        if background and hasattr(self.cold, "locate"):
+            got = yield from self._load_beside(hit)
+        else:
+            got = self.cold.load(hit)
         if got is None:
             return None  # corrupt or vanished: the cold tier quarantined it and counted
         caches, ids, ckpts = got
@@ -202,6 +233,21 @@ class TieredCache:
         seconds = time.perf_counter() - t0
         common = common_prefix(entry.tokens, prompt)
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
+
+    def _load_beside(self, hit: ColdHitLike) -> Steps[Any]:
+        """The cold tier's load with its file read (bytes, digests) on the I/O thread: the
+        caller's thread goes on with other work meanwhile and builds the arrays at the end."""
+        assert self.cold is not None
+        cold: Any = self.cold
+        at = cold.locate(hit)
+        if at is None:
+            return None
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-restore-read")
+        future = self._io.submit(cold.read, at)
+        while not future.done():
+            yield
+        return cold.finish(at, future.result)
 
     def _load_shared(self, prompt: TokenArray, floor: int) -> _Candidate | None:
         """[shared tier, issue 17] The shared tier's longest hit when it serves more than
@@ -383,6 +429,8 @@ class TieredCache:
             self.shared.close(_SHARED_CLOSE_SECONDS)
         if self.restorer is not None:  # saves the learned restore costs
             self.restorer.close()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
 
 
 def _known_lengths(caches: list[Any]) -> list[int]:

@@ -25,9 +25,10 @@ quarantined, counted and turned into misses; I/O errors are counted by kind and 
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,6 +57,15 @@ class ColdHit:
     entry_id: str
     tokens: int  # exact common prefix length at token level (ids compared, not hashes)
     entry_tokens: int  # length of the stored entry
+
+
+class Located(NamedTuple):
+    """A hit's entry, found and its header checked: what :meth:`ColdTier.read` reads."""
+
+    rec: Record
+    path: Path
+    header: store.Header
+    stored: np.ndarray
 
 
 class Loaded(NamedTuple):
@@ -137,6 +147,16 @@ class ColdTier:
     def load(self, hit: ColdHit) -> Loaded | None:
         """(caches holding the whole entry, entry token ids, checkpoints) or None (missing /
         corrupt / too slow). The caller trims to ``hit.tokens``. Request thread only."""
+        found = self.locate(hit)
+        if found is None:
+            return None
+        return self._arrays(found, lambda: codec.load_file(found.path, found.header))
+
+    # A load in two halves, for a request thread that keeps other work going meanwhile:
+    # ``locate`` (request thread) → ``read`` (any thread: bytes only) → ``finish`` (request thread).
+    def locate(self, hit: ColdHit) -> Located | None:
+        """The hit's record, file, checked header and indexed ids; None (counted / quarantined)
+        when it is gone or its header is bad. Request thread; the index on the reader thread."""
         found = self._ask(lambda: self._locate(hit.entry_id), None)
         if found is None:
             return None
@@ -147,9 +167,37 @@ class ColdTier:
         if isinstance(header, Exception):
             self._bad(rec, path, header)
             return None
+        return Located(rec, path, header, stored)
+
+    def read(self, at: Located) -> bytearray:
+        """The entry file's bytes with every chunk digest checked. Bytes only (no MLX, no index):
+        any thread. Raises FileNotFoundError, store.CorruptEntry, OSError."""
+        fd = store.open_entry(at.path)
+        try:
+            data = bytearray(os.fstat(fd).st_size)
+            view, got = memoryview(data), 0
+            while got < len(data):
+                n = os.preadv(fd, [view[got:]], got)
+                if n == 0:
+                    raise store.CorruptEntry("short read")
+                got += n
+        finally:
+            os.close(fd)
+        if store.parse_buffer(view, self.fingerprint) != at.header:
+            raise store.CorruptEntry("file changed since its header was checked")
+        codec.check_buffer(view, at.header)
+        return data
+
+    def finish(self, at: Located, read: Callable[[], bytearray]) -> Loaded | None:
+        """``load``'s result from ``read()`` (which returns :meth:`read`'s bytes or raises what it
+        raised). Request thread (builds MLX arrays)."""
+        return self._arrays(at, lambda: codec.arrays_of(memoryview(read()), at.header))
+
+    def _arrays(self, at: Located, arrays_of: Callable[[], dict[str, Any]]) -> Loaded | None:
+        rec, path, header, stored = at
         t0 = time.perf_counter()
         try:
-            arrays = codec.load_file(path, header)
+            arrays = arrays_of()
             tokens = codec.tokens_of(arrays)
             if not np.array_equal(stored, tokens):
                 raise store.CorruptEntry("file tokens differ from the index")
@@ -159,6 +207,9 @@ class ColdTier:
             return None
         except (store.CorruptEntry, layers.CorruptState, layers.UnsupportedCache) as e:
             self._bad(rec, path, e)
+            return None
+        except OSError as e:  # a read() on another thread that failed
+            self._bad(rec, path, store.CorruptEntry(f"unreadable: {e}"))
             return None
         self.faults.add_load(rec.nbytes, time.perf_counter() - t0)
         now = time.time()
