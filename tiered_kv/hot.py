@@ -33,7 +33,6 @@ def cache_bytes(caches: list[Any]) -> int:
     return int(sum(c.nbytes for c in caches))
 
 
-
 @dataclass(eq=False)
 class Entry:
     """Token ids whose KV the caches hold, and the per-layer caches. While stored, only the
