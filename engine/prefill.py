@@ -12,9 +12,7 @@ from collections.abc import Callable, Generator
 import mlx.core as mx
 import mlx.nn as nn
 
-from tiered_kv import checkpoints
-from tiered_kv.checkpoints import positions as checkpoint_positions  # the engine's name for it
-from tiered_kv.tiered import Lease
+from tiered_kv import Lease, checkpoint_positions, take_checkpoint
 
 __all__ = ["PrefillStopped", "checkpoint_positions", "prefill", "prefill_steps"]
 
@@ -76,7 +74,7 @@ def prefill_steps(
     logits = out[0, -1, :]
     mx.eval([logits] + [c.state for c in lease.caches])
     fed.append(rem[-1])
-    checkpoints.take(lease.checkpoints, len(fed), cuts, lease.caches)
+    take_checkpoint(lease.checkpoints, len(fed), cuts, lease.caches)
     if on_progress:
         on_progress(len(fed), total)
     return logits
@@ -94,6 +92,6 @@ def _step(
     model(mx.array([chunk]), cache=lease.caches)  # logits stay unevaluated (lazy): never computed
     mx.eval([c.state for c in lease.caches])
     fed.extend(chunk)
-    checkpoints.take(lease.checkpoints, len(fed), cuts, lease.caches)
+    take_checkpoint(lease.checkpoints, len(fed), cuts, lease.caches)
     if on_progress:
         on_progress(len(fed), total)

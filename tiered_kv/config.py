@@ -148,6 +148,11 @@ class Config:
     #: falls back where layers cannot be split)
     restore: str = "auto"
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
+        """The Config from ``TIERED_KV_*`` (see the module's :func:`from_env`)."""
+        return from_env(env, **overrides)
+
     @property
     def hot_enabled(self) -> bool:
         return "hot" in self.tiers

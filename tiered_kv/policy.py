@@ -1,4 +1,4 @@
-"""Eviction policy as pure functions over metadata (no MLX, no I/O).
+"""Eviction policy as pure functions over metadata (values in, values out: no arrays, no I/O).
 
 Rules (one place each):
 * :func:`is_continuation` — when a hit makes the request a continuation of the stored entry.

@@ -7,16 +7,17 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.prefill import prefill
 from tests.tiered_kv.conftest import cold_logits, tokens
-from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
+from tiered_kv.opening import open_cache
 from tiered_kv.tiered import TieredCache
 
-FP = "test-fingerprint"
+IDENTITY = {"model": "test-fingerprint"}
 
 
 def open_tc(model, root, **kw) -> TieredCache:
+    """Through the door: open_cache decides which tiers are on (``tiers=()``: none)."""
     cfg = Config(cache_dir=root, block_tokens=16, **kw)
-    return TieredCache(cfg, lambda: make_prompt_cache(model), ColdTier(root, FP, cfg))
+    return open_cache(cfg, IDENTITY, lambda: make_prompt_cache(model))
 
 
 def run(tc, model, ids):
