@@ -132,9 +132,9 @@ class Config:
     #: hold a password)
     #: Default: empty (off)
     shared_url: str = field(default="", repr=False)
-    #: TIERED_KV_SHARED_TIMEOUT — seconds one shared-tier call may wait on Redis (connect, each
-    #: reply), in (0, 60]; after a failure the tier is skipped with exponential backoff (1 s to
-    #: 30 s)
+    #: TIERED_KV_SHARED_TIMEOUT — seconds one shared-tier call may wait on Redis (resolving its host
+    #: name, connect, each reply), in (0, 60]; after a failure the tier is skipped with exponential
+    #: backoff (1 s to 30 s)
     shared_timeout: float = 1.0
     #: TIERED_KV_SHARED_QUEUE_BYTES — bytes of local entries waiting to be published to Redis; the
     #: oldest waiting one is dropped (counted) past it

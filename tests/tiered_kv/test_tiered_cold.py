@@ -16,6 +16,7 @@ IDENTITY = {"model": "test-fingerprint"}
 
 def open_tc(model, root, **kw) -> TieredCache:
     """Through the door: open_cache decides which tiers are on (``tiers=()``: none)."""
+    kw.setdefault("cold_deadline", 30.0)  # a loaded machine must not turn a lookup into a miss
     cfg = Config(cache_dir=root, block_tokens=16, **kw)
     return open_cache(cfg, IDENTITY, lambda: make_prompt_cache(model))
 
@@ -80,6 +81,10 @@ def test_disabled_cache_never_hits(small_model, tmp_path):
 def _engine(model_dir, root, **kw):
     from engine.generate import Engine
 
+    kw.setdefault("cold_deadline", 30.0)  # (the deadline itself: tests/tiered_kv/cold/test_reader.py)
+    # these tests ask whether entries reach the disk and serve: a disk hit is loaded (the planner,
+    # free to recompute a short hit, has its own tests in tests/tiered_kv/restore/)
+    kw.setdefault("restore", "load")
     return Engine(model_dir, Config(cache_dir=root, block_tokens=16, disk_free_floor=0, **kw))
 
 
