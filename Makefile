@@ -1,5 +1,5 @@
 PY ?= .venv/bin/python
-.PHONY: setup test test-slow lint bench serve
+.PHONY: setup test test-slow lint bench serve env-table
 setup:
 	bash scripts/setup.sh
 test:
@@ -13,3 +13,5 @@ bench:
 	.venv/bin/tiered-kv bench
 serve:
 	.venv/bin/tiered-kv serve
+env-table:
+	$(PY) scripts/env_table.py --write

@@ -1,36 +1,26 @@
 """Suffix-only prefill: feed the ids a cache lease lacks, in evaluated chunks.
 
 Runs on the thread that owns MLX. Chunks end at checkpoint positions when the model has
-recurrent / sliding-window layers, whose state is then recorded in ``lease.checkpoints``.
+recurrent / sliding-window layers, whose state is then recorded in ``lease.checkpoints``
+(where and how: :mod:`tiered_kv.checkpoints`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from tiered_kv import Lease, snapshot
+from tiered_kv import Lease, checkpoint_positions, take_checkpoint
+
+__all__ = ["PrefillStopped", "checkpoint_positions", "prefill", "prefill_steps"]
 
 Progress = Callable[[int, int], None]
 
 
 class PrefillStopped(Exception):
     """should_stop() turned true between two chunks; ``fed`` holds what was evaluated."""
-
-
-def checkpoint_positions(
-    start: int, rem: list[int], eos_ids: Iterable[int], every: int
-) -> list[int]:
-    """Where to snapshot non-positional layers: after each end-of-message token, every ``every``
-    tokens, and at the end of the prompt (positions in ``(start, start + len(rem)]``)."""
-    eos = set(eos_ids)
-    end = start + len(rem)
-    cuts = {start + j + 1 for j, t in enumerate(rem) if t in eos}
-    cuts.update(range((start // every + 1) * every, end, every))
-    cuts.add(end)
-    return sorted(c for c in cuts if start < c <= end)
 
 
 def prefill(
@@ -84,8 +74,7 @@ def prefill_steps(
     logits = out[0, -1, :]
     mx.eval([logits] + [c.state for c in lease.caches])
     fed.append(rem[-1])
-    if len(fed) in cuts:
-        lease.checkpoints[len(fed)] = snapshot(lease.caches)
+    take_checkpoint(lease.checkpoints, len(fed), cuts, lease.caches)
     if on_progress:
         on_progress(len(fed), total)
     return logits
@@ -103,7 +92,6 @@ def _step(
     model(mx.array([chunk]), cache=lease.caches)  # logits stay unevaluated (lazy): never computed
     mx.eval([c.state for c in lease.caches])
     fed.extend(chunk)
-    if len(fed) in cuts:
-        lease.checkpoints[len(fed)] = snapshot(lease.caches)
+    take_checkpoint(lease.checkpoints, len(fed), cuts, lease.caches)
     if on_progress:
         on_progress(len(fed), total)

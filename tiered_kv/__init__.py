@@ -10,6 +10,8 @@ A server imports from here and nothing deeper::
                                  lambda: make_prompt_cache(model))
     lease = cache.fetch(prompt_ids)                 # lease.caches hold lease.hit.tokens tokens
     ...                                             # prefill lease.remaining into lease.caches
+                                                    # (lease.needs_checkpoints: take_checkpoint
+                                                    # at each checkpoint_positions(...) position)
     cache.store(lease, ids_the_caches_hold)         # the lease is given back
     cache.close()                                   # memory's entries written to disk
 
@@ -33,14 +35,19 @@ if TYPE_CHECKING:
         SharedUnreachable,
         UnsafeCacheDir,
     )
+    from tiered_kv.checkpoints import positions as checkpoint_positions
+    from tiered_kv.checkpoints import snapshot
+    from tiered_kv.checkpoints import take as take_checkpoint
     from tiered_kv.config import Config, ConfigError, parse_size
     from tiered_kv.identity import model_identity
-    from tiered_kv.layers import snapshot
     from tiered_kv.opening import CacheDirError, open_cache
     from tiered_kv.tiered import HitInfo, Lease, TieredCache
 
-#: exported name → the module that owns it
+#: exported name → the module that owns it ("module:name" where the name there differs)
 _HOME = {
+    "checkpoint_positions": "tiered_kv.checkpoints:positions",
+    "snapshot": "tiered_kv.checkpoints",
+    "take_checkpoint": "tiered_kv.checkpoints:take",
     "CacheAdmin": "tiered_kv.admin",
     "NotAFingerprint": "tiered_kv.admin",
     "SharedAdmin": "tiered_kv.admin",
@@ -50,7 +57,6 @@ _HOME = {
     "ConfigError": "tiered_kv.config",
     "parse_size": "tiered_kv.config",
     "model_identity": "tiered_kv.identity",
-    "snapshot": "tiered_kv.layers",
     "CacheDirError": "tiered_kv.opening",
     "open_cache": "tiered_kv.opening",
     "HitInfo": "tiered_kv.tiered",
@@ -70,10 +76,12 @@ __all__ = [
     "SharedUnreachable",
     "TieredCache",
     "UnsafeCacheDir",
+    "checkpoint_positions",
     "model_identity",
     "open_cache",
     "parse_size",
     "snapshot",
+    "take_checkpoint",
 ]
 
 
@@ -81,7 +89,8 @@ def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
     if home is None:  # submodules (``from tiered_kv import layers``) are found by the import system
         raise AttributeError(f"module 'tiered_kv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
+    module, _, attr = home.partition(":")
+    value = getattr(importlib.import_module(module), attr or name)
     globals()[name] = value
     return value
 

@@ -58,77 +58,95 @@ RESTORE_MODES = ("auto", "load", "compute", "both")
 
 @dataclass(frozen=True)
 class Config:
-    """Every tunable of the cache and the server. Field docs double as the README's env-var table."""
+    """Every tunable of the cache and the server.
 
-    #: TIERED_KV_DIR — cold-tier directory (index + entry files).
+    The ``#:`` field docs are the README's env-var table: ``scripts/env_table.py`` generates it
+    (``--write``), a test keeps the two equal. A doc starts ``TIERED_KV_NAME — meaning``; a
+    ``Default:`` line shows a default that is not the field's value as it is (paths, auto).
+    """
+
+    #: TIERED_KV_DIR — cold-tier directory (index + entry files)
+    #: Default: `~/.cache/tiered-kv/kv` (`$XDG_CACHE_HOME` honoured)
     cache_dir: Path = field(default_factory=lambda: default_root() / "kv")
-    #: TIERED_KV_MODELS_DIR — where `tiered-kv model` puts converted / generated models.
+    #: TIERED_KV_MODELS_DIR — where `tiered-kv model` writes converted / generated models
+    #: Default: `~/.cache/tiered-kv/models`
     models_dir: Path = field(default_factory=lambda: default_root() / "models")
-    #: TIERED_KV_TIERS — which tiers are on: "hot,cold", "hot", "cold" or "none" (cache disabled).
+    #: TIERED_KV_TIERS — `hot,cold`, `hot`, `cold` or `none` (cache off)
     tiers: tuple[str, ...] = ("hot", "cold")
-    #: TIERED_KV_HOT_BYTES — byte budget of the in-memory tier.
+    #: TIERED_KV_HOT_BYTES — byte budget of the memory tier: bytes or `512MB`, `8GiB`, `1.5GB`
     hot_bytes: int = 4 * 1024**3
-    #: TIERED_KV_MEMORY_THRESHOLD — evict when MLX active memory passes this share of device memory.
+    #: TIERED_KV_MEMORY_THRESHOLD — evict when MLX active memory passes this share of device memory
+    #: (Metal: recommended working set; CUDA: total; CPU: memory limit / RAM)
     memory_threshold: float = 0.85
-    #: TIERED_KV_MIN_CONTINUATION_TOKENS — a hit at least this long (and ≥ half the prompt)
-    #: that extends an entry replaces it instead of duplicating it.
+    #: TIERED_KV_MIN_CONTINUATION_TOKENS — a hit this long that covers the whole stored entry and
+    #: ≥ half the prompt continues the entry (taken over, replaced); other hits share it read-only
     min_continuation_tokens: int = 1000
-    #: TIERED_KV_CHECKPOINT_TOKENS — for recurrent / sliding-window layers: snapshot their state
-    #: every this many prompt tokens (and at each end-of-message token) during prefill.
+    #: TIERED_KV_CHECKPOINT_TOKENS — recurrent / sliding-window models: checkpoint spacing during
+    #: prefill (16–8192); a checkpoint is also taken at each end-of-message token and at the
+    #: prompt's end (`tiered_kv/checkpoints.py`)
     checkpoint_tokens: int = 1024
-    #: TIERED_KV_CHECKPOINT_SHARE — share of TIERED_KV_HOT_BYTES that checkpoints may occupy.
+    #: TIERED_KV_CHECKPOINT_SHARE — share of `TIERED_KV_HOT_BYTES` checkpoints may use (and of an
+    #: entry's bytes on disk); past it the least recently used entries' earliest go first
     checkpoint_share: float = 0.25
-    #: TIERED_KV_PREFILL_CHUNK — tokens per prefill step (evaluated per chunk); 0 = auto (2048 on a
-    #: GPU, 512 on the CPU: engine.generate.default_prefill_chunk).
+    #: TIERED_KV_PREFILL_CHUNK — tokens per prefill step (16–65536)
+    #: Default: `0` (auto: 2048 on a GPU, 512 on the CPU)
     prefill_chunk: int = 0
-    #: TIERED_KV_DISK_BYTES — byte budget of everything under TIERED_KV_DIR.
+    #: TIERED_KV_DISK_BYTES — budget of everything under `TIERED_KV_DIR` (LRU, other fingerprints
+    #: and orphans included)
     disk_bytes: int = 20 * 1024**3
-    #: TIERED_KV_DISK_FREE_FLOOR — keep at least this much free space on the cache disk.
+    #: TIERED_KV_DISK_FREE_FLOOR — keep this much free on the cache disk
     disk_free_floor: int = 1024**3
-    #: TIERED_KV_BLOCK_TOKENS — tokens per hashed block of the cold index.
+    #: TIERED_KV_BLOCK_TOKENS — tokens per hashed block of the disk index (16–8192)
     block_tokens: int = 256
-    #: TIERED_KV_SPILL_QUEUE_BYTES — bytes of evicted entries waiting for the disk writer (the one
-    #: being written not counted); past it the oldest waiting spill is dropped (logged, counted).
-    #: An entry larger than the bound is still written: it is admitted when nothing else waits.
+    #: TIERED_KV_SPILL_QUEUE_BYTES — bytes of evicted entries *waiting* for the disk writer (the one
+    #: being written not counted); past it the oldest waiting spill is dropped (logged with its
+    #: bytes, counted). An entry larger than the bound is still written: it is admitted when
+    #: nothing else waits
     spill_queue_bytes: int = 2 * 1024**3
-    #: TIERED_KV_COLD_DEADLINE — seconds a cold lookup (index query, entry header read) may take
-    #: on the request path; past it the lookup is a miss (a stalled disk never stalls requests).
+    #: TIERED_KV_COLD_DEADLINE — seconds a cold lookup (index query, entry header) may take on the
+    #: request path; past it: a miss (`cold_lookup_timeouts`)
     cold_deadline: float = 0.5
-    #: TIERED_KV_SHUTDOWN_SECONDS — at shutdown, how long to wait for every memory-only entry to
-    #: be written to disk (none is dropped for size or queue); what is left then is logged.
+    #: TIERED_KV_SHUTDOWN_SECONDS — at shutdown (SIGTERM, `close()`), how long to wait while every
+    #: memory-only entry is written to disk; what is left is logged and counted
     shutdown_seconds: float = 300.0
-    #: TIERED_KV_WRITE_THROUGH — persist every finished turn (crash loses at most the turn in flight).
+    #: TIERED_KV_WRITE_THROUGH — `1` persists every finished turn (a crash loses at most the turn
+    #: in flight)
     write_through: bool = False
-    #: TIERED_KV_PREFETCH — warm start loads this many most recent entries ("4") or bytes ("2GiB").
+    #: TIERED_KV_PREFETCH — warm start loads this many most recent entries (`4`) or bytes (`2GiB`)
+    #: into memory
     prefetch_entries: int = 0
     prefetch_bytes: int = 0
-    #: TIERED_KV_KV_BITS — quantise stored entries to 4 or 8 bits (0 = keep the model's dtype).
+    #: TIERED_KV_KV_BITS — `4` or `8`: store plain KV quantised (mlx-lm QuantizedKVCache)
     kv_bits: int = 0
-    #: TIERED_KV_KV_GROUP_SIZE — quantisation group size (32, 64 or 128).
+    #: TIERED_KV_KV_GROUP_SIZE — `32`, `64` or `128`
     kv_group_size: int = 64
-    #: TIERED_KV_CACHE_SALT — mixed into every key: tenants with different salts share nothing.
+    #: TIERED_KV_CACHE_SALT — mixed into every key: tenants with different salts share nothing
     cache_salt: str = ""
-    #: TIERED_KV_API_KEY — when set, required as a Bearer token on every endpoint but /health.
+    #: TIERED_KV_API_KEY — when set, required as `Authorization: Bearer …` on every endpoint but
+    #: `/health`
     api_key: str = ""
-    #: TIERED_KV_MAX_BODY_BYTES — largest accepted HTTP request body.
+    #: TIERED_KV_MAX_BODY_BYTES — largest accepted request body (413 past it)
     max_body_bytes: int = 16 * 1024**2
-    #: TIERED_KV_SHARED — Redis URL of a cold tier shared by many servers, behind the local one:
-    #: redis://[[user]:password@]host[:port][/db] or rediss:// (TLS); "" = off. Kept out of repr
-    #: (it may hold a password).
+    #: TIERED_KV_SHARED — `redis://[[user]:password@]host[:port][/db]` or `rediss://…` (TLS): a
+    #: cold tier shared by many servers, behind the local one
+    #: ([below](#the-shared-tier-redis)); never echoed in errors or logs (kept out of repr: it may
+    #: hold a password)
+    #: Default: empty (off)
     shared_url: str = field(default="", repr=False)
     #: TIERED_KV_SHARED_TIMEOUT — seconds one shared-tier call may wait on Redis (resolving its host
-    #: name, connect, each reply); after a failure the tier is skipped with exponential backoff
-    #: (1 s to 30 s).
+    #: name, connect, each reply), in (0, 60]; after a failure the tier is skipped with exponential
+    #: backoff (1 s to 30 s)
     shared_timeout: float = 1.0
-    #: TIERED_KV_SHARED_QUEUE_BYTES — bytes of entries waiting to be published to the shared tier
-    #: (write-behind); past it the oldest waiting one is dropped (counted).
+    #: TIERED_KV_SHARED_QUEUE_BYTES — bytes of local entries waiting to be published to Redis; the
+    #: oldest waiting one is dropped (counted) past it
     shared_queue_bytes: int = 2 * 1024**3
-    #: TIERED_KV_MAX_BATCH — requests generating at once (continuous batching); more wait.
+    #: TIERED_KV_MAX_BATCH — requests generating together (continuous batching), ≥ 1
     max_batch: int = 8
-    #: TIERED_KV_MAX_QUEUE — requests waiting for a place in the batch; past it, a 429.
+    #: TIERED_KV_MAX_QUEUE — requests waiting for a place in the batch, ≥ 0; past it a 429
     max_queue: int = 64
-    #: TIERED_KV_RESTORE — how a disk hit is restored: "auto" (the faster of load, compute and
-    #: both by this machine's measured costs), or forced "load", "compute" or "both" (benchmarks).
+    #: TIERED_KV_RESTORE — how a disk hit is restored: `auto` (the fastest of load / compute / both
+    #: by this machine's measured costs), or forced `load`, `compute`, `both` (benchmarks; `both`
+    #: falls back where layers cannot be split)
     restore: str = "auto"
 
     @classmethod
@@ -299,7 +317,7 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Confi
 
 
 def env_table() -> list[tuple[str, str, str]]:
-    """(variable, default, accepted form) rows for the README and `tiered-kv --help`."""
+    """(variable, default, accepted form) of every variable :func:`from_env` reads."""
     default = Config()
     rows = []
     for name, (attr, _, form) in _SPEC.items():

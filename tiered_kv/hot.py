@@ -1,14 +1,17 @@
 """Hot tier: model caches held in MLX memory, found by longest common token prefix.
 
 Ownership: a HotTier is owned by the one thread that runs MLX (the request / generation thread).
-Entries are immutable while stored: lookups hand out *views* (new cache objects sharing the stored
-arrays, see ``layers.view``) or *take* the entry out of the tier (continuation: the caller then owns
-its buffers and writes into them in place). Evicted entries are passed to ``on_evict`` (the cold
+A stored entry's tokens, caches and checkpoints are never mutated: lookups hand out *views* (new
+cache objects sharing the stored arrays, see ``layers.view``) or *take* the entry out of the tier
+(continuation: the caller then owns its buffers and writes into them in place), and thinning
+replaces an entry by a copy with fewer checkpoints. Only its bookkeeping (``last_used``,
+``persisted``) changes in place. Evicted entries are passed to ``on_evict`` (the cold
 tier's spill hand-off) before the tier drops its reference, then MLX's buffer cache is released.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -17,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from tiered_kv import policy
+from tiered_kv import checkpoints, policy
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.prefix import TokenArray, common_prefix
 
@@ -30,13 +33,10 @@ def cache_bytes(caches: list[Any]) -> int:
     return int(sum(c.nbytes for c in caches))
 
 
-def checkpoint_bytes(snapshot: list[Any]) -> int:
-    return int(sum(c.nbytes for c in snapshot if c is not None))
-
-
 @dataclass(eq=False)
 class Entry:
-    """Token ids whose KV the caches hold, and the per-layer caches. Never mutated while stored."""
+    """Token ids whose KV the caches hold, and the per-layer caches. While stored, only the
+    bookkeeping fields (``last_used``, ``persisted``) change; the rest is replaced, never mutated."""
 
     tokens: TokenArray
     caches: list[Any]
@@ -100,6 +100,10 @@ class HotTier:
     def touch(self, entry: Entry) -> None:
         entry.last_used = next(self._clock)
 
+    def holds(self, entry: Entry) -> bool:
+        """True when ``entry`` is stored here (not taken, evicted or discarded)."""
+        return entry.id in self.entries
+
     # -- membership ------------------------------------------------------------------------
     def take(self, entry: Entry) -> Entry:
         """Remove ``entry`` without spilling: the caller now owns its caches."""
@@ -107,7 +111,8 @@ class HotTier:
         return entry
 
     def insert(self, entry: Entry) -> None:
-        """Store ``entry`` as the most recent, drop stored entries it supersedes, then evict."""
+        """Store ``entry`` as the most recent, then evict (superseded entries are dropped by the
+        caller through :meth:`discard_where`)."""
         self.touch(entry)
         self.entries[entry.id] = entry
         self.enforce(keep=1)
@@ -116,6 +121,11 @@ class HotTier:
         """Drop a superseded entry (no spill: its tokens live on in a longer entry)."""
         if self.entries.pop(entry.id, None) is not None:
             self.stats.replaced += 1
+
+    def discard_where(self, superseded: Callable[[Entry], bool]) -> None:
+        """:meth:`discard` every stored entry for which ``superseded`` holds."""
+        for e in [e for e in self.entries.values() if superseded(e)]:
+            self.discard(e)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -137,20 +147,22 @@ class HotTier:
             mx.clear_cache()
 
     def _thin_checkpoints(self) -> None:
-        """Keep checkpoints within their share of the budget: drop the least recently used
-        entries' earliest checkpoints first (a later one serves more of a diverging prompt)."""
+        """Keep checkpoints within their share of the budget (``checkpoints.thin``); a thinned
+        entry is replaced by a copy without the dropped checkpoints (same id, same recency)."""
         limit = int(self.checkpoint_share * self.budget_bytes)
-        total = sum(e.checkpoint_bytes for e in self.entries.values())
-        if total <= limit:
+        if sum(e.checkpoint_bytes for e in self.entries.values()) <= limit:
             return
-        for e in sorted(self.entries.values(), key=lambda e: e.last_used):
-            for pos in sorted(e.checkpoints):
-                if total <= limit:
-                    return
-                size = checkpoint_bytes(e.checkpoints.pop(pos))
-                e.checkpoint_bytes -= size
-                e.nbytes -= size
-                total -= size
+        sizes = [(e.id, e.last_used, {p: checkpoints.snapshot_bytes(s)
+                                       for p, s in e.checkpoints.items()})
+                 for e in self.entries.values()]  # fmt: skip
+        for key, drop in checkpoints.thin(sizes, limit).items():
+            e = self.entries[key]
+            kept = {p: s for p, s in e.checkpoints.items() if p not in drop}
+            freed = e.checkpoint_bytes - checkpoints.total_bytes(kept)
+            self.entries[key] = dataclasses.replace(
+                e, checkpoints=kept, checkpoint_bytes=e.checkpoint_bytes - freed,
+                nbytes=e.nbytes - freed,
+            )  # fmt: skip
 
     def evict_all(self) -> None:
         """Hand every entry to ``on_evict`` (shutdown: spill what memory holds)."""

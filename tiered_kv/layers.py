@@ -10,6 +10,12 @@ For every supported class a :class:`Codec` says
   stored entry still references, so a stored entry is never mutated by generation on a view.
   ``None`` when the state cannot be served at ``n`` (wrapped rotating window, recurrent state
   at another length);
+* ``cut``     — the first ``n`` tokens of a cache the caller owns, as a cache the caller owns (the
+  argument must not be used afterwards: the result may share and later write its buffers);
+  ``None`` when the class cannot be cut to ``n`` (a rotating window past its window, recurrent
+  state — served from checkpoints instead, see :mod:`tiered_kv.checkpoints`). The one place that
+  knows how each class is cut back: mlx-lm's ``trim()`` is right for some classes and wrong for
+  ``ConcatenateKVCache`` (it lowers the offset, the arrays keep the tail);
 * ``encode`` / ``decode`` — the valid region as named arrays plus string meta (class, offset,
   quantisation parameters), the cold tier's on-disk form.
 
@@ -19,6 +25,7 @@ No ``globals()`` lookup: decoding only instantiates classes named in ``CODECS``.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +53,7 @@ class Codec:
     view: Callable[[Any, int, int], Any | None]
     encode: Callable[[Any], tuple[Arrays, Meta]]
     decode: Callable[[Arrays, Meta], Any]
+    cut: Callable[[Any, int], Any | None]
     #: True when any prefix of the state is a slice of it (plain attention KV). False for state
     #: that only exists at its own length (recurrent, sliding window): those layers need checkpoints.
     positional: bool = True
@@ -63,6 +71,18 @@ def _kv_view(c: C.KVCache, n: int, total: int) -> C.KVCache | None:
     if n > 0:
         out.keys, out.values, out.offset = _sl(c.keys, 0, n), _sl(c.values, 0, n), n
     return out
+
+
+def _trim_copy(c: Any, n: int) -> Any:
+    """A shallow copy cut to ``n`` by the class's own ``trim()`` (offset lowered, buffers and their
+    capacity shared: the next write lands in them, as on the original)."""
+    out = copy.copy(c)
+    out.trim(out.offset - n)
+    return out
+
+
+def _kv_cut(c: C.KVCache | C.QuantizedKVCache, n: int) -> Any | None:
+    return _trim_copy(c, n) if 0 <= n <= c.offset else None
 
 
 def _kv_encode(c: C.KVCache) -> tuple[Arrays, Meta]:
@@ -146,6 +166,13 @@ def _rot_view(c: C.RotatingKVCache, n: int, total: int) -> C.RotatingKVCache | N
     return None
 
 
+def _rot_cut(c: C.RotatingKVCache, n: int) -> C.RotatingKVCache | None:
+    if n == c.offset:
+        return copy.copy(c)
+    # in temporal order and never wrapped (mlx-lm's is_trimmable), else the earlier tokens are gone
+    return _trim_copy(c, n) if 0 <= n < c.offset and _trimmable(c) else None
+
+
 def _rot_encode(c: C.RotatingKVCache) -> tuple[Arrays, Meta]:
     meta = {"offset": c.offset, "keep": c.keep, "max_size": c.max_size, "idx": c._idx}
     if c.keys is None:
@@ -176,6 +203,10 @@ def _arr_view(c: C.ArraysCache, n: int, total: int) -> C.ArraysCache | None:
     return out
 
 
+def _arr_cut(c: C.ArraysCache, n: int) -> None:
+    return None  # recurrent state: its length is not known and it has no earlier states
+
+
 def _arr_encode(c: C.ArraysCache) -> tuple[Arrays, Meta]:
     if c.left_padding is not None or c.lengths is not None:
         raise UnsupportedCache("batched ArraysCache (left_padding / lengths) is not cached")
@@ -200,6 +231,13 @@ def _ch_view(c: C.ChunkedKVCache, n: int, total: int) -> C.ChunkedKVCache | None
     out.keys, out.values = _sl(c.keys, 0, n - s), _sl(c.values, 0, n - s)
     out.offset, out.start_position = n, s
     return out
+
+
+def _ch_cut(c: C.ChunkedKVCache, n: int) -> C.ChunkedKVCache | None:
+    if n == c.offset:
+        return copy.copy(c)
+    # tokens before start_position were dropped by the chunking
+    return _trim_copy(c, n) if c.start_position <= n < c.offset else None
 
 
 def _ch_encode(c: C.ChunkedKVCache) -> tuple[Arrays, Meta]:
@@ -230,6 +268,11 @@ def _cat_view(c: Any, n: int, total: int) -> Any:
     return out
 
 
+def _cat_cut(c: C.ConcatenateKVCache, n: int) -> C.ConcatenateKVCache | None:
+    # never trim(): it lowers the offset and the next concatenate appends after the stale tail
+    return c if n == c.offset else _cat_view(c, n, c.offset)
+
+
 def _cat_decode(a: Arrays, m: Meta) -> Any:
     c = C.ConcatenateKVCache()
     off = int(m["offset"])
@@ -241,22 +284,24 @@ def _cat_decode(a: Arrays, m: Meta) -> Any:
 
 
 CODECS: dict[str, Codec] = {
-    "KVCache": Codec(C.KVCache, lambda c: int(c.offset), _kv_view, _kv_encode, _kv_decode),
+    "KVCache": Codec(C.KVCache, lambda c: int(c.offset), _kv_view, _kv_encode, _kv_decode, _kv_cut),
     "QuantizedKVCache": Codec(
-        C.QuantizedKVCache, lambda c: int(c.offset), _q_view, _q_encode, _q_decode
+        C.QuantizedKVCache, lambda c: int(c.offset), _q_view, _q_encode, _q_decode, _kv_cut
     ),
     "RotatingKVCache": Codec(
-        C.RotatingKVCache, _rot_length, _rot_view, _rot_encode, _rot_decode, positional=False
+        C.RotatingKVCache, _rot_length, _rot_view, _rot_encode, _rot_decode, _rot_cut,
+        positional=False,
     ),
     "ArraysCache": Codec(
-        C.ArraysCache, lambda c: None, _arr_view, _arr_encode, _arr_decode, positional=False
+        C.ArraysCache, lambda c: None, _arr_view, _arr_encode, _arr_decode, _arr_cut,
+        positional=False,
     ),
-    # its trim() only lowers offset (the arrays keep the tail): cut back through view, never trim
     "ConcatenateKVCache": Codec(
-        C.ConcatenateKVCache, lambda c: int(c.offset), _cat_view, _kv_encode, _cat_decode
+        C.ConcatenateKVCache, lambda c: int(c.offset), _cat_view, _kv_encode, _cat_decode, _cat_cut
     ),
     "ChunkedKVCache": Codec(
-        C.ChunkedKVCache, lambda c: int(c.offset), _ch_view, _ch_encode, _ch_decode, False
+        C.ChunkedKVCache, lambda c: int(c.offset), _ch_view, _ch_encode, _ch_decode, _ch_cut,
+        positional=False,
     ),
 }
 
@@ -320,6 +365,38 @@ def view(caches: Sequence[Any], n: int, total: int) -> list[Any] | None:
             return None
         out.append(v)
     return out
+
+
+def cut(caches: Sequence[Any], n: int, have: int | None = None) -> list[Any] | None:
+    """Owned caches cut back to their first ``n`` tokens (each leaf through its codec's ``cut``),
+    or None — and the arguments untouched — when some leaf cannot be cut to ``n``.
+
+    The arguments must not be used afterwards (the result shares their buffers). Leaves already
+    at ``n`` are kept as they are. A leaf that does not know its length (recurrent state) is at
+    ``have`` when given, else at ``n`` when every leaf that knows its length is.
+    """
+    known = [x for c in leaves(caches) if (x := codec_for(c).length(c)) is not None]
+    if have is None:
+        have = n if all(x == n for x in known) else -1
+
+    def build(items: Sequence[Any]) -> list[Any] | None:
+        out: list[Any] = []
+        for c in items:
+            if type(c) is C.CacheList:
+                sub = build(c.caches)
+                if sub is None:
+                    return None
+                out.append(C.CacheList(*sub))
+                continue
+            codec = codec_for(c)
+            length = codec.length(c)
+            v = c if (have if length is None else length) == n else codec.cut(c, n)
+            if v is None:
+                return None
+            out.append(v)
+        return out
+
+    return build(caches)
 
 
 def encode(caches: Sequence[Any]) -> tuple[Arrays, dict[str, str]]:
@@ -398,57 +475,6 @@ def layout(caches: Sequence[Any]) -> str:
 def needs_checkpoints(caches: Sequence[Any]) -> bool:
     """True when some layer's state cannot be cut back to an earlier length."""
     return any(not codec_for(c).positional for c in leaves(caches))
-
-
-def snapshot(caches: Sequence[Any]) -> list[Any]:
-    """The non-positional leaves' current state (shared arrays, no copy); None for the others.
-
-    Positional layers are restored from the entry itself by slicing, so a checkpoint costs only
-    the recurrent / sliding-window state.
-    """
-    out: list[Any] = []
-    for c in leaves(caches):
-        codec = codec_for(c)
-        if codec.positional:
-            out.append(None)
-            continue
-        n = codec.length(c) or 0
-        v = codec.view(c, n, n)
-        assert v is not None, "a layer can always be viewed at its own length"
-        out.append(v)
-    return out
-
-
-def restore(
-    caches: Sequence[Any], n: int, total: int, checkpoint: Sequence[Any] | None
-) -> list[Any] | None:
-    """Caches for the first ``n`` tokens: positional leaves viewed from ``caches``, the others
-    from ``checkpoint`` (taken at exactly ``n``). None when some layer cannot serve ``n``."""
-    if checkpoint is None:
-        return view(caches, n, total)
-    leaves = iter(checkpoint)
-
-    def build(items: Sequence[Any]) -> list[Any] | None:
-        out: list[Any] = []
-        for c in items:
-            if type(c) is C.CacheList:
-                sub = build(c.caches)
-                if sub is None:
-                    return None
-                out.append(C.CacheList(*sub))
-                continue
-            snap = next(leaves)
-            if snap is None:
-                v = codec_for(c).view(c, n, total)
-            else:
-                length = codec_for(snap).length(snap)
-                v = codec_for(snap).view(snap, length or 0, length or 0)
-            if v is None:
-                return None
-            out.append(v)
-        return out
-
-    return build(caches)
 
 
 def quantize(caches: Sequence[Any], bits: int, group_size: int) -> list[Any]:

@@ -1,8 +1,9 @@
-"""Eviction policy as pure functions over metadata (no MLX, no I/O).
+"""Eviction policy as pure functions over metadata (values in, values out: no arrays, no I/O).
 
 Rules (one place each):
 * :func:`is_continuation` — when a hit makes the request a continuation of the stored entry.
 * :func:`servable_tokens` — a full hit still recomputes the last prompt token (its logits are needed).
+* :func:`servable` — what a stored entry can serve (the checkpoint rules are :mod:`checkpoints`').
 * :func:`lru_victims` — least recently used first until the byte budget and the memory threshold hold.
 """
 
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tiered_kv import checkpoints
+from tiered_kv.checkpoints import within as checkpoints_within  # noqa: F401  (its old home)
 
 
 def servable_tokens(common_prefix: int, prompt_len: int) -> int:
@@ -21,14 +25,14 @@ def servable_tokens(common_prefix: int, prompt_len: int) -> int:
 
 
 def servable(
-    common_prefix: int, prompt_len: int, entry_len: int, trimmable: bool, checkpoints=()
+    common_prefix: int, prompt_len: int, entry_len: int, trimmable: bool, positions=()
 ) -> int:
     """Tokens a stored entry can serve: trimmable entries any prefix, others their full length
     or the nearest checkpoint at or before the common prefix (0: it cannot serve this prompt)."""
     n = servable_tokens(common_prefix, prompt_len)
     if trimmable or n == entry_len:
         return n
-    return max((p for p in checkpoints if p <= n), default=0)
+    return checkpoints.nearest(positions, n)
 
 
 def is_continuation(hit_tokens: int, prompt_len: int, min_tokens: int, entry_len: int) -> bool:
@@ -78,14 +82,3 @@ def lru_victims(
         freed += it.nbytes
     return victims
 
-
-def checkpoints_within(sizes: dict[int, int], budget: int) -> list[int]:
-    """Checkpoint positions to keep under ``budget`` bytes: the latest first (a later checkpoint
-    serves more of a prompt that diverges late, the common case for agent turns)."""
-    kept, total = [], 0
-    for pos in sorted(sizes, reverse=True):
-        if total + sizes[pos] > budget:
-            break
-        kept.append(pos)
-        total += sizes[pos]
-    return sorted(kept)

@@ -19,11 +19,10 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import trim_prompt_cache
 
-from tiered_kv import layers, policy
+from tiered_kv import checkpoints, layers, policy
 from tiered_kv.config import Config
-from tiered_kv.hot import Entry, HotTier, cache_bytes, checkpoint_bytes
+from tiered_kv.hot import Entry, HotTier, cache_bytes
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.prefix import TokenArray, as_tokens, common_prefix
 from tiered_kv.steps import Steps, drain
@@ -258,25 +257,25 @@ class TieredCache:
     def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
         entry, total = cand.entry, len(cand.entry.tokens)
         n = policy.servable(cand.common, len(prompt), total, entry.trimmable, entry.checkpoints)
-        stored = entry.id in self.hot.entries
+        stored = self.hot.holds(entry)
         taken: Entry | None = None
         caches: list[Any] | None = None
         if n == 0:
             return None
-        inherited = {p: snap for p, snap in entry.checkpoints.items() if p <= n}
         direct = entry.trimmable or n == total  # no checkpoint needed to serve n
         if direct and (
             policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens, total)
             or not self.config.hot_enabled
         ):
             # Hand the entry over: the caller writes into its buffers; the result replaces it.
-            if _trim_owned(entry.caches, total, n):
+            caches = layers.cut(entry.caches, n, total)
+            if caches is not None:
                 if stored:
                     self.hot.take(entry)
-                taken, caches = entry, entry.caches
+                taken = entry
         if caches is None:
             ckpt = None if direct else entry.checkpoints[n]
-            caches = layers.restore(entry.caches, n, total, ckpt)
+            caches = checkpoints.restore(entry.caches, n, total, ckpt)
             if caches is None:
                 return None  # e.g. recurrent state that only exists at the entry's full length
             if stored:
@@ -284,8 +283,7 @@ class TieredCache:
             elif self.config.hot_enabled:
                 self.hot.insert(entry)  # a reloaded cold entry stays in memory for the next turn
         hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes, cand.restore)
-        if self.needs_checkpoints and n not in inherited:
-            inherited[n] = layers.snapshot(caches)  # the state we start from is a checkpoint too
+        inherited = checkpoints.inherit(entry.checkpoints, n, caches, self.needs_checkpoints)
         return Lease(caches, prompt[n:].tolist(), hit, taken, inherited, self.needs_checkpoints)
 
     # -- store -----------------------------------------------------------------------------
@@ -305,21 +303,22 @@ class TieredCache:
                 log.warning("not caching: %s", e)
                 self._unsupported_logged = True
             return
-        if not _make_consistent(lease.caches, len(ids)):
+        caches = layers.cut(lease.caches, len(ids))  # after a failure mid-forward some hold more
+        if caches is None:
             log.warning("dropping a cache whose layers disagree on its length")
             return
+        old = layers.leaves(lease.caches)
+        if any(a is not b for a, b in zip(layers.leaves(caches), old, strict=True)):
+            mx.eval(list(layers.encode(caches)[0].values()))
+        lease.caches = caches  # the cut consumed the old objects
         self.counters["stores"] += 1
-        caches = lease.caches
         if self.config.kv_bits:
             caches = layers.quantize(caches, self.config.kv_bits, self.config.kv_group_size)
-        ckpts = {p: snap for p, snap in lease.checkpoints.items() if 0 < p <= len(ids)}
-        entry = new_entry(ids, caches, ckpts)
+        entry = new_entry(ids, caches, checkpoints.upto(lease.checkpoints, len(ids)))
         if not self.config.hot_enabled:
             self._persist(entry)
             return
-        for other in list(self.hot.entries.values()):
-            if _supersedes(entry, other):
-                self.hot.discard(other)
+        self.hot.discard_where(lambda other: _supersedes(entry, other))
         if self.config.write_through and self.cold is not None:
             self._persist(entry)
         self.hot.insert(entry)
@@ -335,11 +334,11 @@ class TieredCache:
             caches = layers.view(lease.caches, len(ids), len(ids))
         except layers.UnsupportedCache:
             return
-        if caches is None or not _make_consistent(caches, len(ids)):
+        if caches is None:
             return
         if self.config.kv_bits:
             caches = layers.quantize(caches, self.config.kv_bits, self.config.kv_group_size)
-        ckpts = {p: snap for p, snap in lease.checkpoints.items() if 0 < p <= len(ids)}
+        ckpts = checkpoints.upto(lease.checkpoints, len(ids))
         # persisted=True: never spilled (the final store is); the entries it would supersede stay
         # until that store, so a crash in between loses nothing that was there before
         self.hot.insert(new_entry(ids, caches, ckpts, persisted=True))
@@ -359,11 +358,8 @@ class TieredCache:
             entry.persisted = True
 
     def _disk_checkpoints(self, entry: Entry) -> dict[int, list[Any]]:
-        """The checkpoints written with an entry: at most TIERED_KV_CHECKPOINT_SHARE of its
-        bytes, so on disk as in memory they keep to their share of the budget."""
-        sizes = {p: checkpoint_bytes(snap) for p, snap in entry.checkpoints.items()}
-        budget = int(self.config.checkpoint_share * entry.nbytes)
-        return {p: entry.checkpoints[p] for p in policy.checkpoints_within(sizes, budget)}
+        """The checkpoints written with an entry (see checkpoints.for_disk)."""
+        return checkpoints.for_disk(entry.checkpoints, self.config.checkpoint_share, entry.nbytes)
 
     # -- lifecycle -------------------------------------------------------------------------
     def prefetch(self) -> int:
@@ -417,51 +413,15 @@ class TieredCache:
             self.restorer.close()
 
 
-def _known_lengths(caches: list[Any]) -> list[int]:
-    out = []
-    for c in layers.leaves(caches):
-        n = layers.codec_for(c).length(c)
-        if n is not None:
-            out.append(n)
-    return out
-
-
-def _trim_owned(caches: list[Any], have: int, n: int) -> bool:
-    """Cut owned caches from ``have`` back to ``n`` tokens in place; False if impossible."""
-    if have == n:
-        return True
-    if not layers.can_trim(caches):
-        return False
-    trim_prompt_cache(caches, have - n)
-    for i, c in enumerate(caches):  # its trim() keeps the tail in the arrays: slice instead
-        if type(c).__name__ == "ConcatenateKVCache":
-            caches[i] = _cut(c, n, have)
-    return True
-
-
-def _make_consistent(caches: list[Any], n: int) -> bool:
-    lengths = _known_lengths(caches)
-    if all(x == n for x in lengths):
-        return True
-    if any(x < n for x in lengths) or not layers.can_trim(caches):
-        return False
-    for c in layers.leaves(caches):
-        have = layers.codec_for(c).length(c)
-        assert have is not None, "can_trim() holds only for layers that know their length"
-        c.trim(have - n)
-    mx.eval([a for a in layers.encode(caches)[0].values()])
-    return True
-
-
 def new_entry(
     ids: Sequence[int] | np.ndarray,
     caches: list[Any],
-    checkpoints: dict[int, list[Any]] | None = None,
+    ckpts: dict[int, list[Any]] | None = None,
     persisted: bool = False,
 ) -> Entry:
     """An Entry with its derived facts (byte size, trimmability) computed once."""
-    ckpts = checkpoints or {}
-    ck_bytes = sum(checkpoint_bytes(s) for s in ckpts.values())
+    ckpts = ckpts or {}
+    ck_bytes = checkpoints.total_bytes(ckpts)
     return Entry(
         as_tokens(ids),
         caches,
@@ -475,19 +435,10 @@ def new_entry(
 
 def _supersedes(new: Entry, other: Entry) -> bool:
     """A stored entry whose ids are a prefix of the new entry's is redundant when the new entry
-    serves every request it served: by a view at the shorter length (trimmable), or from a
-    checkpoint at exactly that length."""
+    serves every request it served (checkpoints.serves_all)."""
     n = len(other.tokens)
     if n > len(new.tokens) or common_prefix(other.tokens, new.tokens) != n:
         return False
-    return (
-        new.trimmable
-        or n == len(new.tokens)
-        or (n in new.checkpoints and set(other.checkpoints) <= set(new.checkpoints))
+    return checkpoints.serves_all(
+        len(new.tokens), new.checkpoints, new.trimmable, n, other.checkpoints
     )
-
-
-def _cut(c: Any, n: int, have: int) -> Any:
-    cut = layers.view([c], n, have)
-    assert cut is not None, "a trimmable layer can always be viewed at a shorter length"
-    return cut[0]

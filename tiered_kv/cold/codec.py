@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tiered_kv import layers
+from tiered_kv import checkpoints, layers
 from tiered_kv.cold import store
 from tiered_kv.steps import Steps, drain
 
-CKPT = "ckpt."
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MX = {"BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
@@ -47,19 +45,16 @@ class Prepared:
 
 
 def prepare(
-    tokens: np.ndarray, caches: list, checkpoints: dict[int, list] | None, fingerprint: str
+    tokens: np.ndarray, caches: list, ckpts: dict[int, list] | None, fingerprint: str
 ) -> Prepared:
     """Encode and evaluate (request thread). Raises layers.UnsupportedCache."""
     arrays, meta = layers.encode(caches)
-    ckpts = checkpoints or {}
-    tree = {}
-    for pos, snap in ckpts.items():
-        a, m = layers.encode(snap)
-        arrays.update({f"{CKPT}{pos}.{k}": x for k, x in a.items()})
-        tree[str(pos)] = m["layers"]
-    if tree:
-        meta["checkpoints"] = json.dumps(tree, separators=(",", ":"))
-    serves = None if layers.can_trim(caches) else frozenset(ckpts) | {len(tokens)}
+    ckpts = ckpts or {}
+    ck_arrays, tree = checkpoints.encode(ckpts)
+    arrays.update(ck_arrays)
+    if tree is not None:
+        meta["checkpoints"] = tree
+    serves = checkpoints.exact_lengths(len(tokens), ckpts, layers.can_trim(caches))
     # same-width unsigned views: numpy has no bfloat16; a view shares the buffer (no copy)
     raw = {k: x.view(_UINT[x.itemsize]) if x.dtype == mx.bfloat16 else x for k, x in arrays.items()}
     mx.eval(list(raw.values()))
@@ -188,19 +183,11 @@ def arrays_of(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
 def decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list, dict[int, list]]:
     """The entry's caches and its checkpoints (arrays named ``ckpt.<pos>.<path>``).
     Raises layers.CorruptState / layers.UnsupportedCache."""
-    main = {k: v for k, v in arrays.items() if not k.startswith(CKPT) and k != "tokens"}
+    main = {
+        k: v for k, v in arrays.items() if not checkpoints.is_checkpoint_array(k) and k != "tokens"
+    }
     caches = layers.decode(main, metadata)
-    try:
-        tree = json.loads(metadata.get("checkpoints", "{}"))
-        positions = {int(p): t for p, t in tree.items()}
-    except (ValueError, AttributeError) as e:
-        raise layers.CorruptState(f"bad checkpoint metadata: {e}") from None
-    checkpoints: dict[int, list] = {}
-    for pos, layer_tree in positions.items():
-        prefix = f"{CKPT}{pos}."
-        sub = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
-        checkpoints[pos] = layers.decode(sub, {"layers": layer_tree})
-    return caches, checkpoints
+    return caches, checkpoints.decode(arrays, metadata.get("checkpoints"))
 
 
 def tokens_of(arrays: dict[str, Any]) -> np.ndarray:

@@ -1,10 +1,17 @@
-"""Removal of cold entries: the one delete path, and the disk budget that feeds it.
+"""Removal of cold entries while the tier serves, and the disk budget that feeds it.
 
-:meth:`Remover.remove` is the only code that takes entries out of the tier, whatever the reason
-— ``evicted`` (budget), ``superseded`` (a continuation replaced it), ``vanished`` (its file is
+:meth:`Remover.remove` (and :meth:`Remover.files_gone`, the file half of a removal committed
+inside another transaction) is how a serving tier takes entries out, whatever the reason —
+``evicted`` (budget), ``superseded`` (a continuation replaced it), ``vanished`` (its file is
 gone), ``quarantined`` (corrupt or foreign): the index change commits first, then the file is
 deleted (or moved to quarantine), so a crash in between leaves an orphan file (adopted or
 removed at the next open), never a record without its file.
+
+It is not the only code that deletes. The others, each keeping "index first, then files":
+:meth:`Remover.make_room` also removes whole paths the index does not hold (other fingerprints'
+directories, quarantine, strays: ``usage.remove_path``); the write path deletes a file it
+published when the index commit fails (``writes``); ``verify`` repairs at open (``reconcile``:
+records whose file is gone, stale temp files, corrupt orphans) and on ``verify --fix``.
 
 :meth:`Remover.make_room` runs the pure LRU policy (:mod:`budget`) over the usage scan and
 removes its victims. The index itself counts inside the budget: every entry reserves room for

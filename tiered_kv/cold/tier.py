@@ -5,7 +5,7 @@
 * :mod:`store`  — the entry file format and its checksums (bytes only);
 * :mod:`backend`— where entry bytes live (put / get / contains / delete by key);
 * :mod:`writes` — the write path (writer thread);
-* :mod:`evict`  — the one delete path and the disk budget;
+* :mod:`evict`  — removing entries while serving (index first, then file) and the disk budget;
 * :mod:`verify` — reconcile at open, full verify, quarantine;
 * :mod:`faults` — counters and rate-limited logging;
 * :mod:`writer` / :mod:`reader` — the write-behind thread and the deadline-bound reader thread.

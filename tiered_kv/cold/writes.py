@@ -1,6 +1,6 @@
 """The write path of the cold tier (writer thread only): budget, bytes, publish, index commit.
 
-One entry is written as: make room (evicting LRU entries through the one delete path) → encode
+One entry is written as: make room (evicting LRU entries through ``evict.Remover``) → encode
 (chunk checksums over the evaluated arrays' own buffers, on the hashing pool) → ``backend.put``
 (large sequential writes, one fsync, atomic rename, directory fsync) → one index transaction
 that adds the record and removes the older entries it continues → delete those files. A failure

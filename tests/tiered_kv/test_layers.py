@@ -1,0 +1,171 @@
+"""layers.py: each cache-class codec's ``cut`` with real mlx-lm cache classes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from tests.tiered_kv.conftest import cold_logits, feed, make_llama, tokens
+from tiered_kv import layers
+from tiered_kv.config import Config
+from tiered_kv.tiered import TieredCache
+
+
+class _Fails:
+    """A decoder layer that raises: a failure in the middle of a forward pass (a fault)."""
+
+    use_sliding = False
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("injected failure mid-forward")
+
+
+def test_store_after_a_failed_forward_cuts_a_concatenate_cache_to_its_offset():
+    """ConcatenateKVCache must never be trimmed (its trim() keeps the tail in the arrays): after a
+    failure mid-forward the stored arrays are exactly as long as the offset, and a continuation
+    that takes the entry over equals a cold prefill."""
+    model = make_llama(seed=5)
+    tc = TieredCache(
+        Config(tiers=("hot",), min_continuation_tokens=8),
+        lambda: [ConcatenateKVCache() for _ in model.layers],
+    )
+    p = tokens(41, 30)
+    lease = tc.fetch(p)
+    feed(model, lease.caches, p[:20])
+    inner = model.model.layers
+    saved, inner[1] = inner[1], _Fails()
+    try:
+        with pytest.raises(RuntimeError):
+            model(mx.array([p[20:]]), cache=lease.caches)  # layer 0 took 10 more tokens
+    finally:
+        inner[1] = saved
+    assert [c.offset for c in lease.caches] == [30, 20]
+    tc.store(lease, p[:20])
+    (entry,) = tc.hot.entries.values()
+    assert [(c.offset, c.keys.shape[2], c.values.shape[2]) for c in entry.caches] == [(20, 20, 20)] * 2
+    lease = tc.fetch(p[:20] + [3, 4])
+    assert lease.hit.tokens == 20 and lease.taken is not None  # a continuation: taken over
+    got = feed(model, lease.caches, lease.remaining)
+    np.testing.assert_allclose(got, cold_logits(model, p[:20] + [3, 4]), rtol=1e-4, atol=1e-4)
+
+
+# -- cut, per codec ---------------------------------------------------------------------------
+def kv(seed: int, n: int, dim: int = 16) -> tuple[mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    k, v = (mx.array(rng.standard_normal((1, 2, n, dim)).astype(np.float32)) for _ in "kv")
+    return k, v
+
+
+def filled(make, n: int, seed: int = 0, dim: int = 16):
+    c = make()
+    c.update_and_fetch(*kv(seed, n, dim))
+    mx.eval(c.state)
+    return c
+
+
+def same_state(a, b) -> bool:
+    """Equal valid state: what the cold tier would write (encode slices to the valid tokens)."""
+    ea, ma = layers.encode([a])
+    eb, mb = layers.encode([b])
+    return ma == mb and ea.keys() == eb.keys() and all(mx.array_equal(ea[k], eb[k]) for k in ea)
+
+
+POSITIONAL = {
+    "KVCache": (KVCache, 16),
+    "QuantizedKVCache": (lambda: QuantizedKVCache(group_size=64, bits=8), 64),
+    "ConcatenateKVCache": (ConcatenateKVCache, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(POSITIONAL))
+def test_cut_of_a_positional_cache_continues_like_a_fresh_one(name):
+    """Cut back to n, then written on: the same state as a cache that only ever saw those tokens."""
+    make, dim = POSITIONAL[name]
+    k, v = kv(1, 30, dim)
+    c = make()
+    c.update_and_fetch(k, v)
+    cut = layers.codec_for(c).cut(c, 12)
+    assert cut is not None and layers.codec_for(cut).length(cut) == 12
+    ref = make()
+    ref.update_and_fetch(k[..., :12, :], v[..., :12, :])
+    assert same_state(cut, ref)
+    more = kv(2, 5, dim)
+    cut.update_and_fetch(*more)
+    ref.update_and_fetch(*more)
+    assert cut.offset == 17 and same_state(cut, ref)
+
+
+@pytest.mark.parametrize("name", list(POSITIONAL))
+def test_cut_past_the_end_is_none(name):
+    make, dim = POSITIONAL[name]
+    c = filled(make, 10, dim=dim)
+    assert layers.codec_for(c).cut(c, 11) is None and c.offset == 10
+
+
+def test_cut_of_a_concatenate_cache_never_keeps_the_tail():
+    c = filled(ConcatenateKVCache, 30)
+    cut = layers.codec_for(c).cut(c, 20)
+    assert cut.keys.shape[2] == cut.values.shape[2] == cut.offset == 20
+
+
+def test_cut_of_a_rotating_window_only_before_it_wraps():
+    k, v = kv(3, 12)
+    c = RotatingKVCache(max_size=16)
+    c.update_and_fetch(k, v)
+    cut = layers.codec_for(c).cut(c, 7)
+    ref = RotatingKVCache(max_size=16)
+    ref.update_and_fetch(k[..., :7, :], v[..., :7, :])
+    assert cut is not None and same_state(cut, ref)
+    wrapped = filled(lambda: RotatingKVCache(max_size=16), 40)
+    codec = layers.codec_for(wrapped)
+    assert codec.cut(wrapped, 30) is None  # the window at 30 was overwritten
+    assert same_state(codec.cut(wrapped, 40), wrapped)  # its own length: as it is
+
+
+def test_cut_of_recurrent_state_is_none():
+    c = ArraysCache(2)
+    c[0], c[1] = mx.zeros((1, 3, 8)), mx.ones((1, 4, 4))
+    assert layers.codec_for(c).cut(c, 5) is None  # served from a checkpoint instead
+
+
+def test_cut_of_a_chunked_cache_not_before_its_first_kept_token():
+    k, v = kv(4, 20)
+    c = ChunkedKVCache(chunk_size=8)
+    c.update_and_fetch(k, v)
+    c.maybe_trim_front()  # keeps the last 8: tokens 12..19
+    assert c.start_position == 12
+    codec = layers.codec_for(c)
+    assert codec.cut(c, 11) is None
+    cut = codec.cut(c, 15)
+    assert cut is not None and cut.offset == 15
+    assert mx.array_equal(cut.keys_and_values()[0], k[..., 12:15, :])
+
+
+def test_cut_of_a_cache_list_cuts_each_member():
+    caches = [CacheList(filled(KVCache, 20), filled(ConcatenateKVCache, 20, seed=1))]
+    cut = layers.cut(caches, 9)
+    assert cut is not None and type(cut[0]) is CacheList
+    assert [c.offset for c in cut[0].caches] == [9, 9]
+    assert cut[0].caches[1].keys.shape[2] == 9
+
+
+def test_cut_of_a_model_cache_is_all_or_nothing():
+    """A layer that cannot be cut leaves every layer as it was (no half-cut cache)."""
+    rec = ArraysCache(1)
+    rec[0] = mx.zeros((1, 4))
+    caches = [filled(KVCache, 20), rec]
+    assert layers.cut(caches, 10) is None
+    assert caches[0].offset == 20
+    assert layers.cut(caches, 20) is not None  # already there: nothing to cut
+    assert layers.cut(caches, 20, have=20) is not None
+    assert layers.cut([filled(KVCache, 20), rec], 10, have=20) is None  # the recurrent state is at 20
