@@ -17,7 +17,7 @@ import pytest
 
 from engine import loading
 from engine.generate import Engine
-from tests.engine.test_server_restart import clean_env, free_port, start, stop
+from tests.serving import clean_env, free_port, start, stop
 from tiered_kv.config import Config
 
 REPO = "tiered-kv-test/tiny-test"

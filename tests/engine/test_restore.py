@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine.generate import Engine, SamplingParams
-from tests.engine.test_server import serve
+from tests.serving import serve
 from tiered_kv.config import Config
 
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex jolly boxers".split()

@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from tests.fixtures import make_llama
 from tiered_kv import keys
 from tiered_kv.cold import store
 from tiered_kv.cold.tier import ColdTier
@@ -28,14 +29,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def model() -> llama.Model:
-    mx.random.seed(7)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-    )  # fmt: skip
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return make_llama(seed=7)
 
 
 def prompts(seed: int, n: int, length: int = 40) -> list[list[int]]:

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from reliability.server import SOAK, clean_env
+from tests.reliability.server import SOAK
+from tests.serving import clean_env
 from tiered_kv.config import env_table
 
 ANY_STRING = {"TIERED_KV_CACHE_SALT", "TIERED_KV_API_KEY"}  # every string is a valid value

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reliability.server import Server, clean_env, soak
+from tests.reliability.server import Server, soak
+from tests.serving import clean_env
 
 SETTINGS = settings(
     max_examples=soak(60, 600),

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as C
 
-from reliability.server import soak
+from tests.reliability.server import soak
 from tiered_kv import keys
 from tiered_kv.cold import store, verify
 from tiered_kv.cold.tier import ColdTier

@@ -1,4 +1,5 @@
-"""tiered_kv/shared/publisher.py: write-behind bounded in bytes, never blocking the submitter."""
+"""tiered_kv/shared/publisher.py: write-behind bounded in bytes, never blocking the submitter; map_file
+maps a local entry read-only for publishing (gone or a symlink → None)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import numpy as np
 
-from tiered_kv.shared.publisher import Publisher
+from tiered_kv.shared.publisher import Publisher, map_file
 
 
 def test_queue_drops_oldest_past_the_bound_and_publishes_the_rest():
@@ -66,3 +67,14 @@ def test_close_drops_what_is_left_after_its_timeout():
     assert not p.close(0.2)
     gate.set()
     assert 8 in dropped
+
+
+def test_maps_the_file_and_misses_when_gone_or_a_link(tmp_path):
+    f = tmp_path / "e.safetensors"
+    f.write_bytes(b"abc" * 1000)
+    view = map_file(f)
+    assert view is not None and bytes(view[:6]) == b"abcabc" and len(view) == 3000
+    assert map_file(tmp_path / "gone") is None
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(f)
+    assert map_file(link) is None

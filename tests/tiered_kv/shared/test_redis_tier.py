@@ -200,7 +200,7 @@ def test_redis_killed_mid_fetch_is_a_miss(redis_server, monkeypatch):
 
 
 def test_password_in_url(tmp_path):
-    from redis_server import RedisServer
+    from tests.redis_server import RedisServer
 
     srv = RedisServer(tmp_path / "r", password="s3cret").start()
     try:
