@@ -17,8 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from benchmarks.hit_vs_prefill import bench_model
 from engine.prefill import prefill
-from tiered_kv.config import Config
-from tiered_kv.tiered import TieredCache
+from tiered_kv import Config, TieredCache
 
 
 def greedy(model, tc: TieredCache | None, ids: list[int], n: int) -> tuple[np.ndarray, list[int]]:

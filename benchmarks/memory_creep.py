@@ -40,7 +40,7 @@ import uvicorn
 
 from engine.generate import Engine
 from engine.server import create_app
-from tiered_kv.config import Config, parse_size
+from tiered_kv import Config, parse_size
 
 MB = 1e6
 WORDS = "the of and to in file error def return class import value path line test".split()

@@ -34,7 +34,7 @@ from engine import chat
 from engine.generate import Engine
 from engine.models import templates, tiny
 from engine.output import ChatOutput, OutputFormat, new_call_id
-from tiered_kv.config import Config, from_env
+from tiered_kv import Config
 from tiered_kv.prefix import as_tokens, common_prefix
 
 SYSTEM = (
@@ -194,7 +194,7 @@ def run_family(family: str, tiny_dir: Path, tdir: Path, work: Path, send_reasoni
 
 def main(argv: list[str]) -> None:
     families = argv or list(templates.FAMILIES)
-    tdir = templates.fetch(templates.default_dir(from_env().models_dir))
+    tdir = templates.fetch(templates.default_dir(Config.from_env().models_dir))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tiny_dir = tiny.build(work / "tiny", size="test", seed=0)

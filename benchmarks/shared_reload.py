@@ -37,8 +37,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as C
 
+from tiered_kv import Config
 from tiered_kv.cold.tier import ColdTier
-from tiered_kv.config import Config
 from tiered_kv.shared.link import SharedLink
 
 FP = "bench-shared"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.generate import Engine, SamplingParams
-from tiered_kv.config import Config
+from tiered_kv import Config
 
 WORDS = "the of and to in file error def return class import value path line test".split()
 

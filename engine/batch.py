@@ -31,7 +31,7 @@ from mlx_lm.models import cache as C
 
 from engine import sampler as sampling
 from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams, Usage
-from tiered_kv.tiered import Lease
+from tiered_kv import Lease
 
 log = logging.getLogger(__name__)
 NO_LIMIT = 1 << 62  # GenerationBatch's own max_tokens: ours (TextStream) ends requests

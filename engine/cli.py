@@ -1,7 +1,7 @@
 """`tiered-kv` command line: one sub-command family per module (cli_model, cli_cache, cli_serve, cli_bench).
 
 Each family module exposes ``register(subparsers) -> None`` and sets ``func(args) -> int`` on its parsers.
-Configuration enters here: ``tiered_kv.config.from_env()`` is called once and passed down as ``args.config``.
+Configuration enters here: ``tiered_kv.Config.from_env()`` is called once and passed down as ``args.config``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-from tiered_kv.config import ConfigError, from_env
+from tiered_kv import Config, ConfigError
 
 FAMILIES = (
     "engine.cli_model", "engine.cli_cache", "engine.cli_serve", "engine.cli_bench", "engine.smoke",
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        args.config = from_env()
+        args.config = Config.from_env()
     except ConfigError as e:
         print(f"tiered-kv: {e}", file=sys.stderr)
         return 2

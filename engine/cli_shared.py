@@ -1,7 +1,8 @@
 """The shared tier's part of `tiered-kv cache stats|ls|verify` (when ``TIERED_KV_SHARED`` is set).
 
-Kept apart from ``engine/cli_cache.py`` (the local disk tier): each prints its own section.
-A Redis that does not answer is reported (exit status 2 for verify), never a traceback.
+Kept apart from ``engine/cli_cache.py`` (the local disk tier): each prints its own section of
+what ``tiered_kv.CacheAdmin.shared`` reads. A Redis that does not answer is reported (exit status
+2 for verify), never a traceback; redis is imported only when the shared tier is set.
 """
 
 from __future__ import annotations
@@ -9,26 +10,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import redis
-
-from tiered_kv.config import Config
-from tiered_kv.shared import survey
-from tiered_kv.shared.redis_tier import connect, redact
-
-_TIMEOUT = 10.0  # the CLI may wait longer than a request would
+from tiered_kv import SharedAdmin, SharedUnreachable
 
 
-def _client(config: Config) -> redis.Redis:
-    return connect(config.shared_url, _TIMEOUT)
-
-
-def stats(config: Config) -> int:
-    print(f"shared tier: {redact(config.shared_url)}")
+def stats(shared: SharedAdmin) -> int:
+    print(f"shared tier: {shared.where}")
     try:
-        client = _client(config)
-        found = survey.entries(client)
-        srv = survey.server(client)
-    except (redis.RedisError, OSError) as e:
+        found, srv = shared.stats()
+    except SharedUnreachable as e:
         print(f"  unreachable: {e}")
         return 2
     count, size = Counter[str](), Counter[str]()
@@ -43,11 +32,11 @@ def stats(config: Config) -> int:
     return 0
 
 
-def ls(config: Config) -> int:
-    print(f"shared tier: {redact(config.shared_url)}")
+def ls(shared: SharedAdmin) -> int:
+    print(f"shared tier: {shared.where}")
     try:
-        found = survey.entries(_client(config))
-    except (redis.RedisError, OSError) as e:
+        found = shared.entries()
+    except SharedUnreachable as e:
         print(f"  unreachable: {e}")
         return 2
     fp = None
@@ -61,14 +50,12 @@ def ls(config: Config) -> int:
     return 0
 
 
-def verify(config: Config, fix: bool) -> int:
+def verify(shared: SharedAdmin, fix: bool) -> int:
     """0: all clean (or fixed); 1: problems found; 2: Redis did not answer."""
-    from tiered_kv.shared import entry
-
-    print(f"shared tier: {redact(config.shared_url)}")
+    print(f"shared tier: {shared.where}")
     try:
-        reports = survey.verify(_client(config), config.shared_url, entry.checker, fix)
-    except (redis.RedisError, OSError) as e:
+        reports = shared.verify(fix)
+    except SharedUnreachable as e:
         print(f"  unreachable: {e}")
         return 2
     clean = True

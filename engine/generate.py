@@ -17,22 +17,17 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+import tiered_kv
 from engine.batch import BatchLoop
 from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
-from engine.loading import context_length, fingerprint_parts, load_model
+from engine.loading import context_length, load_model
 from engine.prefill import Progress, checkpoint_positions, prefill, prefill_steps
 from engine.textout import TextStream
-from tiered_kv.config import Config
-from tiered_kv.keys import fingerprint
-from tiered_kv.tiered import HitInfo, Lease, TieredCache
+from tiered_kv import CacheDirError, Config, HitInfo, Lease, model_identity
 
 __all__ = ["CacheDirError", "Chunk", "Engine", "SamplingParams", "Usage"]
 
 log = logging.getLogger(__name__)
-
-
-class CacheDirError(OSError):
-    """The cold tier's directory cannot be opened or created at start."""
 
 
 def default_prefill_chunk() -> int:
@@ -51,47 +46,13 @@ class Engine:
         self.config = config
         self.model, self.tokenizer = load_model(self.model_dir)
         self.context_length = context_length(self.model_dir, self.tokenizer)
-        parts = fingerprint_parts(self.model_dir, self.model, config.kv_bits, config.cache_salt)
-        self.fingerprint = fingerprint(parts)
-        cold = None
-        if config.cold_enabled:
-            from tiered_kv.cold.tier import ColdTier
-
-            try:
-                cold = ColdTier(config.cache_dir, self.fingerprint, config)
-            except OSError as e:  # misconfiguration at start: say which setting, not a traceback
-                raise CacheDirError(f"TIERED_KV_DIR={config.cache_dir}: {e.strerror or e}") from e
-        shared = None
-        if cold is not None and config.shared_enabled:  # [shared tier, issue 17]
-            from tiered_kv.shared.link import SharedLink
-
-            shared = SharedLink.open(config, cold.fingerprint)
-            cold.publish_to(shared.published)  # every entry written locally is published too
-        self.cache = TieredCache(
-            config, lambda: make_prompt_cache(self.model), cold, shared=shared
-        )
         self.prefill_chunk = config.prefill_chunk or default_prefill_chunk()
-        self.restorer = self._restorer(cold)  # issue 15
-
-    # -- issue 15: restore plans (load / compute / both) ------------------------------------
-    def _restorer(self, cold: Any) -> Any:
-        """The disk-hit planner with this model's learned costs (None without a cold tier)."""
-        if cold is None:
-            return None
-        from tiered_kv.restore.costs import CostBook
-        from tiered_kv.restore.restorer import Restorer, blocker_of, calibrate
-
-        device = str(mx.default_device())
-        costs = CostBook(CostBook.file_for(cold.dir, device), cold.fingerprint, device)
-        mode: Any = self.config.restore  # validated by config: auto | load | compute | both
-        r = Restorer(mode, costs, self.compute_prefix,
-                     blocker_of(make_prompt_cache(self.model)), self.config.kv_bits,
-                     self.config.kv_group_size)  # fmt: skip
-        self.cache.restorer = r
-        unknown = costs.learned.prefill is None and self.config.restore == "auto"
-        if unknown and cold.stats()["entries"]:
-            calibrate(self.compute_prefix, costs)  # the first disk hit must not plan blind
-        return r
+        self.cache = tiered_kv.open_cache(
+            config, model_identity(self.model_dir), lambda: make_prompt_cache(self.model),
+            self.compute_prefix,
+        )  # fmt: skip
+        self.fingerprint = self.cache.fingerprint
+        self.restorer = self.cache.restorer  # issue 15: None without a cold tier
 
     def compute_prefix(self, ids: list[int]) -> list[Any]:
         """Fresh caches holding exactly ``ids`` (prefilled here, on the engine thread)."""
@@ -182,8 +143,6 @@ class Engine:
 
     def close(self) -> None:
         self.cache.close()
-        if self.restorer is not None:
-            self.restorer.close()
 
 
 class _ListSink:

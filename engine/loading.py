@@ -1,17 +1,14 @@
-"""Find and load an mlx-lm model (a local directory or a hub id) and describe it for the cache fingerprint."""
+"""Find and load an mlx-lm model (a local directory or a hub id); its cache identity is
+``tiered_kv.model_identity``."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
 from mlx_lm import load as mlx_load
-from mlx_lm.models.cache import make_prompt_cache
-
-from tiered_kv import layers
 
 
 class ModelDirError(ValueError):
@@ -64,35 +61,6 @@ def load_model(model_dir: Path) -> tuple[nn.Module, Any]:
         raise ModelDirError(f"{model_dir}: not an mlx-lm model directory (no config.json)")
     model, tokenizer = mlx_load(str(model_dir))
     return model, tokenizer
-
-
-def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "-"
-
-
-def fingerprint_parts(model_dir: Path, model: nn.Module, kv_bits: int, salt: str) -> dict[str, str]:
-    """What must match for a stored KV entry to be valid for this model.
-
-    Model identity is cheap: config.json's bytes plus each weight file's name, size and mtime.
-    Tokenizer and chat template by content hash. Layout: the per-layer cache classes.
-    """
-    weights = sorted(model_dir.glob("*.safetensors"))
-    ident = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for w in weights:
-        st = w.stat()
-        ident.update(f"{w.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    tok = hashlib.sha256()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        tok.update(_file_digest(model_dir / name).encode())
-    config = json.loads((model_dir / "config.json").read_text())
-    return {
-        "model": ident.hexdigest(),
-        "tokenizer": tok.hexdigest(),
-        "dtype": str(config.get("torch_dtype", config.get("dtype", "?"))),
-        "kv_bits": str(kv_bits),
-        "layout": layers.layout(make_prompt_cache(model)),
-        "salt": salt,
-    }
 
 
 def context_length(model_dir: Path, tokenizer: Any) -> int:

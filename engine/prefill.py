@@ -11,8 +11,7 @@ from collections.abc import Callable, Generator, Iterable
 import mlx.core as mx
 import mlx.nn as nn
 
-from tiered_kv.layers import snapshot
-from tiered_kv.tiered import Lease
+from tiered_kv import Lease, snapshot
 
 Progress = Callable[[int, int], None]
 

@@ -28,7 +28,7 @@ from engine.http_edge import Auth, ShutdownGuard, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import Job, QueueFull, Worker
-from tiered_kv.config import Config
+from tiered_kv import Config
 
 log = logging.getLogger(__name__)
 #: request bodies parsed / prompts tokenised at once (thread pool): each holds memory

@@ -129,6 +129,11 @@ class Config:
     #: both by this machine's measured costs), or forced "load", "compute" or "both" (benchmarks).
     restore: str = "auto"
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
+        """The Config from ``TIERED_KV_*`` (see the module's :func:`from_env`)."""
+        return from_env(env, **overrides)
+
     @property
     def hot_enabled(self) -> bool:
         return "hot" in self.tiers

@@ -1,4 +1,6 @@
-"""TieredCache: the engine's one door to the cache — hot tier first, then the cold tier.
+"""TieredCache: hot tier first, then the cold tier (then the shared tier) behind ``fetch`` / ``store``.
+
+Built by :func:`tiered_kv.opening.open_cache` (which decides the tiers and wires them).
 
 Ownership: every method runs on the single thread that runs MLX (the generation worker). A
 :class:`Lease` from :meth:`TieredCache.fetch` is owned by the caller until it is given back with
@@ -108,8 +110,12 @@ class TieredCache:
     ) -> None:
         self.config = config
         self.make_cache = make_cache
-        self.cold = cold if config.cold_enabled else None
-        self.shared = shared if self.cold is not None else None  # [shared tier] behind the disk
+        # which tiers are on is decided once, by tiered_kv.opening.open_cache: what is given is used
+        assert shared is None or cold is not None, "the shared tier sits behind the cold tier"
+        self.cold = cold
+        self.shared = shared  # [shared tier] behind the disk
+        #: the key this model's entries are filed under (set by open_cache; "" when built directly)
+        self.fingerprint = ""
         self.hot = HotTier(
             config.hot_bytes, config.memory_threshold, self._spill, probe, config.checkpoint_share
         )
@@ -375,6 +381,8 @@ class TieredCache:
             self.cold.close()
         if self.shared is not None:  # [shared tier] after the cold tier queued its last writes
             self.shared.close(_SHARED_CLOSE_SECONDS)
+        if self.restorer is not None:  # saves the learned restore costs
+            self.restorer.close()
 
 
 def _known_lengths(caches: list[Any]) -> list[int]:

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from tiered_kv.config import Config
+from tiered_kv import Config
 
 FINGERPRINT = "bench-micro"
 

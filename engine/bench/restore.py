@@ -30,16 +30,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+import tiered_kv
 from engine.generate import default_prefill_chunk
-from engine.loading import fingerprint_parts, load_model
+from engine.loading import load_model
 from engine.prefill import prefill
-from tiered_kv.cold import ranged
-from tiered_kv.cold.tier import ColdTier
-from tiered_kv.config import Config
-from tiered_kv.keys import fingerprint
-from tiered_kv.restore.costs import CostBook
-from tiered_kv.restore.restorer import Restorer, blocker_of, calibrate
-from tiered_kv.tiered import HitInfo, Lease, TieredCache
+from tiered_kv import Config, HitInfo, Lease, TieredCache
+from tiered_kv.cold.ranged import resident_share  # page-cache share of the files read
+from tiered_kv.restore.restorer import calibrate  # measured directly: the planner's calibration
 
 SUFFIX = 32
 
@@ -47,7 +44,7 @@ SUFFIX = 32
 class Bench:
     def __init__(self, model_dir: Path, root: Path, chunk: int) -> None:
         self.model, _ = load_model(model_dir)
-        self.fp = fingerprint(fingerprint_parts(model_dir, self.model, 0, ""))
+        self.identity = tiered_kv.model_identity(model_dir)
         self.root, self.chunk = root, chunk or default_prefill_chunk()
         self.device = str(mx.default_device())
         self.vocab = int(self.model.args.vocab_size)
@@ -61,12 +58,8 @@ class Bench:
         """A restart: what Engine.__init__ builds around an already loaded model."""
         cfg = Config(cache_dir=self.root / f"t{tokens}", restore=mode, prefill_chunk=self.chunk,
                      hot_bytes=1 << 40, disk_bytes=1 << 40, spill_queue_bytes=1 << 40)  # fmt: skip
-        cold = ColdTier(cfg.cache_dir, self.fp, cfg)
-        tc = TieredCache(cfg, lambda: make_prompt_cache(self.model), cold)
-        costs = CostBook(CostBook.file_for(cold.dir, self.device), cold.fingerprint, self.device)
-        tc.restorer = Restorer(mode, costs, self.compute,  # type: ignore[arg-type]
-                               blocker_of(make_prompt_cache(self.model)))  # fmt: skip
-        return tc
+        make = lambda: make_prompt_cache(self.model)  # noqa: E731
+        return tiered_kv.open_cache(cfg, self.identity, make, self.compute)
 
     def request(self, tc: TieredCache, ids: list[int]) -> tuple[float, int, HitInfo]:
         """TTFT of ``ids`` and its greedy first token; the prefill teaches the costs (as the Engine)."""
@@ -125,7 +118,7 @@ def set_pages(root: Path, state: str) -> float | None:
                     pass
         finally:
             os.close(fd)
-    shares = [s for s in (ranged.resident_share(p) for p in files) if s is not None]
+    shares = [s for s in (resident_share(p) for p in files) if s is not None]
     return sum(shares) / len(shares) if shares else None
 
 

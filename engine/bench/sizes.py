@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from tiered_kv.config import Config
+from tiered_kv import Config
 
 FINGERPRINT = "bench-sizes"
 
@@ -231,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(x) for x in args.tokens.split(",")]
     else:
         counts = tokens_for_gb(shape, [float(x) for x in (args.gb or "0.25,1,4").split(",")])
-    from tiered_kv.config import from_env
+    from tiered_kv import Config
 
     print(f"device: {mx.default_device()}, shape {args.shape} "
           f"({shape.bytes_per_token // 1024} KiB/token), sizes {counts}", flush=True)  # fmt: skip
-    rows = run(args.shape, counts, args.dir, from_env())
+    rows = run(args.shape, counts, args.dir, Config.from_env())
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.fixtures import cold_logits, feed, hot_only, prefill_turn, store_turn, tokens
-from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
+from tiered_kv.opening import open_cache
 from tiered_kv.tiered import TieredCache
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -140,12 +140,13 @@ def test_any_request_sequence_equals_cold(small_model, ops, cont):
         np.testing.assert_allclose(logits, cold_logits(small_model, ids), **TOL)
 
 
-FP = "test-fingerprint"
+IDENTITY = {"model": "test-fingerprint"}
 
 
 def open_tc(model, root, **kw) -> TieredCache:
+    """Through the door: open_cache decides which tiers are on (``tiers=()``: none)."""
     cfg = Config(cache_dir=root, block_tokens=16, **kw)
-    return TieredCache(cfg, lambda: make_prompt_cache(model), ColdTier(root, FP, cfg))
+    return open_cache(cfg, IDENTITY, lambda: make_prompt_cache(model))
 
 
 def test_evicted_entry_reloads_from_disk(small_model, tmp_path):

@@ -3,9 +3,9 @@
 * :func:`prepare` turns caches (+ checkpoints) into :class:`store.Tensor` views of *evaluated*
   arrays — the only MLX work of a spill, done on the request thread before the job crosses to
   the writer, which then reads bytes only;
-* :func:`load_file` builds the arrays of an entry file with ``mx.load`` (it reads straight into
-  the arrays' memory, on MLX's parallel reader) and checks every chunk digest over those same
-  bytes on the hashing pool while the next tensors load: one read from disk, no extra copy;
+* :func:`load_file` builds the arrays of an entry file with ``mx.load`` (straight into the
+  arrays' memory, on the device) trailing a sequential :class:`store.Scan` that checks every
+  chunk digest as the bytes arrive: one read from disk, nothing copied through Python;
 * :func:`load_buffer` does the same from a whole entry in memory (a backend without files);
 * :func:`decode` rebuilds the caches and checkpoints.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from tiered_kv import layers
 from tiered_kv.cold import store
 
 CKPT = "ckpt."
-_GROUP = 256 << 20  # bytes evaluated per step of a load (hashing overlaps the next step)
+_GROUP = 512 << 20  # bytes evaluated per step of a load, each once the scan has verified them
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MX = {"BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
@@ -83,18 +82,22 @@ def _numpy(x: Any) -> np.ndarray:
         return np.array(x)
 
 
-def _bytes_of(x: Any) -> memoryview:
-    """The bytes of an evaluated, contiguous array (no copy where MLX exports its buffer)."""
-    try:
-        return store.flat_bytes(np.frombuffer(memoryview(x), dtype=np.uint8))
-    except (TypeError, ValueError, BufferError):
-        return store.flat_bytes(np.array(x.view(_UINT[x.itemsize])).reshape(-1))
-
-
 def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
-    """Every tensor of ``path`` (whose checked header is ``header``), each verified against its
-    chunk digests. Raises store.CorruptEntry (also when the file changed since ``header``),
-    FileNotFoundError."""
+    """Every tensor of ``path`` (whose checked header is ``header``), verified.
+
+    A :class:`store.Scan` reads the file once, sequentially, checking every chunk digest on the
+    hashing pool; ``mx.load`` builds the arrays trailing it, one group at a time, each group only
+    once the scan has verified its bytes (the page cache serves them: the disk is read once, and
+    the arrays go straight to the device's memory, never through Python). Raises
+    store.CorruptEntry (also when the file changed since ``header``), FileNotFoundError."""
+    scan = store.Scan(path, header)
+    try:
+        return _load_trailing(path, header, scan)
+    finally:
+        scan.close()
+
+
+def _load_trailing(path: Path, header: store.Header, scan: store.Scan) -> dict[str, mx.array]:
     try:
         loaded = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
@@ -106,8 +109,11 @@ def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
     meta = {k: v for k, v in loaded[1].items() if k != "header_xxh"}
     if meta != header.metadata or set(arrays) != set(header.tensors):
         raise store.CorruptEntry("file changed since its header was checked")
+    for name, t in header.tensors.items():
+        x = arrays[name]
+        if list(x.shape) != t["shape"] or store.DTYPES.get(_dtype(x)) != t["dtype"]:
+            raise store.CorruptEntry(f"tensor {name!r} does not match its header")
     order = sorted(header.tensors, key=lambda n: header.tensors[n]["data_offsets"][0])
-    pending: list[Future] = []
     group: list[str] = []
     size = 0
     try:
@@ -115,24 +121,19 @@ def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
             group.append(name)
             size += arrays[name].nbytes
             if size >= _GROUP or i == len(order) - 1:
+                scan.wait(header.tensors[name]["data_offsets"][1])  # raises store.CorruptEntry
                 mx.eval([arrays[n] for n in group])
-                pending += [_check(n, arrays[n], header) for n in group]
                 group, size = [], 0
-    except store.CorruptEntry:
-        raise
     except (RuntimeError, ValueError) as e:
+        if isinstance(e, store.CorruptEntry):
+            raise
         raise store.CorruptEntry(f"mx.load failed: {e}") from None
-    for f in pending:
-        f.result()  # raises store.CorruptEntry
+    scan.wait(store.data_end(header))
     return arrays
 
 
-def _check(name: str, x: mx.array, header: store.Header) -> Future:
-    t = header.tensors[name]
-    dtype = store.DTYPES.get(str(x.dtype).removeprefix("mlx.core."))
-    if list(x.shape) != t["shape"] or dtype != t["dtype"]:
-        raise store.CorruptEntry(f"tensor {name!r} does not match its header")
-    return store.pool().submit(store.check_buffer, name, _bytes_of(x), header)
+def _dtype(x: mx.array) -> str:
+    return str(x.dtype).removeprefix("mlx.core.")
 
 
 def load_buffer(buf: memoryview, header: store.Header) -> dict[str, mx.array]:

@@ -14,9 +14,10 @@ byte range of a tensor can check just the chunks it covers. ``header_xxh`` is th
 canonical header (sorted keys, without ``header_xxh``).
 
 Threads: :func:`encode` runs on the writer thread and reads only buffers (numpy views of
-evaluated arrays); :func:`verify_arrays` reads the bytes of evaluated arrays (request thread,
+evaluated arrays); :func:`check_buffer` checks bytes already in memory (request thread,
 hashing on a small pool of byte-only threads); :func:`read_header` / :func:`check_data` /
-:func:`read_tokens` are plain file reads usable from any thread (verify, CLI).
+:func:`read_tokens` are plain file reads usable from any thread (verify, CLI); a :class:`Scan` reads
+and verifies a whole data section on its own byte-only thread (the reload path and ``verify``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -315,34 +317,103 @@ def check_buffer(name: str, data: memoryview, header: Header) -> None:
 
 def check_data(path: Path, header: Header) -> None:
     """Stream the data section (one pass, large reads) and check every chunk digest."""
-    fd = open_entry(path)
+    scan = Scan(path, header)
     try:
-        buf = bytearray(_READ)
-        view = memoryview(buf)
-        for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            start, stop = t["data_offsets"]
-            pieces = _stream(fd, view, header.data_start + start, stop - start, header.chunk_bytes)
-            got = "".join(chunk_digests([b], header.chunk_bytes) for b in pieces)
-            if got != header.digests(name):
-                raise CorruptEntry(f"checksum mismatch in tensor {name!r}")
+        scan.wait(data_end(header))
     finally:
-        os.close(fd)
+        scan.close()
 
 
-def _stream(
-    fd: int, view: memoryview, offset: int, length: int, chunk: int
-) -> Iterable[memoryview]:
-    """Pieces of [offset, offset+length) read into ``view``, each a whole number of chunks."""
-    step = max(chunk, len(view) // chunk * chunk)
-    assert step <= len(view)
-    while length > 0:
-        want = min(step, length)
-        got = os.preadv(fd, [view[:want]], offset)
-        if got != want:
-            raise CorruptEntry("short read in data section")
-        yield view[:want]
-        offset += want
-        length -= want
+def data_end(header: Header) -> int:
+    """The end of the last tensor's bytes (data-section relative)."""
+    return max((t["data_offsets"][1] for t in header.tensors.values()), default=0)
+
+
+class Scan:
+    """One sequential pass over an entry's data section on a byte-only thread, every chunk digest
+    checked as the bytes arrive.
+
+    Large reads (``step`` bytes, whole chunks of one tensor) go into a small ring of reused
+    buffers; each piece is hashed on :func:`pool` while the next one is read, so the pass runs at
+    the disk's sequential speed. A loader that reads the same file (``mx.load``) trails it with
+    :meth:`wait`: what it reads was just read by the scan (the page cache serves it, the disk is
+    read once) and was verified before it is used. Opened in the caller's thread (raises
+    FileNotFoundError / CorruptEntry for a symlink); :meth:`close` stops it early.
+    """
+
+    def __init__(self, path: Path, header: Header, step: int = _READ, ring: int = 4) -> None:
+        self._fd = open_entry(path)
+        self._header = header
+        self._step = max(header.chunk_bytes, step // header.chunk_bytes * header.chunk_bytes)
+        self._ring = ring
+        self._cond = threading.Condition()
+        self._read_to = 0  # data-section offset read so far (pieces handed to hashing)
+        self._hashes: list[tuple[int, Future]] = []  # (piece start offset, check), in file order
+        self._error: BaseException | None = None
+        self._stop = False
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="tkv-scan", daemon=True)
+        self._thread.start()
+
+    def wait(self, offset: int) -> None:
+        """Block until every byte of the data section before ``offset`` is read and verified.
+        Raises CorruptEntry (a bad chunk, a short file) or the read's OSError."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._read_to >= offset or self._done)
+            if self._read_to < offset and self._error is None:
+                raise CorruptEntry("scan ended before the requested offset")
+            hashes = [f for start, f in self._hashes if start < offset]
+        for f in hashes:
+            f.result()  # raises CorruptEntry
+        if self._error is not None:
+            with self._cond:
+                if self._read_to < offset:
+                    raise self._error
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        header, step = self._header, self._step
+        bufs = [memoryview(bytearray(step)) for _ in range(self._ring)]
+        use = 0
+        try:
+            for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                start, stop = t["data_offsets"]
+                sums = header.digests(name)
+                for off in range(start, stop, step):
+                    n = min(step, stop - off)
+                    with self._cond:
+                        if self._stop:
+                            return
+                        if len(self._hashes) >= self._ring:
+                            self._hashes[-self._ring][1].result()  # its buffer is free again
+                    view = bufs[use % self._ring][:n]
+                    use += 1
+                    if os.preadv(self._fd, [view], header.data_start + off) != n:
+                        raise CorruptEntry("short read in data section")
+                    first = (off - start) // header.chunk_bytes * _HEX
+                    want = sums[first : first + -(-n // header.chunk_bytes) * _HEX]
+                    f = pool().submit(_check_piece, name, view, header.chunk_bytes, want)
+                    with self._cond:
+                        self._hashes.append((off, f))
+                        self._read_to = off + n
+                        self._cond.notify_all()
+        except BaseException as e:  # handed to wait()
+            self._error = e
+        finally:
+            os.close(self._fd)
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+
+def _check_piece(name: str, data: memoryview, chunk: int, want: str) -> None:
+    if chunk_digests([data], chunk) != want:
+        raise CorruptEntry(f"checksum mismatch in tensor {name!r}")
 
 
 def read_tokens(path: Path, header: Header) -> np.ndarray:

@@ -5,7 +5,8 @@ A :class:`CostBook` keeps a bounded, diverse set of observations per kind —
 * ``prefill`` (k new tokens, c context tokens, seconds) from every prefill the engine runs;
 * ``load``  (bytes, seconds, share warm) from every cold reload (read + verify + build arrays);
 * ``range`` (bytes, seconds, share warm) from the ranged reads of `both`;
-* ``join``  (bytes, seconds) from joining computed and read halves —
+* ``join``  (bytes, seconds) from joining computed and read halves;
+* ``outcome`` (way, predicted seconds, actual seconds) of every restore taken —
 
 and fits them (non-negative least squares on relative error) into the pure
 :class:`~tiered_kv.restore.plan.Learned` that :func:`~tiered_kv.restore.plan.plan` reads.
@@ -36,7 +37,9 @@ from tiered_kv.restore.plan import Learned, PrefillCost, ReadCost
 
 log = logging.getLogger(__name__)
 VERSION = 1
-KINDS = ("prefill", "load", "range", "join")
+KINDS = ("prefill", "load", "range", "join", "outcome")
+WAYS = ("load", "compute", "both")  # an outcome's way is stored as its index + 1
+_CLAMP = (0.2, 5.0)  # a correction never moves a prediction further than this
 _PER_BUCKET = 3  # observations kept per size bucket: recent ones, spread over sizes
 _MAX_PER_KIND = 192
 WARM = 0.5  # a read with at least this share in the page cache counts as warm
@@ -56,6 +59,8 @@ def machine_id(device: str = "") -> tuple[str, dict[str, Any]]:
 
 
 def _bucket(kind: str, obs: list[float]) -> tuple[int, ...]:
+    if kind == "outcome":
+        return (int(obs[0]), round(math.log2(max(obs[1] * 1e3, 1))))
     if kind == "prefill":
         k, c = obs[0], obs[1]
         return (round(math.log2(max(k, 1))), round(math.log2(c + 1)))
@@ -90,6 +95,28 @@ def fit(
     if best is None or not np.any(best > 0):
         return None
     return best
+
+
+def corrections(outcomes: list[list[float]]) -> tuple[tuple[str, float], ...]:
+    """Per way, the median of actual / predicted seconds over its outcomes (clamped)."""
+    out = []
+    for i, way in enumerate(WAYS, start=1):
+        ratios = [r[2] / r[1] for r in outcomes if int(r[0]) == i and r[1] > 0]
+        if ratios:
+            out.append((way, float(np.clip(np.median(ratios), *_CLAMP))))
+    return tuple(out)
+
+
+def fastest_per_bucket(obs: list[list[float]]) -> list[list[float]]:
+    """The fastest prefill of each size bucket: what the machine can do. A slower one of the same
+    shape was slowed by something else (first-call kernel compiles, a loaded machine), and would
+    make the plan overestimate compute — on a GPU that chose `both` where compute was 2x faster."""
+    best: dict[tuple[int, ...], list[float]] = {}
+    for o in obs:
+        key = _bucket("prefill", o)
+        if key not in best or o[2] / o[0] < best[key][2] / best[key][0]:
+            best[key] = o
+    return list(best.values())
 
 
 _PREFILL_SUBSETS = [(1,), (0, 1), (1, 2), (0, 1, 2), (2,), (0, 2)]
@@ -153,6 +180,11 @@ class CostBook:
         if nbytes > 0 and seconds > 0:
             self._add("range", [float(nbytes), seconds, -1.0 if warm is None else warm])
 
+    def observe_outcome(self, way: str, predicted: float, actual: float) -> None:
+        """A restore by ``way`` predicted (before correction) and actually taking these seconds."""
+        if way in WAYS and predicted > 0 and actual > 0:
+            self._add("outcome", [float(WAYS.index(way) + 1), predicted, actual])
+
     def observe_join(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             self._add("join", [float(nbytes), seconds])
@@ -179,12 +211,13 @@ class CostBook:
         join = [r for r in self.obs["join"]]
         join_bw = sum(r[0] for r in join) / sum(r[1] for r in join) if join else None
         self._learned = Learned(
-            prefill=fit_prefill(self.obs["prefill"]),
+            prefill=fit_prefill(fastest_per_bucket(self.obs["prefill"])),
             load_cold=reads("load", False),
             load_warm=reads("load", True),
             range_cold=reads("range", False),
             range_warm=reads("range", True),
             join_bytes_per_s=join_bw,
+            correction=corrections(self.obs["outcome"]),
         )
 
     @property
@@ -204,6 +237,8 @@ class CostBook:
             cost: ReadCost | None = getattr(le, name)
             out[f"{name}_gb_s"] = cost.bytes_per_s / 1e9 if cost else 0.0
         out["join_gb_s"] = (le.join_bytes_per_s or 0.0) / 1e9
+        for way in WAYS:
+            out[f"correction_{way}"] = le.factor(way)
         for kind in KINDS:
             out[f"{kind}_observations"] = float(len(self.obs[kind]))
         return out
@@ -222,7 +257,7 @@ class CostBook:
                 return  # another format or model: start afresh
             for kind in KINDS:
                 rows = raw.get("observations", {}).get(kind, [])
-                width = 3 if kind != "join" else 2
+                width = 2 if kind == "join" else 3
                 clean = [
                     [float(x) for x in r] for r in rows
                     if isinstance(r, list) and len(r) == width
@@ -259,4 +294,4 @@ class CostBook:
         self._saved_at = now
 
 
-__all__ = ["CostBook", "fit_prefill", "fit_read", "machine_id"]
+__all__ = ["CostBook", "corrections", "fastest_per_bucket", "fit_prefill", "fit_read", "machine_id"]

@@ -16,7 +16,7 @@ teaches the read bandwidth. :func:`worth_spilling` is the admission rule built o
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 Kind = Literal["load", "compute", "both"]
 Mode = Literal["auto", "load", "compute", "both"]
@@ -77,6 +77,13 @@ class Learned:
     range_cold: ReadCost | None = None
     range_warm: ReadCost | None = None
     join_bytes_per_s: float | None = None
+    #: per way, how much longer than predicted it took here (median of actual / predicted over
+    #: the outcomes seen; absent: 1.0). It corrects what the cost model leaves out (the `both`
+    #: join and its hand-off, first-call overheads) with what this machine did.
+    correction: tuple[tuple[str, float], ...] = ()
+
+    def factor(self, kind: str) -> float:
+        return dict(self.correction).get(kind, 1.0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,7 @@ class Plan:
     load_s: float | None = None
     compute_s: float | None = None
     both_s: float | None = None
+    factor: float = 1.0  # the correction applied to ``seconds`` (Learned.correction)
 
 
 def _mix(warm: float | None, cold_cost: ReadCost | None, warm_cost: ReadCost | None,
@@ -162,18 +170,22 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
     """The way to restore ``hit`` (see the module doc). ``mode`` other than auto forces a way;
     a forced `both` that the entry cannot do falls back to auto's choice of load / compute."""
     n = hit.tokens
-    load_s = load_seconds(hit, learned)
-    compute_s = learned.prefill.seconds(n) if learned.prefill else None
+    fl, fc, fb = (learned.factor(k) for k in KINDS)
+    raw_load = load_seconds(hit, learned)
+    load_s = raw_load * fl if raw_load is not None else None
+    compute_s = learned.prefill.seconds(n) * fc if learned.prefill else None
     both = split(hit, learned) if not hit.both_blocker else None
+    if both is not None:
+        both = (both[0], both[1] * fb)
     both_s = both[1] if both else None
-    est = {"load_s": load_s, "compute_s": compute_s, "both_s": both_s}
+    est: dict[str, Any] = {"load_s": load_s, "compute_s": compute_s, "both_s": both_s}
     if mode == "load":
-        return Plan("load", 0, load_s or 0.0, "forced", **est)
+        return Plan("load", 0, load_s or 0.0, "forced", **est, factor=fl)
     if mode == "compute":
-        return Plan("compute", n, compute_s or 0.0, "forced", **est)
+        return Plan("compute", n, compute_s or 0.0, "forced", **est, factor=fc)
     if mode == "both":
         if both is not None:
-            return Plan("both", both[0], both[1], "forced", **est)
+            return Plan("both", both[0], both[1], "forced", **est, factor=fb)
         block = max(1, hit.block)
         m = max(block, (n // 2) // block * block)  # nothing learned: meet in the middle
         if not hit.both_blocker and 0 < m < n:
@@ -182,13 +194,13 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
         why = hit.both_blocker or "too short to split"
         return replace(plan(hit, learned, "auto"), reason=f"both unavailable: {why}")
     if load_s is None or compute_s is None:
-        return Plan("load", 0, load_s or 0.0, "not learned", **est)
+        return Plan("load", 0, load_s or 0.0, "not learned", **est, factor=fl)
     reason = f"learned; both unavailable: {hit.both_blocker}" if hit.both_blocker else "learned"
     if both is not None and both[1] < BOTH_MARGIN * min(load_s, compute_s):
-        return Plan("both", both[0], both[1], reason, **est)
+        return Plan("both", both[0], both[1], reason, **est, factor=fb)
     if compute_s < load_s:
-        return Plan("compute", n, compute_s, reason, **est)
-    return Plan("load", 0, load_s, reason, **est)
+        return Plan("compute", n, compute_s, reason, **est, factor=fc)
+    return Plan("load", 0, load_s, reason, **est, factor=fl)
 
 
 def worth_spilling(tokens: int, entry_bytes: int, bytes_per_token: float, learned: Learned,

@@ -55,6 +55,8 @@ class Decision:
     predicted_restore_s: float
     predicted_total_s: float  # restore + the suffix prefill (0.0 when not known)
     reason: str
+    #: the same before the learned correction of its way (what the outcome corrects)
+    raw_total_s: float = 0.0
 
 
 @dataclass
@@ -118,12 +120,14 @@ class Restorer:
         learned = self.costs.learned
         p: Plan = plan(h, learned, self.mode)
         if p.kind == "compute" and start:
-            restore_s = learned.prefill.seconds(n - start, start) if learned.prefill else 0.0
+            raw = learned.prefill.seconds(n - start, start) if learned.prefill else 0.0
         else:
-            restore_s = p.seconds
+            raw = p.seconds / p.factor
+        restore_s = raw * p.factor
         suffix = learned.prefill.seconds(prompt_len - n, n) if learned.prefill else 0.0
         known = p.seconds > 0 and learned.prefill is not None
-        d = Decision(p.kind, n, p.m, restore_s, restore_s + suffix if known else 0.0, p.reason)
+        d = Decision(p.kind, n, p.m, restore_s, restore_s + suffix if known else 0.0, p.reason,
+                     raw + suffix if known else 0.0)  # fmt: skip
         self._count(f"restore_{p.kind}")
         log.debug("restore plan %s (n=%d m=%d warm=%s): %s; load %s compute %s both %s", p.kind,
                   n, p.m, warm, p.reason, p.load_s, p.compute_s, p.both_s)  # fmt: skip
@@ -137,6 +141,7 @@ class Restorer:
         """The prompt is prefilled: record predicted vs actual (only for predictions made)."""
         if decision.predicted_total_s <= 0:
             return
+        self.costs.observe_outcome(decision.kind, decision.raw_total_s, actual_total_s)
         with self._lock:
             c = self.counters
             c["restore_predicted_seconds"] += decision.predicted_total_s

@@ -25,6 +25,35 @@ def test_one_observation_gives_a_plain_rate():
     assert got is not None and got.tokens_per_second(1000) == pytest.approx(2000)
 
 
+def test_a_slowed_prefill_does_not_make_the_plan_overestimate_compute():
+    """A first call (kernel compiles) or a loaded moment is slower than the machine; the fastest
+    prefill of a shape is what it can do (H200, 1B shape: predicted 1.0 s vs 0.46 s actual)."""
+    book = CostBook(None, "fp")
+    true = PrefillCost(0.0, 1 / 70_000, 0.0)
+    book.observe_prefill(32768, 0, 3 * true.seconds(32768))  # the first, slowed
+    book.observe_prefill(8192, 0, 2.5 * true.seconds(8192))
+    book.observe_prefill(32800, 0, true.seconds(32800))  # later ones, same shapes
+    book.observe_prefill(8224, 0, true.seconds(8224))
+    got = book.learned.prefill
+    assert got is not None
+    assert got.seconds(32768) == pytest.approx(true.seconds(32768), rel=0.05)
+
+
+def test_outcomes_become_a_correction_per_way_and_persist(tmp_path):
+    path = CostBook.file_for(tmp_path)
+    book = CostBook(path, "fp")
+    assert book.learned.factor("both") == 1.0  # nothing seen: no correction
+    for predicted, actual in ((0.4, 0.9), (0.5, 1.1), (0.8, 1.9)):
+        book.observe_outcome("both", predicted, actual)
+    book.observe_outcome("compute", 1.0, 0.5)
+    book.observe_outcome("load", 1.0, 1000.0)  # clamped
+    book.save(force=True)
+    again = CostBook(path, "fp").learned
+    assert again.factor("both") == pytest.approx(2.2, rel=0.05)
+    assert again.factor("compute") == pytest.approx(0.5)
+    assert again.factor("load") == 5.0
+
+
 def test_read_fit():
     obs = [[n, 0.002 + n / 2e9] for n in (1e6, 1e8, 1e9)]
     got = fit_read(obs)

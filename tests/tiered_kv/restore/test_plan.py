@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tiered_kv.restore.plan import (
@@ -51,6 +53,12 @@ def learned(prefill: PrefillCost | None, load: float | None, rng: float | None =
         ("forced both", HIT, learned(PREFILL_SLOW, 5.0), "both", "both", "forced"),
         ("forced both, nothing learned: the middle", HIT, Learned(), "both", "both",
          "forced, not learned"),
+        ("comparable, but both took 2.5x its prediction here → the better single way", HIT,
+         replace(learned(PREFILL_FAST, 2.7), correction=(("both", 2.5),)), "auto", "load",
+         "learned"),
+        ("fast disk, but loads took 4x their prediction here → compute", HIT,
+         replace(learned(PREFILL_FAST, 5.0), correction=(("load", 4.0), ("both", 4.0))), "auto",
+         "compute", "learned"),
     ],
 )  # fmt: skip
 def test_plan_table(name, hit, costs, mode, kind, reason):
