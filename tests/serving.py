@@ -21,7 +21,6 @@ import httpx
 import openai
 import uvicorn
 
-from engine.generate import Engine
 from engine.server import create_app
 from tests.fixtures import free_port
 from tiered_kv.config import Config
@@ -69,10 +68,9 @@ class Live:
 
 
 @contextmanager
-def serve(
-    make_engine: Callable[[], Engine], config: Config, keepalive: float = 0.2
-) -> Iterator[Live]:
-    """Serve the engine that ``make_engine`` builds (on the server's engine thread)."""
+def serve(make_engine: Callable[[], Any], config: Config, keepalive: float = 0.2) -> Iterator[Live]:
+    """Serve the engine that ``make_engine`` builds (on the server's engine thread): an Engine, or a
+    stand-in with its interface (test_server.py's scripted engine)."""
     app = create_app(make_engine, config, keepalive_seconds=keepalive)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

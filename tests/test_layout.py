@@ -53,7 +53,7 @@ def test_the_allow_list_names_only_modules_without_a_test_file():
 
 
 def imported(path: Path) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)

@@ -24,7 +24,7 @@ def test_the_library_tests_copy_equals_the_engine(small_model):
     ids, cuts = tokens(90, 45), [7, 20, 33, 45]
     got = {}
     for name, run in (("engine", prefill), ("fixtures", fixtures.prefill)):
-        lease, fed = lease_of(small_model, ids), []
+        lease, fed = lease_of(small_model, ids), list[int]()
         logits = run(small_model, lease, fed, 8, cuts)
         got[name] = (np.array(logits), fed, sorted(lease.checkpoints), lease.caches[0].offset)
     (le, fe, ce, oe), (lf, ff, cf, of) = got["engine"], got["fixtures"]
@@ -41,7 +41,7 @@ def test_the_library_tests_checkpoint_positions_equal_the_engines():
 
 def test_stop_between_chunks_keeps_what_was_evaluated(small_model):
     ids, seen = tokens(91, 40), []
-    lease, fed = lease_of(small_model, ids), []
+    lease, fed = lease_of(small_model, ids), list[int]()
     with pytest.raises(PrefillStopped):
         prefill(small_model, lease, fed, 8, on_progress=lambda d, t: seen.append((d, t)),
                 should_stop=lambda: len(seen) >= 2)  # fmt: skip

@@ -54,7 +54,7 @@ def throttle(engine: Engine, bytes_per_s: float) -> None:
         time.sleep(rr.nbytes / bytes_per_s)
         return rr
 
-    cold.load, restorer.reader = slow_load, slow_reader
+    cold.load, restorer.reader = slow_load, slow_reader  # type: ignore[method-assign]
 
 
 class SlowModel:

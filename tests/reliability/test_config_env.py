@@ -56,7 +56,8 @@ def test_every_variable_has_bad_values_or_accepts_any_string():
 
 
 def _run_all(argvs: list[tuple[tuple[str, str], list[str], dict[str, str]]]) -> dict:
-    results, running = {}, []
+    results: dict = {}
+    running: list = []
     pending = list(argvs)
     while pending or running:
         while pending and len(running) < 6:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.fixtures import FakeProbe, entry_arrays, feed, hot_only, store_turn, tokens
+from tiered_kv.hot import Entry
 
 
 def test_stored_entry_unchanged_after_many_cycles(small_model):
@@ -28,7 +29,7 @@ def test_stored_entry_unchanged_after_many_cycles(small_model):
 
 
 def test_byte_budget_evicts_lru(small_model):
-    spilled = []
+    spilled: list[Entry] = []
     tc = hot_only(small_model)
     tc.hot.on_evict = spilled.append
     a, b, c = tokens(20, 30), tokens(21, 30), tokens(22, 30)
@@ -44,7 +45,7 @@ def test_byte_budget_evicts_lru(small_model):
 
 def test_memory_threshold_evicts(small_model):
     probe = FakeProbe(active=0, capacity=1000)
-    spilled = []
+    spilled: list[Entry] = []
     tc = hot_only(small_model, probe=probe, memory_threshold=0.5)
     tc.hot.on_evict = spilled.append
     store_turn(tc, small_model, tokens(30, 20))

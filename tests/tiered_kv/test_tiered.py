@@ -4,6 +4,8 @@ test_hot.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from tiered_kv.config import Config
 from tiered_kv.opening import open_cache
 from tiered_kv.tiered import TieredCache
 
-TOL = dict(rtol=1e-4, atol=1e-4)
+TOL: dict[str, Any] = dict(rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("cont", [10**9, 8], ids=["shared-view", "continuation-take"])

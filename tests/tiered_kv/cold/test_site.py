@@ -44,7 +44,7 @@ def test_damaged_index_on_a_full_disk_is_kept_and_the_tier_starts(tmp_path, monk
     db.write_bytes(damaged)
     real = index_mod.Index.__init__
 
-    def full(self, path, readonly=False, create=True):  # type: ignore[no-untyped-def]
+    def full(self, path, readonly=False, create=True):
         if "rebuild" in Path(path).name:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(self, path, readonly, create)
@@ -75,7 +75,7 @@ def test_read_only_index_at_start_still_serves(tmp_path, monkeypatch):
     tier.close()
     real = index_mod.Index.__init__
 
-    def read_only_disk(self, path, readonly=False, create=True):  # type: ignore[no-untyped-def]
+    def read_only_disk(self, path, readonly=False, create=True):
         if not readonly:
             raise sqlite3.OperationalError("attempt to write a readonly database")
         real(self, path, readonly, create)

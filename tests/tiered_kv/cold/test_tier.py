@@ -52,7 +52,7 @@ def test_generation_after_disk_reload_equals_cold_prefill(tmp_path):
     tier.flush()
     hit = tier.lookup(prompt)
     assert hit is not None and hit.tokens == 30
-    loaded, _, _ = tier.load(hit)
+    loaded, _, _ = tier.load(hit)  # type: ignore[misc]
     warm = _greedy(model, loaded, prompt[30:], 8)
     cold = _greedy(model, make_prompt_cache(model), prompt, 8)
     assert warm == cold
@@ -164,6 +164,6 @@ def test_restart_after_sigkill_finds_the_entry(tmp_path):
     tier = cold_tier(tmp_path)
     hit = tier.lookup(list(range(8)) + [1])
     assert hit is not None and hit.tokens == 8
-    caches, ids, _ = tier.load(hit)
+    caches, ids, _ = tier.load(hit)  # type: ignore[misc]
     assert mx.array_equal(caches[0].keys, mx.arange(64, dtype=mx.float32).reshape(1, 2, 8, 4))
     tier.close()

@@ -18,7 +18,7 @@ def test_queue_full_drops_oldest_and_counts():
     w = Writer(max_bytes=100, on_drop=lambda n, why: drops.append(n))
     w.submit(gate.wait, 0, droppable=False)  # hold the thread
     for name in ("a", "b", "c"):
-        assert w.submit(lambda n=name: done.append(n), 40)
+        assert w.submit(lambda n=name: done.append(n), 40)  # type: ignore[misc]
     assert drops == [40]  # "a" dropped to admit "c"
     gate.set()
     assert w.wait_idle(5)
@@ -51,7 +51,7 @@ def test_hold_all_drops_nothing_and_idle_signal():
     w.submit(gate.wait, 0, droppable=False)
     w.hold_all()  # shutdown
     for i in range(5):
-        assert w.submit(lambda i=i: done.append(i), 100)
+        assert w.submit(lambda i=i: done.append(i), 100)  # type: ignore[misc]
     assert not w.idle and not w.wait_idle(0.05)
     gate.set()
     assert w.wait_idle(5) and w.idle

@@ -87,7 +87,7 @@ class Setup:
         return got
 
     def loaded(self, n):
-        caches, _, _ = self.cold.load(self.cold.lookup(self.ids))
+        caches, _, _ = self.cold.load(self.cold.lookup(self.ids))  # type: ignore[misc]
         from tiered_kv import layers
 
         return layers.view(caches, n, N)
@@ -188,7 +188,7 @@ def test_tiered_cache_compute_plan_is_a_truthful_miss(plain):
 def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
     s = Setup(make_llama(seed=4), tmp_path)
     hit = s.cold.lookup(s.ids)
-    path, _ = s.cold.describe(hit)
+    path, _ = s.cold.describe(hit)  # type: ignore[misc]
     raw = bytearray(path.read_bytes())
     raw[-1000] ^= 0xFF  # a byte inside the last layer's values, in the range read
     path.write_bytes(bytes(raw))
@@ -205,7 +205,7 @@ def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
 
 def test_io_thread_never_touches_mlx(plain):
     """The reader returns numpy only; arrays are built after the join, on this thread."""
-    seen = []
+    seen: list[str] = []
 
     def reader(*a):
         from tiered_kv.cold import ranged

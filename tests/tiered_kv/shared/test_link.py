@@ -121,6 +121,6 @@ def test_spilled_entry_is_published_off_the_request_path(small_model, tmp_path, 
     a.hot.budget_bytes = 0
     a.hot.enforce()  # evicted → spilled (writer thread) → published (publisher thread)
     a.cold.flush()
-    assert a.shared is not None and a.shared.flush(30)
+    assert a.shared is not None and a.shared.flush(30)  # type: ignore[attr-defined]
     assert a.stats()["shared_publishes"] == 1 and _entry_keys(redis_server, "e")
     a.close()

@@ -13,7 +13,8 @@ from tiered_kv.shared.publisher import Publisher, map_file
 
 def test_queue_drops_oldest_past_the_bound_and_publishes_the_rest():
     gate = threading.Event()
-    published, dropped = [], []
+    published: list[bytes] = []
+    dropped: list[int] = []
 
     def publish(data, tokens) -> bool:
         gate.wait(10)
@@ -25,7 +26,7 @@ def test_queue_drops_oldest_past_the_bound_and_publishes_the_rest():
     while p.pending_bytes:  # taken by the thread, which now blocks in publish
         time.sleep(0.01)
     for name in (b"a", b"b", b"c"):
-        p.submit(lambda name=name: name, np.arange(1), 60)  # one of 60 fits under 100
+        p.submit(lambda name=name: name, np.arange(1), 60)  # type: ignore[misc]  # one of 60 fits under 100
     assert p.pending_bytes == 60 and dropped == [60, 60]
     gate.set()
     assert p.flush(10)
@@ -35,7 +36,7 @@ def test_queue_drops_oldest_past_the_bound_and_publishes_the_rest():
 
 def test_an_entry_larger_than_the_bound_is_admitted_alone():
     published = []
-    p = Publisher(lambda d, t: published.append(len(d)) or True, 10, lambda n: None)
+    p = Publisher(lambda d, t: published.append(len(d)) or True, 10, lambda n: None)  # type: ignore[func-returns-value]
     p.submit(lambda: b"x" * 50, np.arange(1), 50)
     assert p.flush(10) and published == [50]
     p.close(5)
@@ -60,7 +61,7 @@ def test_gone_entry_and_failing_publish_do_not_kill_the_thread():
 
 def test_close_drops_what_is_left_after_its_timeout():
     gate = threading.Event()
-    dropped = []
+    dropped: list[int] = []
     p = Publisher(lambda d, t: gate.wait(10), 1000, dropped.append)
     p.submit(lambda: b"1", np.arange(1), 7)
     p.submit(lambda: b"2", np.arange(1), 8)
