@@ -202,6 +202,7 @@ def run(shape_name: str, token_counts: list[int], root: Path | None = None,
     config = config or Config()
     rows = []
     with tempfile.TemporaryDirectory(prefix="tkv-sizes-", dir=root) as tmp:
+        one_size(Path(tmp), shape, 1024, config)  # warm-up: first-call costs (CUDA, kernels) out
         for n in token_counts:
             need = 2 * n * shape.bytes_per_token + (1 << 30)
             free = shutil.disk_usage(tmp).free

@@ -25,7 +25,6 @@ from tiered_kv import layers
 from tiered_kv.cold import store
 
 CKPT = "ckpt."
-_GROUP = 512 << 20  # bytes evaluated per step of a load, each once the scan has verified them
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MX = {"BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
@@ -114,16 +113,19 @@ def _load_trailing(path: Path, header: store.Header, scan: store.Scan) -> dict[s
         if list(x.shape) != t["shape"] or store.DTYPES.get(_dtype(x)) != t["dtype"]:
             raise store.CorruptEntry(f"tensor {name!r} does not match its header")
     order = sorted(header.tensors, key=lambda n: header.tensors[n]["data_offsets"][0])
-    group: list[str] = []
-    size = 0
+    ends = [header.tensors[n]["data_offsets"][1] for n in order]
+    i = 0
     try:
-        for i, name in enumerate(order):
-            group.append(name)
-            size += arrays[name].nbytes
-            if size >= _GROUP or i == len(order) - 1:
-                scan.wait(header.tensors[name]["data_offsets"][1])  # raises store.CorruptEntry
-                mx.eval([arrays[n] for n in group])
-                group, size = [], 0
+        while i < len(order):
+            # everything the scan has read by now, at least the next tensor: a warm file is read
+            # far ahead (few large evals, as mlx-lm's load), a cold one is followed closely
+            reached = scan.wait_read(ends[i])
+            j = i + 1
+            while j < len(order) and ends[j] <= reached:
+                j += 1
+            scan.wait(ends[j - 1])  # raises store.CorruptEntry
+            mx.eval([arrays[n] for n in order[i:j]])
+            i = j
     except (RuntimeError, ValueError) as e:
         if isinstance(e, store.CorruptEntry):
             raise

@@ -370,6 +370,12 @@ class Scan:
                 if self._read_to < offset:
                     raise self._error
 
+    def wait_read(self, offset: int) -> int:
+        """Block until the scan has read past ``offset`` (or ended); how far it has read."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._read_to >= offset or self._done)
+            return self._read_to
+
     def close(self) -> None:
         with self._cond:
             self._stop = True
