@@ -7,10 +7,11 @@ finishing or cancelling gives its cache back to the tiered cache as its own entr
 
 Decode uses mlx-lm's ``GenerationBatch`` (``mx.async_eval`` pipelining, join by ``extend``, leave
 by ``filter``) over caches merged with mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache`` /
-``ArraysCache.merge`` and split back with ``extract``. Prefill is ours (``engine/prefill.py``), one
-request at a time in arrival order: it takes the recurrent / sliding-window checkpoints at our
-positions, which mlx-lm's prompt batch cannot. Caches without a batched form (quantised KV,
-chunked or concatenating KV) decode in a group of their own, stepped in the same loop.
+``ArraysCache.merge`` and split back with ``extract``. Prefill is ours (``engine/prefill.py``), the
+request with the least prompt left first (:meth:`BatchLoop._next_prefill`): it takes the recurrent
+/ sliding-window checkpoints at our positions, which mlx-lm's prompt batch cannot. Caches without a
+batched form (quantised KV, chunked or concatenating KV) decode in a group of their own, stepped in
+the same loop.
 
 Ownership: a BatchLoop and every array it touches belong to the thread that calls ``step``; the
 sinks it emits into must be safe to call from that thread.
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models import cache as C
 
@@ -38,6 +39,8 @@ NO_LIMIT = 1 << 62  # GenerationBatch's own max_tokens: ours (TextStream) ends r
 Progress = Callable[[int, int], None]
 # cache classes whose mlx-lm ``merge`` / ``extract`` make a batch and split it back
 BATCHABLE = (C.KVCache, C.RotatingKVCache, C.ArraysCache)
+#: prompt tokens a waiting request must gain from a prefilling one's published prompt to wait for it
+SHARE_GAIN = 64
 
 
 class Sink(Protocol):
@@ -58,6 +61,13 @@ def batchable(caches: list[Any]) -> bool:
     return True
 
 
+def _shared(a: np.ndarray, b: np.ndarray) -> int:
+    """Leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
 @dataclass(eq=False)
 class _Seq:
     """One request inside the loop."""
@@ -67,10 +77,12 @@ class _Seq:
     params: SamplingParams
     progress: Progress | None
     enqueued: float
+    tokens: Any = None  # prompt_ids as an int32 array, for prefix comparisons
     started: float = 0.0
     lease: Lease | None = None
     fed: list[int] = field(default_factory=list)  # ids whose KV the request's caches hold
-    steps: Generator[None, None, mx.array] | None = None
+    fetch: Generator[None, None, Lease] | None = None  # the cache lookup, step by step
+    steps: Generator[None, None, mx.array] | None = None  # the prefill, chunk by chunk
     text: Any = None  # engine.textout.TextStream
     sampler: sampling.Sampler | None = None
     hit: Hit = Hit()
@@ -105,14 +117,24 @@ class _Group:
 
 
 class BatchLoop:
-    """The engine's requests in flight: ``add`` them, call ``step`` until ``active`` is 0."""
+    """The engine's requests in flight: ``add`` them, call ``step`` until ``active`` is 0.
+
+    Prefill order, the one rule (:meth:`_next_prefill`): the request with the fewest prompt tokens
+    left to prefill goes first — counted after its cache hit, and a started prefill may be
+    overtaken at a chunk boundary. So a main request whose long prompt is cached (a few hundred
+    new tokens) gets its first token before a concurrent title request (a fresh ~600-token
+    prompt) has prefilled, instead of after. A waiting request whose prompt shares more with a
+    prefilling one's than the cache holds waits for it: that one's prompt is published when its
+    prefill ends (``cache.share``), and the waiting request then starts from it.
+    """
 
     def __init__(self, engine: Any, max_batch: int = 8) -> None:
         self.engine, self.max_batch = engine, max_batch
         # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
         self.prefill_budget = getattr(engine, "prefill_chunk", 0) or engine.config.prefill_chunk
-        self.waiting: deque[_Seq] = deque()  # admitted, prefill not started
-        self.prefilling: _Seq | None = None
+        self.waiting: list[_Seq] = []  # admitted, no lease yet
+        self.loading: list[_Seq] = []  # a disk entry being read for them
+        self.prefilling: list[_Seq] = []  # leased, prefill under way
         self.batch: _Group | None = None  # the batched group
         self.solo: list[_Group] = []  # requests whose caches cannot be batched
 
@@ -124,7 +146,7 @@ class BatchLoop:
     @property
     def active(self) -> int:
         """Requests admitted and not finished (at most ``max_batch``)."""
-        return len(self.waiting) + (self.prefilling is not None) + self.decoding
+        return len(self.waiting) + len(self.loading) + len(self.prefilling) + self.decoding
 
     def has_room(self) -> bool:
         return self.active < self.max_batch
@@ -137,9 +159,11 @@ class BatchLoop:
         progress: Progress | None = None,
         enqueued: float | None = None,
     ) -> None:
-        """Admit a request; its prefill starts when the ones before it have finished theirs."""
+        """Admit a request; its prefill starts when :meth:`_next_prefill` picks it."""
         now = time.perf_counter()
-        self.waiting.append(_Seq(sink, list(prompt_ids), params, progress, enqueued or now))
+        ids = list(prompt_ids)
+        seq = _Seq(sink, ids, params, progress, enqueued or now, np.array(ids, dtype=np.int32))
+        self.waiting.append(seq)
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> None:
@@ -147,39 +171,62 @@ class BatchLoop:
         of prefill: one chunk of a long prompt, or the whole suffixes of several short ones."""
         for group in [g for g in (self.batch, *self.solo) if g is not None]:
             self._decode(group)
+        self._poll_loading()
+        for gone in [s for s in self.prefilling if s.sink.cancelled()]:
+            self.prefilling.remove(gone)
+            self._finish(gone, "cancelled", gone.lease.caches if gone.lease else None)
         budget = self.prefill_budget
         while budget > 0:
-            seq = self.prefilling or self._start_next()
+            seq = self._next_prefill()
             if seq is None:
                 return
             before = len(seq.fed)
-            self._prefill_once()
+            self._prefill_once(seq)
             budget -= max(1, len(seq.fed) - before)
 
     def close(self) -> None:
         """Cancel everything in flight: what each request computed is stored, listeners get
         a "cancelled" finish."""
-        for seq in list(self.waiting):
+        for seq in self.waiting:
             seq.sink.emit(END)
         self.waiting.clear()
-        if self.prefilling is not None:
-            seq, self.prefilling = self.prefilling, None
+        for seq in self.loading:
+            assert seq.fetch is not None
+            seq.fetch.close()
+            self._finish(seq, "cancelled", None)
+        self.loading.clear()
+        for seq in self.prefilling:
             self._finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
+        self.prefilling.clear()
         for group in [g for g in (self.batch, *self.solo) if g is not None]:
             self._leave(group, list(range(len(group.seqs))), ["cancelled"] * len(group.seqs))
         self.batch, self.solo = None, []
 
     # -- prefill ----------------------------------------------------------------------------
-    def _prefill_once(self) -> None:
-        seq = self.prefilling
-        if seq is None:
-            seq = self._start_next()
-            if seq is None:
-                return
-        if seq.sink.cancelled():
-            self.prefilling = None
-            self._finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
-            return
+    def _next_prefill(self) -> _Seq | None:
+        """The request to prefill next: the fewest prompt tokens left first (arrival order on a
+        tie); a waiting one is leased here. None when nothing is left to prefill."""
+        while True:
+            ready = [s for s in self.waiting if not self._shares_with_prefilling(s)]
+            left = {id(s): len(s.prompt_ids) - self.engine.cache.peek(s.tokens) for s in ready}
+            left.update((id(s), len(s.prompt_ids) - len(s.fed)) for s in self.prefilling)
+            pool = ready + self.prefilling
+            if not pool:
+                return None
+            seq = min(pool, key=lambda s: (left[id(s)], s.enqueued))
+            if seq in self.prefilling or self._start(seq):
+                return seq
+
+    def _shares_with_prefilling(self, seq: _Seq) -> bool:
+        """True when ``seq`` gains more from a prefilling request's published prompt than the
+        cache gives it now (both continue one conversation, or share a system prompt)."""
+        if not self.prefilling:
+            return False
+        most = max(_shared(seq.tokens, p.tokens) for p in self.prefilling)
+        return most >= self.engine.cache.peek(seq.tokens) + SHARE_GAIN
+
+    def _prefill_once(self, seq: _Seq) -> None:
+        """One chunk of ``seq``'s prefill; its first token when that was the last one."""
         assert seq.steps is not None and seq.lease is not None
         t0 = time.perf_counter()
         try:
@@ -189,11 +236,11 @@ class BatchLoop:
         except StopIteration as done:
             logits = done.value
         except Exception as e:
-            self.prefilling = None
+            self.prefilling.remove(seq)
             self._fail(seq, e, seq.lease.caches)
             return
         seq.prefill_busy += time.perf_counter() - t0
-        self.prefilling = None
+        self.prefilling.remove(seq)
         seq.t_prefill = time.perf_counter() - seq.started
         done_hook = getattr(self.engine, "prefill_done", None)
         if done_hook is not None:
@@ -206,30 +253,61 @@ class BatchLoop:
         except Exception as e:
             self._fail(seq, e, seq.lease.caches)
 
-    def _start_next(self) -> _Seq | None:
-        """Lease the next waiting request's prefix and set up its prefill."""
-        while self.waiting:
-            seq = self.waiting.popleft()
-            if seq.sink.cancelled():  # gone before it started: nothing computed, nothing stored
-                seq.sink.emit(END)
-                continue
-            seq.started = time.perf_counter()
-            try:
-                seq.lease = self.engine.cache.fetch(seq.prompt_ids)
-                info = seq.lease.hit
-                seq.hit = Hit(info.tokens, info.tier, info.load_seconds)
-                seq.sink.emit(seq.hit)
-                seq.fed = list(seq.prompt_ids[: info.tokens])
-                seq.prefill_from = info.tokens
-                seq.text = self.engine.text_stream(seq.params)
-                seq.sampler = sampling.for_request(seq.params)
-                seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
-            except Exception as e:
-                self._fail(seq, e, seq.lease.caches if seq.lease else None)
-                continue
-            self.prefilling = seq
-            return seq
-        return None
+    def _start(self, seq: _Seq) -> bool:
+        """Look up ``seq``'s prefix (it leaves ``waiting``); True when its prefill is set up. A
+        disk hit read while other requests run is read beside them (``loading``), so the read
+        never stops their decode steps; :meth:`_poll_loading` finishes it."""
+        self.waiting.remove(seq)
+        if seq.sink.cancelled():  # gone before it started: nothing computed, nothing stored
+            seq.sink.emit(END)
+            return False
+        seq.started = time.perf_counter()
+        beside = bool(self.decoding or self.prefilling or self.loading)
+        try:
+            seq.fetch = self.engine.cache.fetch_steps(seq.prompt_ids, background=beside)
+        except Exception as e:
+            self._fail(seq, e, None)
+            return False
+        return self._fetch_once(seq)
+
+    def _poll_loading(self) -> None:
+        if self.loading and not (self.decoding or self.prefilling):
+            time.sleep(0.002)  # only reads in flight: wait for them without spinning
+        for seq in list(self.loading):
+            self.loading.remove(seq)
+            if seq.sink.cancelled():
+                assert seq.fetch is not None
+                seq.fetch.close()
+                self._finish(seq, "cancelled", None)
+            else:
+                self._fetch_once(seq)
+
+    def _fetch_once(self, seq: _Seq) -> bool:
+        """One step of ``seq``'s lookup; once it gives the lease, set up its prefill."""
+        assert seq.fetch is not None
+        try:
+            next(seq.fetch)
+            self.loading.append(seq)  # its entry is being read: not yet
+            return False
+        except StopIteration as done:
+            seq.lease = done.value
+        except Exception as e:
+            self._fail(seq, e, None)
+            return False
+        try:
+            info = seq.lease.hit
+            seq.hit = Hit(info.tokens, info.tier, info.load_seconds)
+            seq.sink.emit(seq.hit)
+            seq.fed = list(seq.prompt_ids[: info.tokens])
+            seq.prefill_from = info.tokens
+            seq.text = self.engine.text_stream(seq.params)
+            seq.sampler = sampling.for_request(seq.params)
+            seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
+        except Exception as e:
+            self._fail(seq, e, seq.lease.caches)
+            return False
+        self.prefilling.append(seq)
+        return True
 
     def _first_token(self, seq: _Seq, logits: mx.array) -> None:
         """Sample the first token from the prefill's logits, then join a decode group."""

@@ -152,8 +152,10 @@ class ChatOutput:
         self._sm = fmt.machine(parse_tools).make_state(REASONING if start_in_reasoning else NORMAL)
         self._state = self._sm[0]
         self._tool_text = ""
-        # trailing whitespace per channel, shown once more text follows
+        # trailing whitespace per channel, shown once more text follows (it might precede a
+        # marker); with no marker to parse, nothing is held: a first "\n" token streams at once
         self._held = {NORMAL: "", REASONING: ""}
+        self._markers = fmt.think is not None or parse_tools
         self._lstrip = {NORMAL: False, REASONING: start_in_reasoning}
         self.n_calls = 0
         self.result = Delta()
@@ -208,7 +210,7 @@ class ChatOutput:
             if not text:
                 return
             self._lstrip[channel] = False
-        body = text.rstrip()
+        body = text.rstrip() if self._markers else text
         if body:
             shown = self._held[channel] + body
             self._held[channel] = text[len(body) :]

@@ -3,14 +3,14 @@
 Transport only. Handlers run on the asyncio loop and never touch MLX; rendering and tokenizing run
 in the thread pool, generation on the :class:`engine.worker.Worker` thread (continuous batching).
 Schemas live in ``engine/api.py``; prompts, tool calls, finish reasons and usage in
-``engine/respond.py``; the events a job yields in ``engine/events.py``. This is the HTTP edge: any
+``engine/respond.py``; the events a job yields in ``engine/events.py``; the SSE pump and the
+non-streaming collector both endpoints share in ``engine/sse.py``. This is the HTTP edge: any
 exception becomes an OpenAI-shaped error body here, never a traceback to the client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -21,25 +21,18 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, respond
+from engine import api, respond, sse
 from engine.api import ApiError, ChatRequest, CompletionRequest
-from engine.events import END, Chunk, Event, Failed
 from engine.http_edge import Auth, ShutdownGuard, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
-from engine.worker import Job, QueueFull, Worker
+from engine.worker import QueueFull, Worker
 from tiered_kv import Config
 
 log = logging.getLogger(__name__)
 #: request bodies parsed / prompts tokenised at once (thread pool): each holds memory
 #: proportional to its body or prompt, and a 16 MB body takes a CPU for a while
 TOKENIZE_CONCURRENCY = 2
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-KEEPALIVE, DONE = b": keep-alive\n\n", b"data: [DONE]\n\n"
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 class Server:
@@ -88,11 +81,6 @@ class Server:
         async with self._tokenizing:
             return await run_in_threadpool(fn, *args)
 
-    async def _events(self, job: Job) -> AsyncIterator[Event | None]:
-        """A job's events up to its end; None on each idle keep-alive interval."""
-        while (ev := await job.get(self.keepalive)) is not END:
-            yield ev
-
     async def _serve(
         self, request: Request, endpoint: str, schema: type, prepare: Callable[[Any], Any]
     ) -> Response:
@@ -108,62 +96,21 @@ class Server:
                 raise ApiError(
                     429, f"server busy: {e}", type_="rate_limit_error", code="queue_full"
                 ) from None
-            events = self._events(job)
-            first = await anext(events)  # the cache hit (or a failure), so headers name the tier
+            rest = sse.events(job, self.keepalive)
+            first = await anext(rest)  # the cache hit (or a failure), so headers name the tier
             headers = respond.hit_headers(first)
             if req.stream:
                 self.metrics.request(endpoint, 200)
-                stream = self._pump(job, out, first, events)
+                stream = sse.pump(job, out, first, rest, self.metrics.generation)
                 return StreamingResponse(
-                    stream, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+                    stream, media_type="text/event-stream", headers={**sse.HEADERS, **headers}
                 )
-            try:
-                result = await self._collect(job, request, out, first, events)
-            finally:
-                job.cancel.set()
+            gone = request.is_disconnected
+            result = await sse.collect(job, out, first, rest, self.metrics.generation, gone)
             self.metrics.request(endpoint, 200)
             return JSONResponse(result, headers=headers)
         except Exception as e:
             return self._error(endpoint, e)
-
-    async def _collect(self, job: Job, request: Request, out: Any, first: Any, events: Any) -> Any:
-        """Non-streaming: every chunk through ``out``, then its body; a client gone away cancels."""
-        ev = first
-        while True:
-            if ev is None and await request.is_disconnected():
-                job.cancel.set()
-            elif isinstance(ev, Failed):
-                raise ev.error
-            elif isinstance(ev, Chunk):
-                out.feed(ev)
-                if ev.finish_reason is not None:
-                    self.metrics.generation(ev.usage)
-                    return out.body()
-            ev = await anext(events, END)
-            if ev is END:
-                raise RuntimeError("generation ended without a final chunk")
-
-    async def _pump(self, job: Job, out: Any, first: Any, events: Any) -> AsyncIterator[bytes]:
-        """The one SSE pump of both endpoints: ``out``'s chunks, keep-alives, errors, [DONE]."""
-        try:
-            for obj in out.start():
-                yield _sse(obj)
-            ev = first
-            while ev is not END:
-                if ev is None:
-                    yield KEEPALIVE
-                elif isinstance(ev, Failed):
-                    yield _sse(respond.error_chunk(ev.error))
-                    break
-                elif isinstance(ev, Chunk):
-                    for obj in out.feed(ev):
-                        yield _sse(obj)
-                    if ev.usage is not None:
-                        self.metrics.generation(ev.usage)
-                ev = await anext(events, END)
-            yield DONE
-        finally:
-            job.cancel.set()  # no-op after the end; stops the request if the client went away
 
     async def chat_completions(self, request: Request) -> Response:
         def prepare(req: ChatRequest) -> tuple[list[int], respond.Output]:

@@ -80,9 +80,10 @@ class HotTier:
         self._clock = itertools.count(1)
 
     # -- lookup ----------------------------------------------------------------------------
-    def best(self, prompt: TokenArray) -> tuple[Entry, int] | None:
+    def best(self, prompt: TokenArray, count: bool = True) -> tuple[Entry, int] | None:
         """(entry, common prefix) of the entry that can serve the most tokens of ``prompt``
-        (ties: the longest common prefix, then the most recent)."""
+        (ties: the longest common prefix, then the most recent). ``count=False``: a peek, not
+        counted as a hit or a miss."""
         best: tuple[Entry, int] | None = None
         score = (0, 0, 0)
         for e in self.entries.values():
@@ -90,9 +91,9 @@ class HotTier:
             n = policy.servable(common, len(prompt), len(e.tokens), e.trimmable, e.checkpoints)
             if n > 0 and (n, common, e.last_used) > score:
                 best, score = (e, common), (n, common, e.last_used)
-        if best is None:
+        if count and best is None:
             self.stats.misses += 1
-        else:
+        elif count:
             self.stats.hits += 1
         return best
 

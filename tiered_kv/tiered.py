@@ -26,10 +26,13 @@ from tiered_kv.config import Config
 from tiered_kv.hot import Entry, HotTier, cache_bytes, checkpoint_bytes
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.prefix import TokenArray, as_tokens, common_prefix
+from tiered_kv.steps import Steps, drain
 
 log = logging.getLogger(__name__)
 #: [shared tier] at shutdown, how long queued publishes may take before they are dropped (counted)
 _SHARED_CLOSE_SECONDS = 30.0
+#: a disk hit loaded beside running streams builds at most this many bytes of arrays per step
+_BESIDE_STEP_BYTES = 256 << 20
 
 
 class ColdHitLike(Protocol):
@@ -133,11 +136,19 @@ class TieredCache:
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, prompt_ids: Sequence[int]) -> Lease:
         """Caches for the longest cached prefix of ``prompt_ids`` (never the last token)."""
+        return drain(self.fetch_steps(prompt_ids, background=False))
+
+    def fetch_steps(
+        self, prompt_ids: Sequence[int], background: bool = True
+    ) -> Steps[Lease]:
+        """:meth:`fetch`, for a thread with other work to keep going (the batch loop's decode
+        steps): with ``background``, a disk entry's file is read on an I/O thread and each
+        ``next()`` while it is read returns at once; the arrays are built here, at the end."""
         prompt = as_tokens(prompt_ids)
         if len(prompt) == 0:
             raise ValueError("empty prompt")
         self.counters["fetches"] += 1
-        cand = self._find(prompt) if self.enabled else None
+        cand = (yield from self._find(prompt, background)) if self.enabled else None
         decision = cand.restore if cand is not None else None
         if cand is not None and cand.entry is not None:
             lease = self._lease_from(cand, prompt)
@@ -147,7 +158,14 @@ class TieredCache:
         hit = HitInfo(restore=decision)
         return Lease(self.make_cache(), prompt.tolist(), hit, None, {}, self.needs_checkpoints)
 
-    def _find(self, prompt: TokenArray) -> _Candidate | None:
+    def peek(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens the hot tier could serve now: a scheduling estimate (no lease, no copy,
+        no disk, not counted as a hit)."""
+        prompt = as_tokens(prompt_ids)
+        best = self.hot.best(prompt, count=False) if self.config.hot_enabled else None
+        return policy.servable_tokens(best[1], len(prompt)) if best else 0
+
+    def _find(self, prompt: TokenArray, background: bool) -> Steps[_Candidate | None]:
         best = self.hot.best(prompt) if self.config.hot_enabled else None
         hot_n = policy.servable_tokens(best[1], len(prompt)) if best else 0
         cand = _Candidate(best[0], best[1], "hot") if best else None
@@ -160,7 +178,7 @@ class TieredCache:
             if shared is not None:
                 cand = shared
             elif hit is not None and cold_n > hot_n:
-                loaded = self._restore(hit, prompt, hot_n)
+                loaded = yield from self._restore(hit, prompt, hot_n, background)
                 if loaded is not None and loaded.entry is not None:
                     cand = loaded
                 elif loaded is not None:  # computing beats loading: the plan rides along
@@ -169,12 +187,14 @@ class TieredCache:
         return cand
 
     # -- issue 15: load, compute or both ----------------------------------------------------
-    def _restore(self, hit: ColdHitLike, prompt: TokenArray, hot_n: int) -> _Candidate | None:
+    def _restore(
+        self, hit: ColdHitLike, prompt: TokenArray, hot_n: int, background: bool
+    ) -> Steps[_Candidate | None]:
         """The candidate of a disk hit restored the planned way; a candidate with no entry
         when the plan is to recompute; None on a miss (vanished / corrupt)."""
         r = self.restorer
         if r is None:
-            return self._load(hit, prompt)
+            return (yield from self._load(hit, prompt, background))
         assert self.cold is not None
         n = policy.servable_tokens(hit.tokens, len(prompt))
         d = r.plan(self.cold, hit, n, len(prompt), hot_n)
@@ -185,16 +205,21 @@ class TieredCache:
             if got is not None:
                 entry = new_entry(got.tokens, got.caches, {}, persisted=True)
                 return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d)
-        cand = self._load(hit, prompt)
+        cand = yield from self._load(hit, prompt, background)
         if cand is not None:
             r.observe_load(hit.entry_id, cand.load_bytes, cand.load_seconds)
             cand.restore = d
         return cand
 
-    def _load(self, hit: ColdHitLike, prompt: TokenArray) -> _Candidate | None:
+    def _load(
+        self, hit: ColdHitLike, prompt: TokenArray, background: bool
+    ) -> Steps[_Candidate | None]:
         assert self.cold is not None
         t0 = time.perf_counter()
-        got = self.cold.load(hit)
+        if background and hasattr(self.cold, "load_steps"):
+            got = yield from self._load_beside(hit)
+        else:
+            got = self.cold.load(hit)
         if got is None:
             return None  # corrupt or vanished: the cold tier quarantined it and counted
         caches, ids, ckpts = got
@@ -202,6 +227,13 @@ class TieredCache:
         seconds = time.perf_counter() - t0
         common = common_prefix(entry.tokens, prompt)
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
+
+    def _load_beside(self, hit: ColdHitLike) -> Steps[Any]:
+        """The cold tier's load step by step: its scan thread reads and verifies the file while
+        the caller's other work goes on; the arrays are built here a slice at a time."""
+        assert self.cold is not None
+        cold: Any = self.cold
+        return (yield from cold.load_steps(hit, _BESIDE_STEP_BYTES))
 
     def _load_shared(self, prompt: TokenArray, floor: int) -> _Candidate | None:
         """[shared tier, issue 17] The shared tier's longest hit when it serves more than

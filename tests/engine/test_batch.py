@@ -9,6 +9,7 @@ TieredCache; the loop runs on the test's thread (the thread that made the models
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -216,3 +217,88 @@ def test_short_suffixes_prefill_together():
         loop.add(s, tokens(60 + i, 2), SamplingParams(max_tokens=5))
     loop.step()
     assert all(s.ids for s in sinks)  # 3 prompts of 2 tokens, budget 8: all in the first step
+
+
+def hit_of(sink: Sink) -> Hit:
+    return next(e for e in sink.events if isinstance(e, Hit))
+
+
+@pytest.mark.parametrize("title_started", [False, True])
+def test_cached_main_request_prefills_before_a_fresh_title(title_started):
+    """The least prompt left goes first: a main request whose long prompt is cached gets its first
+    token before a concurrent title request (fresh prompt) has prefilled — whether they arrive
+    together or the title's prefill is already under way (overtaken at a chunk boundary)."""
+    engine = warmed(make_llama(seed=4), {})
+    main_ids, title_ids = SHARED + tokens(71, 6), tokens(70, 60)  # 6 new tokens vs 60 (8 chunks)
+    ref = alone(warmed(make_llama(seed=4), {}), main_ids, 5).ids
+    loop, title, main = BatchLoop(engine), Sink(), Sink()
+    loop.add(title, title_ids, SamplingParams(max_tokens=20))
+    if title_started:
+        loop.step()
+        assert loop.prefilling and not title.ids  # one chunk of the title done
+    loop.add(main, main_ids, SamplingParams(max_tokens=5))
+    run_until(loop, lambda: bool(main.ids))
+    assert not title.ids  # the title is still prefilling
+    assert hit_of(main).tokens == len(SHARED)
+    run_until(loop, lambda: main.done and title.done)
+    assert main.ids == ref
+
+
+def test_requests_sharing_a_new_prompt_wait_for_the_first_ones_prefill():
+    """Two requests on one uncached system prompt, sent together: the second waits for the first's
+    prefill and starts from its published prompt instead of prefilling the shared part again."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=("hot",), min_continuation_tokens=16))
+    system = tokens(80, 100)
+    loop, a, b = BatchLoop(engine), Sink(), Sink()
+    loop.add(a, system + tokens(81, 5), SamplingParams(max_tokens=3))
+    loop.add(b, system + tokens(82, 4), SamplingParams(max_tokens=3))
+    run_until(loop, lambda: a.done and b.done)
+    first, second = sorted([hit_of(a).tokens, hit_of(b).tokens])
+    assert first == 0 and second >= len(system)
+
+
+def test_a_disk_hit_is_read_beside_the_running_streams(tmp_path, monkeypatch):
+    """A request whose prefix comes from the cold tier does not stop another stream: the file is
+    read by the scan thread (here a disk made slow) while the running request keeps decoding, and
+    the arrays built a slice at a time give what the load of a request alone gives."""
+    from tiered_kv.cold import store
+    from tiered_kv.cold.tier import ColdTier
+
+    model = make_llama(seed=4)
+    cfg = Config(cache_dir=tmp_path, block_tokens=16, restore="load")
+
+    def restarted() -> ModelEngine:
+        e = ModelEngine(model, cfg)
+        e.cache = TieredCache(
+            e.config, lambda: make_prompt_cache(model), ColdTier(tmp_path, "fp", cfg)
+        )
+        return e
+
+    on_disk = tokens(90, 64)
+    first = restarted()
+    alone(first, on_disk + [5], 1)
+    first.cache.close()  # spilled: the entry is on disk only
+    asked = on_disk + tokens(91, 5)
+    ref = alone(restarted(), asked, 6)
+    assert hit_of(ref).tier == "cold"
+
+    def slow(fn: Callable) -> Callable:
+        def wrapped(*a: Any) -> Any:
+            time.sleep(0.2)
+            return fn(*a)
+
+        return wrapped
+
+    monkeypatch.setattr(store, "read_into", slow(store.read_into))  # every read of the scan
+    engine = restarted()
+    loop, running, restored = BatchLoop(engine), Sink(), Sink()
+    loop.add(running, tokens(92, 8), SamplingParams(max_tokens=100_000))
+    run_until(loop, lambda: len(running.ids) >= 2)
+    loop.add(restored, asked, SamplingParams(max_tokens=6))
+    before = len(running.ids)
+    run_until(loop, lambda: any(isinstance(e, Hit) for e in restored.events), limit=10**6)
+    assert len(running.ids) - before >= 5  # it kept decoding while the entry was read
+    run_until(loop, lambda: restored.done, limit=10**6)
+    got, want = hit_of(restored), hit_of(ref)
+    assert (got.tokens, got.tier) == (want.tokens, "cold") and restored.ids == ref.ids
+    loop.close()

@@ -180,8 +180,9 @@ def test_smollm2_hits_equal_cold(smollm2_dir, tmp_path):
 def _engine(model_dir, root, **kw):
     from engine.generate import Engine
 
-    # RESTORE=load: the planner may legitimately recompute a short disk hit (as in main's 4f09818 for
-    # the kill -9 test), which is no answer to "was the entry written and is it servable"
+    kw.setdefault("cold_deadline", 30.0)  # (the deadline itself: tests/tiered_kv/cold/test_reader.py)
+    # RESTORE=load: auto may legitimately recompute a short disk hit (as main's 4f09818 says of the
+    # kill -9 test), which is no answer to "was the entry written and is it servable"
     kw.setdefault("restore", "load")
     return Engine(model_dir, Config(cache_dir=root, block_tokens=16, disk_free_floor=0, **kw))
 

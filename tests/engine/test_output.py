@@ -357,3 +357,13 @@ def test_hermes_unclosed_complete_json_is_a_call():
 def test_hermes_disabled_passes_text():
     got, _ = _hermes(["<tool_call>{}</tool_call>"], parse_tools=False)
     assert got.content == "<tool_call>{}</tool_call>"
+
+
+def test_whitespace_streams_at_once_when_no_marker_can_follow():
+    """With no tool parsing and no think markers nothing can follow whitespace that would make it
+    "not text": a first "\\n" token is shown at once (it was held to the end: TTFT = total time
+    for a model that begins with newlines). With a marker to parse it is still held."""
+    plain = ChatOutput(OutputFormat(), TOOLS, parse_tools=False)
+    assert plain.feed("\n").content == "\n" and plain.feed("\n Hi").content == "\n Hi"
+    parsing = ChatOutput(OutputFormat(), TOOLS)
+    assert parsing.feed("\n").content == "" and parsing.feed("Hi").content == "\nHi"

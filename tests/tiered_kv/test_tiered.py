@@ -147,6 +147,7 @@ IDENTITY = {"model": "test-fingerprint"}
 
 def open_tc(model, root, **kw) -> TieredCache:
     """Through the door: open_cache decides which tiers are on (``tiers=()``: none)."""
+    kw.setdefault("cold_deadline", 30.0)  # a loaded machine must not turn a lookup into a miss
     cfg = Config(cache_dir=root, block_tokens=16, **kw)
     return open_cache(cfg, IDENTITY, lambda: make_prompt_cache(model))
 

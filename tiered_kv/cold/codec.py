@@ -23,6 +23,7 @@ import numpy as np
 
 from tiered_kv import layers
 from tiered_kv.cold import store
+from tiered_kv.steps import Steps, drain
 
 CKPT = "ckpt."
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
@@ -85,18 +86,29 @@ def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
     """Every tensor of ``path`` (whose checked header is ``header``), verified.
 
     A :class:`store.Scan` reads the file once, sequentially, checking every chunk digest on the
-    hashing pool; ``mx.load`` builds the arrays trailing it, one group at a time, each group only
-    once the scan has verified its bytes (the page cache serves them: the disk is read once, and
-    the arrays go straight to the device's memory, never through Python). Raises
-    store.CorruptEntry (also when the file changed since ``header``), FileNotFoundError."""
+    hashing pool; ``mx.load`` builds the arrays trailing it, each step evaluating what the scan
+    has verified (the page cache serves it: the disk is read once, and the arrays go straight to
+    the device's memory, never through Python). Raises store.CorruptEntry (also when the file
+    changed since ``header``), FileNotFoundError, OSError."""
+    return drain(load_steps(path, header))
+
+
+def load_steps(
+    path: Path, header: store.Header, step_bytes: int | None = None
+) -> Steps[dict[str, mx.array]]:
+    """:func:`load_file` step by step, for a thread with other work to keep going: a ``next()``
+    returns at once while the scan has not read the next tensor, and otherwise builds at most
+    ``step_bytes`` of arrays (None: everything the scan has read, waiting for it)."""
     scan = store.Scan(path, header)
     try:
-        return _load_trailing(path, header, scan)
+        return (yield from _load_trailing(path, header, scan, step_bytes))
     finally:
         scan.close()
 
 
-def _load_trailing(path: Path, header: store.Header, scan: store.Scan) -> dict[str, mx.array]:
+def _load_trailing(
+    path: Path, header: store.Header, scan: store.Scan, step_bytes: int | None
+) -> Steps[dict[str, mx.array]]:
     try:
         loaded = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
@@ -113,19 +125,27 @@ def _load_trailing(path: Path, header: store.Header, scan: store.Scan) -> dict[s
         if list(x.shape) != t["shape"] or store.DTYPES.get(_dtype(x)) != t["dtype"]:
             raise store.CorruptEntry(f"tensor {name!r} does not match its header")
     order = sorted(header.tensors, key=lambda n: header.tensors[n]["data_offsets"][0])
+    starts = [header.tensors[n]["data_offsets"][0] for n in order]
     ends = [header.tensors[n]["data_offsets"][1] for n in order]
     i = 0
     try:
         while i < len(order):
+            if step_bytes is not None:
+                while not scan.has_read(ends[i]):
+                    yield  # the scan thread reads; the caller's other work goes on
             # everything the scan has read by now, at least the next tensor: a warm file is read
             # far ahead (few large evals, as mlx-lm's load), a cold one is followed closely
             reached = scan.wait_read(ends[i])
+            if step_bytes is not None:
+                reached = min(reached, max(ends[i], starts[i] + step_bytes))
             j = i + 1
             while j < len(order) and ends[j] <= reached:
                 j += 1
             scan.wait(ends[j - 1])  # raises store.CorruptEntry
             mx.eval([arrays[n] for n in order[i:j]])
             i = j
+            if step_bytes is not None and i < len(order):
+                yield
     except (RuntimeError, ValueError) as e:
         if isinstance(e, store.CorruptEntry):
             raise
@@ -140,10 +160,22 @@ def _dtype(x: mx.array) -> str:
 
 def load_buffer(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
     """Tensors of a whole entry in memory, verified first (one copy into MLX memory)."""
+    check_buffer(buf, header)
+    return arrays_of(buf, header)
+
+
+def check_buffer(buf: memoryview, header: store.Header) -> None:
+    """Every tensor of a whole entry in memory against its chunk digests (bytes only: any
+    thread). Raises store.CorruptEntry."""
     futures = [store.pool().submit(store.check_buffer, n, store.tensor_bytes(buf, header, n), header)
                for n in header.tensors]  # fmt: skip
     for f in futures:
         f.result()
+
+
+def arrays_of(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
+    """The tensors of a whole entry in memory whose digests were checked (one copy into MLX
+    memory, evaluated: the thread that owns MLX)."""
     out: dict[str, mx.array] = {}
     for name, t in header.tensors.items():
         width = store.ITEMSIZE[t["dtype"]]

@@ -370,6 +370,11 @@ class Scan:
                 if self._read_to < offset:
                     raise self._error
 
+    def has_read(self, offset: int) -> bool:
+        """Whether the scan has read past ``offset`` or ended (then :meth:`wait` raises)."""
+        with self._cond:
+            return self._read_to >= offset or self._done
+
     def wait_read(self, offset: int) -> int:
         """Block until the scan has read past ``offset`` (or ended); how far it has read."""
         with self._cond:
@@ -399,7 +404,7 @@ class Scan:
                             self._hashes[-self._ring][1].result()  # its buffer is free again
                     view = bufs[use % self._ring][:n]
                     use += 1
-                    if os.preadv(self._fd, [view], header.data_start + off) != n:
+                    if read_into(self._fd, view, header.data_start + off) != n:
                         raise CorruptEntry("short read in data section")
                     first = (off - start) // header.chunk_bytes * _HEX
                     want = sums[first : first + -(-n // header.chunk_bytes) * _HEX]
@@ -415,6 +420,11 @@ class Scan:
             with self._cond:
                 self._done = True
                 self._cond.notify_all()
+
+
+def read_into(fd: int, view: memoryview, offset: int) -> int:
+    """One positioned read of a scan (a seam for tests that make the disk slow)."""
+    return os.preadv(fd, [view], offset)
 
 
 def _check_piece(name: str, data: memoryview, chunk: int, want: str) -> None:

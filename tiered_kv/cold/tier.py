@@ -47,6 +47,7 @@ from tiered_kv.cold.writer import Writer
 from tiered_kv.cold.writes import Published, Raw, WritePath
 from tiered_kv.config import Config
 from tiered_kv.prefix import common_prefix
+from tiered_kv.steps import Steps, drain
 
 _MIN_RATE = 50e6  # bytes/s below which a write-through wait gives up (the write goes on)
 
@@ -137,6 +138,12 @@ class ColdTier:
     def load(self, hit: ColdHit) -> Loaded | None:
         """(caches holding the whole entry, entry token ids, checkpoints) or None (missing /
         corrupt / too slow). The caller trims to ``hit.tokens``. Request thread only."""
+        return drain(self.load_steps(hit))
+
+    def load_steps(self, hit: ColdHit, step_bytes: int | None = None) -> Steps[Loaded | None]:
+        """:meth:`load` for a request thread with other work to keep going (the batch loop's
+        decode steps): each ``next()`` returns at once while the scan thread reads, and builds at
+        most ``step_bytes`` of arrays (None: all that is read). Request thread."""
         found = self._ask(lambda: self._locate(hit.entry_id), None)
         if found is None:
             return None
@@ -149,7 +156,7 @@ class ColdTier:
             return None
         t0 = time.perf_counter()
         try:
-            arrays = codec.load_file(path, header)
+            arrays = yield from codec.load_steps(path, header, step_bytes)
             tokens = codec.tokens_of(arrays)
             if not np.array_equal(stored, tokens):
                 raise store.CorruptEntry("file tokens differ from the index")
@@ -159,6 +166,9 @@ class ColdTier:
             return None
         except (store.CorruptEntry, layers.CorruptState, layers.UnsupportedCache) as e:
             self._bad(rec, path, e)
+            return None
+        except OSError as e:  # the scan thread's read failed
+            self._bad(rec, path, store.CorruptEntry(f"unreadable: {e}"))
             return None
         self.faults.add_load(rec.nbytes, time.perf_counter() - t0)
         now = time.time()

@@ -1,0 +1,85 @@
+"""One job's events → an SSE byte stream or one collected response: the pump both endpoints share.
+
+No transport and no MLX: ``engine/server.py`` hands the bytes to Starlette, the events come from
+the engine thread (``engine/events.py``), the OpenAI objects from an ``engine.respond.Output``.
+Runs on the asyncio loop; a consumer that stops early (the client went away) cancels the job, and
+the engine stores what the request computed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from engine import respond
+from engine.events import END, Chunk, Event, Failed, Usage
+from engine.worker import Job
+
+HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+KEEPALIVE, DONE = b": keep-alive\n\n", b"data: [DONE]\n\n"
+OnUsage = Callable[[Usage | None], None]
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def events(job: Job, keepalive: float) -> AsyncIterator[Event | None]:
+    """A job's events up to its end; None on each idle keep-alive interval."""
+    while (ev := await job.get(keepalive)) is not END:
+        yield ev
+
+
+async def pump(
+    job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage
+) -> AsyncIterator[bytes]:
+    """Streaming: ``out``'s chunks, keep-alives, a mid-stream error object, then [DONE]."""
+    try:
+        for obj in out.start():
+            yield encode(obj)
+        ev = first
+        while ev is not END:
+            if ev is None:
+                yield KEEPALIVE
+            elif isinstance(ev, Failed):
+                yield encode(respond.error_chunk(ev.error))
+                break
+            elif isinstance(ev, Chunk):
+                for obj in out.feed(ev):
+                    yield encode(obj)
+                if ev.usage is not None:
+                    on_usage(ev.usage)
+            ev = await anext(rest, END)
+        yield DONE
+    finally:
+        job.cancel.set()  # no-op after the end; stops the request if the client went away
+
+
+async def collect(
+    job: Job,
+    out: respond.Output,
+    first: Any,
+    rest: AsyncIterator[Any],
+    on_usage: OnUsage,
+    gone: Callable[[], Awaitable[bool]],
+) -> dict[str, Any]:
+    """Non-streaming: every chunk through ``out``, then its body; ``gone()`` (checked at each
+    keep-alive interval) cancels the job. A failure is re-raised for the HTTP edge."""
+    try:
+        ev = first
+        while True:
+            if ev is None and await gone():
+                job.cancel.set()
+            elif isinstance(ev, Failed):
+                raise ev.error
+            elif isinstance(ev, Chunk):
+                out.feed(ev)
+                if ev.finish_reason is not None:
+                    on_usage(ev.usage)
+                    return out.body()
+            ev = await anext(rest, END)
+            if ev is END:
+                raise RuntimeError("generation ended without a final chunk")
+    finally:
+        job.cancel.set()
