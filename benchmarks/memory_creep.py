@@ -3,14 +3,14 @@
 The server runs in this process (uvicorn on a thread, the real app and worker), so every reading is
 of the serving process itself. Each round sends ``--requests`` chat turns (fresh conversations of
 three turns each, 4 clients at once), so the hot tier churns at its budget and spills to disk.
-After each round (all requests done, ``gc.collect()``) one row: the process RSS and its anonymous
-part (RSS also counts mapped files, libraries and weights, which the kernel drops under memory
-pressure), the hot tier, MLX's active and cache (freed-but-kept buffers) memory, the Python
-objects, the arenas of CPython's small-object allocator, the cold entries, index file and spill
-queue, and with ``--tracemalloc`` the bytes Python allocated. ``--clear-cache`` calls
-``mx.clear_cache()`` after each round, ``--malloc-trim`` glibc's ``malloc_trim(0)``: if the creep
-disappears with one of them, that is its cause. Reading allocator counters is no array
-operation, so it is done from this thread.
+After each round (all requests done, the spill queue written, ``gc.collect()``) one row: the
+process RSS and its anonymous part (RSS also counts mapped files, libraries and weights, which the
+kernel drops under memory pressure), the hot tier, MLX's active and cache (freed-but-kept buffers)
+memory, the Python objects, the arenas of CPython's small-object allocator, the cold entries,
+index file and spill queue, and with ``--tracemalloc`` the bytes Python allocated.
+``--clear-cache`` calls ``mx.clear_cache()`` after each round, ``--malloc-trim`` glibc's
+``malloc_trim(0)``: if the creep disappears with one of them, that is its cause. Reading allocator
+counters is no array operation, so it is done from this thread.
 
     python -m benchmarks.memory_creep              # from the repo root: tiny model, 30 rounds x 60
     python -m benchmarks.memory_creep --model ~/.cache/tiered-kv/models/smollm2-135m-instruct
@@ -125,15 +125,8 @@ def main() -> None:
     p.add_argument("--clear-cache", action="store_true", help="mx.clear_cache() after each round")
     p.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) after each round")
     p.add_argument("--tracemalloc", action="store_true", help="trace Python allocations")
-    p.add_argument("--sqlite-cache-pages", type=int, default=0,
-                   help="experiment: the cold index's sqlite page cache per connection (diskcache's "
-                        "default: 8192 pages = 32 MiB)")  # fmt: skip
     args = p.parse_args()
 
-    if args.sqlite_cache_pages:  # before the index opens: diskcache reads its defaults then
-        import diskcache.core
-
-        diskcache.core.DEFAULT_SETTINGS["sqlite_cache_size"] = args.sqlite_cache_pages
     tmp = Path(tempfile.mkdtemp(prefix="memory-creep-"))
     model = args.model
     if model is None:
@@ -152,7 +145,7 @@ def main() -> None:
     print(f"model {model.name}, tiers {args.tiers}, {args.rounds} rounds x {args.requests} "
           f"requests, hot budget {args.hot_bytes}, disk budget {args.disk_bytes}, "
           f"write_through={args.write_through}, clear_cache={args.clear_cache}, "
-          f"malloc_trim={args.malloc_trim}, sqlite_cache_pages={args.sqlite_cache_pages or 'default'}\n")  # fmt: skip
+          f"malloc_trim={args.malloc_trim}\n")  # fmt: skip
     cols = ["round", "RSS MB", "anon MB", "hot MB", "hot entries", "mlx active MB", "mlx cache MB",
             "py objects", "pymalloc MB", "cold entries", "index file MB", "spill queue MB"]  # fmt: skip
     cols += ["traced MB"] if args.tracemalloc else []
@@ -166,6 +159,9 @@ def main() -> None:
             list(
                 pool.map(lambda s: conversation(client, url, s, args.words, args.max_tokens), seeds)
             )
+            cold = worker.engine.cache.cold
+            if cold is not None:  # a row never counts spills still waiting to be written
+                cold.flush(120)
             gc.collect()
             if args.clear_cache:
                 mx.clear_cache()  # between rounds: the engine thread is idle

@@ -5,7 +5,8 @@ session that moves from server A to server B (shared hit) against a cold prefill
     python -m benchmarks.shared_reload ttft [--tokens 4096]
 
 ``reload``: one entry of each size (bench-shaped KV, float16) is written by a local cold tier and
-published to Redis (a redis-server started on a free loopback port unless ``--url``). Then, each
+published to Redis (a redis-server started on a free loopback port unless ``--url``, with
+``maxmemory`` sized for the largest entry and ``allkeys-lru``, as the README advises). Then, each
 from a cold page cache (``sync`` + ``posix_fadvise(DONTNEED)``) where it is a file:
 
 * ``dd``: ``dd bs=16M`` of the entry file;
@@ -13,6 +14,14 @@ from a cold page cache (``sync`` + ``posix_fadvise(DONTNEED)``) where it is a fi
 * ``redis fetch``: ``SharedTier.fetch`` (every chunk over TCP + the entry format's checks);
 * ``redis hit``: fetch + ``ColdTier.adopt`` (written to a second local dir, arrays built) — what a
   request on server B pays for a shared hit.
+
+Memory: the entry is never held twice where once will do. Its KV is made layer by layer straight
+into the cache objects (one copy, freed with MLX's buffer cache once the file is written); it is
+published from a read-only map of the file (page cache, not process memory); every loaded copy
+is dropped (and ``mx.clear_cache()``) before the next phase. The heaviest phase is the shared hit:
+the fetched bytes and the arrays built from them (2x the entry). A second table gives each
+phase's peak resident memory of this process (sampled every 10 ms; "anon" leaves out mapped
+files) and Redis's own (``used_memory_peak``): a 4 GB entry needs ~8 GB here plus ~4 GB in Redis.
 
 ``ttft``: three ``tiered-kv serve`` processes on the bench model (8 layers, hidden 512, float32):
 A computes a prompt of ``--tokens`` tokens and publishes it; B (its own empty dir) answers the
@@ -23,6 +32,7 @@ same conversation plus one turn from Redis; C (no Redis) answers it cold. Time =
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import signal
@@ -30,7 +40,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -51,11 +64,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_redis(workdir: Path, maxmemory: int = 0) -> tuple[subprocess.Popen, str]:
+    """A redis-server on a free loopback port; ``maxmemory`` bytes (0: unbounded) under
+    ``allkeys-lru`` — the configuration the README gives for a shared tier."""
     exe = shutil.which("redis-server") or "/usr/bin/redis-server"
     port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-                             "--save", "", "--appendonly", "no"],
+                             "--save", "", "--appendonly", "no", "--maxmemory", str(maxmemory),
+                             "--maxmemory-policy", "allkeys-lru"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
     import redis
 
@@ -69,14 +85,83 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
 
 
 def caches_of(n_tokens: int) -> list:
+    """Bench-shaped KV, made one layer at a time straight into the caches: the entry exists once
+    (no ``update_and_fetch`` copy, no float32 intermediate)."""
     out = []
     for i in range(LAYERS):
+        shape = (1, KV_HEADS, n_tokens, HEAD_DIM)
         c = C.KVCache()
-        k = mx.random.normal((1, KV_HEADS, n_tokens, HEAD_DIM), key=mx.random.key(i)).astype(mx.float16)
-        c.update_and_fetch(k, k + 1)
+        c.keys = mx.random.normal(shape, dtype=mx.float16, key=mx.random.key(i))
+        c.values = mx.random.normal(shape, dtype=mx.float16, key=mx.random.key(LAYERS + i))
+        c.offset = n_tokens
         mx.eval(c.keys, c.values)
         out.append(c)
     return out
+
+
+def _status() -> tuple[int, int, int]:
+    """(VmRSS, RssAnon, VmHWM) bytes of this process."""
+    got = dict.fromkeys(("VmRSS", "RssAnon", "VmHWM"), 0)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name = line.split(":")[0]
+        if name in got:
+            got[name] = int(line.split()[1]) * 1024
+    return got["VmRSS"], got["RssAnon"], got["VmHWM"]
+
+
+class Peaks:
+    """Peak resident memory of this process per phase: VmHWM (reset through ``clear_refs``
+    where the kernel allows) and anonymous memory sampled every 10 ms on a thread."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[float, float]] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        free_mlx()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        top = [_status()[1]]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.01):
+                top[0] = max(top[0], _status()[1])
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+            _, anon, hwm = _status()
+            self.rows[name] = (max(hwm, _status()[0]) / 1e9, max(top[0], anon) / 1e9)
+
+
+def map_file(path: Path) -> memoryview:
+    """A read-only map of the entry file (what the publisher sends: pages, not a copy)."""
+    with path.open("rb") as f:
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+def free_mlx() -> None:
+    """Give MLX's freed buffers back (its buffer cache would otherwise keep each phase's copy)."""
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
+
+
+def redis_memory(url: str) -> tuple[float, float]:
+    """Redis's (used_memory, used_memory_peak) in GB; the peak is since Redis started (the
+    sweep runs sizes in the order given: smallest first keeps it per size)."""
+    import redis
+
+    info = redis.Redis.from_url(url).info("memory")
+    return float(info["used_memory"]) / 1e9, float(info["used_memory_peak"]) / 1e9
 
 
 def drop_cache(path: Path) -> None:
@@ -99,14 +184,22 @@ def dd_seconds(path: Path) -> float:
 def reload(sizes: list[float], url: str | None) -> None:
     work = Path(tempfile.mkdtemp(prefix="tkv-shared-bench-", dir=os.environ.get("TMPDIR")))
     proc = None
-    if url is None:
-        proc, url = start_redis(work)
+    if url is None:  # room for the largest entry (each size is flushed before the next)
+        proc, url = start_redis(work, maxmemory=int(max(sizes) * 1e9 * 1.1) + (512 << 20))
+    mem: list[str] = []
     try:
         print("| entry | tokens | dd GB/s | disk load GB/s | redis fetch GB/s | redis hit GB/s "
               "| publish GB/s |")  # fmt: skip
         print("|---|---|---|---|---|---|---|")
         for gb in sizes:
-            _one(work, url, gb)
+            mem.append(_one(work, url, gb))
+        print("\nPeak resident memory, GB (this process: RSS / anonymous; Redis: used_memory "
+              "with the entry / used_memory_peak)\n")  # fmt: skip
+        print("| entry | make + write | publish (mmap) | disk load | redis fetch | redis hit | "
+              "(max RSS - start) / entry | redis |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for row in mem:
+            print(row)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -122,53 +215,72 @@ def _open(root: Path, url: str) -> tuple[ColdTier, SharedLink]:
     return cold, link
 
 
-def _one(work: Path, url: str, gb: float) -> None:
+def _one(work: Path, url: str, gb: float) -> str:
+    """One entry size: the speed row (printed) and the memory row (returned)."""
     n = int(gb * 1e9 / (LAYERS * 2 * KV_HEADS * HEAD_DIM * 2))
     n -= n % 256
     tokens = np.arange(n, dtype=np.int32) % 30000
+    peaks = Peaks()
+    free_mlx()
+    base = _status()[0] / 1e9  # this process before the entry exists
     a, link_a = _open(work / f"a-{gb}", url)
-    t0 = time.perf_counter()
-    caches = caches_of(n)
-    a.persist(tokens, caches)
-    del caches
+    link_a.tier.client.config_resetstat()  # evicted_keys of this size only
+    with peaks.phase("make"):
+        caches = caches_of(n)
+        a.persist(tokens, caches)
+        del caches
     hit = a.lookup(tokens)
     assert hit is not None
     path = next((work / f"a-{gb}").rglob("*.safetensors"))
     size = path.stat().st_size
-    t0 = time.perf_counter()
-    data = path.read_bytes()
-    link_a.tier.publish(data, tokens)
-    publish = time.perf_counter() - t0
-    del data
+    with peaks.phase("publish"):
+        data = map_file(path)  # page cache, not a copy in this process
+        t0 = time.perf_counter()
+        assert link_a.tier.publish(data, tokens)
+        publish = time.perf_counter() - t0
+        data.release()
+        del data
+    redis_used = redis_memory(url)[0]
     dd = dd_seconds(path)
     drop_cache(path)
-    t0 = time.perf_counter()
-    got = a.load(hit)
-    disk = time.perf_counter() - t0
-    assert got is not None
-    del got
+    with peaks.phase("disk"):
+        t0 = time.perf_counter()
+        got = a.load(hit)
+        disk = time.perf_counter() - t0
+        assert got is not None
+        del got
     b, link_b = _open(work / f"b-{gb}", url)
     sh = link_b.lookup(tokens)
     assert sh is not None
-    t0 = time.perf_counter()
-    fetched = link_b.fetch(sh)
-    fetch = time.perf_counter() - t0
-    assert fetched is not None
-    del fetched
-    t0 = time.perf_counter()
-    fetched = link_b.fetch(sh)
-    assert fetched is not None
-    loaded = b.adopt(fetched.data, fetched.tokens)
-    shared_hit = time.perf_counter() - t0
-    assert loaded is not None
-    del loaded, fetched
+    with peaks.phase("fetch"):
+        t0 = time.perf_counter()
+        fetched = link_b.fetch(sh)
+        fetch = time.perf_counter() - t0
+        assert fetched is not None, f"shared fetch missed: {link_b.stats()}"
+        del fetched
+    with peaks.phase("hit"):
+        t0 = time.perf_counter()
+        fetched = link_b.fetch(sh)
+        assert fetched is not None
+        loaded = b.adopt(fetched.data, fetched.tokens)
+        shared_hit = time.perf_counter() - t0
+        assert loaded is not None
+        del loaded, fetched
+        assert b.flush(600)  # the local write holds the fetched bytes until it is done
     g = size / 1e9
     print(f"| {g:.2f} GB | {n} | {g / dd:.2f} | {g / disk:.2f} | {g / fetch:.2f} | "
           f"{g / shared_hit:.2f} | {g / publish:.2f} |", flush=True)  # fmt: skip
+    evicted = int(link_a.tier.client.info("stats")["evicted_keys"])
+    assert evicted == 0, f"Redis evicted {evicted} keys: raise its maxmemory"
+    redis_peak = redis_memory(url)[1]
     for tier, link in ((a, link_a), (b, link_b)):
         tier.close()
         link.close(5)
     link_a.tier.client.flushall()
+    free_mlx()
+    cells = " | ".join(f"{rss:.2f} / {anon:.2f}" for rss, anon in peaks.rows.values())
+    top = max(rss for rss, _ in peaks.rows.values()) - base
+    return f"| {g:.2f} GB | {cells} | {top / g:.1f}x | {redis_used:.2f} / {redis_peak:.2f} |"
 
 
 def ttft(n_tokens: int) -> None:
@@ -244,7 +356,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("reload")
-    r.add_argument("--sizes", default="0.25,1", help="entry sizes in GB (4 needs ~20 GB of RAM)")
+    r.add_argument(
+        "--sizes",
+        default="0.25,1",
+        help="entry sizes in GB (4 needs ~8 GB here + ~4.5 GB in Redis)",
+    )
     r.add_argument("--url", default=None, help="an existing Redis (default: start one)")
     t = sub.add_parser("ttft")
     t.add_argument("--tokens", type=int, default=4096)

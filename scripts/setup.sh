@@ -12,9 +12,10 @@ if [ "$(uname -s)" = Linux ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthrea
     || echo "setup: could not install libopenblas0-pthread; MLX will use its slow reference BLAS" >&2
 fi
 # redis-server: the shared tier's engine (TIERED_KV_SHARED); its tests start one on a free port
-if [ "$(uname -s)" = Linux ] && ! command -v redis-server >/dev/null && [ ! -x /usr/bin/redis-server ]; then
+# (openssl makes the certificate of the TLS test)
+if [ "$(uname -s)" = Linux ] && { ! command -v openssl >/dev/null || { ! command -v redis-server >/dev/null && [ ! -x /usr/bin/redis-server ]; }; }; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server; } \
+  { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server openssl; } \
     || echo "setup: could not install redis-server; shared-tier tests skip (fail under CI)" >&2
 fi
 PYTHON=${PYTHON:-python3}

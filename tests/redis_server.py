@@ -38,6 +38,7 @@ class RedisServer:
     port: int = field(default_factory=free_port)
     password: str = ""
     maxmemory: str = "0"
+    extra: list[str] = field(default_factory=list)  # more redis-server arguments (e.g. TLS)
     proc: subprocess.Popen | None = None
 
     @property
@@ -56,6 +57,7 @@ class RedisServer:
                 "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes"]  # fmt: skip
         if self.password:
             argv += ["--requirepass", self.password]
+        argv += self.extra
         log = (self.dir / "redis.log").open("ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 20

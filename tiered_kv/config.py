@@ -115,8 +115,9 @@ class Config:
     #: redis://[[user]:password@]host[:port][/db] or rediss:// (TLS); "" = off. Kept out of repr
     #: (it may hold a password).
     shared_url: str = field(default="", repr=False)
-    #: TIERED_KV_SHARED_TIMEOUT — seconds one shared-tier call may wait on Redis (connect, each
-    #: reply); after a failure the tier is skipped with exponential backoff (1 s to 30 s).
+    #: TIERED_KV_SHARED_TIMEOUT — seconds one shared-tier call may wait on Redis (resolving its host
+    #: name, connect, each reply); after a failure the tier is skipped with exponential backoff
+    #: (1 s to 30 s).
     shared_timeout: float = 1.0
     #: TIERED_KV_SHARED_QUEUE_BYTES — bytes of entries waiting to be published to the shared tier
     #: (write-behind); past it the oldest waiting one is dropped (counted).

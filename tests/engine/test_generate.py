@@ -181,8 +181,8 @@ def _engine(model_dir, root, **kw):
     from engine.generate import Engine
 
     kw.setdefault("cold_deadline", 30.0)  # (the deadline itself: tests/tiered_kv/cold/test_reader.py)
-    # RESTORE=load: auto may legitimately recompute a short disk hit (as main's 4f09818 says of the
-    # kill -9 test), which is no answer to "was the entry written and is it servable"
+    # these tests ask whether entries reach the disk and serve: a disk hit is loaded (the planner,
+    # free to recompute a short hit, has its own tests in tests/tiered_kv/restore/)
     kw.setdefault("restore", "load")
     return Engine(model_dir, Config(cache_dir=root, block_tokens=16, disk_free_floor=0, **kw))
 

@@ -1,4 +1,6 @@
-"""Write-behind to the shared tier: one daemon thread draining a FIFO bounded in bytes.
+"""Write-behind to the shared tier: a :class:`tiered_kv.bounded.BoundedWorker` publishing entries.
+
+One daemon thread draining a FIFO bounded in bytes (:mod:`tiered_kv.bounded` has the rules).
 
 The local cold tier hands over, for each entry it has written, a ``read`` function (the entry's
 bytes from the local store, or None when it is gone meanwhile) and the entry's token ids; the
@@ -12,19 +14,15 @@ never MLX. ``submit`` never blocks the request thread.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
-import threading
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from tiered_kv.bounded import BoundedWorker
 
 Read = Callable[[], Any]  # → a buffer of the entry's bytes, or None (gone)
 
@@ -45,13 +43,6 @@ def map_file(path: Path) -> memoryview | None:
         os.close(fd)  # the map keeps the file's pages
 
 
-@dataclass
-class _Job:
-    read: Read
-    tokens: np.ndarray
-    nbytes: int
-
-
 class Publisher:
     def __init__(
         self,
@@ -61,68 +52,31 @@ class Publisher:
         name: str = "tiered-kv-publisher",
     ) -> None:
         self._publish = publish
-        self.max_bytes = max_bytes
         self._on_drop = on_drop
-        self._queue: deque[_Job] = deque()
-        self._pending = 0
-        self._busy = False
-        self._closed = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._worker = BoundedWorker(max_bytes, lambda nbytes, why: on_drop(nbytes), name)
 
     @property
     def pending_bytes(self) -> int:
-        return self._pending
+        return self._worker.pending_bytes
 
     def submit(self, read: Read, tokens: np.ndarray, nbytes: int) -> None:
-        with self._cond:
-            if self._closed:
-                self._on_drop(nbytes)
-                return
-            while self._queue and self._pending + nbytes > self.max_bytes:
-                old = self._queue.popleft()
-                self._pending -= old.nbytes
-                self._on_drop(old.nbytes)
-            self._queue.append(_Job(read, tokens, nbytes))
-            self._pending += nbytes
-            self._cond.notify_all()
+        self._worker.submit(lambda: self._send(read, tokens), nbytes)
+
+    def _send(self, read: Read, tokens: np.ndarray) -> None:
+        """Publisher thread: the entry's bytes (None: gone meanwhile), then the network."""
+        data = read()
+        if data is not None:
+            self._publish(data, tokens)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued entry is published (or skipped); False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+        return self._worker.wait_idle(timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """Publish what is queued within ``timeout`` seconds, drop the rest, stop the thread."""
-        done = self.flush(timeout)
-        with self._cond:
-            self._closed = True
-            for job in self._queue:
-                self._on_drop(job.nbytes)
-            self._queue.clear()
-            self._pending = 0
-            self._cond.notify_all()
-        self._thread.join(timeout)
+        done = self._worker.wait_idle(timeout)
+        if not done:
+            for nbytes in self._worker.discard():
+                self._on_drop(nbytes)
+        self._worker.close(timeout if done else 0)
         return done
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
-                    return
-                job = self._queue.popleft()
-                self._pending -= job.nbytes
-                self._busy = True
-            try:
-                data = job.read()
-                if data is not None:
-                    self._publish(data, job.tokens)
-                del data
-            except Exception:  # a bug must not kill the only publisher thread
-                log.exception("shared-tier publish failed")
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()

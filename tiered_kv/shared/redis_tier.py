@@ -4,7 +4,7 @@ Every key lives under ``tkv:<fingerprint>:`` (the cold tier's fingerprint: model
 format, stored-KV quantisation, cache salt), so tenants with different fingerprints share nothing::
 
     c:<eid>:<i>  string  chunk ``i`` of the entry's bytes (the entry file's exact bytes, cut into
-                         ``chunk_bytes`` pieces, the last one shorter)
+                         ``chunk_bytes`` pieces, the last one shorter; ``CHUNK_BYTES``)
     t:<eid>      string  the entry's token ids, int32 little-endian
     e:<eid>      hash    n_tokens, nbytes, nchunks, chunk_bytes, created
     b:<hash>     string  ``<eid>`` of the newest entry holding block ``<hash>`` (the chained block
@@ -21,9 +21,10 @@ returned. Capacity and eviction are Redis's own (``maxmemory`` + an LRU policy).
 Threads: ``lookup`` / ``fetch`` run on the request thread, ``publish`` on the publisher thread
 (:mod:`tiered_kv.shared.publisher`); the redis client is thread-safe (a connection pool).
 
-Faults: every call is bounded by the socket timeout (``TIERED_KV_SHARED_TIMEOUT``); a connection
-error or timeout marks Redis down for an exponential backoff (1 s doubling to 30 s) during which
-calls are skipped at once (counted ``skipped_down``); the outage is logged once and its end once.
+Faults: every call is bounded by the socket timeout (``TIERED_KV_SHARED_TIMEOUT``), resolving the
+host name included (:mod:`resolve`); a connection error or timeout marks Redis down for an
+exponential backoff (1 s doubling to 30 s) during which calls are skipped at once (counted
+``skipped_down``); the outage is logged once and its end once.
 A corrupt entry (``check`` raised ``ValueError``) is counted, logged once and unlinked from Redis.
 """
 
@@ -46,14 +47,16 @@ from redis.retry import Retry
 
 from tiered_kv import keys
 from tiered_kv.prefix import common_prefix
-from tiered_kv.shared import bulk
+from tiered_kv.shared import bulk, resolve
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: bytes per Redis value: far under Redis's 512 MB value limit, large enough that a 4 GB entry
-#: is 64 round trips' worth of values, not thousands
-CHUNK_BYTES = 64 << 20
+#: is 64 round trips' worth of values, not thousands — and just under 64 MiB: Redis stores a value
+#: with a few bytes of header in one jemalloc allocation, and a value of exactly 64 MiB lands in
+#: the 80 MiB size class (25 % of ``maxmemory`` lost; a 4 GB entry then needs 5 GB of Redis)
+CHUNK_BYTES = (64 << 20) - 64
 _CANDIDATES = 3
 MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
@@ -95,9 +98,11 @@ def redact(url: str) -> str:
 
 def connect(url: str, timeout: float) -> redis.Redis:
     """A client whose every call gives up after ``timeout`` seconds, with no retries of its own
-    (the tier's backoff decides when to try again)."""
+    (the tier's backoff decides when to try again). Its host name is resolved off the calling
+    thread, within the same timeout (:mod:`resolve`)."""
     return redis.Redis.from_url(
         url,
+        connection_class=resolve.connection_class(urlsplit(url).scheme),
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),

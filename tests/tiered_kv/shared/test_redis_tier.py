@@ -250,3 +250,19 @@ def test_claimed_size_past_the_cap_is_never_allocated(redis_server):
     hit = t.lookup(toks)
     assert hit is not None and t.fetch(hit) is None
     assert t.stats()["too_large"] == 1
+
+
+def test_a_full_chunk_costs_redis_no_more_than_its_bytes(redis_server):
+    """Redis keeps a value in one jemalloc allocation with a few bytes of header: chunks of
+    exactly 64 MiB took the 80 MiB size class (a 4 GB entry needed 5 GB under maxmemory and was
+    evicted from a Redis sized for it). ``MEMORY USAGE`` counts the allocation."""
+    t = tier(redis_server.url, chunk=redis_tier.CHUNK_BYTES)
+    toks = ids(9, 64)
+    data = entry(toks, payload=redis_tier.CHUNK_BYTES)  # one full chunk and a short one
+    assert t.publish(data, toks)
+    hit = t.lookup(toks)
+    assert hit is not None and hit.nchunks == 2
+    usage = redis_server.client().memory_usage(t.key("c", hit.entry_id, 0))
+    assert usage is not None and usage <= redis_tier.CHUNK_BYTES * 1.01
+    got = t.fetch(hit)
+    assert got is not None and bytes(got.data) == data
