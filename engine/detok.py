@@ -4,6 +4,9 @@ mlx-lm's BPE streaming detokenizer drops the leading space of the first generate
 that resends that text then re-tokenises it differently and the next turn's prompt stops matching
 the cached ids one token early. Here each step decodes a short window of ids and emits the diff
 (the approach of HF's TextStreamer): the concatenated deltas equal ``decode(all ids)``.
+
+Why not mlx-lm's (mlx-lm 0.32.2, checked): its BPE detokenizer loses that space (a test below pins it) and
+its ``NaiveStreamingDetokenizer``, exact, re-decodes the whole line per token (a 5k-token line: 13 s vs 0.16 s).
 """
 
 from __future__ import annotations

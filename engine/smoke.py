@@ -5,7 +5,7 @@ cache dir; two streamed completions that share a long prefix (the second must re
 ``hot`` tier); a streamed chat carrying tools (well-formed SSE ending in ``[DONE]``; tool calls parsed are
 counted); SIGTERM (clean exit); a restart on the same cache dir; a third completion on the prefix, served from
 disk (tier ``cold``); then the same three completions against ``python -m mlx_lm.server`` for a side-by-side
-TTFT and decode tok/s. Runs the servers as subprocesses (`engine/bench/servers.py`).
+TTFT and decode tok/s. Runs the servers as subprocesses (`bench/servers.py`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
-
-from engine.bench.servers import ServerProcess, ours_spec, peer_spec
+if TYPE_CHECKING:  # imported when the command runs: `tiered-kv serve` loads neither (bench extra)
+    import httpx
 
 _WORDS = (
     "cache disk memory token prompt server request block layer key value store load write read file "
@@ -133,6 +133,10 @@ def _fmt(t: Timing) -> str:
 
 
 def run_smoke(model: Path, work: Path, prefix_words: int, max_tokens: int, peer: bool) -> int:
+    import httpx
+
+    from bench.servers import ServerProcess, ours_spec, peer_spec
+
     prefix = long_prefix(prefix_words)
     name = str(model)  # mlx_lm.server loads the "model" it is sent: the same directory
     prompts = [prefix + f"\nQuestion {i}: what comes next?" for i in (1, 2, 3)]
@@ -224,6 +228,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiered-kv smoke: no model at {args.model}", file=sys.stderr)
         return 2
     from importlib.metadata import version
+
+    try:
+        import bench.servers  # noqa: F401 - needs the bench extra (httpx, psutil)
+    except ImportError as e:
+        print(f"tiered-kv smoke: {e}; install the bench extra: pip install 'tiered-kv[bench]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     print(f"device: {mx.default_device()} (mlx {version('mlx')})", flush=True)
     work = Path(tempfile.mkdtemp(prefix="tiered-kv-smoke-"))

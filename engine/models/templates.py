@@ -26,6 +26,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.models.publish import publish
+
 SDIST_REQUIREMENT = "llama-cpp-python==0.3.36"
 SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -195,29 +197,16 @@ def fetch(out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     if is_complete(out_dir):
         return out_dir
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    except OSError as e:
-        raise FetchError(f"cannot create {out_dir}: {e.strerror or e}") from e
-    try:
+
+    def build(tmp: Path) -> None:
         work = tmp / ".download"
         work.mkdir()
         _extract(_download(work), tmp)
         shutil.rmtree(work)
         source = {"sdist": SDIST_REQUIREMENT, "sha256": SDIST_SHA256, "members": MEMBER_DIR}
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
-        tmp.chmod(0o755)
-        if is_complete(out_dir):
-            shutil.rmtree(tmp)
-            return out_dir
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return publish(out_dir, build, FetchError, lambda: is_complete(out_dir))
 
 
 def read_template(templates_dir: Path, family: str) -> str:

@@ -16,10 +16,7 @@ benchmarks; their random weights are drawn with MLX (fast on a GPU), not NumPy.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +25,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from engine.models.publish import publish
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 VOCAB_SIZE = 4096
@@ -322,13 +321,8 @@ def build(out_dir: Path, size: str = "test", seed: int = 0) -> Path:
     """
     if size not in SIZES:
         raise TinyModelError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
-    out_dir = Path(out_dir)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    except OSError as e:
-        raise TinyModelError(f"cannot create {out_dir}: {e.strerror or e}") from e
-    try:
+
+    def write(tmp: Path) -> None:
         tok = train_tokenizer()
         vocab = tok.get_vocab_size()
         tok.save(str(tmp / "tokenizer.json"))
@@ -340,11 +334,5 @@ def build(out_dir: Path, size: str = "test", seed: int = 0) -> Path:
         else:
             weights = random_weights(SIZES[size], vocab, seed)
             save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "mlx"})
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is meant to be shared
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return publish(Path(out_dir), write, TinyModelError)

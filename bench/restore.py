@@ -1,0 +1,190 @@
+"""Benchmark: TTFT of the first request after a restart, disk hit restored by load / compute / both / auto.
+
+For each prompt length: one request prefills ``T`` tokens and the cache is closed (the entry is spilled
+to disk). Then, per page-cache state (``cold``: ``os.sync`` + ``posix_fadvise(DONTNEED)`` on every entry
+file; ``warm``: the files read once) and per mode, a *restart* (a fresh TieredCache + cold tier +
+restorer over the same loaded model, reading the persisted costs) serves the prompt plus a 32-token
+suffix with ``TIERED_KV_RESTORE=mode``; TTFT is fetch + restore + suffix prefill + first token. The
+learned costs accumulate over the runs in that cache dir, as they would on a real machine (``auto``
+runs after the forced ways, so it knows what they measured).
+
+    python -m bench.restore --model DIR --tokens 2048,8192
+    python -m bench.restore --size 8b --tokens 8192,32768,65536,131072   # random bf16 8B shape
+
+``--size`` builds the random model with ``engine.models.tiny`` under ``--models-dir`` (once). The table
+goes to stdout; no network, no hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+import tiered_kv
+from engine.generate import default_prefill_chunk
+from engine.loading import load_model
+from engine.prefill import prefill
+from tiered_kv import Config, HitInfo, Lease, TieredCache
+from tiered_kv.cold.ranged import resident_share  # page-cache share of the files read
+from tiered_kv.restore.restorer import calibrate  # measured directly: the planner's calibration
+
+SUFFIX = 32
+
+
+class Bench:
+    def __init__(self, model_dir: Path, root: Path, chunk: int) -> None:
+        self.model, _ = load_model(model_dir)
+        self.identity = tiered_kv.model_identity(model_dir)
+        self.root, self.chunk = root, chunk or default_prefill_chunk()
+        self.device = str(mx.default_device())
+        self.vocab = int(self.model.args.vocab_size)
+
+    def compute(self, ids: list[int]) -> list[Any]:
+        lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
+        prefill(self.model, lease, [], self.chunk)
+        return lease.caches
+
+    def open(self, tokens: int, mode: str) -> TieredCache:
+        """A restart: what Engine.__init__ builds around an already loaded model."""
+        cfg = Config(cache_dir=self.root / f"t{tokens}", restore=mode, prefill_chunk=self.chunk,
+                     hot_bytes=1 << 40, disk_bytes=1 << 40, spill_queue_bytes=1 << 40)  # fmt: skip
+        make = lambda: make_prompt_cache(self.model)  # noqa: E731
+        return tiered_kv.open_cache(cfg, self.identity, make, self.compute)
+
+    def request(self, tc: TieredCache, ids: list[int]) -> tuple[float, int, HitInfo]:
+        """TTFT of ``ids`` and its greedy first token; the prefill teaches the costs (as the Engine)."""
+        r = tc.restorer
+        t0 = time.perf_counter()
+        lease = tc.fetch(ids)
+        fed = ids[: lease.hit.tokens]
+        tp, start, new = time.perf_counter(), len(fed), len(lease.remaining)
+        logits = prefill(self.model, lease, fed, self.chunk)
+        tok = mx.argmax(logits).tolist()
+        assert isinstance(tok, int)
+        ttft, dt = time.perf_counter() - t0, time.perf_counter() - tp
+        r.costs.observe_prefill(new, start, dt)
+        if lease.hit.restore is not None:
+            r.outcome(lease.hit.restore, lease.hit.load_seconds + dt)
+        tc.store(lease, fed)
+        return ttft, tok, lease.hit
+
+    def setup(self, tokens: int, ids: list[int]) -> None:
+        shutil.rmtree(self.root / f"t{tokens}", ignore_errors=True)
+        tc = self.open(tokens, "load")
+        if tc.restorer.costs.learned.prefill is None:
+            calibrate(self.compute, tc.restorer.costs)
+        self.request(tc, ids)
+        tc.close()  # spills the entry and saves the costs
+        tc.restorer.close()
+
+    def run(self, tokens: int, ids: list[int], mode: str) -> tuple[float, int, HitInfo]:
+        tc = self.open(tokens, mode)
+        try:
+            return self.request(tc, ids)
+        finally:
+            tc.hot.entries.clear()  # a restart, not a shutdown: keep the disk as setup left it
+            assert tc.cold is not None
+            tc.cold.close()
+            tc.restorer.close()
+            mx.clear_cache()
+
+
+def entry_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.safetensors") if p.is_file()]
+
+
+def set_pages(root: Path, state: str) -> float | None:
+    """Drop (cold) or fill (warm) the page cache of every entry file; the probed share after."""
+    files = entry_files(root)
+    if state == "cold":
+        os.sync()
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            if state == "cold":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while os.read(fd, 64 << 20):
+                    pass
+        finally:
+            os.close(fd)
+    shares = [s for s in (resident_share(p) for p in files) if s is not None]
+    return sum(shares) / len(shares) if shares else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="an mlx-lm model directory")
+    src.add_argument("--size", help="build engine.models.tiny SIZE (e.g. bench, 1b, 8b)")
+    ap.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "tkv-models")
+    ap.add_argument("--tokens", default="2048,8192")
+    ap.add_argument("--modes", default="load,compute,both,auto")
+    ap.add_argument("--pages", default="cold,warm")
+    ap.add_argument("--dir", type=Path, default=None, help="cache dir (default: a temp dir)")
+    ap.add_argument("--chunk", type=int, default=0, help="prefill step (0: the engine's default)")
+    a = ap.parse_args(argv)
+    model_dir = a.model
+    if a.size:
+        from engine.models import tiny
+
+        model_dir = a.models_dir / f"tiny-{a.size}"
+        if not (model_dir / "config.json").exists():
+            tiny.build(model_dir, size=a.size)
+    root = a.dir or Path(tempfile.mkdtemp(prefix="tkv-restore-"))
+    bench = Bench(model_dir, root, a.chunk)
+    modes, pages = a.modes.split(","), a.pages.split(",")
+    print(f"# restore benchmark: {model_dir.name} on {bench.device}, cache dir {root}")
+    print("| tokens | pages | mode | TTFT s | plan (m) | tier | predicted s | token |")
+    print("|---:|---|---|---:|---|---|---:|---|")
+    summary = []
+    for t in (int(x) for x in a.tokens.split(",")):
+        rng = np.random.default_rng(t)
+        ids = rng.integers(3, bench.vocab, t).tolist()
+        prompt = ids + rng.integers(3, bench.vocab, SUFFIX).tolist()
+        bench.setup(t, ids)
+        for state in pages:
+            ttfts: dict[str, float] = {}
+            first_tok = None
+            for mode in modes:
+                share = set_pages(root / f"t{t}", state)
+                ttft, tok, hit = bench.run(t, prompt, mode)
+                d = hit.restore
+                first_tok = tok if first_tok is None else first_tok
+                ttfts[mode] = ttft
+                plan = f"{d.kind} ({d.m})" if d else "-"
+                pred = f"{d.predicted_total_s:.3f}" if d and d.predicted_total_s else "-"
+                same = "=" if tok == first_tok else f"DIFF {tok}"
+                print(f"| {t} | {state} ({share if share is None else round(share, 2)}) | {mode} "
+                      f"| {ttft:.3f} | {plan} | {hit.tier} | {pred} | {same} |", flush=True)  # fmt: skip
+            summary.append((t, state, ttfts))
+    print("\n| tokens | pages | min(load, compute) s | both / min | auto / min | goals |")
+    print("|---:|---|---:|---:|---:|---|")
+    for t, state, tt in summary:
+        if "load" not in tt or "compute" not in tt:
+            continue
+        best = min(tt["load"], tt["compute"])
+        near = max(tt["load"], tt["compute"]) <= 2 * best
+        both = tt.get("both", float("nan")) / best
+        auto = tt.get("auto", float("nan")) / best
+        goals = [f"auto {'ok' if auto <= 1.05 else 'MISSED'}"]
+        if near:
+            goals.append(f"both {'ok' if both <= 0.8 else 'MISSED'} (within 2x)")
+        print(f"| {t} | {state} | {best:.3f} | {both:.2f} | {auto:.2f} | {', '.join(goals)} |")
+    if a.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
