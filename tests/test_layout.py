@@ -12,7 +12,6 @@ PACKAGES = ("tiered_kv", "engine")
 
 # module → why it has no mirrored test file (one line each; keep this list short)
 NO_TEST_FILE = {
-    "engine/cli.py": "argparse glue: each sub-command is tested through its own cli_* module",
     "engine/cli_serve.py": "`tiered-kv serve` runs as a subprocess in test_server_restart.py and reliability/",
     "engine/cli_bench.py": "the benchmark driver: run by `make bench`, never asserted on (STYLE.md 12)",
     "engine/events.py": "typed values without behaviour",
