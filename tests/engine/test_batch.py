@@ -20,8 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.batch import BatchLoop, batchable
 from engine.events import END, Chunk, Event, Hit, SamplingParams
 from engine.prefill import checkpoint_positions, prefill_steps
-from tests.tiered_kv.conftest import make_llama, tokens
-from tests.tiered_kv.test_cache_types import EOS, EVERY, QuantizedLlama, gemma, qwen_next
+from tests.fixtures import EOS, EVERY, QuantizedLlama, gemma, make_llama, qwen_next, tokens
 from tiered_kv.config import Config
 from tiered_kv.tiered import TieredCache
 

@@ -9,21 +9,7 @@ from transformers import AutoTokenizer
 
 from engine import chat
 from engine.output import ChatOutput, OutputFormat
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather of a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+from tests.serving import TOOLS
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from engine.generate import Engine, SamplingParams
+from tests.fixtures import tokens
 from tiered_kv.config import Config
 
 
@@ -174,3 +175,58 @@ def test_smollm2_hits_equal_cold(smollm2_dir, tmp_path):
     assert last.usage.cache_tier == "cold" and last.usage.cached_tokens >= len(ids)
     assert toks == run(cold, turn2, max_tokens=8)[1]
     restarted.close()
+
+
+def _engine(model_dir, root, **kw):
+    from engine.generate import Engine
+
+    kw.setdefault("cold_deadline", 30.0)  # (the deadline itself: tests/tiered_kv/cold/test_reader.py)
+    # these tests ask whether entries reach the disk and serve: a disk hit is loaded (the planner,
+    # free to recompute a short hit, has its own tests in tests/tiered_kv/restore/)
+    kw.setdefault("restore", "load")
+    return Engine(model_dir, Config(cache_dir=root, block_tokens=16, disk_free_floor=0, **kw))
+
+
+def _answer(engine, ids: list[int]):
+    from engine.generate import SamplingParams
+
+    chunks = list(engine.generate(ids, SamplingParams(max_tokens=2)))
+    return chunks[-1].usage
+
+
+def test_spill_bigger_than_the_queue_bound_reaches_disk_and_serves_after_restart(
+    tiny_bench_dir, tmp_path
+):
+    """Issue 11: an entry larger than TIERED_KV_SPILL_QUEUE_BYTES was dropped at once (no file)."""
+    root = tmp_path / "kv"
+    eng = _engine(tiny_bench_dir, root, spill_queue_bytes=1000, hot_bytes=1)
+    ids = tokens(60, 80)
+    _answer(eng, ids)
+    _answer(eng, tokens(62, 40))  # evicts the first entry from memory: it spills
+    eng.cache.cold.flush()
+    st = eng.cache.stats()
+    assert st["cold_spills"] == 1 and st["cold_drops"] == 0, st
+    eng.close()
+    eng = _engine(tiny_bench_dir, root, spill_queue_bytes=1000)
+    usage = _answer(eng, ids + tokens(61, 3))
+    assert usage.cache_tier == "cold" and usage.cached_tokens >= 64, usage
+    eng.close()
+
+
+def test_shutdown_writes_every_memory_only_entry_whatever_its_size(tiny_bench_dir, tmp_path):
+    """Issue 11: close() dropped memory-only entries larger than the queue bound."""
+    root = tmp_path / "kv"
+    eng = _engine(tiny_bench_dir, root, spill_queue_bytes=1000)  # all stay in memory
+    prompts = [tokens(70 + i, 48 + 16 * i) for i in range(3)]
+    for p in prompts:
+        _answer(eng, p)
+    assert eng.cache.stats()["cold_spills"] == 0 and len(eng.cache.hot) == 3
+    eng.close()
+    assert len(list(root.glob("*/*.safetensors"))) == 3
+    eng = _engine(tiny_bench_dir, root)
+    st0 = eng.cache.stats()
+    assert st0["cold_entries"] == 3 and st0["cold_drops"] == 0, st0
+    for p in prompts:
+        usage = _answer(eng, p + [5])
+        assert usage.cache_tier == "cold" and usage.cached_tokens >= len(p) - 16, usage
+    eng.close()

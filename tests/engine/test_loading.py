@@ -17,7 +17,7 @@ import pytest
 
 from engine import loading
 from engine.generate import Engine
-from tests.engine.test_server_restart import clean_env, free_port, start, stop
+from tests.serving import clean_env, free_port, start, stop
 from tiered_kv.config import Config
 
 REPO = "tiered-kv-test/tiny-test"
@@ -88,7 +88,7 @@ def test_serve_hub_id_names_the_model_by_it(tiny_model_dir, tmp_path):
         TIERED_KV_DIR=str(tmp_path / "kv"),
         TIERED_KV_TIERS="hot",
     )
-    proc = start(REPO, env, port, log)  # type: ignore[arg-type]
+    proc = start(REPO, env, port, log)
     try:
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == [REPO]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.test_server_restart import clean_env, free_port, start, stop
+from tests.serving import clean_env, free_port, start, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 OPENCODE = ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"

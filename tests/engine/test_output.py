@@ -18,21 +18,8 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from engine.output import ChatOutput, Delta, OutputFormat
+from tests.serving import TOOLS
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather of a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 USER = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "Weather?"},

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine.generate import Engine, SamplingParams
-from tests.engine.test_server import serve
+from tests.serving import serve
 from tiered_kv.config import Config
 
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex jolly boxers".split()
@@ -54,7 +54,7 @@ def throttle(engine: Engine, bytes_per_s: float) -> None:
         time.sleep(rr.nbytes / bytes_per_s)
         return rr
 
-    cold.load, restorer.reader = slow_load, slow_reader
+    cold.load, restorer.reader = slow_load, slow_reader  # type: ignore[method-assign]
 
 
 class SlowModel:

@@ -6,82 +6,18 @@ for the happy paths and httpx for errors and raw SSE."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
-import uvicorn
 
 from engine.generate import Engine, SamplingParams
-from engine.server import create_app
+from tests.serving import AUTH, TOOLS, USER, hot_config, serve
 from tiered_kv.config import Config
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather of a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 TOOL_TEXT = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Live:
-    """A running server: ``url``, ``client`` (openai), ``app``."""
-
-    def __init__(self, app, port: int):
-        self.app, self.url = app, f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="sekret", max_retries=0)
-
-
-@contextmanager
-def serve(make_engine, config: Config, keepalive: float = 0.2) -> Iterator[Live]:
-    """Serve the engine that ``make_engine`` builds (on the server's engine thread)."""
-    app = create_app(make_engine, config, keepalive_seconds=keepalive)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield Live(app, port)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-def hot_config(tmp: Path, **kw) -> Config:
-    return Config(cache_dir=tmp, tiers=("hot",), min_continuation_tokens=16, prefill_chunk=16, **kw)
-
-
-@pytest.fixture(scope="module")
-def live(tiny_model_dir, tmp_path_factory):
-    config = hot_config(tmp_path_factory.mktemp("kv"))
-    with serve(lambda: Engine(tiny_model_dir, config), config) as s:
-        yield s
 
 
 @pytest.fixture()
@@ -124,9 +60,6 @@ class Scripted:
     def prefill_steps(self, lease, fed, on_progress=None):
         time.sleep(self.delay)
         return (yield from self._engine.prefill_steps(lease, fed, on_progress))
-
-
-USER = [{"role": "user", "content": "what is the weather in paris and in london today?"}]
 
 
 # --- chat -----------------------------------------------------------------------------------------
@@ -191,21 +124,6 @@ def test_stream_chunks_like_openai(live):
         model="tiny", messages=USER, max_tokens=6, temperature=0
     )
     assert again.choices[0].message.content == text
-
-
-def test_stream_raw_sse_and_done(live):
-    body = {"messages": USER, "max_tokens": 3, "temperature": 0, "stream": True}
-    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
-        assert r.headers["content-type"].startswith("text/event-stream")
-        assert (
-            r.headers["x-tiered-kv-cache-tier"] in ("hot", "none")
-            and "x-tiered-kv-cached-tokens" in r.headers
-        )
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    events = [json.loads(line[6:]) for line in lines[:-1] if line.startswith("data: ")]
-    assert all(e["object"] == "chat.completion.chunk" for e in events)
-    assert not any("usage" in e and e["usage"] for e in events)  # no include_usage → no usage chunk
 
 
 def test_greedy_same_with_and_without_cache(tiny_model_dir, tmp_path, live):
@@ -331,34 +249,6 @@ def test_completions(live):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_models_health_metrics(live):
-    assert live.client.models.list().data[0].id == "tiny-test"
-    assert httpx.get(live.url + "/health").json()["status"] == "ok"
-    for _ in range(2):
-        live.client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
-    text = httpx.get(live.url + "/metrics").text
-    hot = [
-        line
-        for line in text.splitlines()
-        if line.startswith('tiered_kv_cached_tokens_total{tier="hot"}')
-    ]
-    assert float(hot[0].split()[-1]) > 0
-    for name in (
-        'tiered_kv_requests_total{endpoint="chat",status="200"}',
-        "tiered_kv_prompt_tokens_total",
-        'tiered_kv_cached_tokens_total{tier="hot"}',
-        "tiered_kv_hot_entries",
-        "tiered_kv_hot_bytes",
-        "tiered_kv_hot_evictions",
-        "tiered_kv_ttft_seconds_bucket",
-        "tiered_kv_request_ttft_seconds_bucket",
-        "tiered_kv_queue_wait_seconds_bucket",
-        "tiered_kv_batch_size",
-        "tiered_kv_queue_length",
-    ):
-        assert name in text, name
-
-
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 12}
 
 
@@ -457,24 +347,6 @@ def test_disconnect_cancels_generation(fresh):
 # --- errors -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def guarded(tiny_model_dir, tmp_path_factory):
-    config = Config(
-        cache_dir=tmp_path_factory.mktemp("kv"), tiers=(), api_key="sekret", max_body_bytes=4000
-    )
-
-    def make() -> Engine:
-        engine = Engine(tiny_model_dir, config)
-        engine.context_length = 64  # so a "too long" prompt is small
-        return engine
-
-    with serve(make, config) as s:
-        yield s
-
-
-AUTH = {"Authorization": "Bearer sekret"}
-
-
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -503,23 +375,6 @@ def test_context_length_code(guarded):
     body = {"messages": [{"role": "user", "content": "word " * 200}]}
     r = httpx.post(guarded.url + "/v1/chat/completions", json=body, headers=AUTH)
     assert r.json()["error"]["code"] == "context_length_exceeded"
-
-
-def test_oversize_body_413(guarded):
-    body = {"messages": [{"role": "user", "content": "x" * 5000}]}
-    r = httpx.post(guarded.url + "/v1/chat/completions", json=body, headers=AUTH)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-
-
-def test_api_key_required_except_health(guarded):
-    assert httpx.get(guarded.url + "/health").status_code == 200
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
-        r = httpx.get(guarded.url + "/v1/models", headers=headers)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(guarded.url + "/v1/models", headers=AUTH).status_code == 200
-    assert httpx.get(guarded.url + "/metrics", headers={}).status_code == 401
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=guarded.url + "/v1", api_key="nope", max_retries=0).models.list()
 
 
 def test_unknown_path_and_method(guarded):

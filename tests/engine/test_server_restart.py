@@ -5,17 +5,14 @@ the same TIERED_KV_DIR serves the next turn from the cold tier."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from tests.serving import clean_env, free_port, start, stop
 
 USER = [
     {
@@ -23,49 +20,6 @@ USER = [
         "content": "plan a trip to paris, tokyo and berlin with a budget and a packing list",
     }
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("TIERED_KV_") or k == "TIERED_KV_BLAS_REEXEC"
-    }
-    env.update(extra)
-    return env
-
-
-def start(model: Path, env: dict[str, str], port: int, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", str(port)]
-    proc = subprocess.Popen(argv, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"server did not come up:\n{log.read_text()}")
-
-
-def stop(proc: subprocess.Popen, log: Path) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        rc = proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"server ignored SIGTERM:\n{log.read_text()}") from None
-    # uvicorn re-raises the signal after its graceful shutdown, so the exit status is "killed by SIGTERM"
-    assert rc in (0, -signal.SIGTERM), log.read_text()
-    assert "Application shutdown complete" in log.read_text()
 
 
 def test_missing_default_model_says_how_to_fetch(tmp_path):

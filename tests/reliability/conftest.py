@@ -1,4 +1,4 @@
-"""Fixtures of the reliability tests (helpers in ``reliability/server.py``)."""
+"""Fixtures of the reliability tests (helpers in ``tests/reliability/server.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from reliability.server import Server, clean_env
+from tests.reliability.server import Server
+from tests.serving import clean_env
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,26 +16,14 @@ from pathlib import Path
 
 import httpx
 
+from tests.serving import free_port
+
 SOAK = os.environ.get("TIERED_KV_SOAK", "") not in ("", "0")
-# the soak switch is not a TIERED_KV_* setting of the server: never pass it to one
-_PASS = ("TIERED_KV_BLAS_REEXEC",)
 
 
 def soak(ci: int, long: int) -> int:
     """``ci`` in the default run, ``long`` under ``TIERED_KV_SOAK=1``."""
     return long if SOAK else ci
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERED_KV_") or k in _PASS}
-    env.update(extra)
-    return env
 
 
 @dataclass

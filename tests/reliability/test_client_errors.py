@@ -15,7 +15,8 @@ import uvicorn
 
 from engine.generate import Engine
 from engine.server import create_app
-from reliability.server import Server, clean_env, free_port
+from tests.reliability.server import Server
+from tests.serving import clean_env, free_port
 from tiered_kv.config import Config
 
 USER = {"role": "user", "content": "hi"}

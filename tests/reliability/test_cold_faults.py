@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from tests.fixtures import make_llama
 from tiered_kv import keys
 from tiered_kv.cold import store
 from tiered_kv.cold.tier import ColdTier
@@ -28,14 +29,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def model() -> llama.Model:
-    mx.random.seed(7)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-    )  # fmt: skip
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return make_llama(seed=7)
 
 
 def prompts(seed: int, n: int, length: int = 40) -> list[list[int]]:
@@ -71,7 +65,7 @@ def answer(model: llama.Model, cache: TieredCache, ids: list[int]) -> tuple[list
 
 
 def make_cache(model: llama.Model, root: Path, **kw: object) -> TieredCache:
-    cfg = Config(cache_dir=root, block_tokens=BLOCK, disk_free_floor=0, **kw)  # type: ignore[arg-type]
+    cfg = Config(cache_dir=root, block_tokens=BLOCK, disk_free_floor=0, **kw)
     return TieredCache(cfg, lambda: make_prompt_cache(model), ColdTier(root, FP, cfg))
 
 
@@ -158,7 +152,7 @@ def test_corruption_is_quarantined_and_answers_equal_cold(model, tmp_path, kind)
     for p in ps:
         assert answer(model, cache, p)[0] == cold_answer(model, p)
     paths = entry_files(cache)
-    fp_dir = cache.cold.dir  # type: ignore[union-attr]
+    fp_dir = cache.cold.dir
     assert len(paths) == 3
     cache.close()
     if kind == "foreign_dir":
@@ -174,7 +168,7 @@ def test_corruption_is_quarantined_and_answers_equal_cold(model, tmp_path, kind)
     st = cache.stats()
     assert st["cold_quarantined"] >= bad, st
     assert tiers.count("cold") >= 3 - bad - (1 if kind == "swap" else 0)
-    report = cache.cold.verify()  # type: ignore[union-attr]
+    report = cache.cold.verify()
     assert not report.corrupt and not report.foreign, report  # nothing bad left being served
     cache.close()
 
@@ -192,18 +186,18 @@ def test_disk_fault_keeps_answering_and_is_counted_once(
     def is_cache_write(path: object, flags: int = os.O_WRONLY) -> bool:
         return str(path).startswith(str(root)) and bool(flags & (os.O_WRONLY | os.O_RDWR))
 
-    def bad_open(path, flags, *a, **k):  # type: ignore[no-untyped-def]
+    def bad_open(path, flags, *a, **k):
         if is_cache_write(path, flags):
             raise OSError(code, os.strerror(code), str(path))
         return real_open(path, flags, *a, **k)
 
-    def bad_replace(src, dst, *a, **k):  # type: ignore[no-untyped-def]
+    def bad_replace(src, dst, *a, **k):
         if is_cache_write(dst):
             raise OSError(code, os.strerror(code), str(dst))
         return real_replace(src, dst, *a, **k)
 
     answer(model, cache, ps[0])
-    cache.cold.flush()  # type: ignore[union-attr]
+    cache.cold.flush()
     with caplog.at_level(logging.WARNING, logger="tiered_kv"):
         if fault == "dir_deleted":
             shutil.rmtree(root)
@@ -213,7 +207,7 @@ def test_disk_fault_keeps_answering_and_is_counted_once(
         for p in ps[1:] + ps[:3]:  # new prompts and repeats
             got, _ = answer(model, cache, p)
             assert got == cold_answer(model, p)
-        cache.cold.flush()  # type: ignore[union-attr]
+        cache.cold.flush()
         monkeypatch.undo()
     st = cache.stats()
     msgs = [r.getMessage() for r in caplog.records if r.name.startswith("tiered_kv.cold")]
@@ -226,6 +220,6 @@ def test_disk_fault_keeps_answering_and_is_counted_once(
         assert len(msgs) == 1, msgs  # logged once however often it happens
         assert not list(root.rglob(f"*{store.TMP_SUFFIX}"))
     answer(model, cache, ps[0])  # the fault is gone: spills work again
-    cache.cold.flush()  # type: ignore[union-attr]
+    cache.cold.flush()
     assert cache.stats()["cold_spills"] > st["cold_spills"]
     cache.close()

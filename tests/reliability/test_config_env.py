@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from reliability.server import SOAK, clean_env
+from tests.reliability.server import SOAK
+from tests.serving import clean_env
 from tiered_kv.config import env_table
 
 ANY_STRING = {"TIERED_KV_CACHE_SALT", "TIERED_KV_API_KEY"}  # every string is a valid value
@@ -55,7 +56,8 @@ def test_every_variable_has_bad_values_or_accepts_any_string():
 
 
 def _run_all(argvs: list[tuple[tuple[str, str], list[str], dict[str, str]]]) -> dict:
-    results, running = {}, []
+    results: dict = {}
+    running: list = []
     pending = list(argvs)
     while pending or running:
         while pending and len(running) < 6:

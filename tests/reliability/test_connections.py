@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reliability.server import Server, clean_env
+from tests.reliability.server import Server
+from tests.serving import clean_env
 
 PARTIAL = b"GET /health HTTP/1.1\r\nHost: x\r\n"  # headers never finished
 

@@ -8,13 +8,15 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reliability.server import Server, clean_env, soak
+from tests.reliability.server import Server, soak
+from tests.serving import clean_env
 
 SETTINGS = settings(
     max_examples=soak(60, 600),
@@ -54,7 +56,7 @@ message = st.fixed_dictionaries(
     optional={"tool_calls": json_values, "tool_call_id": json_values, "name": json_values},
 )
 # never a huge valid max_tokens: a fuzz case must stay a short generation
-small_int = st.integers(-3, 8) | st.sampled_from([None, "5", 1.5, [], {}, True])
+small_int: st.SearchStrategy[Any] = st.integers(-3, 8) | st.sampled_from([None, "5", 1.5, [], {}, True])
 common = {
     "model": json_values,
     "temperature": st.floats(-1, 3, allow_nan=False, allow_infinity=False) | json_values,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from reliability.server import Server, clean_env
+from tests.reliability.server import Server
+from tests.serving import clean_env
 
 MIB = 1 << 20
 

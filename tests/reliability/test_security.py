@@ -13,7 +13,8 @@ from mlx_lm.models.cache import KVCache
 
 import engine.http_edge
 import engine.server
-from reliability.server import Server, clean_env
+from tests.reliability.server import Server
+from tests.serving import clean_env
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reliability.server import Server, soak
+from tests.reliability.server import Server, soak
 
 SYSTEM = "you are a terse assistant. answer about cities, budgets and packing lists. " * 2
 QUESTIONS = ["paris in spring", "tokyo on a budget", "berlin for a week", "rome with kids",
@@ -35,7 +35,7 @@ PROMPTS = [conversation(i, t) for i in range(len(QUESTIONS)) for t in (1, 2, 3)]
 def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Each prompt's answer from one TIERED_KV_TIERS=none server (computed once)."""
     d = tmp_path_factory.mktemp("cold-ref")
-    from reliability.server import clean_env
+    from tests.serving import clean_env
 
     s = Server(tiny_model_dir, clean_env(TIERED_KV_TIERS="none", TIERED_KV_DIR=str(d / "kv"),
                                          TIERED_KV_MODELS_DIR=str(d / "m")), d / "log")  # fmt: skip
@@ -48,7 +48,7 @@ def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def cache_verify(kv: Path) -> str:
     env = {"TIERED_KV_DIR": str(kv)}
-    from reliability.server import clean_env
+    from tests.serving import clean_env
 
     r = subprocess.run([sys.executable, "-m", "engine.cli", "cache", "verify"], env=clean_env(**env),
                        capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as C
 
-from reliability.server import soak
+from tests.reliability.server import soak
 from tiered_kv import keys
 from tiered_kv.cold import store, verify
 from tiered_kv.cold.tier import ColdTier
@@ -102,10 +102,10 @@ def test_two_processes_share_one_dir(tmp_path):
         procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True))  # fmt: skip
     for p in procs:
-        assert p.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        assert p.stdout.readline().strip() == "ready"
     for p in procs:
-        p.stdin.write("go\n")  # type: ignore[union-attr]
-        p.stdin.flush()  # type: ignore[union-attr]
+        p.stdin.write("go\n")
+        p.stdin.flush()
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=seconds + 120)

@@ -13,7 +13,7 @@ def _held(drops: list) -> tuple[BoundedWorker, threading.Event]:
     """A worker of 100 bytes whose thread is held by a non-droppable task until the gate opens."""
     gate, started = threading.Event(), threading.Event()
     w = BoundedWorker(100, lambda n, why: drops.append((n, why)))
-    w.submit(lambda: started.set() or gate.wait(30), 0, droppable=False)
+    w.submit(lambda: started.set() or gate.wait(30), 0, droppable=False)  # type: ignore[func-returns-value]
     assert started.wait(30)  # running: out of the queue
     return w, gate
 
@@ -23,7 +23,7 @@ def test_the_oldest_waiting_task_is_dropped_to_admit_a_new_one():
     done: list[str] = []
     w, gate = _held(drops)
     for name in ("a", "b", "c"):
-        assert w.submit(lambda n=name: done.append(n), 40)
+        assert w.submit(lambda n=name: done.append(n), 40)  # type: ignore[misc]
     assert drops == [(40, "queue full")] and w.pending_bytes == 80
     gate.set()
     assert w.wait_idle(10) and w.idle
@@ -52,7 +52,7 @@ def test_hold_all_drops_nothing():
     w, gate = _held(drops)
     w.hold_all()
     for i in range(4):
-        assert w.submit(lambda i=i: done.append(i), 100)
+        assert w.submit(lambda i=i: done.append(i), 100)  # type: ignore[misc]
     assert not w.wait_idle(0.05)
     gate.set()
     assert w.wait_idle(10) and done == [0, 1, 2, 3] and drops == []

@@ -15,7 +15,8 @@ from tiered_kv.tiered import new_entry
 
 def kv(seed: int, n: int) -> tuple[mx.array, mx.array]:
     rng = np.random.default_rng(seed)
-    return tuple(mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32)) for _ in "kv")
+    k, v = (mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32)) for _ in "kv")
+    return k, v
 
 
 def model_cache(n: int, seed: int = 0) -> list:

@@ -29,7 +29,7 @@ MEASURED_ALONE = {
 
 def deep_imports(path: Path) -> set[str]:
     """``tiered_kv.x`` modules that ``path`` imports (``from tiered_kv.x import`` / ``import tiered_kv.x``)."""
-    out = set()
+    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from tiered_kv import keys
-from tiered_kv.prefix import common_prefix
 
 
 def test_fingerprint_is_order_independent_and_versioned():
@@ -37,10 +36,3 @@ def test_keys_chain_on_the_parent_and_the_seed():
     assert keys.block_hashes(a + [7] * 16, 16, "s")[:2] == ha  # prefix-stable
     assert keys.block_hashes(a, 16, "other")[0] != ha[0]
     assert keys.block_hashes(np.array(a, dtype=np.int64), 16, "s") == ha
-
-
-def test_common_prefix_is_exact():
-    a = keys.as_int32([1, 2, 3, 4])
-    assert common_prefix(a, keys.as_int32([1, 2, 9])) == 2
-    assert common_prefix(a, keys.as_int32([1, 2])) == 2
-    assert common_prefix(a, keys.as_int32([])) == 0

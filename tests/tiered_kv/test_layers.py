@@ -1,4 +1,5 @@
-"""layers.py: each cache-class codec's ``cut`` with real mlx-lm cache classes."""
+"""tiered_kv/layers.py: what each mlx-lm cache class supports and each codec's ``cut``, with real
+mlx-lm cache classes (every cache type through the tiers: test_cache_types.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
+    make_prompt_cache,
 )
 
-from tests.tiered_kv.conftest import cold_logits, feed, make_llama, tokens
+from tests.fixtures import EOS, checkpointed_turn, cold_logits, feed, gemma, make_llama, tokens
 from tiered_kv import layers
 from tiered_kv.config import Config
 from tiered_kv.tiered import TieredCache
@@ -169,3 +171,18 @@ def test_cut_of_a_model_cache_is_all_or_nothing():
     assert layers.cut(caches, 20) is not None  # already there: nothing to cut
     assert layers.cut(caches, 20, have=20) is not None
     assert layers.cut([filled(KVCache, 20), rec], 10, have=20) is None  # the recurrent state is at 20
+
+
+def test_wrapped_rotating_cache_is_never_served_at_a_wrong_length():
+    m = gemma()
+    caches = make_prompt_cache(m)
+    m(mx.array([tokens(7, 40)]), cache=caches)
+    assert not layers.can_trim(caches)
+    assert layers.view(caches, 30, 40) is None
+    assert layers.view(caches, 40, 40) is not None
+    tc = TieredCache(Config(tiers=("hot",)), lambda: make_prompt_cache(m))
+    p = [t if t != EOS else 3 for t in tokens(8, 40)]  # checkpoints at 16, 32 and 40 only
+    checkpointed_turn(tc, m, p)
+    got, hit = checkpointed_turn(tc, m, p[:30] + [5, 6])
+    assert hit == 16  # the window at 30 was overwritten: fall back to the checkpoint at 16
+    np.testing.assert_allclose(got, cold_logits(m, p[:30] + [5, 6]), rtol=2e-4, atol=2e-4)

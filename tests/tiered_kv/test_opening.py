@@ -22,7 +22,7 @@ def test_the_tiers_are_decided_once_by_open_cache(small_model, tmp_path):
     both = open_cache(Config(cache_dir=tmp_path / "b"), IDENTITY, make)
     assert both.cold is not None and both.shared is None
     assert both.restorer is None  # no compute function: disk hits are always loaded
-    assert both.cold.dir.parent == tmp_path / "b"
+    assert both.cold.dir.parent == tmp_path / "b"  # type: ignore[attr-defined]
     both.close()
 
 

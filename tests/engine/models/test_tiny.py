@@ -10,6 +10,7 @@ import pytest
 from mlx_lm import load
 
 from engine.models import tiny
+from tests.serving import TOOLS
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -63,16 +64,6 @@ def test_tokenizer_round_trips_text(tiny_model_dir: Path) -> None:
     assert 2000 <= len(tokenizer.get_vocab()) <= 4096
 
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 
 
 def test_chat_template_renders_tools_calls_and_results(tiny_model_dir: Path) -> None:

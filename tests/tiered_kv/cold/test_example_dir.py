@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.tiered_kv.cold.test_tier import _rewrite_meta
+from tests.fixtures import rewrite_meta
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 
@@ -33,7 +33,7 @@ def test_example_verifies_clean_and_loads(tmp_path):
         ids = tier.index.tokens(rec.entry_id)
         hit = tier.lookup(ids)
         assert hit is not None and hit.tokens == len(ids)
-        caches, tokens, checkpoints = tier.load(hit)
+        caches, tokens, checkpoints = tier.load(hit)  # type: ignore[misc]
         assert np.array_equal(tokens, ids) and checkpoints == {}
         assert [c.offset for c in caches] == [len(ids)] * 2
     tier.close()
@@ -44,7 +44,7 @@ def test_unknown_format_version_is_refused_cleanly(tmp_path):
     victim = sorted(fp.glob("*.safetensors"))[0]
     rec = next(r for r in tier.index.records() if r.file == victim.name)
     ids = tier.index.tokens(rec.entry_id)
-    _rewrite_meta(victim, format_version="999")
+    rewrite_meta(victim, format_version="999")
     hit = tier.lookup(ids)
     assert tier.load(hit) is None  # refused: quarantined, counted, a miss
     assert tier.stats()["quarantined"] == 1

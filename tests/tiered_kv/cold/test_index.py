@@ -36,7 +36,7 @@ class _Payload:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self):
         return (open, (str(self.marker), "w"))  # runs on unpickling
 
 

@@ -47,7 +47,7 @@ def test_frozen_index_makes_lookups_misses_not_waits(tmp_path: Path, monkeypatch
     frozen = threading.Event()
     real = Index.candidates
 
-    def stalled(self, keys):  # type: ignore[no-untyped-def]
+    def stalled(self, keys):
         frozen.wait()  # like a sqlite read on a frozen disk
         return real(self, keys)
 

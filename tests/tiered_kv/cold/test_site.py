@@ -12,8 +12,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models import cache as C
 
+from tests.fixtures import cold_tier, entry_file, kv_cache, rewrite_meta
 from tiered_kv.cold import index as index_mod
 from tiered_kv.cold import site as site_mod
 from tiered_kv.cold.tier import ColdTier
@@ -42,7 +44,7 @@ def test_damaged_index_on_a_full_disk_is_kept_and_the_tier_starts(tmp_path, monk
     db.write_bytes(damaged)
     real = index_mod.Index.__init__
 
-    def full(self, path, readonly=False, create=True):  # type: ignore[no-untyped-def]
+    def full(self, path, readonly=False, create=True):
         if "rebuild" in Path(path).name:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(self, path, readonly, create)
@@ -73,7 +75,7 @@ def test_read_only_index_at_start_still_serves(tmp_path, monkeypatch):
     tier.close()
     real = index_mod.Index.__init__
 
-    def read_only_disk(self, path, readonly=False, create=True):  # type: ignore[no-untyped-def]
+    def read_only_disk(self, path, readonly=False, create=True):
         if not readonly:
             raise sqlite3.OperationalError("attempt to write a readonly database")
         real(self, path, readonly, create)
@@ -103,4 +105,54 @@ def test_full_index_disk_counts_as_disk_full(tmp_path):
     st = tier.stats()
     assert st["disk_full"] >= 1 and st["index_errors"] == 0, st  # was counted as index_errors
     assert not list(tier.dir.glob(".*.tmp"))
+    tier.close()
+
+
+def test_cache_dir_deleted_during_operation(tmp_path):
+    import shutil
+
+    tier = cold_tier(tmp_path / "kv")
+    shutil.rmtree(tmp_path / "kv")
+    tier.persist(np.arange(8), [kv_cache(8)])  # must not raise
+    tier.spill(np.arange(8), [kv_cache(8)])
+    tier.flush()
+    st = tier.stats()  # re-created with a fresh index: logged once, counted, nothing lost
+    assert st["dir_recreated"] == 1 and st["write_errors"] == 0 and st["entries"] == 1
+    assert tier.load(tier.lookup(list(range(8)))) is not None
+    tier.close()
+    tier = cold_tier(tmp_path / "kv")
+    assert tier.lookup(list(range(8))) is not None and tier.verify().clean
+    tier.close()
+
+
+@pytest.mark.parametrize("how", ["deleted", "garbage"])
+def test_lost_index_is_rebuilt_from_files(tmp_path, how):
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    tier.persist(np.arange(8) + 50, [kv_cache(8)])
+    tier.close()
+    index = tier.dir / "index"
+    if how == "deleted":
+        import shutil
+
+        shutil.rmtree(index)
+    else:
+        for p in index.glob("cache.db*"):
+            p.write_bytes(os.urandom(4096))
+    tier = cold_tier(tmp_path)
+    assert tier.stats()["entries"] == 2
+    assert tier.load(tier.lookup(list(range(8)))) is not None
+    tier.close()
+
+
+def test_unknown_format_version_is_refused_at_rebuild(tmp_path):
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    tier.close()
+    rewrite_meta(entry_file(tier), format_version="999")
+    import shutil
+
+    shutil.rmtree(tier.dir / "index")
+    tier = cold_tier(tmp_path)
+    assert tier.stats()["entries"] == 0 and tier.stats()["quarantined"] == 1
     tier.close()

@@ -31,8 +31,8 @@ def test_file_is_standard_safetensors_with_chunk_digests(tmp_path):
     b.put("e1", store.encode(job.tokens, job.tensors, job.metadata).pieces)
     path = b.path("e1")
     arrays, meta = mx.load(str(path), return_metadata=True)  # any safetensors reader works
-    assert mx.array_equal(arrays["0.keys"], caches[0].keys[..., :10_000, :]).item()
-    assert meta["format_version"] == "2" and int(meta["chunk_bytes"]) == store.CHUNK_BYTES
+    assert mx.array_equal(arrays["0.keys"], caches[0].keys[..., :10_000, :]).item()  # type: ignore[index]
+    assert meta["format_version"] == "2" and int(meta["chunk_bytes"]) == store.CHUNK_BYTES  # type: ignore[index]
     header = store.read_header(path, "fp")
     assert len(header.digests("0.keys")) == 16 * 3
     store.check_data(path, header)

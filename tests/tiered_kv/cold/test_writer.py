@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
+from tests.fixtures import cold_tier, kv_cache
 from tiered_kv.cold.writer import Writer
 
 
@@ -16,7 +18,7 @@ def test_queue_full_drops_oldest_and_counts():
     w = Writer(max_bytes=100, on_drop=lambda n, why: drops.append(n))
     w.submit(gate.wait, 0, droppable=False)  # hold the thread
     for name in ("a", "b", "c"):
-        assert w.submit(lambda n=name: done.append(n), 40)
+        assert w.submit(lambda n=name: done.append(n), 40)  # type: ignore[misc]
     assert drops == [40]  # "a" dropped to admit "c"
     gate.set()
     assert w.wait_idle(5)
@@ -49,7 +51,7 @@ def test_hold_all_drops_nothing_and_idle_signal():
     w.submit(gate.wait, 0, droppable=False)
     w.hold_all()  # shutdown
     for i in range(5):
-        assert w.submit(lambda i=i: done.append(i), 100)
+        assert w.submit(lambda i=i: done.append(i), 100)  # type: ignore[misc]
     assert not w.idle and not w.wait_idle(0.05)
     gate.set()
     assert w.wait_idle(5) and w.idle
@@ -73,3 +75,19 @@ def test_run_sync_returns_and_raises():
     with pytest.raises(ZeroDivisionError):
         w.run_sync(lambda: 1 / 0)
     w.close(5)
+
+
+def test_queue_full_drops_oldest_spill(tmp_path):
+    tier = cold_tier(tmp_path, spill_queue_bytes=2 * (2 * 2 * 8 * 8 * 2) + 10)  # two entries
+    import threading
+
+    gate = threading.Event()
+    tier.writer.submit(gate.wait, 0, droppable=False)
+    for i in range(4):
+        tier.spill(np.arange(8) + 100 * i, [kv_cache(8)])
+    gate.set()
+    tier.flush()
+    st = tier.stats()
+    assert st["drops"] == 2 and st["entries"] == 2
+    assert tier.lookup(list(range(8))) is None and tier.lookup(list(range(300, 308))) is not None
+    tier.close()

@@ -85,7 +85,7 @@ def test_both_split_finishes_together():
     assert 0.4 * N < m < 0.6 * N
     p = plan(HIT, costs)
     assert p.kind == "both" and p.m == m and p.seconds == pytest.approx(seconds)
-    assert p.seconds < 0.9 * min(p.load_s, p.compute_s)  # type: ignore[type-var]
+    assert p.seconds < 0.9 * min(p.load_s, p.compute_s)  # type: ignore[operator,type-var]
 
 
 def test_both_split_uses_the_range_reader_cost_when_known():

@@ -3,16 +3,22 @@ where layers cannot be split (sliding window, recurrent), and TieredCache follow
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.prefill import prefill
-from tests.tiered_kv.conftest import feed, make_llama, tokens
-from tests.tiered_kv.test_cache_types import QuantizedLlama, gemma, qwen_next
+from tests.fixtures import (
+    HEAD_DIM_64,
+    QuantizedLlama,
+    feed,
+    gemma,
+    make_llama,
+    prefill,
+    qwen_next,
+    tokens,
+)
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.restore.costs import CostBook
@@ -23,14 +29,7 @@ N = 600  # ranges start at any token (reads round out to whole checksum chunks)
 
 
 def llama_kv8():
-    from mlx_lm.models import llama
-
-    mx.random.seed(5)
-    m = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
-                                    intermediate_size=128, num_attention_heads=2,
-                                    num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=256))  # fmt: skip
-    mx.eval(m.parameters())
-    return m
+    return make_llama(seed=5, **HEAD_DIM_64)
 
 
 def compute_with(model):
@@ -88,7 +87,7 @@ class Setup:
         return got
 
     def loaded(self, n):
-        caches, _, _ = self.cold.load(self.cold.lookup(self.ids))
+        caches, _, _ = self.cold.load(self.cold.lookup(self.ids))  # type: ignore[misc]
         from tiered_kv import layers
 
         return layers.view(caches, n, N)
@@ -189,7 +188,7 @@ def test_tiered_cache_compute_plan_is_a_truthful_miss(plain):
 def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
     s = Setup(make_llama(seed=4), tmp_path)
     hit = s.cold.lookup(s.ids)
-    path, _ = s.cold.describe(hit)
+    path, _ = s.cold.describe(hit)  # type: ignore[misc]
     raw = bytearray(path.read_bytes())
     raw[-1000] ^= 0xFF  # a byte inside the last layer's values, in the range read
     path.write_bytes(bytes(raw))
@@ -206,7 +205,7 @@ def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
 
 def test_io_thread_never_touches_mlx(plain):
     """The reader returns numpy only; arrays are built after the join, on this thread."""
-    seen = []
+    seen: list[str] = []
 
     def reader(*a):
         from tiered_kv.cold import ranged

@@ -1,7 +1,7 @@
 """SharedTier against a real redis-server: layout, exact-token hits, misses for every fault.
 
 The entry bytes here are a toy format (``tokens ‖ payload ‖ xxh3``) checked by ``check``: this
-module tests the tier's byte mechanics; tests/tiered_kv/shared/test_shared_cache.py runs the real
+module tests the tier's byte mechanics; tests/tiered_kv/shared/test_link.py runs the real
 entry format through the real cold tier.
 """
 
@@ -200,7 +200,7 @@ def test_redis_killed_mid_fetch_is_a_miss(redis_server, monkeypatch):
 
 
 def test_password_in_url(tmp_path):
-    from redis_server import RedisServer
+    from tests.redis_server import RedisServer
 
     srv = RedisServer(tmp_path / "r", password="s3cret").start()
     try:

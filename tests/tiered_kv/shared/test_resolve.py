@@ -101,7 +101,9 @@ def test_tls_checks_the_certificate_against_the_name_not_the_address(tmp_path):
     import subprocess
 
     import redis
-    from redis_server import RedisServer, free_port
+
+    from tests.fixtures import free_port
+    from tests.redis_server import RedisServer
 
     if shutil.which("openssl") is None:
         msg = "openssl is not installed (scripts/setup.sh installs it with redis-server)"

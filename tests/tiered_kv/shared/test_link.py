@@ -1,13 +1,12 @@
-"""TieredCache + real ColdTiers in two directories + one real redis-server: the shared tier end
-to end in one process (the server-level test is tests/reliability/test_shared_redis.py)."""
+"""tiered_kv/shared/link.py: TieredCache + real ColdTiers in two directories + one real
+redis-server: the shared tier end to end in one process (the server-level test is tests/reliability/test_shared_redis.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.prefill import prefill
-from tests.tiered_kv.conftest import cold_logits, tokens
+from tests.fixtures import cold_logits, prefill_turn, tokens
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.shared.link import SharedLink
@@ -26,18 +25,10 @@ def open_tc(model, root, url: str | None, fp: str = FP, **kw) -> TieredCache:
     return TieredCache(cfg, lambda: make_prompt_cache(model), cold, shared=shared)
 
 
-def run(tc, model, ids):
-    lease = tc.fetch(ids)
-    fed = ids[: lease.hit.tokens]
-    logits = np.array(prefill(model, lease, fed, 16))
-    tc.store(lease, fed)
-    return logits, lease.hit
-
-
 def publish_from_a(model, root, url, ids, **kw) -> None:
     """Server A computes ``ids`` and shuts down: its entry is written locally and published."""
     a = open_tc(model, root / "a", url, **kw)
-    run(a, model, ids)
+    prefill_turn(a, model, ids)
     a.close()
 
 
@@ -46,7 +37,7 @@ def test_entry_computed_on_a_is_a_shared_hit_on_b_then_local(small_model, tmp_pa
     publish_from_a(small_model, tmp_path, redis_server.url, p)
     b = open_tc(small_model, tmp_path / "b", redis_server.url)
     ids = p + tokens(61, 7)
-    logits, hit = run(b, small_model, ids)
+    logits, hit = prefill_turn(b, small_model, ids)
     assert hit.tier == "shared" and hit.tokens == len(p) and hit.load_bytes > 0
     np.testing.assert_allclose(logits, cold_logits(small_model, ids), rtol=1e-4, atol=1e-4)
     s = b.stats()
@@ -54,7 +45,7 @@ def test_entry_computed_on_a_is_a_shared_hit_on_b_then_local(small_model, tmp_pa
     b.close()
     redis_server.client().flushall()  # B's restart must not need Redis
     b2 = open_tc(small_model, tmp_path / "b", redis_server.url)
-    logits, hit = run(b2, small_model, ids)
+    logits, hit = prefill_turn(b2, small_model, ids)
     assert hit.tier == "cold" and hit.tokens >= len(p)
     np.testing.assert_allclose(logits, cold_logits(small_model, ids), rtol=1e-4, atol=1e-4)
     b2.close()
@@ -65,11 +56,11 @@ def test_other_salt_or_model_shares_nothing(small_model, tmp_path, redis_server)
     publish_from_a(small_model, tmp_path, redis_server.url, p, cache_salt="tenant-1")
     for fp, salt in ((FP, "tenant-2"), ("other-model", "tenant-1"), (FP, "")):
         b = open_tc(small_model, tmp_path / f"b-{fp}-{salt}", redis_server.url, fp, cache_salt=salt)
-        _, hit = run(b, small_model, p + [1])
+        _, hit = prefill_turn(b, small_model, p + [1])
         assert hit.tier == "none", (fp, salt)
         b.close()
     same = open_tc(small_model, tmp_path / "c", redis_server.url, cache_salt="tenant-1")
-    assert run(same, small_model, p + [1])[1].tier == "shared"
+    assert prefill_turn(same, small_model, p + [1])[1].tier == "shared"
     same.close()
 
 
@@ -78,7 +69,7 @@ def _entry_keys(redis_server, kind: str) -> list[bytes]:
 
 
 def assert_miss_then_correct(model, tc, ids) -> None:
-    logits, hit = run(tc, model, ids)
+    logits, hit = prefill_turn(tc, model, ids)
     assert hit.tier == "none" and hit.tokens == 0
     np.testing.assert_allclose(logits, cold_logits(model, ids), rtol=1e-4, atol=1e-4)
 
@@ -116,7 +107,7 @@ def test_dead_redis_leaves_local_tiers_answering(small_model, tmp_path, redis_se
     b = open_tc(small_model, tmp_path / "b", redis_server.url)
     redis_server.kill()
     assert_miss_then_correct(small_model, b, p + [3])
-    _, hit = run(b, small_model, p + [3, 8])  # memory still serves
+    _, hit = prefill_turn(b, small_model, p + [3, 8])  # memory still serves
     assert hit.tier == "hot"
     s = b.stats()
     assert s["shared_errors"] >= 1 and s["shared_up"] == 0
@@ -126,10 +117,10 @@ def test_dead_redis_leaves_local_tiers_answering(small_model, tmp_path, redis_se
 def test_spilled_entry_is_published_off_the_request_path(small_model, tmp_path, redis_server):
     a = open_tc(small_model, tmp_path / "a", redis_server.url)
     p = tokens(66, 48)
-    run(a, small_model, p)
+    prefill_turn(a, small_model, p)
     a.hot.budget_bytes = 0
     a.hot.enforce()  # evicted → spilled (writer thread) → published (publisher thread)
     a.cold.flush()
-    assert a.shared is not None and a.shared.flush(30)
+    assert a.shared is not None and a.shared.flush(30)  # type: ignore[attr-defined]
     assert a.stats()["shared_publishes"] == 1 and _entry_keys(redis_server, "e")
     a.close()

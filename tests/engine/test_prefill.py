@@ -1,0 +1,43 @@
+"""engine/prefill.py: suffix-only prefill in evaluated chunks, checkpoints at the cuts, a stop
+between chunks. The library's tests use a copy (``tests.fixtures.prefill``): it must stay the same."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.prefill import PrefillStopped, prefill
+from tests import fixtures
+from tests.fixtures import tokens
+from tiered_kv.config import Config
+from tiered_kv.tiered import TieredCache
+
+
+def lease_of(model, ids: list[int]):
+    tc = TieredCache(Config(tiers=()), lambda: make_prompt_cache(model), None)
+    return tc.fetch(ids)
+
+
+def test_the_library_tests_copy_equals_the_engine(small_model):
+    ids, cuts = tokens(90, 45), [7, 20, 33, 45]
+    got = {}
+    for name, run in (("engine", prefill), ("fixtures", fixtures.prefill)):
+        lease, fed = lease_of(small_model, ids), list[int]()
+        logits = run(small_model, lease, fed, 8, cuts)
+        got[name] = (np.array(logits), fed, sorted(lease.checkpoints), lease.caches[0].offset)
+    (le, fe, ce, oe), (lf, ff, cf, of) = got["engine"], got["fixtures"]
+    np.testing.assert_array_equal(le, lf)
+    assert fe == ff == ids and ce == cf == cuts and oe == of == len(ids)
+
+
+def test_stop_between_chunks_keeps_what_was_evaluated(small_model):
+    ids, seen = tokens(91, 40), []
+    lease, fed = lease_of(small_model, ids), list[int]()
+    with pytest.raises(PrefillStopped):
+        prefill(small_model, lease, fed, 8, on_progress=lambda d, t: seen.append((d, t)),
+                should_stop=lambda: len(seen) >= 2)  # fmt: skip
+    assert seen == [(8, 40), (16, 40)] and fed == ids[:16]
+    mx.eval([c.state for c in lease.caches])
+    assert lease.caches[0].offset == 16

@@ -1,0 +1,32 @@
+"""engine/sampler.py: temperature 0 is the batch's shared argmax (no sampler); a seeded request
+draws from its own key, so the same seed gives the same ids whatever else was sampled meanwhile."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.events import SamplingParams
+from engine.sampler import for_request, greedy
+
+
+def logprobs(seed: int) -> mx.array:
+    x = mx.random.normal((2, 50), key=mx.random.key(seed))
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def test_greedy_is_none_and_argmax():
+    assert for_request(SamplingParams(temperature=0.0)) is None
+    lp = logprobs(0)
+    assert greedy(lp).tolist() == mx.argmax(lp, axis=-1).tolist()
+
+
+def test_same_seed_same_ids_whatever_runs_between():
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    a, b = for_request(params), for_request(params)
+    assert a is not None and b is not None
+    first = [a(logprobs(i)).tolist() for i in range(5)]
+    second = []
+    for i in range(5):
+        mx.random.categorical(logprobs(99))  # another request's draw from the global state
+        second.append(b(logprobs(i)).tolist())
+    assert first == second

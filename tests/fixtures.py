@@ -1,0 +1,312 @@
+"""Shared test helpers of the library side (``tiered_kv``): tiny models, caches, tiers, files.
+
+One owner for every helper more than one test file uses. Nothing here imports ``engine``: the
+library's tests must run without the server (``tests/test_layout.py`` checks it). Server-side
+helpers (ports, server processes, tool schemas) live in ``tests/serving.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as C
+from mlx_lm.models import gemma3_text, llama, qwen3_next
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+from tiered_kv import checkpoints, keys, layers
+from tiered_kv.cold import store
+from tiered_kv.cold.tier import ColdTier
+from tiered_kv.config import Config
+from tiered_kv.memory import MemoryProbe
+from tiered_kv.tiered import HitInfo, Lease, TieredCache
+
+# --- a tiny llama, built in memory (no tokenizer) -------------------------------------------------
+
+VOCAB = 256
+HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+
+
+def make_llama(seed: int = 0, layers: int = 2, **shape: Any) -> llama.Model:
+    """A real mlx-lm llama with random weights: hidden 64, 4 heads (2 KV heads), vocab 256 unless
+    ``shape`` says otherwise (:data:`HEAD_DIM_64`: the head_dim that 8-bit KV quantisation needs)."""
+    mx.random.seed(seed)
+    args = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+    )
+    model = llama.Model(llama.ModelArgs(**{**args, **shape}))
+    mx.eval(model.parameters())
+    return model
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` random token ids below :data:`VOCAB`, the same for the same seed."""
+    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+
+
+def feed(model, caches, ids) -> np.ndarray:
+    """Run ``ids`` through the model on ``caches``; next-token logits after the last id."""
+    out = model(mx.array([list(ids)]), cache=caches)
+    mx.eval(out, [c.state for c in caches])
+    return np.array(out[0, -1, :])
+
+
+def cold_logits(model, ids) -> np.ndarray:
+    """The logits after ``ids`` from empty caches: what every cache hit must equal."""
+    return feed(model, make_prompt_cache(model), ids)
+
+
+def prefill(
+    model, lease: Lease, fed: list[int], chunk_size: int, cuts: Sequence[int] = ()
+) -> mx.array:
+    """The engine's suffix prefill (``engine/prefill.py``), for the library's tests, which must not
+    import the engine: ``lease.remaining`` in evaluated chunks that end at ``cuts`` (checkpoints
+    taken there), the last id fed alone; ``fed`` grows. Returns the last position's logits."""
+    rem = lease.remaining
+    start, body, i = len(fed), len(lease.remaining) - 1, 0
+    while i < body:
+        end = min([i + chunk_size, body] + [c - start for c in cuts if c - start > i])
+        model(mx.array([rem[i:end]]), cache=lease.caches)
+        mx.eval([c.state for c in lease.caches])
+        fed.extend(rem[i:end])
+        _checkpoint(lease, len(fed), cuts)
+        i = end
+    logits = model(mx.array([rem[-1:]]), cache=lease.caches)[0, -1, :]
+    mx.eval([logits] + [c.state for c in lease.caches])
+    fed.append(rem[-1])
+    _checkpoint(lease, len(fed), cuts)
+    return logits
+
+
+def _checkpoint(lease: Lease, n: int, cuts: Sequence[int]) -> None:
+    checkpoints.take(lease.checkpoints, n, cuts, lease.caches)
+
+
+def prefill_turn(tc: TieredCache, model, ids: list[int]) -> tuple[np.ndarray, HitInfo]:
+    """One request through ``tc``: fetch, :func:`prefill` the suffix in 16-token chunks, store."""
+    lease = tc.fetch(ids)
+    fed = ids[: lease.hit.tokens]
+    logits = np.array(prefill(model, lease, fed, 16))
+    tc.store(lease, fed)
+    return logits, lease.hit
+
+
+# --- the cache types mlx-lm models make -----------------------------------------------------------
+
+EOS = 2  # the end-of-message id of the cache-type models: a checkpoint after each
+
+
+EVERY = 16  # … and one every EVERY tokens
+
+
+def gemma() -> gemma3_text.Model:
+    """gemma3_text: sliding-window RotatingKVCache layers between KVCache layers."""
+    mx.random.seed(1)
+    m = gemma3_text.Model(
+        gemma3_text.ModelArgs(
+            model_type="gemma3_text",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            head_dim=16,
+            num_key_value_heads=2,
+            vocab_size=256,
+            sliding_window=16,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=16,
+        )
+    )
+    mx.eval(m.parameters())
+    return m
+
+
+def qwen_next() -> qwen3_next.Model:
+    """qwen3_next: recurrent ArraysCache layers between KVCache layers."""
+    mx.random.seed(2)
+    m = qwen3_next.Model(
+        qwen3_next.ModelArgs(
+            model_type="qwen3_next",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_experts=0,
+            num_experts_per_tok=1,
+            decoder_sparse_step=1,
+            shared_expert_intermediate_size=128,
+            mlp_only_layers=[0, 1, 2, 3],
+            moe_intermediate_size=64,
+            rms_norm_eps=1e-5,
+            vocab_size=256,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+            partial_rotary_factor=0.5,
+            max_position_embeddings=4096,
+            head_dim=16,
+            full_attention_interval=2,
+        )
+    )
+    mx.eval(m.parameters())
+    return m
+
+
+class QuantizedLlama:
+    """A llama whose model cache is mlx-lm's QuantizedKVCache (8-bit, group 64)."""
+
+    def __init__(self) -> None:
+        self.inner = make_llama(seed=3, **HEAD_DIM_64)
+        self.layers = self.inner.layers
+
+    def __call__(self, x, cache):
+        return self.inner(x, cache=cache)
+
+    def make_cache(self):
+        return [QuantizedKVCache(group_size=64, bits=8) for _ in self.layers]
+
+
+def checkpointed_turn(tc: TieredCache, model, ids: list[int]) -> tuple[np.ndarray, int]:
+    """One request through ``tc`` with checkpoints where the model needs them (:data:`EOS`,
+    :data:`EVERY`): fetch, :func:`prefill` in 8-token chunks, store; (logits, hit tokens)."""
+    lease = tc.fetch(ids)
+    fed = ids[: lease.hit.tokens]
+    cuts = (
+        checkpoints.positions(len(fed), lease.remaining, {EOS}, EVERY)
+        if lease.needs_checkpoints
+        else []
+    )
+    logits = prefill(model, lease, fed, 8, cuts)
+    tc.store(lease, fed)
+    return np.array(logits), lease.hit.tokens
+
+
+# --- hot tier -------------------------------------------------------------------------------------
+
+
+class FakeProbe(MemoryProbe):
+    """A memory reading the test controls (only faults are faked)."""
+
+    def __init__(self, active: int = 0, capacity: int = 1 << 40) -> None:
+        super().__init__(capacity)
+        self.value = active
+
+    def active(self) -> int:
+        return self.value
+
+
+def hot_only(model, probe: MemoryProbe | None = None, **kw: Any) -> TieredCache:
+    """A TieredCache with the hot tier alone, its memory read from ``probe`` (a :class:`FakeProbe`)."""
+    cfg = Config(tiers=("hot",), **kw)
+    return TieredCache(cfg, lambda: make_prompt_cache(model), None, probe or FakeProbe())
+
+
+def store_turn(
+    tc: TieredCache, model, prompt: list[int], extra: Sequence[int] = ()
+) -> tuple[np.ndarray, int]:
+    """Fetch, feed the suffix, optionally feed ``extra`` (generated ids), store: (logits, hit tokens)."""
+    lease = tc.fetch(prompt)
+    assert lease.remaining == prompt[lease.hit.tokens :]
+    logits = feed(model, lease.caches, lease.remaining)
+    fed = list(prompt)
+    if extra:
+        feed(model, lease.caches, extra)
+        fed += list(extra)
+    tc.store(lease, fed)
+    return logits, lease.hit.tokens
+
+
+def entry_arrays(entry) -> dict[str, np.ndarray]:
+    """A stored entry's arrays, copied out (to compare before / after)."""
+    arrays, _ = layers.encode(entry.caches)
+    return {k: np.array(v) for k, v in arrays.items()}
+
+
+# --- cold tier ------------------------------------------------------------------------------------
+
+TIER_FP = keys.fingerprint({"model": "test"})
+BLOCK = 4  # block tokens of :func:`cold_tier`
+
+
+def cold_tier(root: Path, **kw) -> ColdTier:
+    """A ColdTier under ``root`` with :data:`BLOCK`-token blocks and fingerprint :data:`TIER_FP`."""
+    # a loaded test machine can take longer than the 0.5 s lookup deadline: a miss there is not
+    # what these tests check (tests/tiered_kv/cold/test_reader.py tests the deadline itself)
+    kw.setdefault("cold_deadline", 30.0)
+    cfg = Config(cache_dir=root, block_tokens=BLOCK, **kw)
+    return ColdTier(root, TIER_FP, cfg)
+
+
+def kv_cache(n: int, d: int = 8, dtype=mx.bfloat16) -> C.KVCache:
+    """A KVCache holding ``n`` random tokens (2 heads of width ``d``; values = 2 × keys)."""
+    c = C.KVCache()
+    x = mx.random.normal((1, 2, n, d)).astype(dtype)
+    c.update_and_fetch(x, x * 2)
+    return c
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def entry_file(tier: ColdTier) -> Path:
+    """The tier's one entry file."""
+    (path,) = tier.dir.glob("*.safetensors")
+    return path
+
+
+def rewrite_meta(path: Path, **changes: str) -> None:
+    """Re-sign a file with changed metadata (a well-formed foreign file)."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
+    meta.update(changes)
+    new = store.header_bytes(head, meta)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+
+def precious(outside: Path, name: str = "model.safetensors", size: int = 4096) -> Path:
+    """A file outside the cache dir that nothing may touch (old mtime: first in any LRU)."""
+    outside.mkdir(parents=True, exist_ok=True)
+    p = outside / name
+    p.write_bytes(b"w" * size)
+    os.chmod(p, 0o644)
+    os.utime(p, (1e9, 1e9))
+    return p
+
+
+def intact(p: Path, size: int = 4096) -> bool:
+    """``p`` is still the untouched :func:`precious` file."""
+    return p.is_file() and p.read_bytes() == b"w" * size and stat.S_IMODE(p.stat().st_mode) == 0o644
+
+
+# --- network --------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,129 @@
+"""Shared test helpers of the server side (``engine``): the server in-process over real HTTP, the
+server as a ``tiered-kv serve`` subprocess, its environment, and the tool schema requests carry.
+
+The library-side helpers (models, caches, tiers, :func:`free_port`) are in ``tests/fixtures.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import uvicorn
+
+from engine.server import create_app
+from tests.fixtures import free_port
+from tiered_kv.config import Config
+
+__all__ = [
+    "AUTH", "TOOLS", "USER", "Live", "clean_env", "free_port", "hot_config", "serve", "start", "stop"
+]  # fmt: skip
+
+# One tool, as agents send it: a city (required) and an optional day count.
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+AUTH = {"Authorization": "Bearer sekret"}  # the API key of the guarded servers
+
+# a question the tiny models answer with a few tokens
+USER = [{"role": "user", "content": "what is the weather in paris and in london today?"}]
+
+
+def hot_config(tmp: Path, **kw) -> Config:
+    """The hot tier alone, small continuation threshold and prefill chunks (a tiny model's scale)."""
+    return Config(cache_dir=tmp, tiers=("hot",), min_continuation_tokens=16, prefill_chunk=16, **kw)
+
+
+# --- in process: uvicorn in a thread ---------------------------------------------------------------
+
+
+class Live:
+    """A running server: ``url``, ``client`` (openai), ``app``."""
+
+    def __init__(self, app, port: int):
+        self.app, self.url = app, f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="sekret", max_retries=0)
+
+
+@contextmanager
+def serve(make_engine: Callable[[], Any], config: Config, keepalive: float = 0.2) -> Iterator[Live]:
+    """Serve the engine that ``make_engine`` builds (on the server's engine thread): an Engine, or a
+    stand-in with its interface (test_server.py's scripted engine)."""
+    app = create_app(make_engine, config, keepalive_seconds=keepalive)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield Live(app, port)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+# --- a subprocess: `tiered-kv serve` ---------------------------------------------------------------
+
+# the soak switch is not a TIERED_KV_* setting of the server: never pass it to one
+_PASS = ("TIERED_KV_BLAS_REEXEC",)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any ``TIERED_KV_*`` setting, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERED_KV_") or k in _PASS}
+    env.update(extra)
+    return env
+
+
+def start(model: Path, env: dict[str, str], port: int, log: Path) -> subprocess.Popen:
+    """`tiered-kv serve --model MODEL --port PORT`, logging to ``log``; returns once /health answers."""
+    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", str(port)]
+    proc = subprocess.Popen(argv, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"server did not come up:\n{log.read_text()}")
+
+
+def stop(proc: subprocess.Popen, log: Path) -> None:
+    """SIGTERM, and check the server shut down gracefully."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"server ignored SIGTERM:\n{log.read_text()}") from None
+    # uvicorn re-raises the signal after its graceful shutdown, so the exit status is "killed by SIGTERM"
+    assert rc in (0, -signal.SIGTERM), log.read_text()
+    assert "Application shutdown complete" in log.read_text()

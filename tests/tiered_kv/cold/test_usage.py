@@ -1,0 +1,24 @@
+"""tiered_kv/cold/usage.py: the disk usage scan lists a symlinked quarantine as a link and never
+deletes through it (issue 12.3; the other symlink cases are in test_fsafe.py)."""
+
+from __future__ import annotations
+
+import os
+
+from tests.fixtures import intact, precious
+from tiered_kv.cold import usage
+
+FP = "0123456789abcdef0123456789abcdef"
+
+
+def test_usage_never_deletes_through_a_symlinked_quarantine(tmp_path):
+    root, out = tmp_path / "kv", tmp_path / "elsewhere"
+    victim = precious(out)
+    root.mkdir()
+    (root / usage.QUARANTINE).symlink_to(out, target_is_directory=True)
+    items = usage.scan(root, FP, []).items
+    assert [i.key for i in items] == [("path", root / usage.QUARANTINE)]  # the link, as a link
+    assert not usage.remove_path(root / usage.QUARANTINE / victim.name)
+    for item in items:
+        usage.remove_path(item.key[1])  # type: ignore[index]
+    assert intact(victim) and not os.path.lexists(root / usage.QUARANTINE)
