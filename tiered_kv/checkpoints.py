@@ -29,7 +29,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as C
 
 from tiered_kv import layers
 
@@ -89,27 +88,14 @@ def restore(
         return layers.view(caches, n, total)
     snaps = iter(checkpoint)
 
-    def build(items: Sequence[Any]) -> list[Any] | None:
-        out: list[Any] = []
-        for c in items:
-            if type(c) is C.CacheList:
-                sub = build(c.caches)
-                if sub is None:
-                    return None
-                out.append(C.CacheList(*sub))
-                continue
-            snap = next(snaps)
-            if snap is None:
-                v = layers.codec_for(c).view(c, n, total)
-            else:
-                length = layers.codec_for(snap).length(snap) or 0
-                v = layers.codec_for(snap).view(snap, length, length)
-            if v is None:
-                return None
-            out.append(v)
-        return out
+    def leaf(c: Any) -> Any | None:
+        snap = next(snaps)
+        if snap is None:
+            return layers.codec_for(c).view(c, n, total)
+        length = layers.codec_for(snap).length(snap) or 0
+        return layers.codec_for(snap).view(snap, length, length)
 
-    return build(caches)
+    return layers.rebuild(caches, leaf)
 
 
 # -- which serve what (pure) ----------------------------------------------------------------

@@ -349,22 +349,28 @@ def _trimmable(c: Any) -> bool:
     return True
 
 
-def view(caches: Sequence[Any], n: int, total: int) -> list[Any] | None:
-    """New cache objects for the first ``n`` of ``total`` tokens, sharing arrays; None if any
-    layer cannot serve ``n``."""
+def rebuild(caches: Sequence[Any], leaf: Callable[[Any], Any | None]) -> list[Any] | None:
+    """``caches`` with every leaf replaced by ``leaf(c)``, in model order (CacheLists rebuilt
+    around their members); None when ``leaf`` gives None for any of them."""
     out: list[Any] = []
     for c in caches:
         if type(c) is C.CacheList:
-            sub = view(c.caches, n, total)
+            sub = rebuild(c.caches, leaf)
             if sub is None:
                 return None
             out.append(C.CacheList(*sub))
             continue
-        v = codec_for(c).view(c, n, total)
+        v = leaf(c)
         if v is None:
             return None
         out.append(v)
     return out
+
+
+def view(caches: Sequence[Any], n: int, total: int) -> list[Any] | None:
+    """New cache objects for the first ``n`` of ``total`` tokens, sharing arrays; None if any
+    layer cannot serve ``n``."""
+    return rebuild(caches, lambda c: codec_for(c).view(c, n, total))
 
 
 def cut(caches: Sequence[Any], n: int, have: int | None = None) -> list[Any] | None:
@@ -379,24 +385,12 @@ def cut(caches: Sequence[Any], n: int, have: int | None = None) -> list[Any] | N
     if have is None:
         have = n if all(x == n for x in known) else -1
 
-    def build(items: Sequence[Any]) -> list[Any] | None:
-        out: list[Any] = []
-        for c in items:
-            if type(c) is C.CacheList:
-                sub = build(c.caches)
-                if sub is None:
-                    return None
-                out.append(C.CacheList(*sub))
-                continue
-            codec = codec_for(c)
-            length = codec.length(c)
-            v = c if (have if length is None else length) == n else codec.cut(c, n)
-            if v is None:
-                return None
-            out.append(v)
-        return out
+    def leaf(c: Any) -> Any | None:
+        codec = codec_for(c)
+        length = codec.length(c)
+        return c if (have if length is None else length) == n else codec.cut(c, n)
 
-    return build(caches)
+    return rebuild(caches, leaf)
 
 
 def encode(caches: Sequence[Any]) -> tuple[Arrays, dict[str, str]]:
