@@ -30,6 +30,7 @@ import numpy as np
 from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models import cache as C
 
+from engine import prefill_batch
 from engine import sampler as sampling
 from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams, Usage
 from tiered_kv import Lease
@@ -59,6 +60,11 @@ def batchable(caches: list[Any]) -> bool:
         elif type(c) not in BATCHABLE:
             return False
     return True
+
+
+def _left(seq: _Seq) -> int:
+    """Prompt tokens ``seq`` has still to prefill."""
+    return len(seq.prompt_ids) - len(seq.fed)
 
 
 def _shared(a: np.ndarray, b: np.ndarray) -> int:
@@ -168,21 +174,33 @@ class BatchLoop:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> None:
         """One decode step of every decoding group, then up to ``prefill_budget`` prompt tokens
-        of prefill: one chunk of a long prompt, or the whole suffixes of several short ones."""
+        of prefill: one chunk of a long prompt, or the whole suffixes of several short ones;
+        several requests' chunks share one forward where their caches allow
+        (:mod:`engine.prefill_batch`). Once a request has its first token, the step ends, so that
+        its next tokens come before other prompts' prefill (:meth:`_prefill_phase`)."""
         for group in [g for g in (self.batch, *self.solo) if g is not None]:
             self._decode(group)
         self._poll_loading()
         for gone in [s for s in self.prefilling if s.sink.cancelled()]:
             self.prefilling.remove(gone)
             self._finish(gone, "cancelled", gone.lease.caches if gone.lease else None)
+        self._prefill_phase()
+
+    def _prefill_phase(self) -> None:
         budget = self.prefill_budget
         while budget > 0:
             seq = self._next_prefill()
             if seq is None:
                 return
-            before = len(seq.fed)
-            self._prefill_once(seq)
-            budget -= max(1, len(seq.fed) - before)
+            decoding = self.decoding
+            if seq.steps is None:  # plain KV: its chunks share forwards with the others'
+                budget -= self._prefill_rows(self._rows(seq), budget)
+            else:
+                before = len(seq.fed)
+                self._prefill_once(seq)
+                budget -= max(1, len(seq.fed) - before)
+            if self.decoding > decoding:
+                return  # a first token: the request's next tokens before more prefill
 
     def close(self) -> None:
         """Cancel everything in flight: what each request computed is stored, listeners get
@@ -205,17 +223,62 @@ class BatchLoop:
     # -- prefill ----------------------------------------------------------------------------
     def _next_prefill(self) -> _Seq | None:
         """The request to prefill next: the fewest prompt tokens left first (arrival order on a
-        tie); a waiting one is leased here. None when nothing is left to prefill."""
+        tie). Waiting requests are leased here, all that are ready (so that their prompts can
+        share forwards), in the same order. None when nothing is left to prefill."""
         while True:
             ready = [s for s in self.waiting if not self._shares_with_prefilling(s)]
+            if not ready:
+                break
             left = {id(s): len(s.prompt_ids) - self.engine.cache.peek(s.tokens) for s in ready}
-            left.update((id(s), len(s.prompt_ids) - len(s.fed)) for s in self.prefilling)
-            pool = ready + self.prefilling
-            if not pool:
-                return None
-            seq = min(pool, key=lambda s: (left[id(s)], s.enqueued))
-            if seq in self.prefilling or self._start(seq):
-                return seq
+            self._start(min(ready, key=lambda s: (left[id(s)], s.enqueued)))
+        if not self.prefilling:
+            return None
+        return min(self.prefilling, key=lambda s: (_left(s), s.enqueued))
+
+    def _rows(self, seq: _Seq) -> list[_Seq]:
+        """``seq`` and the requests whose prompt chunks share its forwards (least left first):
+        those without a prefill of their own (``steps``: caches that cannot be batched)."""
+        others = [s for s in self.prefilling if s is not seq and s.steps is None]
+        return [seq] + sorted(others, key=lambda s: (_left(s), s.enqueued))
+
+    def _prefill_rows(self, rows: list[_Seq], budget: int) -> int:
+        """One forward over ``rows``: a chunk of each one's prompt body, or — once the first has
+        only its last prompt token left — the last tokens of all that are there, whose logits
+        give their first tokens. Returns the prompt tokens it fed."""
+        if _left(rows[0]) == 1:
+            rows = [s for s in rows if _left(s) == 1]
+            logits = self._forward(rows, [s.prompt_ids[-1:] for s in rows], logits=True)
+            for i, seq in enumerate(rows if logits is not None else []):
+                self._prefilled(seq, logits[i])  # type: ignore[index]
+            return len(rows)
+        # every row has body left (rows[0] has the least); one length for all: no padding
+        n = max(1, min(min(_left(s) - 1 for s in rows), budget // len(rows)))
+        self._forward(rows, [s.prompt_ids[len(s.fed) : len(s.fed) + n] for s in rows])
+        if any(_left(s) > 1 for s in rows):
+            mx.clear_cache()
+        return n * len(rows)
+
+    def _forward(
+        self, rows: list[_Seq], chunks: list[list[int]], logits: bool = False
+    ) -> mx.array | None:
+        """:func:`engine.prefill_batch.forward` for ``rows``: their ``fed`` grow by their chunk;
+        on an error every row fails (its cache as it was before the forward is stored)."""
+        leases = [s.lease for s in rows if s.lease is not None]
+        t0 = time.perf_counter()
+        try:
+            out = prefill_batch.forward(self.engine.model, leases, chunks, logits)
+        except Exception as e:
+            for seq in rows:
+                self.prefilling.remove(seq)
+                self._fail(seq, e, seq.lease.caches if seq.lease else None)
+            return None
+        busy, total = time.perf_counter() - t0, sum(len(c) for c in chunks)
+        for seq, chunk in zip(rows, chunks, strict=True):
+            seq.fed.extend(chunk)
+            seq.prefill_busy += busy * len(chunk) / total  # the forward's time, shared by tokens
+            if seq.progress:
+                seq.progress(len(seq.fed), len(seq.prompt_ids))
+        return out
 
     def _shares_with_prefilling(self, seq: _Seq) -> bool:
         """True when ``seq`` gains more from a prefilling request's published prompt than the
@@ -240,6 +303,11 @@ class BatchLoop:
             self._fail(seq, e, seq.lease.caches)
             return
         seq.prefill_busy += time.perf_counter() - t0
+        self._prefilled(seq, logits)
+
+    def _prefilled(self, seq: _Seq, logits: mx.array) -> None:
+        """``seq``'s prompt is all in its caches: publish it, then its first token."""
+        assert seq.lease is not None
         self.prefilling.remove(seq)
         seq.t_prefill = time.perf_counter() - seq.started
         done_hook = getattr(self.engine, "prefill_done", None)
@@ -302,7 +370,8 @@ class BatchLoop:
             seq.prefill_from = info.tokens
             seq.text = self.engine.text_stream(seq.params)
             seq.sampler = sampling.for_request(seq.params)
-            seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
+            if not prefill_batch.batchable(seq.lease):  # else its chunks go in shared forwards
+                seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
         except Exception as e:
             self._fail(seq, e, seq.lease.caches)
             return False

@@ -39,11 +39,30 @@ class IdText:
         return ""
 
 
+class Recorded:
+    """The real model, with the shape (rows, tokens) of every forward it runs recorded."""
+
+    def __init__(self, model: Any) -> None:
+        self.inner = model
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __call__(self, inputs: Any, *a: Any, **kw: Any) -> Any:
+        self.shapes.append(tuple(inputs.shape))
+        return self.inner(inputs, *a, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def prompt_rows(self) -> int:
+        """The most rows of one forward of several prompt tokens (a decode step feeds one)."""
+        return max((rows for rows, n in self.shapes if n > 1), default=0)
+
+
 class ModelEngine:
     """What the batch loop needs of an Engine, over a bare mlx-lm model and a TieredCache."""
 
     def __init__(self, model: Any, config: Config) -> None:
-        self.model, self.config = model, replace(config, prefill_chunk=8)
+        self.model, self.config = Recorded(model), replace(config, prefill_chunk=8)
         make = model.make_cache if hasattr(model, "make_cache") else None
         self.cache = TieredCache(config, make or (lambda: make_prompt_cache(model)))
 
@@ -138,6 +157,9 @@ def test_concurrent_greedy_equals_alone(name):
         biggest = max(biggest, len(loop.batch.seqs) if loop.batch else 0, loop.decoding)
     assert [s.ids for s in sinks] == ref
     assert biggest >= 3  # they did decode together
+    # plain KV prompts share forwards; checkpointed or quantised caches prefill one at a time
+    plain = name in ("llama", "llama-kv-bits-8")
+    assert (engine.model.prompt_rows() >= 2) == plain, engine.model.shapes
     for s in sinks:
         hit = next(e for e in s.events if isinstance(e, Hit))
         assert hit.tokens >= EVERY and hit.tier == "hot"  # non-positional layers: a checkpoint
@@ -302,3 +324,71 @@ def test_a_disk_hit_is_read_beside_the_running_streams(tmp_path, monkeypatch):
     got, want = hit_of(restored), hit_of(ref)
     assert (got.tokens, got.tier) == (want.tokens, "cold") and restored.ids == ref.ids
     loop.close()
+
+
+def test_prompts_at_different_hits_prefill_together_exactly():
+    """Requests with different cached prefixes (40, 30, 20 tokens, none) and suffixes prefill in
+    shared forwards (the model sees their prompt chunks as rows of one batch), greedy outputs equal
+    each request's alone, and each stored entry holds exactly its own tokens: it serves the next
+    turn of that conversation, whose output equals an uncached run's."""
+    model = make_llama(seed=4)
+    a, b = tokens(100, 40), tokens(101, 20)
+
+    def engine_with_entries() -> ModelEngine:
+        e = ModelEngine(model, Config(tiers=("hot",), min_continuation_tokens=16))
+        alone(e, a + [5], 1)
+        alone(e, b + [5], 1)
+        return e
+
+    prompts = [a + tokens(110, 3), a[:30] + tokens(111, 25), b + tokens(112, 12), tokens(113, 17)]
+    most = [9, 4, 14, 6]
+    ref = [alone(engine_with_entries(), p, m).ids for p, m in zip(prompts, most, strict=True)]
+    engine = engine_with_entries()
+    loop, sinks = BatchLoop(engine), [Sink() for _ in prompts]
+    for sink, p, m in zip(sinks, prompts, most, strict=True):
+        loop.add(sink, p, SamplingParams(max_tokens=m))
+    run_until(loop, lambda: all(s.done for s in sinks))
+    assert [hit_of(s).tokens for s in sinks] == [40, 30, 20, 0]
+    assert engine.model.prompt_rows() == 4  # all four prompts in one forward
+    assert [s.ids for s in sinks] == ref
+    # the next turns: each from its own stored entry, as if run without any cache
+    follow = [
+        p + s.ids + tokens(120 + i, 4) for i, (p, s) in enumerate(zip(prompts, sinks, strict=True))
+    ]
+    fresh = ModelEngine(model, Config(tiers=()))
+    want = [alone(fresh, f, 5).ids for f in follow]
+    nxt = [Sink() for _ in follow]
+    for sink, f in zip(nxt, follow, strict=True):
+        loop.add(sink, f, SamplingParams(max_tokens=5))
+    run_until(loop, lambda: all(s.done for s in nxt))
+    for p, s, n in zip(prompts, sinks, nxt, strict=True):
+        assert hit_of(n).tokens >= len(p) + len(s.ids) - 1
+    assert [n.ids for n in nxt] == want
+
+
+def test_a_first_token_is_followed_by_the_next_before_more_prefill():
+    """Once a request has its first token, its second comes before any more prefill of another
+    prompt: a client's first visible text often needs it (a partial UTF-8 character, whitespace
+    held back before a possible marker), so a concurrent title request's prefill must not sit
+    between them (issue 14: main-request TTFT next to a title request)."""
+    engine = warmed(make_llama(seed=4), {})
+    order: list[tuple[str, Any]] = []
+
+    class Logged(Sink):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def emit(self, event: Event) -> None:
+            super().emit(event)
+            order.append((self.name, event))
+
+    loop, title, main = BatchLoop(engine), Logged("title"), Logged("main")
+    progress = lambda done, total: order.append(("title prefill", done))  # noqa: E731
+    loop.add(title, tokens(70, 60), SamplingParams(max_tokens=4), progress)
+    loop.add(main, SHARED + tokens(71, 6), SamplingParams(max_tokens=4))
+    run_until(loop, lambda: main.done and title.done)
+    tokens_of_main = [i for i, (n, e) in enumerate(order) if n == "main" and isinstance(e, Chunk)]
+    first, second = tokens_of_main[:2]
+    assert not title.chunks or order.index(("title", title.chunks[0])) > first
+    assert [n for n, _ in order[first:second]] == ["main"]

@@ -46,7 +46,8 @@ class _ScriptText:
 
 class Scripted:
     """The real engine (model, cache, batch loop), except that its text is ``script`` (the random tiny
-    model never writes a tool call) and its prefill sleeps ``delay`` seconds first."""
+    model never writes a tool call) and its request setup before the prefill sleeps ``delay`` seconds
+    (on the engine thread, as a slow prefill would)."""
 
     def __init__(self, engine: Engine, script: list[str], delay: float = 0.0):
         self._engine, self.script, self.delay = engine, script, delay
@@ -55,11 +56,8 @@ class Scripted:
         return getattr(self._engine, name)
 
     def text_stream(self, params: SamplingParams) -> _ScriptText:
-        return _ScriptText(self.script)
-
-    def prefill_steps(self, lease, fed, on_progress=None):
         time.sleep(self.delay)
-        return (yield from self._engine.prefill_steps(lease, fed, on_progress))
+        return _ScriptText(self.script)
 
 
 # --- chat -----------------------------------------------------------------------------------------

@@ -82,25 +82,33 @@ def test_failed_turn_keeps_the_cached_conversation(live):
     assert cached >= first["usage"]["prompt_tokens"], good["usage"]
 
 
-class _Slow:
-    """The real engine, each prefill held ``delay`` seconds first (queued requests pile up). It
-    yields to the batch loop every 20 ms (a prefill budget of one step each), so the loop still
-    sees cancellation and shutdown."""
+class _SlowLookup:
+    """The real tiered cache, each lookup held ``delay`` seconds first (as a slow disk read would).
+    It yields to the batch loop every 20 ms, so the loop still sees cancellation and shutdown."""
 
-    prefill_chunk = 1
-
-    def __init__(self, engine: Engine, delay: float):
-        self._engine, self.delay = engine, delay
+    def __init__(self, cache, delay: float):
+        self._cache, self.delay = cache, delay
 
     def __getattr__(self, name):
-        return getattr(self._engine, name)
+        return getattr(self._cache, name)
 
-    def prefill_steps(self, lease, fed, on_progress=None):
+    def fetch_steps(self, prompt_ids, background: bool = False):
         deadline = time.monotonic() + self.delay
         while time.monotonic() < deadline:
             time.sleep(0.02)
             yield
-        return (yield from self._engine.prefill_steps(lease, fed, on_progress))
+        return (yield from self._cache.fetch_steps(prompt_ids, background=background))
+
+
+class _Slow:
+    """The real engine whose requests each wait ``delay`` seconds for their cache lookup (queued
+    requests pile up)."""
+
+    def __init__(self, engine: Engine, delay: float):
+        self._engine, self.cache = engine, _SlowLookup(engine.cache, delay)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
 
 
 def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
