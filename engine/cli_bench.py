@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--scale", type=float, help="session size factor; 1.0 = OpenCode's (default 0.25)"
     )
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
-    p.add_argument("--out", type=Path, default=Path("bench/results/latest"), help="results directory")
+    p.add_argument(
+        "--out", type=Path, default=Path("bench/results/latest"), help="results directory"
+    )
     p.add_argument("--scenarios", default="a,b,c,d,e", help="comma list out of a,b,c,d,e")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

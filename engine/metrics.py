@@ -31,14 +31,28 @@ _NAMED = {
     "evictions": ("tiered_kv_hot_evictions", "Entries evicted from the in-memory tier"),
     "cold_load_bytes": ("tiered_kv_reload_bytes", "Bytes reloaded from the disk tier"),
     "cold_load_seconds": ("tiered_kv_reload_seconds", "Seconds spent reloading from the disk tier"),
-    "shared_hits": ("tiered_kv_shared_lookup_hits", "Shared-tier (Redis) lookups that found an entry"),
-    "shared_fetches": ("tiered_kv_shared_fetches", "Entries fetched from the shared tier (verified)"),
+    "shared_hits": (
+        "tiered_kv_shared_lookup_hits",
+        "Shared-tier (Redis) lookups that found an entry",
+    ),
+    "shared_fetches": (
+        "tiered_kv_shared_fetches",
+        "Entries fetched from the shared tier (verified)",
+    ),
     "shared_fetch_bytes": ("tiered_kv_shared_fetch_bytes", "Bytes fetched from the shared tier"),
     "shared_publishes": ("tiered_kv_shared_publishes", "Entries published to the shared tier"),
-    "shared_publish_bytes": ("tiered_kv_shared_publish_bytes", "Bytes published to the shared tier"),
-    "shared_publish_queue_bytes": ("tiered_kv_shared_publish_queue_bytes",
-                                   "Bytes of entries waiting to be published"),
-    "shared_errors": ("tiered_kv_shared_errors", "Failed shared-tier calls (Redis down, slow, ...)"),
+    "shared_publish_bytes": (
+        "tiered_kv_shared_publish_bytes",
+        "Bytes published to the shared tier",
+    ),
+    "shared_publish_queue_bytes": (
+        "tiered_kv_shared_publish_queue_bytes",
+        "Bytes of entries waiting to be published",
+    ),
+    "shared_errors": (
+        "tiered_kv_shared_errors",
+        "Failed shared-tier calls (Redis down, slow, ...)",
+    ),
     "shared_up": ("tiered_kv_shared_up", "1 when the last shared-tier call reached Redis"),
 }
 

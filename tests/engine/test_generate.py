@@ -180,7 +180,9 @@ def test_smollm2_hits_equal_cold(smollm2_dir, tmp_path):
 def _engine(model_dir, root, **kw):
     from engine.generate import Engine
 
-    kw.setdefault("cold_deadline", 30.0)  # (the deadline itself: tests/tiered_kv/cold/test_reader.py)
+    kw.setdefault(
+        "cold_deadline", 30.0
+    )  # (the deadline itself: tests/tiered_kv/cold/test_reader.py)
     # these tests ask whether entries reach the disk and serve: a disk hit is loaded (the planner,
     # free to recompute a short hit, has its own tests in tests/tiered_kv/restore/)
     kw.setdefault("restore", "load")

@@ -64,8 +64,6 @@ def test_tokenizer_round_trips_text(tiny_model_dir: Path) -> None:
     assert 2000 <= len(tokenizer.get_vocab()) <= 4096
 
 
-
-
 def test_chat_template_renders_tools_calls_and_results(tiny_model_dir: Path) -> None:
     _, tokenizer = load(str(tiny_model_dir))
     messages = [

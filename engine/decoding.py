@@ -1,0 +1,153 @@
+"""The decode side of the batch loop: requests that have their first token, stepped together.
+
+Decode uses mlx-lm's ``GenerationBatch`` (``mx.async_eval`` pipelining, join by ``extend``, leave
+by ``filter``) over caches merged with mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache`` /
+``ArraysCache.merge`` and split back with ``extract``. Caches without a batched form (quantised KV,
+chunked or concatenating KV) decode in a group of their own, stepped in the same loop.
+
+Ownership: the thread that owns MLX (the batch loop's).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, StopSequences
+from mlx_lm.models import cache as C
+
+from engine import sampler as sampling
+from engine.inflight import Ends, Seq
+
+log = logging.getLogger(__name__)
+NO_LIMIT = 1 << 62  # GenerationBatch's own max_tokens: ours (TextStream) ends requests
+# cache classes whose mlx-lm ``merge`` / ``extract`` make a batch and split it back
+BATCHABLE = (C.KVCache, C.RotatingKVCache, C.ArraysCache)
+
+
+def batchable(caches: list[Any]) -> bool:
+    """True when every layer (CacheList members included) has an exact batched form."""
+    for c in caches:
+        if type(c) is C.CacheList:
+            if not batchable(list(c.caches)):
+                return False
+        elif type(c) not in BATCHABLE:
+            return False
+    return True
+
+
+@dataclass(eq=False)
+class Group:
+    """Requests that decode together: merged caches (``batched``) or one request's own caches."""
+
+    gen: Any  # mlx_lm.generate.GenerationBatch
+    seqs: list[Seq]
+    batched: bool
+
+
+class Decoding:
+    """The decoding requests: one batched group, and a group of its own for each request whose
+    caches cannot be batched."""
+
+    def __init__(self, model: Any, ends: Ends) -> None:
+        self.model, self.ends = model, ends
+        self.batch: Group | None = None  # the batched group
+        self.solo: list[Group] = []  # requests whose caches cannot be batched
+
+    @property
+    def count(self) -> int:
+        return (len(self.batch.seqs) if self.batch else 0) + len(self.solo)
+
+    def groups(self) -> list[Group]:
+        return [g for g in (self.batch, *self.solo) if g is not None]
+
+    def start(self, seq: Seq, logits: mx.array) -> None:
+        """Sample ``seq``'s first token from its prefill's logits, then join a decode group (or
+        finish, when that token ends the request)."""
+        assert seq.lease is not None
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        sampled = (seq.sampler or sampling.greedy)(logprobs[None])
+        tok = int(sampled.astype(mx.int32)[0].item())  # type: ignore[arg-type]
+        seq.t_first = time.perf_counter() - seq.started
+        reason = seq.on_token(tok)
+        if reason is not None:
+            self.ends.finish(seq, reason, seq.lease.caches)
+            return
+        caches = seq.lease.caches
+        together = batchable(caches)
+        layer_caches = [c.merge([c]) for c in caches] if together else list(caches)
+        gen = GenerationBatch(
+            self.model,
+            [id(seq)],
+            mx.array([tok]),
+            layer_caches,
+            [seq.fed],  # GenerationBatch appends each token it feeds: ``fed`` stays exact
+            [seq.sampler],
+            sampling.greedy,
+            [()],
+            [StopSequences()],
+            [NO_LIMIT],
+        )
+        if not together:
+            self.solo.append(Group(gen, [seq], batched=False))
+        elif self.batch is None:
+            self.batch = Group(gen, [seq], batched=True)
+        else:
+            self.batch.gen.extend(gen)
+            self.batch.seqs.append(seq)
+
+    def step(self) -> None:
+        """One decode step of every group."""
+        for group in self.groups():
+            self._decode(group)
+
+    def close(self) -> None:
+        """Every decoding request ends "cancelled", its cache stored."""
+        for group in self.groups():
+            self._leave(group, list(range(len(group.seqs))), ["cancelled"] * len(group.seqs))
+        self.batch, self.solo = None, []
+
+    def _decode(self, group: Group) -> None:
+        try:
+            responses = group.gen.next()
+        except Exception as e:
+            log.exception("decode step failed")
+            for seq in group.seqs:
+                self.ends.fail(seq, e, None)
+            self._drop(group)
+            return
+        done: list[int] = []
+        reasons: list[str] = []
+        for i, (seq, r) in enumerate(zip(group.seqs, responses, strict=True)):
+            reason = seq.on_token(int(r.token))
+            if reason is not None:
+                done.append(i)
+                reasons.append(reason)
+        if done:
+            self._leave(group, done, reasons)
+
+    def _leave(self, group: Group, idx: list[int], reasons: list[str]) -> None:
+        """Finish ``group.seqs[idx]``: split their caches out, store them, drop them."""
+        for i, reason in zip(idx, reasons, strict=True):
+            seq = group.seqs[i]
+            caches = (
+                [c.extract(i) for c in group.gen.prompt_cache]
+                if group.batched
+                else group.gen.prompt_cache
+            )
+            self.ends.finish(seq, reason, caches)
+        keep = [i for i in range(len(group.seqs)) if i not in set(idx)]
+        if not keep:
+            self._drop(group)
+            return
+        group.gen.filter(keep)
+        group.seqs = [group.seqs[i] for i in keep]
+
+    def _drop(self, group: Group) -> None:
+        if group is self.batch:
+            self.batch = None
+        else:
+            self.solo.remove(group)

@@ -1,0 +1,115 @@
+"""One request inside the batch loop: its state, the text each sampled token brings, and its end.
+
+Every request ends here, one way: a last chunk (held-back text + usage) or a failure, then its cache
+stored back into the tiered cache as its own entry (the ids actually fed to the model), then END.
+
+Ownership: the thread that owns MLX (the batch loop's); the sinks must be safe to call from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from engine import sampler as sampling
+from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams, Usage
+from tiered_kv import Lease
+
+log = logging.getLogger(__name__)
+Progress = Callable[[int, int], None]
+
+
+class Sink(Protocol):
+    """Where one request's events go (the worker's Job, or a list for the synchronous API)."""
+
+    def emit(self, event: Event) -> None: ...
+    def cancelled(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request inside the loop."""
+
+    sink: Sink
+    prompt_ids: list[int]
+    params: SamplingParams
+    progress: Progress | None
+    enqueued: float
+    tokens: Any = None  # prompt_ids as an int32 array, for prefix comparisons
+    started: float = 0.0
+    lease: Lease | None = None
+    fed: list[int] = field(default_factory=list)  # ids whose KV the request's caches hold
+    fetch: Generator[None, None, Lease] | None = None  # the cache lookup, step by step
+    steps: Generator[None, None, mx.array] | None = None  # its own prefill (caches not batchable)
+    text: Any = None  # engine.textout.TextStream
+    sampler: sampling.Sampler | None = None
+    hit: Hit = Hit()
+    t_prefill: float = 0.0
+    t_first: float = 0.0
+    prefill_busy: float = 0.0  # seconds inside this request's own prefill chunks
+    prefill_from: int = 0  # tokens the cache served (where its prefill started)
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt_ids) - len(self.fed)
+
+    def on_token(self, tok: int) -> str | None:
+        """Emit the text ``tok`` brings; the finish reason when the request ends with it."""
+        assert self.text is not None
+        text, reason = self.text.add(tok)
+        if tok not in getattr(self.text, "eos", ()):  # an end-of-sequence token is no output
+            self.sink.emit(Chunk(text, tok))
+        if reason is None and self.sink.cancelled():
+            reason = "cancelled"
+        return reason
+
+    def usage(self, now: float) -> Usage:
+        t = now - self.started
+        first = self.t_first or t
+        return Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=self.text.completion if self.text else 0,
+            cached_tokens=self.hit.tokens,
+            cache_tier=self.hit.tier,
+            ttft_seconds=first,
+            prefill_seconds=self.t_prefill,
+            decode_seconds=max(0.0, t - first),
+            load_seconds=self.hit.load_seconds,
+            queue_seconds=max(0.0, self.started - self.enqueued),
+        )
+
+
+class Ends:
+    """How requests end: their caches go into ``engine.cache`` (the tiered cache)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def finish(self, seq: Seq, reason: str, caches: list[Any] | None) -> None:
+        """Last chunk (held-back text + usage), then store the request's cache as its entry."""
+        tail = seq.text.tail() if seq.text is not None else ""
+        seq.sink.emit(Chunk(tail, None, reason, seq.usage(time.perf_counter())))
+        self.store(seq, caches)
+        seq.sink.emit(END)
+
+    def fail(self, seq: Seq, error: Exception, caches: list[Any] | None) -> None:
+        log.error("generation failed: %s", error, exc_info=error)
+        seq.sink.emit(Failed(error))
+        self.store(seq, caches)
+        seq.sink.emit(END)
+
+    def store(self, seq: Seq, caches: list[Any] | None) -> None:
+        if seq.lease is None or caches is None:
+            return
+        seq.lease.caches = list(caches)
+        try:
+            self.engine.cache.store(seq.lease, seq.fed)
+        except Exception:  # a failed store loses a cache entry, never the response
+            log.exception("storing the cache entry failed")
+        seq.lease = None

@@ -1,0 +1,138 @@
+"""The prefill side of the batch loop: which prompt tokens go through the model next.
+
+The one rule of order (:meth:`Prefilling.next`): the request with the fewest prompt tokens left to
+prefill goes first — counted after its cache hit, and a started prefill may be overtaken at a chunk
+boundary. So a main request whose long prompt is cached (a few hundred new tokens) gets its first
+token before a concurrent title request (a fresh ~600-token prompt) has prefilled, instead of after.
+
+Requests whose caches are plain KV share forwards (:mod:`engine.prefill_batch`): a chunk of each
+one's prompt, all of one length (the shortest body left, within the step's budget), goes through
+the model as one row of a batch; their last prompt tokens go together too, and their logits give
+their first tokens. Others (checkpointed or quantised caches) prefill alone in their own chunks
+(``Seq.steps``, :func:`engine.prefill.prefill_steps`).
+
+Ownership: the thread that owns MLX (the batch loop's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from engine import prefill_batch
+from engine.inflight import Ends, Seq
+
+
+class Prefilling:
+    """Leased requests whose prompt is not all in their caches yet (``seqs``). ``first(seq,
+    logits)`` takes each one whose prompt is done (its first token, a place in a decode group)."""
+
+    def __init__(self, engine: Any, ends: Ends, first: Callable[[Seq, mx.array], None]) -> None:
+        self.engine, self.ends, self.first = engine, ends, first
+        self.seqs: list[Seq] = []
+
+    def next(self) -> Seq | None:
+        """The request to prefill next: the fewest prompt tokens left (arrival order on a tie)."""
+        return min(self.seqs, key=lambda s: (s.left, s.enqueued), default=None)
+
+    def advance(self, seq: Seq, budget: int) -> int:
+        """Prefill a chunk of ``seq`` (with the requests that share its forwards) within about
+        ``budget`` prompt tokens; returns the tokens fed."""
+        if seq.steps is None:  # plain KV: its chunks share forwards with the others'
+            return self._rows(self._together(seq), budget)
+        before = len(seq.fed)
+        self._alone(seq)
+        return max(1, len(seq.fed) - before)
+
+    def drop_cancelled(self) -> None:
+        for gone in [s for s in self.seqs if s.sink.cancelled()]:
+            self.seqs.remove(gone)
+            self.ends.finish(gone, "cancelled", gone.lease.caches if gone.lease else None)
+
+    def close(self) -> None:
+        for seq in self.seqs:
+            self.ends.finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
+        self.seqs.clear()
+
+    # -- shared forwards --------------------------------------------------------------------
+    def _together(self, seq: Seq) -> list[Seq]:
+        """``seq`` and the requests whose prompt chunks share its forwards (least left first):
+        those without a prefill of their own (``steps``: caches that cannot be batched)."""
+        others = [s for s in self.seqs if s is not seq and s.steps is None]
+        return [seq] + sorted(others, key=lambda s: (s.left, s.enqueued))
+
+    def _rows(self, rows: list[Seq], budget: int) -> int:
+        """One forward over ``rows``: a chunk of each one's prompt body, or — once the first has
+        only its last prompt token left — the last tokens of all that are there, whose logits
+        give their first tokens. Returns the prompt tokens it fed."""
+        if rows[0].left == 1:
+            rows = [s for s in rows if s.left == 1]
+            logits = self._forward(rows, [s.prompt_ids[-1:] for s in rows], logits=True)
+            for i, seq in enumerate(rows if logits is not None else []):
+                self._done(seq, logits[i])  # type: ignore[index]
+            return len(rows)
+        # every row has body left (rows[0] has the least); one length for all: no padding
+        n = max(1, min(min(s.left - 1 for s in rows), budget // len(rows)))
+        self._forward(rows, [s.prompt_ids[len(s.fed) : len(s.fed) + n] for s in rows])
+        if any(s.left > 1 for s in rows):
+            mx.clear_cache()
+        return n * len(rows)
+
+    def _forward(
+        self, rows: list[Seq], chunks: list[list[int]], logits: bool = False
+    ) -> mx.array | None:
+        """:func:`engine.prefill_batch.forward` for ``rows``: their ``fed`` grow by their chunk;
+        on an error every row fails (its cache as it was before the forward is stored)."""
+        leases = [s.lease for s in rows if s.lease is not None]
+        t0 = time.perf_counter()
+        try:
+            out = prefill_batch.forward(self.engine.model, leases, chunks, logits)
+        except Exception as e:
+            for seq in rows:
+                self.seqs.remove(seq)
+                self.ends.fail(seq, e, seq.lease.caches if seq.lease else None)
+            return None
+        busy, total = time.perf_counter() - t0, sum(len(c) for c in chunks)
+        for seq, chunk in zip(rows, chunks, strict=True):
+            seq.fed.extend(chunk)
+            seq.prefill_busy += busy * len(chunk) / total  # the forward's time, shared by tokens
+            if seq.progress:
+                seq.progress(len(seq.fed), len(seq.prompt_ids))
+        return out
+
+    # -- a prefill of its own ---------------------------------------------------------------
+    def _alone(self, seq: Seq) -> None:
+        """One chunk of ``seq``'s own prefill; its first token when that was the last one."""
+        assert seq.steps is not None and seq.lease is not None
+        t0 = time.perf_counter()
+        try:
+            next(seq.steps)
+            seq.prefill_busy += time.perf_counter() - t0
+            return
+        except StopIteration as done:
+            logits = done.value
+        except Exception as e:
+            self.seqs.remove(seq)
+            self.ends.fail(seq, e, seq.lease.caches)
+            return
+        seq.prefill_busy += time.perf_counter() - t0
+        self._done(seq, logits)
+
+    def _done(self, seq: Seq, logits: mx.array) -> None:
+        """``seq``'s prompt is all in its caches: publish it, then its first token."""
+        assert seq.lease is not None
+        self.seqs.remove(seq)
+        seq.t_prefill = time.perf_counter() - seq.started
+        done_hook = getattr(self.engine, "prefill_done", None)
+        if done_hook is not None:
+            new = len(seq.fed) - seq.prefill_from
+            done_hook(seq.lease, seq.prefill_from, new, seq.prefill_busy)
+        try:
+            # the requests prefilling after this one may share its prompt: publish it now
+            self.engine.cache.share(seq.lease, seq.fed)
+            self.first(seq, logits)
+        except Exception as e:
+            self.ends.fail(seq, e, seq.lease.caches)

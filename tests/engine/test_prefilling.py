@@ -1,0 +1,127 @@
+"""engine/prefilling.py: the prefill order (the fewest prompt tokens left first), prompts of several
+requests in shared forwards (exact per request: outputs equal each alone, stored entries serve
+later turns), and a first token followed by the request's next before more prefill.
+
+Real tiny mlx-lm llama, real TieredCache, the whole batch loop (helpers: tests/engine/batching.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.batch import BatchLoop
+from engine.events import Chunk, Event, SamplingParams
+from tests.engine.batching import (
+    SHARED,
+    ModelEngine,
+    Sink,
+    alone,
+    hit_of,
+    run_until,
+    warmed,
+)
+from tests.fixtures import make_llama, tokens
+from tiered_kv.config import Config
+
+
+def test_short_suffixes_prefill_together():
+    """Per step, prefill takes up to TIERED_KV_PREFILL_CHUNK prompt tokens: several short prompts
+    in one step rather than one per decode step of the running batch."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=()))
+    loop = BatchLoop(engine)
+    sinks = [Sink() for _ in range(3)]
+    for i, s in enumerate(sinks):
+        loop.add(s, tokens(60 + i, 2), SamplingParams(max_tokens=5))
+    loop.step()
+    assert all(s.ids for s in sinks)  # 3 prompts of 2 tokens, budget 8: all in the first step
+
+
+@pytest.mark.parametrize("title_started", [False, True])
+def test_cached_main_request_prefills_before_a_fresh_title(title_started):
+    """The least prompt left goes first: a main request whose long prompt is cached gets its first
+    token before a concurrent title request (fresh prompt) has prefilled — whether they arrive
+    together or the title's prefill is already under way (overtaken at a chunk boundary)."""
+    engine = warmed(make_llama(seed=4), {})
+    main_ids, title_ids = SHARED + tokens(71, 6), tokens(70, 60)  # 6 new tokens vs 60 (8 chunks)
+    ref = alone(warmed(make_llama(seed=4), {}), main_ids, 5).ids
+    loop, title, main = BatchLoop(engine), Sink(), Sink()
+    loop.add(title, title_ids, SamplingParams(max_tokens=20))
+    if title_started:
+        loop.step()
+        assert loop.prefilling and not title.ids  # one chunk of the title done
+    loop.add(main, main_ids, SamplingParams(max_tokens=5))
+    run_until(loop, lambda: bool(main.ids))
+    assert not title.ids  # the title is still prefilling
+    assert hit_of(main).tokens == len(SHARED)
+    run_until(loop, lambda: main.done and title.done)
+    assert main.ids == ref
+
+
+def test_prompts_at_different_hits_prefill_together_exactly():
+    """Requests with different cached prefixes (40, 30, 20 tokens, none) and suffixes prefill in
+    shared forwards (the model sees their prompt chunks as rows of one batch), greedy outputs equal
+    each request's alone, and each stored entry holds exactly its own tokens: it serves the next
+    turn of that conversation, whose output equals an uncached run's."""
+    model = make_llama(seed=4)
+    a, b = tokens(100, 40), tokens(101, 20)
+
+    def engine_with_entries() -> ModelEngine:
+        e = ModelEngine(model, Config(tiers=("hot",), min_continuation_tokens=16))
+        alone(e, a + [5], 1)
+        alone(e, b + [5], 1)
+        return e
+
+    prompts = [a + tokens(110, 3), a[:30] + tokens(111, 25), b + tokens(112, 12), tokens(113, 17)]
+    most = [9, 4, 14, 6]
+    ref = [alone(engine_with_entries(), p, m).ids for p, m in zip(prompts, most, strict=True)]
+    engine = engine_with_entries()
+    loop, sinks = BatchLoop(engine), [Sink() for _ in prompts]
+    for sink, p, m in zip(sinks, prompts, most, strict=True):
+        loop.add(sink, p, SamplingParams(max_tokens=m))
+    run_until(loop, lambda: all(s.done for s in sinks))
+    assert [hit_of(s).tokens for s in sinks] == [40, 30, 20, 0]
+    assert engine.model.prompt_rows() == 4  # all four prompts in one forward
+    assert [s.ids for s in sinks] == ref
+    # the next turns: each from its own stored entry, as if run without any cache
+    follow = [
+        p + s.ids + tokens(120 + i, 4) for i, (p, s) in enumerate(zip(prompts, sinks, strict=True))
+    ]
+    fresh = ModelEngine(model, Config(tiers=()))
+    want = [alone(fresh, f, 5).ids for f in follow]
+    nxt = [Sink() for _ in follow]
+    for sink, f in zip(nxt, follow, strict=True):
+        loop.add(sink, f, SamplingParams(max_tokens=5))
+    run_until(loop, lambda: all(s.done for s in nxt))
+    for p, s, n in zip(prompts, sinks, nxt, strict=True):
+        assert hit_of(n).tokens >= len(p) + len(s.ids) - 1
+    assert [n.ids for n in nxt] == want
+
+
+def test_a_first_token_is_followed_by_the_next_before_more_prefill():
+    """Once a request has its first token, its second comes before any more prefill of another
+    prompt: a client's first visible text often needs it (a partial UTF-8 character, whitespace
+    held back before a possible marker), so a concurrent title request's prefill must not sit
+    between them (issue 14: main-request TTFT next to a title request)."""
+    engine = warmed(make_llama(seed=4), {})
+    order: list[tuple[str, Any]] = []
+
+    class Logged(Sink):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def emit(self, event: Event) -> None:
+            super().emit(event)
+            order.append((self.name, event))
+
+    loop, title, main = BatchLoop(engine), Logged("title"), Logged("main")
+    progress = lambda done, total: order.append(("title prefill", done))  # noqa: E731
+    loop.add(title, tokens(70, 60), SamplingParams(max_tokens=4), progress)
+    loop.add(main, SHARED + tokens(71, 6), SamplingParams(max_tokens=4))
+    run_until(loop, lambda: main.done and title.done)
+    tokens_of_main = [i for i, (n, e) in enumerate(order) if n == "main" and isinstance(e, Chunk)]
+    first, second = tokens_of_main[:2]
+    assert not title.chunks or order.index(("title", title.chunks[0])) > first
+    assert [n for n, _ in order[first:second]] == ["main"]
