@@ -79,22 +79,22 @@ class BatchLoop:
     def step(self) -> None:
         """One decode step of every decoding group, then up to ``prefill_budget`` prompt tokens
         of prefill: one chunk of a long prompt, or the whole suffixes of several short ones;
-        several requests' chunks share one forward where their caches allow. Once a request has
-        its first token, the step ends, so that its next token comes before more prefill of the
-        others (a client's first visible text often needs it)."""
+        several requests' chunks share one forward where their caches allow.
+
+        A request's first visible text comes before more prefill of the others: while one has
+        its first token but no text yet (held back; at most ``FIRST_TEXT_TOKENS`` tokens), the
+        step ends after its decode step. So a main request's first text never waits for the
+        prefill of a title request sent with it."""
         self.decode.step()
         self.leasing.poll()
         self.prefill.drop_cancelled()
         budget = self.prefill_budget
-        while budget > 0:
+        while budget > 0 and not self.decode.awaiting_text():
             self.leasing.lease_ready()
             seq = self.prefill.next()
             if seq is None:
                 return
-            decoding = self.decode.count
             budget -= self.prefill.advance(seq, budget)
-            if self.decode.count > decoding:
-                return  # a first token: the request's next token before more prefill
 
     def close(self) -> None:
         """Cancel everything in flight: what each request computed is stored, listeners get

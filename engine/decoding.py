@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 NO_LIMIT = 1 << 62  # GenerationBatch's own max_tokens: ours (TextStream) ends requests
 # cache classes whose mlx-lm ``merge`` / ``extract`` make a batch and split it back
 BATCHABLE = (C.KVCache, C.RotatingKVCache, C.ArraysCache)
+#: tokens a request may sample without text (held back: a partial UTF-8 character, whitespace
+#: before a possible marker, a possible stop string) while other prompts' prefill waits for its text
+FIRST_TEXT_TOKENS = 4
 
 
 def batchable(caches: list[Any]) -> bool:
@@ -60,6 +63,13 @@ class Decoding:
     @property
     def count(self) -> int:
         return (len(self.batch.seqs) if self.batch else 0) + len(self.solo)
+
+    def awaiting_text(self) -> bool:
+        """True while a decoding request has sampled tokens but shown no text yet (fewer than
+        :data:`FIRST_TEXT_TOKENS`): its first visible text comes before more prefill of others."""
+        return any(
+            not s.shown and s.sampled < FIRST_TEXT_TOKENS for g in self.groups() for s in g.seqs
+        )
 
     def groups(self) -> list[Group]:
         return [g for g in (self.batch, *self.solo) if g is not None]

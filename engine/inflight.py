@@ -53,6 +53,8 @@ class Seq:
     t_first: float = 0.0
     prefill_busy: float = 0.0  # seconds inside this request's own prefill chunks
     prefill_from: int = 0  # tokens the cache served (where its prefill started)
+    sampled: int = 0  # tokens sampled so far
+    shown: bool = False  # some of them became text (a client sees output)
 
     @property
     def left(self) -> int:
@@ -63,6 +65,8 @@ class Seq:
         """Emit the text ``tok`` brings; the finish reason when the request ends with it."""
         assert self.text is not None
         text, reason = self.text.add(tok)
+        self.sampled += 1
+        self.shown = self.shown or bool(text)
         if tok not in getattr(self.text, "eos", ()):  # an end-of-sequence token is no output
             self.sink.emit(Chunk(text, tok))
         if reason is None and self.sink.cancelled():

@@ -16,10 +16,13 @@ from typing import Any
 import pytest
 
 from engine.batch import BatchLoop
-from engine.events import Hit, SamplingParams
+from engine.decoding import FIRST_TEXT_TOKENS
+from engine.events import Chunk, Event, Hit, SamplingParams
 from tests.engine.batching import (
     MAX,
     PROMPTS,
+    SHARED,
+    IdText,
     ModelEngine,
     Sink,
     alone,
@@ -104,3 +107,66 @@ def test_cancel_one_others_unchanged_and_stored():
     # what the cancelled request computed is an entry: its prompt + the tokens it generated
     again = engine.cache.fetch(PROMPTS[1] + sinks[1].ids + [7])
     assert again.hit.tokens >= len(PROMPTS[1]) + len(sinks[1].ids) - 1
+
+
+class HeldText(IdText):
+    """:class:`IdText` whose first ``hold`` tokens show no text (held back, as a partial UTF-8
+    character or whitespace before a possible marker is); the text comes out with the next one."""
+
+    def __init__(self, params: SamplingParams, hold: int) -> None:
+        super().__init__(params)
+        self.hold, self.pending = hold, ""
+
+    def add(self, tok: int) -> tuple[str, str | None]:
+        text, reason = super().add(tok)
+        self.pending += text
+        if self.completion <= self.hold and reason is None:
+            return "", None
+        out, self.pending = self.pending, ""
+        return out, reason
+
+
+class Holding(ModelEngine):
+    """Requests whose SamplingParams are in ``hold`` (by identity) show no text for that many
+    tokens."""
+
+    hold: dict[int, int] = {}
+
+    def text_stream(self, params: SamplingParams) -> IdText:
+        return HeldText(params, self.hold.get(id(params), 0))
+
+
+@pytest.mark.parametrize("hold", [0, 1, 3, 6])
+def test_first_visible_text_before_more_prefill_of_others(hold):
+    """Issue 14, main-request TTFT next to a title request: once a request has its first token, no
+    other prompt is prefilled until it has shown text (its first tokens may bring none: a partial
+    character, whitespace before a possible marker), for at most FIRST_TEXT_TOKENS tokens; a
+    request whose first token shows text lets the others' prefill go on in the same step."""
+    engine = Holding(make_llama(seed=4), Config(tiers=("hot",), min_continuation_tokens=16))
+    alone(engine, SHARED + [5], 1)
+    order: list[tuple[str, Any]] = []
+
+    class Logged(Sink):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def emit(self, event: Event) -> None:
+            super().emit(event)
+            order.append((self.name, event))
+
+    loop, title, main = BatchLoop(engine), Logged("title"), Logged("main")
+    main_params = SamplingParams(max_tokens=10)
+    engine.hold = {id(main_params): hold}
+    progress = lambda done, total: order.append(("title prefill", done))  # noqa: E731
+    loop.add(title, tokens(70, 60), SamplingParams(max_tokens=4), progress)
+    loop.add(main, SHARED + tokens(71, 6), main_params)
+    run_until(loop, lambda: main.done and title.done)
+    mains = [i for i, (n, e) in enumerate(order) if n == "main" and isinstance(e, Chunk)]
+    text = next(i for i in mains if order[i][1].text)  # main's first visible text
+    assert text == mains[min(hold, len(mains) - 1)]
+    titled = [i for i, (n, _) in enumerate(order) if n == "title prefill"]
+    waited = not any(mains[0] < i < text for i in titled)
+    assert waited == (hold < FIRST_TEXT_TOKENS)  # past FIRST_TEXT_TOKENS the others go on
+    if hold == 0:  # text with the first token: the title's prefill goes on before main's next
+        assert any(mains[0] < i < mains[1] for i in titled)

@@ -7,12 +7,10 @@ Real tiny mlx-lm llama, real TieredCache, the whole batch loop (helpers: tests/e
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from engine.batch import BatchLoop
-from engine.events import Chunk, Event, SamplingParams
+from engine.events import SamplingParams
 from tests.engine.batching import (
     SHARED,
     ModelEngine,
@@ -97,31 +95,3 @@ def test_prompts_at_different_hits_prefill_together_exactly():
     for p, s, n in zip(prompts, sinks, nxt, strict=True):
         assert hit_of(n).tokens >= len(p) + len(s.ids) - 1
     assert [n.ids for n in nxt] == want
-
-
-def test_a_first_token_is_followed_by_the_next_before_more_prefill():
-    """Once a request has its first token, its second comes before any more prefill of another
-    prompt: a client's first visible text often needs it (a partial UTF-8 character, whitespace
-    held back before a possible marker), so a concurrent title request's prefill must not sit
-    between them (issue 14: main-request TTFT next to a title request)."""
-    engine = warmed(make_llama(seed=4), {})
-    order: list[tuple[str, Any]] = []
-
-    class Logged(Sink):
-        def __init__(self, name: str) -> None:
-            super().__init__()
-            self.name = name
-
-        def emit(self, event: Event) -> None:
-            super().emit(event)
-            order.append((self.name, event))
-
-    loop, title, main = BatchLoop(engine), Logged("title"), Logged("main")
-    progress = lambda done, total: order.append(("title prefill", done))  # noqa: E731
-    loop.add(title, tokens(70, 60), SamplingParams(max_tokens=4), progress)
-    loop.add(main, SHARED + tokens(71, 6), SamplingParams(max_tokens=4))
-    run_until(loop, lambda: main.done and title.done)
-    tokens_of_main = [i for i, (n, e) in enumerate(order) if n == "main" and isinstance(e, Chunk)]
-    first, second = tokens_of_main[:2]
-    assert not title.chunks or order.index(("title", title.chunks[0])) > first
-    assert [n for n, _ in order[first:second]] == ["main"]
