@@ -20,7 +20,7 @@ from bench.concurrency import _session
 from engine.batch import BatchLoop
 from engine.events import Chunk, Event, SamplingParams
 from engine.generate import Engine
-from tiered_kv.config import Config
+from tiered_kv import Config
 
 
 class _Timed:
