@@ -5,9 +5,10 @@ prefill goes first — counted after its cache hit, and a started prefill may be
 boundary. So a main request whose long prompt is cached (a few hundred new tokens) gets its first
 token before a concurrent title request (a fresh ~600-token prompt) has prefilled, instead of after.
 
-Requests whose caches are plain KV share forwards (:mod:`engine.prefill_batch`): a chunk of each
-one's prompt, all of one length (the shortest body left, within the step's budget), goes through
-the model as one row of a batch; their last prompt tokens go together too, and their logits give
+Requests whose caches are plain KV share forwards (:mod:`engine.prefill_batch`): the first
+request's chunk is what it would be alone (its body left, up to the step's budget), and the next
+ones in the order ride along with a chunk of that same length, as many as the budget holds, each as
+one row of a batch; their last prompt tokens go together too, and their logits give
 their first tokens. Others (checkpointed or quantised caches) prefill alone in their own chunks
 (``Seq.steps``, :func:`engine.prefill.prefill_steps`).
 
@@ -74,8 +75,11 @@ class Prefilling:
             for i, seq in enumerate(rows if logits is not None else []):
                 self._done(seq, logits[i])  # type: ignore[index]
             return len(rows)
-        # every row has body left (rows[0] has the least); one length for all: no padding
-        n = max(1, min(min(s.left - 1 for s in rows), budget // len(rows)))
+        # the first row's chunk is what it would be alone (the least prompt left keeps its pace);
+        # the others ride along with as much while the budget lasts. Each has at least that much
+        # body left (rows[0] has the least): one length for all, no padding.
+        n = max(1, min(rows[0].left - 1, budget))
+        rows = rows[: max(1, budget // n)]
         self._forward(rows, [s.prompt_ids[len(s.fed) : len(s.fed) + n] for s in rows])
         if any(s.left > 1 for s in rows):
             mx.clear_cache()
