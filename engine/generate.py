@@ -47,6 +47,9 @@ class Engine:
         self.model, self.tokenizer = load_model(self.model_dir)
         self.context_length = context_length(self.model_dir, self.tokenizer)
         self.prefill_chunk = config.prefill_chunk or default_prefill_chunk()
+        # several requests' prompt chunks in one forward (engine/prefilling.py): on a GPU, where
+        # extra rows cost little; on the CPU they only delay the request with the least left
+        self.share_prefill = mx.default_device().type == mx.gpu
         self.cache = tiered_kv.open_cache(
             config, model_identity(self.model_dir), lambda: make_prompt_cache(self.model),
             self.compute_prefix,

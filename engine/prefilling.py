@@ -34,6 +34,9 @@ class Prefilling:
     def __init__(self, engine: Any, ends: Ends, first: Callable[[Seq, mx.array], None]) -> None:
         self.engine, self.ends, self.first = engine, ends, first
         self.seqs: list[Seq] = []
+        # rows ride along only where they cost little (a GPU); on the CPU a forward's cost grows
+        # with its rows, and riding rows only delay the first request's first token
+        self.share = bool(getattr(engine, "share_prefill", True))
 
     def next(self) -> Seq | None:
         """The request to prefill next: the fewest prompt tokens left (arrival order on a tie)."""
@@ -62,6 +65,8 @@ class Prefilling:
     def _together(self, seq: Seq) -> list[Seq]:
         """``seq`` and the requests whose prompt chunks share its forwards (least left first):
         those without a prefill of their own (``steps``: caches that cannot be batched)."""
+        if not self.share:
+            return [seq]
         others = [s for s in self.seqs if s is not seq and s.steps is None]
         return [seq] + sorted(others, key=lambda s: (s.left, s.enqueued))
 

@@ -95,3 +95,19 @@ def test_prompts_at_different_hits_prefill_together_exactly():
     for p, s, n in zip(prompts, sinks, nxt, strict=True):
         assert hit_of(n).tokens >= len(p) + len(s.ids) - 1
     assert [n.ids for n in nxt] == want
+
+
+def test_without_shared_forwards_each_prompt_has_its_own():
+    """An engine that does not share prefill forwards (the CPU default: a row costs what a request
+    alone does) prefills each prompt in forwards of its own, with the same outputs."""
+    model = make_llama(seed=4)
+    prompts = [SHARED + tokens(130 + i, 5 + 3 * i) for i in range(3)]
+    ref = [alone(warmed(model, {}), p, 6).ids for p in prompts]
+    engine = warmed(model, {})
+    engine.share_prefill = False  # type: ignore[attr-defined]
+    loop, sinks = BatchLoop(engine), [Sink() for _ in prompts]
+    for sink, p in zip(sinks, prompts, strict=True):
+        loop.add(sink, p, SamplingParams(max_tokens=6))
+    run_until(loop, lambda: all(s.done for s in sinks))
+    assert engine.model.prompt_rows() == 1
+    assert [s.ids for s in sinks] == ref
