@@ -207,10 +207,10 @@ def test_io_thread_never_touches_mlx(plain):
     """The reader returns numpy only; arrays are built after the join, on this thread."""
     seen: list[str] = []
 
-    def reader(*a):
+    def reader(*a, **kw):
         from tiered_kv.cold import ranged
 
-        rr = ranged.read_range(*a)
+        rr = ranged.read_range(*a, **kw)
         seen.extend(type(x).__module__ for _, x in rr.tensors.values())
         return rr
 

@@ -1,0 +1,103 @@
+"""Landing buffers of `both`: evaluated MLX arrays that the restore I/O thread reads bytes into.
+
+`both` reads rows ``[m, n)`` of every layer tensor while the engine thread computes ``[0, m)``.
+To copy the read bytes once (kernel → final array) instead of three times (a numpy buffer,
+``mx.array`` of it, ``mx.concatenate``), the engine thread allocates each layer's final array
+``(1, heads, n, ...)`` up front, and the I/O thread ``preadv``-s the rows straight into its memory.
+
+:func:`allocate` makes those arrays without writing them: MLX has no ``empty``, and ``mx.zeros``
+costs a memset of the whole cache on the engine thread before the compute can start (0.1–0.4 s
+per GiB on a small CPU; on CUDA a CPU fill of managed memory runs at ~3 GB/s). ``mx.load`` of a
+file-like object (:class:`_Blank`) whose data region "reads" nothing gives evaluated arrays whose
+pages are first touched by the reader, on the I/O thread, overlapped with the compute. On the CPU
+stream: on CUDA that is host-visible (managed) memory, which the GPU then reads in place.
+
+Threads and the one exception to "only the engine thread touches MLX": :func:`allocate` and
+:func:`byte_views` run on the engine thread (the views are numpy arrays over the evaluated arrays'
+memory, made by ``np.frombuffer``). The I/O thread writes bytes through those views — it never
+creates, reads or evaluates an MLX array — and the engine thread queues no MLX operation on these
+arrays until the read has returned (``Future.result()``), after which it drops the views. Until
+then the arrays hold bytes that are not verified (or not written): they are served only after the
+read returned without error, and dropped otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+
+import mlx.core as mx
+import numpy as np
+
+from tiered_kv.cold import store
+
+Layout = Mapping[str, tuple[str, tuple[int, ...]]]  # name → (safetensors dtype, shape)
+
+
+class _Blank:
+    """A read-only file-like safetensors file of ``layout`` whose data region is never written:
+    ``readinto`` copies header bytes and only counts the rest."""
+
+    name = "landing.safetensors"
+    closed = False
+
+    def __init__(self, layout: Layout) -> None:
+        tensors, off = {}, 0
+        for name, (dtype, shape) in layout.items():
+            nbytes = int(np.prod(shape, dtype=np.int64)) * store.ITEMSIZE[dtype]
+            tensors[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            off += nbytes
+        raw = json.dumps(tensors).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._head = struct.pack("<Q", len(raw)) + raw
+        self._size = len(self._head) + off
+        self._pos = 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset + (0, self._pos, self._size)[whence]
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buf: memoryview) -> int:
+        n = len(buf)
+        if self._pos < len(self._head):
+            k = min(n, len(self._head) - self._pos)
+            buf[:k] = self._head[self._pos : self._pos + k]
+        self._pos += n
+        return n
+
+
+def allocate(layout: Layout) -> dict[str, mx.array]:
+    """Evaluated arrays of ``layout`` (name → (safetensors dtype, shape)) with unwritten
+    contents (see the module doc). Engine thread. ValueError for a dtype MLX cannot hold."""
+    if not layout:
+        return {}
+    for dtype, _ in layout.values():
+        if dtype not in store.ITEMSIZE:
+            raise ValueError(f"dtype {dtype}")
+    try:
+        got = mx.load(_Blank(layout), format="safetensors", stream=mx.cpu)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"landing arrays: {e}") from None
+    assert isinstance(got, dict)
+    arrays = {name: got[name] for name in layout}
+    mx.eval(list(arrays.values()))  # mx.load of a file object evaluates already: a no-op
+    return arrays
+
+
+def byte_views(arrays: Mapping[str, mx.array], m: int, n: int) -> dict[str, np.ndarray]:
+    """Writable uint8 views ``(1, heads, n - m, row bytes)`` of rows ``[m, n)`` of each evaluated
+    ``(1, heads, n, ...)`` array: the destinations of ``ranged.read_range(..., into=)``. Engine
+    thread; the arrays must not be used by MLX while the views are being written."""
+    out = {}
+    for name, a in arrays.items():
+        if a.ndim < 4 or a.shape[0] != 1 or a.shape[2] != n:
+            raise ValueError(f"landing array {name} of shape {a.shape} for {n} tokens")
+        raw = np.frombuffer(a, dtype=np.uint8)  # type: ignore[call-overload]
+        if not raw.flags.writeable or raw.nbytes != a.nbytes:
+            raise ValueError(f"landing array {name} is not writable memory")
+        out[name] = raw.reshape(1, a.shape[1], n, -1)[:, :, m:n, :]
+    return out
