@@ -176,8 +176,8 @@ def read_spans(fd: int, base: int, size: int, spans: list[tuple[int, np.ndarray]
     covering them are read, by ``preadv`` straight into the destinations (the chunk bytes outside
     every span land in a scratch buffer), and each chunk is hashed over its pieces: a chunk that
     fails raises CorruptEntry. Returns the bytes read."""
-    dests = sorted((a, memoryview(d).cast("B")) for a, d in spans if d.nbytes)
-    for (a, d), (b, _) in zip(dests, dests[1:]):
+    dests = sorted(((a, memoryview(d).cast("B")) for a, d in spans if d.nbytes), key=lambda x: x[0])
+    for (a, d), (b, _) in zip(dests, dests[1:], strict=False):
         if a + len(d) > b:
             raise ValueError(f"overlapping spans in {name}")
     if dests and dests[-1][0] + len(dests[-1][1]) > size:

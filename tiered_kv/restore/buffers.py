@@ -46,7 +46,11 @@ class _Blank:
         tensors, off = {}, 0
         for name, (dtype, shape) in layout.items():
             nbytes = int(np.prod(shape, dtype=np.int64)) * store.ITEMSIZE[dtype]
-            tensors[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            tensors[name] = {
+                "dtype": dtype,
+                "shape": list(shape),
+                "data_offsets": [off, off + nbytes],
+            }
             off += nbytes
         raw = json.dumps(tensors).encode()
         raw += b" " * (-len(raw) % 8)
