@@ -177,6 +177,10 @@ def run_concurrency(args: argparse.Namespace, model: Path, turns: int, scale: fl
         try:
             with httpx.Client() as client:
                 mid = "default_model" if s == "d" else model_id(client, srv.base_url, model.name)
+            # unmeasured: kernels compile at first use of each batch shape (on a GPU, seconds),
+            # and the server measured first would pay for both
+            warm = conc.shared_sessions(max(ks), 1, args.seed + 999, args.max_tokens, scale)
+            conc.run_sessions(srv.base_url, mid, names[s], warm)
             for k in ks:
                 sessions = conc.shared_sessions(k, turns, args.seed, args.max_tokens, scale)
                 row = conc.run_sessions(srv.base_url, mid, names[s], sessions)

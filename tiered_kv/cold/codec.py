@@ -4,8 +4,11 @@
   arrays — the only MLX work of a spill, done on the request thread before the job crosses to
   the writer, which then reads bytes only;
 * :func:`load_file` builds the arrays of an entry file with ``mx.load`` (straight into the
-  arrays' memory, on the device) trailing a sequential :class:`store.Scan` that checks every
-  chunk digest as the bytes arrive: one read from disk, nothing copied through Python;
+  arrays' memory, on the device). Where that memory is host memory (the CPU, unified memory)
+  the hashing pool checks every chunk digest over the arrays themselves while the kernel reads
+  ahead; elsewhere (CUDA, where reading would migrate the arrays back) ``mx.load`` trails a
+  sequential :class:`store.Scan` that checks the digests as the bytes arrive. Either way the
+  disk is read once and nothing is copied through Python;
 * :func:`load_buffer` does the same from a whole entry in memory (a backend without files);
 * :func:`decode` rebuilds the caches and checkpoints.
 """
@@ -24,6 +27,8 @@ from tiered_kv import checkpoints, layers
 from tiered_kv.cold import store
 from tiered_kv.steps import Steps, drain
 
+#: bytes of arrays built before their digests are checked, while the next group loads
+GROUP_BYTES = 256 << 20
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MX = {"BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
@@ -89,11 +94,19 @@ def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
 
 
 def load_steps(
-    path: Path, header: store.Header, step_bytes: int | None = None
+    path: Path, header: store.Header, step_bytes: int | None = None, host: bool | None = None
 ) -> Steps[dict[str, mx.array]]:
     """:func:`load_file` step by step, for a thread with other work to keep going: a ``next()``
     returns at once while the scan has not read the next tensor, and otherwise builds at most
-    ``step_bytes`` of arrays (None: everything the scan has read, waiting for it)."""
+    ``step_bytes`` of arrays (None: everything the scan has read, waiting for it).
+
+    Where the arrays live in host memory (``host``; default :func:`host_arrays`) a whole load
+    (``step_bytes`` None) checks the digests over the arrays themselves instead: the kernel reads
+    ahead (:class:`store.Prefetch`), ``mx.load`` builds the arrays, the hashing pool reads their
+    memory, nothing is copied twice — the scan's copy into its buffers costs as much as the load
+    on a small CPU. Arrays that fail are never returned."""
+    if step_bytes is None and (host_arrays() if host is None else host):
+        return (yield from _load_checking_arrays(path, header))
     scan = store.Scan(path, header)
     try:
         return (yield from _load_trailing(path, header, scan, step_bytes))
@@ -101,9 +114,15 @@ def load_steps(
         scan.close()
 
 
-def _load_trailing(
-    path: Path, header: store.Header, scan: store.Scan, step_bytes: int | None
-) -> Steps[dict[str, mx.array]]:
+def host_arrays() -> bool:
+    """Whether the default device's arrays are host memory that bytes-only threads can read in
+    place (the CPU; Apple silicon's unified memory), not memory that reading would migrate (CUDA)."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
+
+def _open(path: Path, header: store.Header) -> tuple[dict[str, mx.array], list[str], list[int]]:
+    """``mx.load``'s lazy arrays of ``path`` matched against ``header``; their names and ends in
+    file order. Raises FileNotFoundError, store.CorruptEntry."""
     try:
         loaded = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
@@ -120,8 +139,14 @@ def _load_trailing(
         if list(x.shape) != t["shape"] or store.DTYPES.get(_dtype(x)) != t["dtype"]:
             raise store.CorruptEntry(f"tensor {name!r} does not match its header")
     order = sorted(header.tensors, key=lambda n: header.tensors[n]["data_offsets"][0])
+    return arrays, order, [header.tensors[n]["data_offsets"][1] for n in order]
+
+
+def _load_trailing(
+    path: Path, header: store.Header, scan: store.Scan, step_bytes: int | None
+) -> Steps[dict[str, mx.array]]:
+    arrays, order, ends = _open(path, header)
     starts = [header.tensors[n]["data_offsets"][0] for n in order]
-    ends = [header.tensors[n]["data_offsets"][1] for n in order]
     i = 0
     try:
         while i < len(order):
@@ -149,28 +174,51 @@ def _load_trailing(
     return arrays
 
 
+def _load_checking_arrays(path: Path, header: store.Header) -> Steps[dict[str, mx.array]]:
+    """Build every array (groups of :data:`GROUP_BYTES`, the kernel reading ahead), hashing each
+    group's memory on the pool while the next one loads; return once every digest matched."""
+    arrays, order, ends = _open(path, header)
+    ahead = store.Prefetch(path, header)
+    checks = []
+    try:
+        i = 0
+        while i < len(order):
+            j = i + 1
+            base = header.tensors[order[i]]["data_offsets"][0]
+            while j < len(order) and ends[j] - base <= GROUP_BYTES:
+                j += 1
+            ahead.advance(ends[j - 1])
+            group = [arrays[n] for n in order[i:j]]
+            mx.eval(group)
+            checks += [store.pool().submit(store.check_buffer, n, store.flat_bytes(x), header)
+                       for n, x in zip(order[i:j], group, strict=True)]  # fmt: skip
+            i = j
+        for f in checks:
+            f.result()  # raises store.CorruptEntry
+    except (RuntimeError, ValueError) as e:
+        if isinstance(e, store.CorruptEntry):
+            raise
+        raise store.CorruptEntry(f"mx.load failed: {e}") from None
+    finally:
+        for f in checks:
+            f.cancel()
+        ahead.close()
+    return arrays
+    yield  # a generator like the other way (a whole load never yields)
+
+
 def _dtype(x: mx.array) -> str:
     return str(x.dtype).removeprefix("mlx.core.")
 
 
 def load_buffer(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
-    """Tensors of a whole entry in memory, verified first (one copy into MLX memory)."""
-    check_buffer(buf, header)
-    return arrays_of(buf, header)
-
-
-def check_buffer(buf: memoryview, header: store.Header) -> None:
-    """Every tensor of a whole entry in memory against its chunk digests (bytes only: any
-    thread). Raises store.CorruptEntry."""
+    """Tensors of a whole entry in memory, every chunk digest checked on the hashing pool first,
+    then one copy into MLX memory (evaluated: the thread that owns MLX). Raises
+    store.CorruptEntry."""
     futures = [store.pool().submit(store.check_buffer, n, store.tensor_bytes(buf, header, n), header)
                for n in header.tensors]  # fmt: skip
     for f in futures:
         f.result()
-
-
-def arrays_of(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
-    """The tensors of a whole entry in memory whose digests were checked (one copy into MLX
-    memory, evaluated: the thread that owns MLX)."""
     out: dict[str, mx.array] = {}
     for name, t in header.tensors.items():
         width = store.ITEMSIZE[t["dtype"]]

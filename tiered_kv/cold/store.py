@@ -422,6 +422,52 @@ class Scan:
                 self._cond.notify_all()
 
 
+class Prefetch:
+    """Asks the kernel to read an entry's data section into the page cache ahead of a loader
+    (``posix_fadvise(WILLNEED)``, piece by piece, no copy into this process), never more than
+    ``ahead`` bytes past the position the loader last gave to :meth:`advance`. Pages already
+    cached cost nothing. Byte-only thread; reads nothing itself, so it verifies nothing: the
+    loader checks what it built (:func:`codec.load_steps` over host-memory arrays)."""
+
+    def __init__(self, path: Path, header: Header, ahead: int = 4 * _READ) -> None:
+        self._fd = open_entry(path)
+        self._start, self._end, self._ahead = header.data_start, data_end(header), ahead
+        self._cond = threading.Condition()
+        self._pos = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="tkv-prefetch", daemon=True)
+        self._thread.start()
+
+    def advance(self, offset: int) -> None:
+        """The loader is about to read up to ``offset`` (data-section relative)."""
+        with self._cond:
+            self._pos = max(self._pos, offset)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            off = 0
+            while off < self._end:
+                with self._cond:
+                    while not (self._stop or off < self._pos + self._ahead):
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                n = min(_READ, self._end - off)
+                os.posix_fadvise(self._fd, self._start + off, n, os.POSIX_FADV_WILLNEED)
+                off += n
+        except OSError:  # a hint only: the loader's own reads report what is wrong
+            pass
+        finally:
+            os.close(self._fd)
+
+
 def read_into(fd: int, view: memoryview, offset: int) -> int:
     """One positioned read of a scan (a seam for tests that make the disk slow)."""
     return os.preadv(fd, [view], offset)

@@ -10,6 +10,8 @@ from mlx_lm.models import cache as C
 
 from tests.fixtures import cold_tier, kv_cache
 from tiered_kv import layers
+from tiered_kv.cold import codec
+from tiered_kv.steps import drain
 
 
 def rotating(n: int) -> C.RotatingKVCache:
@@ -64,3 +66,63 @@ def test_round_trip_through_disk(tmp_path, case):
     assert_same(caches, got[0])
     assert got[1].tolist() == ids.tolist()
     tier.close()
+
+
+def big_entry(tmp_path, tokens: int = 12_000):
+    """A ~48 MB entry file (12+ chunks per tensor) and its checked header."""
+    from tiered_kv.cold import store
+    from tiered_kv.cold.backend import FileBackend
+
+    def kv() -> C.KVCache:
+        c = C.KVCache()
+        x = mx.random.normal((1, 4, tokens, 128)).astype(mx.bfloat16)
+        c.update_and_fetch(x, -x)
+        mx.eval(c.keys, c.values)
+        return c
+
+    caches = [kv(), kv()]
+    job = codec.prepare(np.arange(tokens, dtype=np.int32), caches, None, "fp")
+    backend = FileBackend(tmp_path)
+    backend.put("e", store.encode(job.tokens, job.tensors, job.metadata).pieces)
+    path = backend.path("e")
+    return path, store.read_header(path, "fp"), caches
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["over-arrays", "scan"])
+def test_both_ways_of_a_whole_load_give_the_arrays(tmp_path, host):
+    path, header, caches = big_entry(tmp_path)
+    got = drain(codec.load_steps(path, header, host=host))
+    assert mx.array_equal(got["1.values"], caches[1].values[..., :12_000, :]).item()
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["over-arrays", "scan"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_byte_fails_either_way_of_loading(tmp_path, host, where):
+    from tiered_kv.cold import store
+
+    path, header, _ = big_entry(tmp_path)
+    start, size = header.data_start, path.stat().st_size
+    offset = {"first": start + 5, "middle": (start + size) // 2, "last": size - 1}[where]
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(store.CorruptEntry, match="checksum"):
+        drain(codec.load_steps(path, header, host=host))
+
+
+def test_a_whole_load_into_host_memory_reads_the_file_once(tmp_path, monkeypatch):
+    """On the CPU the digests are checked over the loaded arrays: no scan copies the file into
+    buffers beside mx.load (that copy halved warm reloads on a 2-core machine)."""
+    from tiered_kv.cold import store
+
+    assert codec.host_arrays()  # this test machine's device is the CPU
+    path, header, caches = big_entry(tmp_path)
+    read = []
+    real = store.read_into
+    monkeypatch.setattr(store, "read_into", lambda fd, v, off: read.append(len(v)) or real(fd, v, off))
+    got = codec.load_file(path, header)
+    assert read == [] and mx.array_equal(got["0.keys"], caches[0].keys[..., :12_000, :]).item()
+    drain(codec.load_steps(path, header, step_bytes=8 << 20))  # step-wise: the scan, as before
+    assert sum(read) == store.data_end(header)
