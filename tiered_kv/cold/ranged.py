@@ -176,7 +176,7 @@ def read_spans(fd: int, base: int, size: int, spans: list[tuple[int, np.ndarray]
     covering them are read, by ``preadv`` straight into the destinations (the chunk bytes outside
     every span land in a scratch buffer), and each chunk is hashed over its pieces: a chunk that
     fails raises CorruptEntry. Returns the bytes read."""
-    dests = sorted(((a, memoryview(d).cast("B")) for a, d in spans if d.nbytes), key=lambda x: x[0])
+    dests = sorted(((a, d.data.cast("B")) for a, d in spans if d.nbytes), key=lambda x: x[0])
     for (a, d), (b, _) in zip(dests, dests[1:], strict=False):
         if a + len(d) > b:
             raise ValueError(f"overlapping spans in {name}")
@@ -227,7 +227,7 @@ def _pieces(lo: int, hi: int, dests: list[tuple[int, memoryview]],
                 k += 1
         else:
             end = min(hi, dests[k][0]) if k < len(dests) else hi
-            out.append((pos, memoryview(np.empty(end - pos, dtype=np.uint8)).cast("B")))
+            out.append((pos, np.empty(end - pos, dtype=np.uint8).data))
         pos = end
     return out
 

@@ -207,13 +207,14 @@ class Restorer:
         self.costs.observe_range(served, rr.seconds, self._warm.pop(hit.entry_id, None))
         if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
             return self._fell_back("file tokens differ from the prompt")
+        nbytes = sum(a.nbytes for a in full.values())
         try:
             caches = self.join(computed, full, rr.metadata, m, n)
         except (layers.CorruptState, layers.UnsupportedCache, ranged.Unsplittable, KeyError) as e:
             return self._fell_back(f"join: {e}")
         t_join = time.perf_counter()
-        # the join's cost per tail byte: what the plan adds to `both` (with the allocation)
-        self.costs.observe_join(served, (t_join - t_read) + (t_alloc - t0))
+        # allocation + join per byte of the n tokens: what plan.split adds to `both`
+        self.costs.observe_join(nbytes, (t_join - t_read) + (t_alloc - t0))
         phases = {"alloc": t_alloc - t0, "head": t_head - t_alloc, "wait": t_read - t_head,
                   "join": t_join - t_read, "read": rr.seconds}  # fmt: skip
         self._record(phases)

@@ -218,3 +218,28 @@ def test_io_thread_never_touches_mlx(plain):
     hit = plain.cold.lookup(plain.ids)
     assert r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t")) is not None
     assert seen and set(seen) == {"numpy"}
+
+
+def test_the_read_lands_in_the_served_arrays_and_phases_are_recorded(plain):
+    """One copy of the tail: the bytes the I/O thread read are the memory of the caches served
+    (no numpy buffer, mx.array or concatenate after the read); each phase of `both` is timed."""
+    landed: list = []
+
+    def reader(*a, **kw):
+        from tiered_kv.cold import ranged
+
+        landed.extend(kw["into"].values())
+        return ranged.read_range(*a, **kw)
+
+    r = plain.restorer("both", reader=reader)
+    hit = plain.cold.lookup(plain.ids)
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t"))
+    assert got is not None and landed
+    served = [np.frombuffer(x, dtype=np.uint8) for c in got.caches for x in (c.keys, c.values)]
+    assert all(any(np.shares_memory(v, s) for s in served) for v in landed)
+    assert set(got.phases) == {"alloc", "head", "wait", "join", "read"} == set(r.last_phases)
+    stats = r.stats()
+    assert stats["restore_both_head_seconds"] > 0 and stats["restore_both_read_seconds"] > 0
+    assert r.costs.obs["join"][-1][0] == sum(
+        x.nbytes for c in got.caches for x in (c.keys, c.values)
+    )
