@@ -2,8 +2,10 @@
 
 ``old``: ``ranged.read_range`` into numpy buffers, then per layer ``mx.array`` of the bytes and
 ``mx.concatenate`` with the head (what ``Restorer.join`` did before: three copies of the tail).
-``new``: the layer arrays allocated unwritten (``restore.buffers``), ``read_range(into=)`` straight
-into them, the head written in place (``Restorer.join``: one copy of the tail).
+``full``: the layer arrays of all n tokens allocated unwritten (``restore.buffers``),
+``read_range(into=)`` straight into rows [m, n), the head written in place (no copy of the tail
+after the read). ``tail``: landing arrays of [m, n) only, joined by one ``mx.concatenate``.
+``Restorer`` takes ``tail`` on CUDA, ``full`` elsewhere (``buffers.landing``).
 
 Per tail size: an entry of an 8B-shaped layer stack (32 layers, 8 KV heads, head dim 128, bf16)
 whose second half is the tail, written once with random bytes; the head is random arrays on the
@@ -106,14 +108,14 @@ def run(way: str, path: Path, computed: list[KVCache], m: int, n: int) -> dict[s
         t2 = time.perf_counter()
         caches = old_join(computed, rr, m, n)
     else:
-        full = buffers.allocate(ranged.layout(path, "fp", m, n))
+        full = buffers.allocate(buffers.shapes(ranged.layout(path, "fp", m, n), m, n, way))
         views = buffers.byte_views(full, m, n)
         t1 = time.perf_counter()
         rr = ranged.read_range(path, "fp", m, n, into=views)
         del views
         rr.tensors.clear()
         t2 = time.perf_counter()
-        r = Restorer("both", CostBook(None), lambda ids: [], "")
+        r = Restorer("both", CostBook(None), lambda ids: [], "", landing=way)
         caches = r.join(computed, full, rr.metadata, m, n)
     t3 = time.perf_counter()
     use(caches)
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", default="1,4", help="tail sizes in GiB")
     ap.add_argument("--pages", default="warm,cold")
-    ap.add_argument("--ways", default="old,new")
+    ap.add_argument("--ways", default="old,full,tail")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=None)
     a = ap.parse_args(argv)

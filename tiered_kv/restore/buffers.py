@@ -12,6 +12,13 @@ file-like object (:class:`_Blank`) whose data region "reads" nothing gives evalu
 pages are first touched by the reader, on the I/O thread, overlapped with the compute. On the CPU
 stream: on CUDA that is host-visible (managed) memory, which the GPU then reads in place.
 
+Two landings (:func:`landing`): ``full`` — the arrays hold all ``n`` tokens and the join writes the
+computed head into them in place (no copy of the tail at all: right where CPU and GPU share memory,
+and on the CPU, whose ``mx.concatenate`` is slow); ``tail`` — the arrays hold only ``[m, n)`` and
+the join is one ``mx.concatenate`` on the GPU (right on CUDA: the landing memory is managed memory
+in host pages, and the concatenation moves the tail to device memory once, at GPU speed, instead of
+the GPU faulting the head into managed pages and the first attention migrating the tail).
+
 Threads and the one exception to "only the engine thread touches MLX": :func:`allocate` and
 :func:`byte_views` run on the engine thread (the views are numpy arrays over the evaluated arrays'
 memory, made by ``np.frombuffer``). The I/O thread writes bytes through those views — it never
@@ -97,16 +104,32 @@ def allocate(layout: Layout) -> dict[str, mx.array]:
     return arrays
 
 
+def landing() -> str:
+    """The landing that suits this machine: ``tail`` on CUDA, ``full`` elsewhere (module doc)."""
+    cuda = getattr(mx, "cuda", None)
+    return "tail" if cuda is not None and cuda.is_available() else "full"
+
+
+def shapes(layout: Layout, m: int, n: int, way: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``layout`` (shapes of the first ``n`` tokens) as landing arrays of ``way``: all ``n``
+    tokens (``full``) or ``[m, n)`` (``tail``)."""
+    if way == "full":
+        return dict(layout)
+    return {k: (d, (*s[:2], n - m, *s[3:])) for k, (d, s) in layout.items()}
+
+
 def byte_views(arrays: Mapping[str, mx.array], m: int, n: int) -> dict[str, np.ndarray]:
     """Writable uint8 views ``(1, heads, n - m, row bytes)`` of rows ``[m, n)`` of each evaluated
-    ``(1, heads, n, ...)`` array: the destinations of ``ranged.read_range(..., into=)``. Engine
-    thread; the arrays must not be used by MLX while the views are being written."""
+    array — ``(1, heads, n, ...)`` (landing ``full``) or ``(1, heads, n - m, ...)`` (``tail``):
+    the destinations of ``ranged.read_range(..., into=)``. Engine thread; the arrays must not be
+    used by MLX while the views are being written."""
     out = {}
     for name, a in arrays.items():
-        if a.ndim < 4 or a.shape[0] != 1 or a.shape[2] != n:
-            raise ValueError(f"landing array {name} of shape {a.shape} for {n} tokens")
+        if a.ndim < 4 or a.shape[0] != 1 or a.shape[2] not in (n, n - m):
+            raise ValueError(f"landing array {name} of shape {a.shape} for [{m}, {n})")
         raw = np.frombuffer(a, dtype=np.uint8)  # type: ignore[call-overload]
         if not raw.flags.writeable or raw.nbytes != a.nbytes:
             raise ValueError(f"landing array {name} is not writable memory")
-        out[name] = raw.reshape(1, a.shape[1], n, -1)[:, :, m:n, :]
+        rows = raw.reshape(1, a.shape[1], a.shape[2], -1)
+        out[name] = rows[:, :, m:n, :] if a.shape[2] == n else rows
     return out

@@ -94,10 +94,13 @@ class Restorer:
         kv_bits: int = 0,
         kv_group_size: int = 64,
         reader: Reader = ranged.read_range,
+        landing: str = "",
     ) -> None:
         self.mode, self.costs, self.compute = mode, costs, compute
         self.blocker, self.kv_bits, self.kv_group_size = blocker, kv_bits, kv_group_size
         self.reader = reader
+        #: where `both`'s read lands: "full" or "tail" arrays (buffers.landing(); "" → that)
+        self.landing = landing or buffers.landing()
         self._pool: ThreadPoolExecutor | None = None
         self._warm: dict[str, float | None] = {}
         self._lock = threading.Lock()  # counters are read by metrics scrapes
@@ -184,7 +187,8 @@ class Restorer:
         n, m = d.tokens, d.m
         t0 = time.perf_counter()
         try:
-            full = buffers.allocate(ranged.layout(path, cold.fingerprint, m, n))
+            lay = ranged.layout(path, cold.fingerprint, m, n)
+            full = buffers.allocate(buffers.shapes(lay, m, n, self.landing))
             views = buffers.byte_views(full, m, n)
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")
@@ -203,11 +207,11 @@ class Restorer:
         self.costs.observe_prefill(m, 0, t_head - t_alloc)
         # bytes served, not read: the learned range rate then prices in the whole-chunk overread
         served = sum(u8.nbytes for _, u8 in rr.tensors.values())
-        rr.tensors.clear()  # the views into `full`: the join updates it in place
+        rr.tensors.clear()  # the views into `full`: the join may update it in place
         self.costs.observe_range(served, rr.seconds, self._warm.pop(hit.entry_id, None))
         if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
             return self._fell_back("file tokens differ from the prompt")
-        nbytes = sum(a.nbytes for a in full.values())
+        nbytes = sum(int(np.prod(s)) * store.ITEMSIZE[d] for d, s in lay.values())  # n tokens
         try:
             caches = self.join(computed, full, rr.metadata, m, n)
         except (layers.CorruptState, layers.UnsupportedCache, ranged.Unsplittable, KeyError) as e:
@@ -222,10 +226,10 @@ class Restorer:
 
     def join(self, computed: list[Any], full: dict[str, mx.array], metadata: dict[str, str],
              m: int, n: int) -> list[Any]:  # fmt: skip
-        """Caches holding ``[0, n)``: ``full`` — the entry's layer arrays ``(1, heads, n, ...)``
-        whose rows ``[m, n)`` the read filled — with the computed ``[0, m)`` (quantised like the
-        entry when the tier stores quantised KV) written into rows ``[0, m)`` in place. ``full`` is
-        consumed. Engine thread."""
+        """Caches holding ``[0, n)``: the computed ``[0, m)`` (quantised like the entry when the
+        tier stores quantised KV) and the read ``[m, n)`` in ``full`` — the landing arrays, of all
+        ``n`` tokens (the head is written into rows ``[0, m)`` in place) or of ``[m, n)`` only
+        (one concatenation). ``full`` is consumed. Engine thread."""
         if self.kv_bits:
             computed = layers.quantize(computed, self.kv_bits, self.kv_group_size)
         mine, _ = layers.encode(computed)
@@ -237,8 +241,12 @@ class Restorer:
             a = full.pop(name)  # one reference left: the update below writes in place
             if head.shape[:2] != a.shape[:2] or head.shape[3:] != a.shape[3:]:
                 raise ranged.Unsplittable(f"computed {name} {head.shape} vs entry {a.shape}")
-            a[..., :m, :] = head.astype(a.dtype) if head.dtype != a.dtype else head
-            arrays[name] = a
+            head = head.astype(a.dtype) if head.dtype != a.dtype else head
+            if a.shape[2] == n:
+                a[..., :m, :] = head
+                arrays[name] = a
+            else:
+                arrays[name] = mx.concatenate([head, a], axis=2)
         mx.eval(list(arrays.values()))
         tree = json.loads(metadata["layers"])
         _set_offsets(tree, n)

@@ -46,5 +46,15 @@ def test_bad_layouts_are_value_errors():
     with pytest.raises(ValueError):
         buffers.allocate({"x": ("Q4", (1, 1, 2, 2))})
     with pytest.raises(ValueError):
-        buffers.byte_views(buffers.allocate({"x": ("F32", (1, 1, 4, 2))}), 1, 5)
+        buffers.byte_views(buffers.allocate({"x": ("F32", (1, 1, 4, 2))}), 1, 7)
     assert buffers.allocate({}) == {}
+
+
+def test_tail_landing_views_are_the_whole_arrays():
+    lay = {"k": ("F32", (1, 2, 9, 4))}
+    assert buffers.shapes(lay, 3, 9, "full") == lay
+    tail = buffers.allocate(buffers.shapes(lay, 3, 9, "tail"))
+    assert tail["k"].shape == (1, 2, 6, 4)
+    v = buffers.byte_views(tail, 3, 9)["k"]
+    assert v.shape == (1, 2, 6, 16) and v.flags.c_contiguous
+    assert buffers.landing() in ("full", "tail")

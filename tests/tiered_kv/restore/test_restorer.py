@@ -3,6 +3,7 @@ where layers cannot be split (sliding window, recurrent), and TieredCache follow
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -73,14 +74,15 @@ class Setup:
         tc.restorer = restorer
         return tc
 
-    def restorer(self, mode="both", reader=None):
+    def restorer(self, mode="both", reader=None, landing=""):
         kw = {"reader": reader} if reader else {}
+        kw["landing"] = landing
         return Restorer(mode, CostBook(None), compute_with(self.model),
                         blocker_of(make_prompt_cache(self.model)), self.cfg.kv_bits,
                         self.cfg.kv_group_size, **kw)  # fmt: skip
 
-    def both(self, m, n):
-        r = self.restorer()
+    def both(self, m, n, landing=""):
+        r = self.restorer(landing=landing)
         hit = self.cold.lookup(self.ids)
         got = r.both(self.cold, hit, self.ids, Decision("both", n, m, 0.0, 0.0, "test"))
         assert got is not None, r.counters
@@ -243,3 +245,15 @@ def test_the_read_lands_in_the_served_arrays_and_phases_are_recorded(plain):
     assert r.costs.obs["join"][-1][0] == sum(
         x.nbytes for c in got.caches for x in (c.keys, c.values)
     )
+
+
+@pytest.mark.parametrize("m", [1, 255, 256, 300, N - 2])
+def test_tail_landing_joins_the_same_as_full(plain, m):
+    """The CUDA landing (arrays of [m, n), one concatenation) serves the same caches as the
+    in-place one."""
+    n = N - 1
+    a, b = plain.both(m, n, landing="full"), plain.both(m, n, landing="tail")
+    for x, y in zip(a.caches, b.caches, strict=True):
+        assert x.offset == y.offset == n
+        assert mx.array_equal(x.keys[..., :n, :], y.keys[..., :n, :]).item()
+        assert mx.array_equal(x.values[..., :n, :], y.values[..., :n, :]).item()
