@@ -27,7 +27,7 @@ def test_bytes_written_from_another_thread_are_what_mlx_reads():
     v = views["k"]
     assert v.shape == (1, 3, 3, 8) and v.flags.writeable and not v.flags.c_contiguous
     want = mx.random.normal((1, 3, 3, 4)).astype(mx.bfloat16)
-    raw = np.frombuffer(want, dtype=np.uint8).reshape(1, 3, 3, 8)
+    raw = np.array(want.view(mx.uint16)).view(np.uint8).reshape(1, 3, 3, 8)
 
     def io(dst: np.ndarray) -> None:  # bytes only: what the I/O thread does
         dst[...] = raw
