@@ -211,7 +211,7 @@ class Restorer:
         self.costs.observe_range(served, rr.seconds, self._warm.pop(hit.entry_id, None))
         if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
             return self._fell_back("file tokens differ from the prompt")
-        nbytes = sum(int(np.prod(s)) * store.ITEMSIZE[d] for d, s in lay.values())  # n tokens
+        nbytes = sum(int(np.prod(shp)) * store.ITEMSIZE[dt] for dt, shp in lay.values())  # n tokens
         try:
             caches = self.join(computed, full, rr.metadata, m, n)
         except (layers.CorruptState, layers.UnsupportedCache, ranged.Unsplittable, KeyError) as e:
