@@ -48,6 +48,8 @@ class Bench:
         self.root, self.chunk = root, chunk or default_prefill_chunk()
         self.device = str(mx.default_device())
         self.vocab = int(self.model.args.vocab_size)
+        self.suffix_s = 0.0
+        self.phases: dict[str, float] = {}
 
     def compute(self, ids: list[int]) -> list[Any]:
         lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
@@ -62,8 +64,10 @@ class Bench:
         return tiered_kv.open_cache(cfg, self.identity, make, self.compute)
 
     def request(self, tc: TieredCache, ids: list[int]) -> tuple[float, int, HitInfo]:
-        """TTFT of ``ids`` and its greedy first token; the prefill teaches the costs (as the Engine)."""
+        """TTFT of ``ids`` and its greedy first token; the prefill teaches the costs (as the Engine).
+        ``self.suffix_s``: the seconds of its prefill after the restore."""
         r = tc.restorer
+        r.last_phases = {}
         t0 = time.perf_counter()
         lease = tc.fetch(ids)
         fed = ids[: lease.hit.tokens]
@@ -72,6 +76,7 @@ class Bench:
         tok = mx.argmax(logits).tolist()
         assert isinstance(tok, int)
         ttft, dt = time.perf_counter() - t0, time.perf_counter() - tp
+        self.suffix_s = dt
         r.costs.observe_prefill(new, start, dt)
         if lease.hit.restore is not None:
             r.outcome(lease.hit.restore, lease.hit.load_seconds + dt)
@@ -92,6 +97,7 @@ class Bench:
         try:
             return self.request(tc, ids)
         finally:
+            self.phases = dict(tc.restorer.last_phases)
             tc.hot.entries.clear()  # a restart, not a shutdown: keep the disk as setup left it
             assert tc.cold is not None
             tc.cold.close()
@@ -145,8 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(model_dir, root, a.chunk)
     modes, pages = a.modes.split(","), a.pages.split(",")
     print(f"# restore benchmark: {model_dir.name} on {bench.device}, cache dir {root}")
-    print("| tokens | pages | mode | TTFT s | plan (m) | tier | predicted s | token |")
-    print("|---:|---|---|---:|---|---|---:|---|")
+    # both's phases (Restorer.last_phases): alloc → head (compute, the read beside it) → wait (for
+    # the read after the compute) → join; read = the I/O thread's time; suffix = the prefill after
+    print(
+        "| tokens | pages | mode | TTFT s | plan (m) | tier | predicted s | token "
+        "| alloc s | head s | read s | wait s | join s | suffix s |"
+    )
+    print("|---:|---|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
     summary = []
     for t in (int(x) for x in a.tokens.split(",")):
         rng = np.random.default_rng(t)
@@ -159,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 share = set_pages(root / f"t{t}", state)
                 ttft, tok, hit = bench.run(t, prompt, mode)
+                ph = bench.phases
+                cols = " | ".join(f"{ph[k]:.3f}" if k in ph else "-"
+                                  for k in ("alloc", "head", "read", "wait", "join"))  # fmt: skip
                 d = hit.restore
                 first_tok = tok if first_tok is None else first_tok
                 ttfts[mode] = ttft
@@ -166,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 pred = f"{d.predicted_total_s:.3f}" if d and d.predicted_total_s else "-"
                 same = "=" if tok == first_tok else f"DIFF {tok}"
                 print(f"| {t} | {state} ({share if share is None else round(share, 2)}) | {mode} "
-                      f"| {ttft:.3f} | {plan} | {hit.tier} | {pred} | {same} |", flush=True)  # fmt: skip
+                      f"| {ttft:.3f} | {plan} | {hit.tier} | {pred} | {same} | {cols} "
+                      f"| {bench.suffix_s:.3f} |", flush=True)  # fmt: skip
             summary.append((t, state, ttfts))
     print("\n| tokens | pages | min(load, compute) s | both / min | auto / min | goals |")
     print("|---:|---|---:|---:|---:|---|")

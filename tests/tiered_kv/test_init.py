@@ -18,6 +18,9 @@ MEASURED_ALONE = {
     "micro.py": {"tiered_kv.cold.tier"},  # cold tier write / reload throughput
     "sizes.py": {"tiered_kv.cold.tier"},  # cold tier write / reload by entry size
     "restore.py": {"tiered_kv.cold.ranged", "tiered_kv.restore.restorer"},  # ranged read, calibration
+    # both's read + join alone: ranged reads into landing buffers, the Restorer's join
+    "join.py": {"tiered_kv.cold", "tiered_kv.cold.backend", "tiered_kv.restore",
+                "tiered_kv.restore.costs", "tiered_kv.restore.restorer"},  # fmt: skip
     "shared_reload.py": {"tiered_kv.cold.tier", "tiered_kv.shared.link"},  # publish / fetch alone
     "hot_lookup.py": {"tiered_kv.hot", "tiered_kv.memory", "tiered_kv.prefix"},  # hot lookup alone
     "hit_cost.py": {"tiered_kv.layers"},  # view / restore cost per cache class

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,95 +73,221 @@ def plan_tensors(header: store.Header) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    got = 0
-    while got < len(view):
-        k = os.preadv(fd, [view[got:]], offset + got)
-        if k <= 0:
-            raise store.CorruptEntry("short read")
-        got += k
-
-
-def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4) -> RangeRead:
-    """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor.
-
-    Raises store.CorruptEntry (checksum, short file, a symlink), store.ForeignEntry,
-    Unsplittable, FileNotFoundError. Files and numpy only: safe on any thread (``workers``
-    threads of its own read the tensors, and never touch MLX either).
-    """
-    t0 = time.perf_counter()
+def layout(path: Path, fingerprint: str, m: int, n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The layer tensors of the entry at ``path``, from its header alone: name → (safetensors
+    dtype, shape of its first ``n`` tokens). The caller allocates destinations from it for
+    ``read_range(..., m, n, into=)`` (see there). Raises as :func:`read_range` does."""
+    fd = _open(path)
     try:
-        fd = fsafe.open_nofollow(path, os.O_RDONLY)
+        header = store.read_header_fd(fd, fingerprint)
+    finally:
+        os.close(fd)
+    _check_bounds(m, n, header.n_tokens)
+    out = {}
+    for name, t in plan_tensors(header).items():
+        shape = [int(x) for x in t["shape"]]
+        shape[2] = n
+        out[name] = (str(t["dtype"]), tuple(shape))
+    return out
+
+
+def _open(path: Path) -> int:
+    try:
+        return fsafe.open_nofollow(path, os.O_RDONLY)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise store.CorruptEntry(f"{path.name} is a symlink") from None
         raise
+
+
+def _check_bounds(m: int, n: int, total: int) -> None:
+    if not 0 <= m < n <= total:
+        raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
+
+
+def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
+               into: dict[str, np.ndarray] | None = None) -> RangeRead:  # fmt: skip
+    """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor.
+
+    ``into`` (optional): per tensor, a writable uint8 array ``(1, heads, n - m, row bytes)``
+    whose rows of each head are contiguous (e.g. rows ``[m, n)`` of a byte view of a
+    ``(1, heads, n, ...)`` array allocated from :func:`layout`); the rows are read straight into
+    it (one copy: kernel to destination) and it is what the result holds. Without it, arrays are
+    allocated here. On any error the destinations hold unverified bytes and must not be used.
+
+    Raises store.CorruptEntry (checksum, short file, a symlink), store.ForeignEntry,
+    Unsplittable, FileNotFoundError, ValueError (range, or ``into`` of another layout). Files
+    and numpy only: safe on any thread (``workers`` threads of its own read the tensors, and
+    never touch MLX either).
+    """
+    t0 = time.perf_counter()
+    fd = _open(path)
     try:
         header = store.read_header_fd(fd, fingerprint)
         chunk, total = header.chunk_bytes, header.n_tokens
-        if not 0 <= m < n <= total:
-            raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
+        _check_bounds(m, n, total)
         tensors = plan_tensors(header)
-        read = [0]
+        if into is not None and set(into) != set(tensors):
+            raise ValueError("destinations differ from the entry's tensors")
 
-        def runs(name: str, t: dict[str, Any], dst: np.ndarray, row0: int, every: int) -> None:
+        def rows(name: str, t: dict[str, Any], dst: np.ndarray, row0: int, every: int) -> int:
             """Rows from ``row0`` of each of ``dst``'s heads (``dst``: heads, rows, row bytes),
             head ``h`` at byte ``row0 * row + h * every`` of tensor ``name``, verified."""
             first = row0 * dst.shape[2]
             base = header.data_start + int(t["data_offsets"][0])
             size = int(t["data_offsets"][1]) - int(t["data_offsets"][0])
-            heads, width = dst.shape[0], dst.shape[1] * dst.shape[2]
-            spans = [(first + h * every, first + h * every + width) for h in range(heads)]
-            pieces, got = _read_chunked(fd, base, size, spans, header.digests(name), chunk, name)
-            for h, piece in enumerate(pieces):
-                dst[h] = piece.reshape(dst.shape[1:])
-            read[0] += got
+            if not all(dst[h].flags.c_contiguous for h in range(dst.shape[0])):
+                raise ValueError(f"destination of {name}: a head's rows are not contiguous")
+            spans = [(first + h * every, dst[h].reshape(-1)) for h in range(dst.shape[0])]
+            return read_spans(fd, base, size, spans, header.digests(name), chunk, name)
 
-        def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray]]:
-            heads, row = int(t["shape"][1]), _row_bytes(t)
-            buf = np.empty((1, heads, n - m, row), dtype=np.uint8)
-            runs(name, t, buf[0], m, total * row)
-            return name, (t["dtype"], buf)
+        def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray], int]:
+            shape = (1, int(t["shape"][1]), n - m, _row_bytes(t))
+            if into is None:
+                buf = np.empty(shape, dtype=np.uint8)
+            else:
+                buf = into[name]
+                if buf.shape != shape or buf.dtype != np.uint8 or not buf.flags.writeable:
+                    raise ValueError(f"destination of {name} is not writable uint8 {shape}")
+            got = rows(name, t, buf[0], m, total * shape[3])
+            return name, (t["dtype"], buf), got
 
         tok = np.empty((1, n, 4), dtype=np.uint8)
-        runs("tokens", header.tensors["tokens"], tok, 0, 0)
-        # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
-        with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
-            out = dict(pool.map(lambda kv: one(*kv), tensors.items()))
+        read = rows("tokens", header.tensors["tokens"], tok, 0, 0)
+        order = sorted(tensors.items(), key=lambda kv: int(kv[1]["data_offsets"][0]))
+        # the runs are many and apart (one per head per tensor): the disk's own readahead stops at
+        # every gap, so the kernel is asked for all of them up front, in file order, from a thread
+        # of its own (no copy); the readers below then mostly find their bytes in the page cache
+        stop = threading.Event()
+        ahead = threading.Thread(
+            target=_advise, args=(fd, _runs(header, order, m, n), stop), name="tkv-range-ahead"
+        )
+        ahead.start()
+        try:
+            # positioned reads release the GIL: a few in flight keep the disk (or the cache) busy
+            with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
+                done = list(pool.map(lambda kv: one(*kv), order))
+        finally:
+            stop.set()
+            ahead.join()
     finally:
         os.close(fd)
+    out = {name: value for name, value, _ in done}
+    read += sum(got for _, _, got in done)
     tokens = tok.reshape(-1).view("<i4").copy()
-    return RangeRead(m, n, tokens, out, dict(header.metadata), read[0],
-                     time.perf_counter() - t0)  # fmt: skip
+    return RangeRead(m, n, tokens, out, dict(header.metadata), read, time.perf_counter() - t0)
 
 
-def _read_chunked(fd: int, base: int, size: int, spans: list[tuple[int, int]], digests: str,
-                  chunk: int, name: str) -> tuple[list[np.ndarray], int]:  # fmt: skip
-    """Byte ``spans`` of a tensor of ``size`` bytes at file offset ``base``, read as the whole
-    checksum chunks that cover them (adjacent ones merged into one read) and verified chunk by
-    chunk. Returns (one uint8 array per span, bytes read)."""
-    wanted = sorted({(a // chunk, -(-b // chunk)) for a, b in spans if b > a})
-    merged: list[list[int]] = []
-    for c0, c1 in wanted:
-        if merged and c0 <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], c1)
+def _runs(header: store.Header, order: list[tuple[str, dict[str, Any]]], m: int,
+          n: int) -> list[tuple[int, int]]:  # fmt: skip
+    """File (offset, length) of the whole chunks holding rows ``[m, n)`` of every head of every
+    tensor of ``order``, in file order."""
+    chunk, total, out = header.chunk_bytes, header.n_tokens, []
+    for _, t in order:
+        base = header.data_start + int(t["data_offsets"][0])
+        row, heads = _row_bytes(t), int(t["shape"][1])
+        for h in range(heads):
+            a, b = (h * total + m) * row, (h * total + n) * row
+            lo, hi = a // chunk * chunk, -(-b // chunk) * chunk
+            out.append((base + lo, hi - lo))
+    return out
+
+
+def _advise(fd: int, runs: list[tuple[int, int]], stop: threading.Event) -> None:
+    """``posix_fadvise(WILLNEED)`` over ``runs`` until ``stop`` (a hint: errors are the
+    readers' to report)."""
+    try:
+        for off, length in runs:
+            if stop.is_set():
+                return
+            os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+
+
+#: chunks read (and verified) per positioned read: the bytes are hashed while still in cache
+_GROUP_CHUNKS = 4
+_IOV_MAX = 512
+
+
+def read_spans(fd: int, base: int, size: int, spans: list[tuple[int, np.ndarray]],
+               digests: str, chunk: int, name: str) -> int:  # fmt: skip
+    """Fill each destination of ``spans`` — (byte offset in the tensor, writable contiguous uint8
+    array) — from the tensor of ``size`` bytes at file offset ``base``. The whole checksum chunks
+    covering them are read, by ``preadv`` straight into the destinations (the chunk bytes outside
+    every span land in a scratch buffer), and each chunk is hashed over its pieces: a chunk that
+    fails raises CorruptEntry. Returns the bytes read."""
+    dests = sorted(((a, d.data.cast("B")) for a, d in spans if d.nbytes), key=lambda x: x[0])
+    for (a, d), (b, _) in zip(dests, dests[1:], strict=False):
+        if a + len(d) > b:
+            raise ValueError(f"overlapping spans in {name}")
+    if dests and dests[-1][0] + len(dests[-1][1]) > size:
+        raise store.CorruptEntry(f"short tensor {name}")
+    wanted: list[int] = []
+    for a, d in dests:
+        wanted.extend(range(a // chunk, -(-(a + len(d)) // chunk)))
+    chunks = sorted(set(wanted))
+    groups: list[list[int]] = []
+    for c in chunks:  # runs of adjacent chunks, at most _GROUP_CHUNKS each
+        if groups and c == groups[-1][-1] + 1 and len(groups[-1]) < _GROUP_CHUNKS:
+            groups[-1].append(c)
         else:
-            merged.append([c0, c1])
-    bufs: list[tuple[int, int, np.ndarray]] = []
-    for c0, c1 in merged:
-        lo, hi = c0 * chunk, min(size, c1 * chunk)
-        buf = np.empty(hi - lo, dtype=np.uint8)
-        _pread_into(fd, buf.data, base + lo)
-        for c in range(c0, c1):
-            piece = buf[c * chunk - lo : min(size, (c + 1) * chunk) - lo]
-            if xxhash.xxh3_64_hexdigest(piece.data) != digests[c * _HEX : (c + 1) * _HEX]:
+            groups.append([c])
+    read, k = 0, 0
+    for g in groups:
+        lo, hi = g[0] * chunk, min(size, (g[-1] + 1) * chunk)
+        while k < len(dests) and dests[k][0] + len(dests[k][1]) <= lo:
+            k += 1
+        pieces = _pieces(lo, hi, dests, k)
+        _preadv_all(fd, [v for _, v in pieces], base + lo)
+        read += hi - lo
+        for c in g:
+            a, b = c * chunk, min(size, (c + 1) * chunk)
+            h = xxhash.xxh3_64()
+            for off, v in pieces:
+                s, e = max(a, off), min(b, off + len(v))
+                if s < e:
+                    h.update(v[s - off : e - off])
+            if h.hexdigest() != digests[c * _HEX : (c + 1) * _HEX]:
                 raise store.CorruptEntry(f"range checksum mismatch in {name}")
-        bufs.append((lo, hi, buf))
-    out = []
-    for a, b in spans:
-        lo, _, buf = next(x for x in bufs if x[0] <= a and b <= x[1])
-        out.append(buf[a - lo : b - lo])
-    return out, sum(x[2].nbytes for x in bufs)
+    return read
+
+
+def _pieces(lo: int, hi: int, dests: list[tuple[int, memoryview]],
+            k: int) -> list[tuple[int, memoryview]]:  # fmt: skip
+    """Bytes ``[lo, hi)`` of a tensor as (offset, buffer) pieces in order: the parts that fall in
+    a destination are views of it, the rest one scratch buffer per gap."""
+    out: list[tuple[int, memoryview]] = []
+    pos = lo
+    while pos < hi:
+        if k < len(dests) and dests[k][0] <= pos < dests[k][0] + len(dests[k][1]):
+            a, d = dests[k]
+            end = min(hi, a + len(d))
+            out.append((pos, d[pos - a : end - a]))
+            if end == a + len(d):
+                k += 1
+        else:
+            end = min(hi, dests[k][0]) if k < len(dests) else hi
+            out.append((pos, np.empty(end - pos, dtype=np.uint8).data))
+        pos = end
+    return out
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """Fill ``views`` in order from ``offset``; a short file is corrupt."""
+    while views:
+        batch = views[:_IOV_MAX]
+        got = os.preadv(fd, batch, offset)
+        if got <= 0:
+            raise store.CorruptEntry("short read")
+        offset += got
+        j = 0
+        while j < len(batch) and got >= len(batch[j]):
+            got -= len(batch[j])
+            j += 1
+        views = views[j:]
+        if got:  # a partial read stopped inside this one
+            views[0] = views[0][got:]
 
 
 def _row_bytes(t: dict[str, Any]) -> int:

@@ -5,7 +5,8 @@ A :class:`CostBook` keeps a bounded, diverse set of observations per kind —
 * ``prefill`` (k new tokens, c context tokens, seconds) from every prefill the engine runs;
 * ``load``  (bytes, seconds, share warm) from every cold reload (read + verify + build arrays);
 * ``range`` (bytes, seconds, share warm) from the ranged reads of `both`;
-* ``join``  (bytes, seconds) from joining computed and read halves;
+* ``join``  (bytes, seconds) from joining computed and read halves (allocation + join, per byte
+  of the whole restored prefix);
 * ``outcome`` (way, predicted seconds, actual seconds) of every restore taken —
 
 and fits them (non-negative least squares on relative error) into the pure
@@ -36,7 +37,8 @@ import numpy as np
 from tiered_kv.restore.plan import Learned, PrefillCost, ReadCost
 
 log = logging.getLogger(__name__)
-VERSION = 1
+#: 2: join observations are per byte of the restored prefix (were: per byte read, of a slower join)
+VERSION = 2
 KINDS = ("prefill", "load", "range", "join", "outcome")
 WAYS = ("load", "compute", "both")  # an outcome's way is stored as its index + 1
 _CLAMP = (0.2, 5.0)  # a correction never moves a prediction further than this

@@ -28,9 +28,10 @@ BOTH_MARGIN = 0.9
 #: an entry is refused a file only when its best reload is predicted this many times slower than
 #: recomputing it (measurements of short loads and prefills are noisy)
 ADMIT_MARGIN = 1.5
-#: joining builds MLX arrays from the read bytes and concatenates them (two memory copies);
-#: assumed this fast until a join has been measured.
-DEFAULT_JOIN_BYTES_PER_S = 4e9
+#: the join's cost per byte of the ``n`` restored tokens (the read lands in the final arrays; the
+#: join writes the computed head into them: about one copy of half the bytes); assumed this fast
+#: until a join has been measured (``Learned.join_bytes_per_s``, from every `both` run).
+DEFAULT_JOIN_BYTES_PER_S = 8e9
 
 
 @dataclass(frozen=True)
@@ -139,17 +140,18 @@ def range_seconds(hit: Hit, learned: Learned, tokens: int) -> float | None:
 
 def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
     """(m, predicted seconds) of `both`: the smallest block-aligned m where computing [0, m)
-    takes at least as long as reading [m, n), or the better of its neighbour; None if unknown."""
+    takes at least as long as reading [m, n), or the better of its neighbour; None if unknown.
+    The seconds include the join (allocation of the final arrays + writing the head into them),
+    priced per byte of the ``n`` tokens at the learned join rate."""
     p = learned.prefill
     if p is None or range_seconds(hit, learned, 1) is None:
         return None
     n, block = hit.tokens, max(1, hit.block)
 
+    join = n * hit.bytes_per_token / (learned.join_bytes_per_s or DEFAULT_JOIN_BYTES_PER_S)
+
     def cost(m: int) -> float:
         r = range_seconds(hit, learned, n - m) or 0.0
-        join = (
-            (n - m) * hit.bytes_per_token / (learned.join_bytes_per_s or DEFAULT_JOIN_BYTES_PER_S)
-        )
         return max(p.seconds(m), r) + join
 
     lo, hi = 0, n // block  # in blocks: compute(m) rises with m, read(n - m) falls

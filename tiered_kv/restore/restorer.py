@@ -3,8 +3,12 @@
 Ownership and threads: a Restorer belongs to the engine thread that owns MLX. Only in
 :meth:`Restorer.both` does it use a second thread — its I/O thread runs
 :func:`tiered_kv.cold.ranged.read_range` (files, bytes, numpy; never MLX) while the engine thread
-prefills ``[0, m)``; the join (MLX arrays from the read bytes, concatenation) runs on the engine
-thread after the read returns. The CostBook it feeds is saved at most every few seconds and at
+prefills ``[0, m)``. The read lands in the final layer arrays, allocated (unwritten) on the engine
+thread before the compute starts: the I/O thread writes bytes into their memory through numpy
+views and does nothing else with them, and the engine thread touches them again only after the
+read has returned (:mod:`tiered_kv.restore.buffers` states this exception to the one-MLX-thread
+rule). The join then copies the computed ``[0, m)`` into them in place: the read tail is copied
+once, kernel to final array. The CostBook it feeds is saved at most every few seconds and at
 :meth:`close`.
 """
 
@@ -25,6 +29,7 @@ import numpy as np
 
 from tiered_kv import layers
 from tiered_kv.cold import ranged, store
+from tiered_kv.restore import buffers
 from tiered_kv.restore.costs import CostBook
 from tiered_kv.restore.plan import KINDS, Hit, Mode, Plan, plan, worth_spilling
 
@@ -32,7 +37,11 @@ log = logging.getLogger(__name__)
 
 #: prefill(ids) → model caches holding exactly ``ids`` (engine thread)
 Compute = Callable[[list[int]], list[Any]]
-Reader = Callable[[Path, str, int, int], ranged.RangeRead]
+#: ``ranged.read_range``'s signature: (path, fingerprint, m, n, into=destinations)
+Reader = Callable[..., ranged.RangeRead]
+#: where a `both` spends its time (seconds), in order: landing arrays allocated, the head computed
+#: (I/O running beside it), waiting for the read after the compute, the join; and the read itself
+PHASES = ("alloc", "head", "wait", "join", "read")
 #: layer classes whose computed and read halves can be joined along the token axis
 JOINABLE = frozenset({"KVCache", "QuantizedKVCache"})
 
@@ -65,11 +74,7 @@ class BothResult:
     tokens: np.ndarray
     seconds: float
     nbytes: int
-
-
-_NP = {"BF16": (np.uint16, mx.bfloat16), "F16": (np.float16, None), "F32": (np.float32, None),
-       "U32": (np.uint32, None), "I32": (np.int32, None), "U8": (np.uint8, None),
-       "I8": (np.int8, None), "U16": (np.uint16, None), "I16": (np.int16, None)}  # fmt: skip
+    phases: dict[str, float]  # PHASES → seconds
 
 
 def blocker_of(caches: Sequence[Any]) -> str:
@@ -89,10 +94,13 @@ class Restorer:
         kv_bits: int = 0,
         kv_group_size: int = 64,
         reader: Reader = ranged.read_range,
+        landing: str = "",
     ) -> None:
         self.mode, self.costs, self.compute = mode, costs, compute
         self.blocker, self.kv_bits, self.kv_group_size = blocker, kv_bits, kv_group_size
         self.reader = reader
+        #: where `both`'s read lands: "full" or "tail" arrays (buffers.landing(); "" → that)
+        self.landing = landing or buffers.landing()
         self._pool: ThreadPoolExecutor | None = None
         self._warm: dict[str, float | None] = {}
         self._lock = threading.Lock()  # counters are read by metrics scrapes
@@ -102,7 +110,10 @@ class Restorer:
             "restore_not_admitted_bytes": 0, "restore_predicted_seconds": 0.0,
             "restore_actual_seconds": 0.0, "restore_last_predicted_seconds": 0.0,
             "restore_last_actual_seconds": 0.0,
+            **{f"restore_both_{p}_seconds": 0.0 for p in PHASES},
         }  # fmt: skip
+        #: the phases of the last `both` (PHASES → seconds; empty before one ran)
+        self.last_phases: dict[str, float] = {}
 
     # -- planning ----------------------------------------------------------------------------
     def plan(self, cold: ColdFiles, hit: Any, n: int, prompt_len: int, start: int = 0) -> Decision:
@@ -166,60 +177,86 @@ class Restorer:
     def both(
         self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision
     ) -> BothResult | None:
-        """Compute ``[0, m)`` here while the I/O thread reads ``[m, n)``; join. None when the
-        file cannot serve the range (gone, corrupt, unsplittable): the caller loads instead,
-        and the cold tier's own load then quarantines what is corrupt."""
+        """Compute ``[0, m)`` here while the I/O thread reads ``[m, n)`` into the final arrays;
+        join. None when the file cannot serve the range (gone, corrupt, unsplittable): the caller
+        loads instead, and the cold tier's own load then quarantines what is corrupt."""
         desc = cold.describe(hit)
         if desc is None:
             return self._fell_back("entry vanished")
         path, _ = desc
         n, m = d.tokens, d.m
         t0 = time.perf_counter()
+        try:
+            lay = ranged.layout(path, cold.fingerprint, m, n)
+            full = buffers.allocate(buffers.shapes(lay, m, n, self.landing))
+            views = buffers.byte_views(full, m, n)
+        except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError) as e:
+            return self._fell_back(f"{type(e).__name__}: {e}")
+        t_alloc = time.perf_counter()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="restore-io")
-        future = self._pool.submit(self.reader, path, cold.fingerprint, m, n)
+        future = self._pool.submit(self.reader, path, cold.fingerprint, m, n, into=views)
+        del views  # the I/O thread's now; `full` is not touched until the read returned
         computed = self.compute(np.asarray(prompt[:m]).tolist())
-        t_compute = time.perf_counter() - t0
+        t_head = time.perf_counter()
         try:
             rr = future.result()
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError) as e:
-            return self._fell_back(f"{type(e).__name__}: {e}")
-        self.costs.observe_prefill(m, 0, t_compute)
+            return self._fell_back(f"{type(e).__name__}: {e}")  # `full` (unverified) is dropped
+        t_read = time.perf_counter()
+        self.costs.observe_prefill(m, 0, t_head - t_alloc)
         # bytes served, not read: the learned range rate then prices in the whole-chunk overread
         served = sum(u8.nbytes for _, u8 in rr.tensors.values())
+        rr.tensors.clear()  # the views into `full`: the join may update it in place
         self.costs.observe_range(served, rr.seconds, self._warm.pop(hit.entry_id, None))
         if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
             return self._fell_back("file tokens differ from the prompt")
-        t_join = time.perf_counter()
+        nbytes = sum(int(np.prod(shp)) * store.ITEMSIZE[dt] for dt, shp in lay.values())  # n tokens
         try:
-            caches = self.join(computed, rr, m, n)
+            caches = self.join(computed, full, rr.metadata, m, n)
         except (layers.CorruptState, layers.UnsupportedCache, ranged.Unsplittable, KeyError) as e:
             return self._fell_back(f"join: {e}")
-        self.costs.observe_join(rr.nbytes, time.perf_counter() - t_join)
-        return BothResult(caches, rr.tokens[:n].copy(), time.perf_counter() - t0, rr.nbytes)
+        t_join = time.perf_counter()
+        # allocation + join per byte of the n tokens: what plan.split adds to `both`
+        self.costs.observe_join(nbytes, (t_join - t_read) + (t_alloc - t0))
+        phases = {"alloc": t_alloc - t0, "head": t_head - t_alloc, "wait": t_read - t_head,
+                  "join": t_join - t_read, "read": rr.seconds}  # fmt: skip
+        self._record(phases)
+        return BothResult(caches, rr.tokens[:n].copy(), t_join - t0, rr.nbytes, phases)
 
-    def join(self, computed: list[Any], rr: ranged.RangeRead, m: int, n: int) -> list[Any]:
+    def join(self, computed: list[Any], full: dict[str, mx.array], metadata: dict[str, str],
+             m: int, n: int) -> list[Any]:  # fmt: skip
         """Caches holding ``[0, n)``: the computed ``[0, m)`` (quantised like the entry when the
-        tier stores quantised KV) then the read ``[m, n)``. Engine thread."""
+        tier stores quantised KV) and the read ``[m, n)`` in ``full`` — the landing arrays, of all
+        ``n`` tokens (the head is written into rows ``[0, m)`` in place) or of ``[m, n)`` only
+        (one concatenation). ``full`` is consumed. Engine thread."""
         if self.kv_bits:
             computed = layers.quantize(computed, self.kv_bits, self.kv_group_size)
         mine, _ = layers.encode(computed)
-        if set(mine) != set(rr.tensors):
+        if set(mine) != set(full):
             raise ranged.Unsplittable("computed layers differ from the entry's tensors")
         arrays: dict[str, mx.array] = {}
-        for name, (dtype, u8) in rr.tensors.items():
-            if dtype not in _NP:
-                raise ranged.Unsplittable(f"dtype {dtype}")
-            np_t, mx_t = _NP[dtype]
-            part = np.ascontiguousarray(u8[:, :, m - rr.start : n - rr.start]).view(np_t)
-            read = mx.array(part)
-            if mx_t is not None:
-                read = read.view(mx_t)
-            arrays[name] = mx.concatenate([mine[name][..., :m, :], read], axis=2)
+        for name in list(full):
+            head = mine[name][..., :m, :]
+            a = full.pop(name)  # one reference left: the update below writes in place
+            if head.shape[:2] != a.shape[:2] or head.shape[3:] != a.shape[3:]:
+                raise ranged.Unsplittable(f"computed {name} {head.shape} vs entry {a.shape}")
+            head = head.astype(a.dtype) if head.dtype != a.dtype else head
+            if a.shape[2] == n:
+                a[..., :m, :] = head
+                arrays[name] = a
+            else:
+                arrays[name] = mx.concatenate([head, a], axis=2)
         mx.eval(list(arrays.values()))
-        tree = json.loads(rr.metadata["layers"])
+        tree = json.loads(metadata["layers"])
         _set_offsets(tree, n)
         return layers.decode(arrays, {"layers": json.dumps(tree)})
+
+    def _record(self, phases: dict[str, float]) -> None:
+        with self._lock:
+            self.last_phases = dict(phases)
+            for p, s in phases.items():
+                self.counters[f"restore_both_{p}_seconds"] += s
 
     def _fell_back(self, why: str) -> BothResult | None:
         """Count and log a `both` that could not be done; None (the caller loads instead)."""

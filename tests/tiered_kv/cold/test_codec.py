@@ -119,9 +119,14 @@ def test_a_whole_load_into_host_memory_reads_the_file_once(tmp_path, monkeypatch
 
     assert codec.host_arrays()  # this test machine's device is the CPU
     path, header, caches = big_entry(tmp_path)
-    read = []
+    read: list[int] = []
     real = store.read_into
-    monkeypatch.setattr(store, "read_into", lambda fd, v, off: read.append(len(v)) or real(fd, v, off))
+
+    def counted(fd: int, view: memoryview, offset: int) -> int:
+        read.append(len(view))
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(store, "read_into", counted)
     got = codec.load_file(path, header)
     assert read == [] and mx.array_equal(got["0.keys"], caches[0].keys[..., :12_000, :]).item()
     drain(codec.load_steps(path, header, step_bytes=8 << 20))  # step-wise: the scan, as before

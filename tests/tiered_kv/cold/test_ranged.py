@@ -117,3 +117,57 @@ def test_resident_share_is_a_share_or_unknown(tmp_path):
     path, _ = write(tmp_path)
     share = ranged.resident_share(path)
     assert share is None or 0.0 <= share <= 1.0
+
+
+def test_rows_land_straight_in_strided_destinations(tmp_path):
+    """``into``: rows [m, n) of each head go into the caller's buffer (here rows [m, n) of a
+    (1, heads, n, row) buffer), nothing around them is written."""
+    path, keys = write(tmp_path)
+    m, n = 123, 590
+    full = {
+        name: np.full((1, HEADS, n, DIM * 4), 0xAB, dtype=np.uint8)
+        for name in ("0.keys", "0.values")
+    }
+    into = {name: a[:, :, m:n, :] for name, a in full.items()}
+    rr = ranged.read_range(path, "fp", m, n, into=into)
+    assert rr.tensors["0.keys"][1] is into["0.keys"]
+    np.testing.assert_array_equal(full["0.keys"][:, :, m:n].view(np.float32)[0], keys[0, :, m:n])
+    assert (full["0.keys"][:, :, :m] == 0xAB).all() and (full["0.values"][:, :, :m] == 0xAB).all()
+    assert ranged.layout(path, "fp", m, n) == {"0.keys": ("F32", (1, HEADS, n, DIM)),
+                                               "0.values": ("F32", (1, HEADS, n, DIM))}  # fmt: skip
+
+
+def test_flipped_byte_is_caught_when_reading_into_destinations(tmp_path):
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    start, _ = h.tensors["0.values"]["data_offsets"]
+    flip(path, h.data_start + start + N * DIM * 4 + 400 * DIM * 4)  # head 1, row 400
+    into = {k: np.empty((1, HEADS, N - 300, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
+    with pytest.raises(store.CorruptEntry, match="range checksum"):
+        ranged.read_range(path, "fp", 300, N, into=into)
+
+
+def test_short_positioned_reads_are_continued(tmp_path, monkeypatch):
+    """A preadv that returns fewer bytes than asked (allowed by POSIX) is resumed where it stopped."""
+    path, keys = write(tmp_path)
+    real = ranged.os.preadv
+
+    def short(fd, bufs, offset, *flags):
+        first = memoryview(bufs[0])
+        cut = [first[: max(1, len(first) // 3)]]  # a third of the first buffer only
+        return real(fd, cut, offset, *flags)
+
+    monkeypatch.setattr(ranged.os, "preadv", short)
+    rr = ranged.read_range(path, "fp", 7, N)
+    np.testing.assert_array_equal(rr.tensors["0.keys"][1].view(np.float32)[0], keys[0, :, 7:N])
+
+
+def test_destinations_of_another_layout_are_refused(tmp_path):
+    path, _ = write(tmp_path)
+    with pytest.raises(ValueError):
+        ranged.read_range(
+            path, "fp", 300, N, into={"0.keys": np.empty((1, HEADS, 300, 32), np.uint8)}
+        )
+    bad = {k: np.empty((1, HEADS, N - 300, 16), np.uint8) for k in ("0.keys", "0.values")}
+    with pytest.raises(ValueError):
+        ranged.read_range(path, "fp", 300, N, into=bad)

@@ -68,7 +68,7 @@ def test_persisted_per_fingerprint_and_machine(tmp_path):
     a.observe_load(10**8, 0.1, 0.0)
     a.observe_load(10**8, 0.01, 1.0)
     a.save(force=True)
-    assert json.loads(path.read_text())["version"] == 1  # JSON, never a pickle
+    assert json.loads(path.read_text())["version"] == 2  # JSON, never a pickle
     b = CostBook(path, "fp")
     assert b.learned == a.learned and b.learned.load_cold.bytes_per_s == pytest.approx(1e9)
     assert b.learned.load_warm.bytes_per_s == pytest.approx(1e10)
@@ -92,6 +92,15 @@ def test_bad_file_starts_afresh(tmp_path, body):
     book.observe_prefill(100, 0, 0.1)
     book.save(force=True)
     assert CostBook(path, "fp").learned.prefill is not None
+
+
+def test_version_1_file_starts_afresh(tmp_path):
+    """Version 1 priced the join per byte read, of the three-copy join: its rows would mislead."""
+    path = CostBook.file_for(tmp_path)
+    path.write_text('{"version": 1, "fingerprint": "fp", "observations": '
+                    '{"prefill": [[1000, 0, 0.5]], "join": [[1000000000, 3.0]]}}')  # fmt: skip
+    book = CostBook(path, "fp")
+    assert book.learned.prefill is None and book.learned.join_bytes_per_s is None
 
 
 def test_observations_stay_bounded_and_diverse():

@@ -3,6 +3,7 @@ where layers cannot be split (sliding window, recurrent), and TieredCache follow
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -73,14 +74,15 @@ class Setup:
         tc.restorer = restorer
         return tc
 
-    def restorer(self, mode="both", reader=None):
+    def restorer(self, mode="both", reader=None, landing=""):
         kw = {"reader": reader} if reader else {}
+        kw["landing"] = landing
         return Restorer(mode, CostBook(None), compute_with(self.model),
                         blocker_of(make_prompt_cache(self.model)), self.cfg.kv_bits,
                         self.cfg.kv_group_size, **kw)  # fmt: skip
 
-    def both(self, m, n):
-        r = self.restorer()
+    def both(self, m, n, landing=""):
+        r = self.restorer(landing=landing)
         hit = self.cold.lookup(self.ids)
         got = r.both(self.cold, hit, self.ids, Decision("both", n, m, 0.0, 0.0, "test"))
         assert got is not None, r.counters
@@ -207,10 +209,10 @@ def test_io_thread_never_touches_mlx(plain):
     """The reader returns numpy only; arrays are built after the join, on this thread."""
     seen: list[str] = []
 
-    def reader(*a):
+    def reader(*a, **kw):
         from tiered_kv.cold import ranged
 
-        rr = ranged.read_range(*a)
+        rr = ranged.read_range(*a, **kw)
         seen.extend(type(x).__module__ for _, x in rr.tensors.values())
         return rr
 
@@ -218,3 +220,40 @@ def test_io_thread_never_touches_mlx(plain):
     hit = plain.cold.lookup(plain.ids)
     assert r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t")) is not None
     assert seen and set(seen) == {"numpy"}
+
+
+def test_the_read_lands_in_the_served_arrays_and_phases_are_recorded(plain):
+    """One copy of the tail: the bytes the I/O thread read are the memory of the caches served
+    (no numpy buffer, mx.array or concatenate after the read); each phase of `both` is timed."""
+    landed: list = []
+
+    def reader(*a, **kw):
+        from tiered_kv.cold import ranged
+
+        landed.extend(kw["into"].values())
+        return ranged.read_range(*a, **kw)
+
+    r = plain.restorer("both", reader=reader)
+    hit = plain.cold.lookup(plain.ids)
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t"))
+    assert got is not None and landed
+    served = [np.frombuffer(x, dtype=np.uint8) for c in got.caches for x in (c.keys, c.values)]
+    assert all(any(np.shares_memory(v, s) for s in served) for v in landed)
+    assert set(got.phases) == {"alloc", "head", "wait", "join", "read"} == set(r.last_phases)
+    stats = r.stats()
+    assert stats["restore_both_head_seconds"] > 0 and stats["restore_both_read_seconds"] > 0
+    assert r.costs.obs["join"][-1][0] == sum(
+        x.nbytes for c in got.caches for x in (c.keys, c.values)
+    )
+
+
+@pytest.mark.parametrize("m", [1, 255, 256, 300, N - 2])
+def test_tail_landing_joins_the_same_as_full(plain, m):
+    """The CUDA landing (arrays of [m, n), one concatenation) serves the same caches as the
+    in-place one."""
+    n = N - 1
+    a, b = plain.both(m, n, landing="full"), plain.both(m, n, landing="tail")
+    for x, y in zip(a.caches, b.caches, strict=True):
+        assert x.offset == y.offset == n
+        assert mx.array_equal(x.keys[..., :n, :], y.keys[..., :n, :]).item()
+        assert mx.array_equal(x.values[..., :n, :], y.values[..., :n, :]).item()
