@@ -49,7 +49,8 @@ class Engine:
         self.prefill_chunk = config.prefill_chunk or default_prefill_chunk()
         # several requests' prompt chunks in one forward (engine/prefilling.py): on a GPU, where
         # extra rows cost little; on the CPU they only delay the request with the least left
-        self.share_prefill = mx.default_device().type == mx.gpu
+        gpu = mx.default_device().type == mx.gpu
+        self.share_prefill = {"on": True, "off": False}.get(config.shared_prefill, gpu)
         self.cache = tiered_kv.open_cache(
             config, model_identity(self.model_dir), lambda: make_prompt_cache(self.model),
             self.compute_prefix,

@@ -142,6 +142,9 @@ class Config:
     shared_queue_bytes: int = 2 * 1024**3
     #: TIERED_KV_MAX_BATCH — requests generating together (continuous batching), ≥ 1
     max_batch: int = 8
+    #: TIERED_KV_SHARED_PREFILL — several requests' prompt chunks in one forward: `auto` (on a
+    #: GPU only: on the CPU a row costs what a request alone does), `on`, `off`
+    shared_prefill: str = "auto"
     #: TIERED_KV_MAX_QUEUE — requests waiting for a place in the batch, ≥ 0; past it a 429
     max_queue: int = 64
     #: TIERED_KV_RESTORE — how a disk hit is restored: `auto` (the fastest of load / compute / both
@@ -213,6 +216,7 @@ _group = _checked(int, lambda v: v in (32, 64, 128))
 _chunk = _checked(int, lambda v: v == 0 or 16 <= v <= 65536)
 _block = _checked(int, lambda v: 16 <= v <= 8192)
 _restore = _checked(lambda t: t.strip().lower(), lambda t: t in RESTORE_MODES)
+_switch = _checked(lambda t: t.strip().lower(), lambda t: t in ("auto", "on", "off"))
 
 
 REDIS_FORM = "redis://[[user]:password@]host[:port][/db] or rediss://… (empty = off)"
@@ -274,6 +278,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_MAX_BATCH": ("max_batch", _positive_int, "an integer ≥ 1"),
     "TIERED_KV_MAX_QUEUE": ("max_queue", _nonneg_int, "an integer ≥ 0"),
     "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
+    "TIERED_KV_SHARED_PREFILL": ("shared_prefill", _switch, '"auto", "on" or "off"'),
 }
 _SECRET = {"TIERED_KV_SHARED"}  # never echoed in an error message
 PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'
