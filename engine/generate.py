@@ -47,8 +47,8 @@ class Engine:
         self.model, self.tokenizer = load_model(self.model_dir)
         self.context_length = context_length(self.model_dir, self.tokenizer)
         self.prefill_chunk = config.prefill_chunk or default_prefill_chunk()
-        # several requests' prompt chunks in one forward (engine/prefilling.py): on a GPU, where
-        # extra rows cost little; on the CPU they only delay the request with the least left
+        # several requests' prompt chunks in one forward (engine/prefilling.py), when switched on
+        # (TIERED_KV_SHARED_PREFILL; `auto`: on a GPU)
         gpu = mx.default_device().type == mx.gpu
         self.share_prefill = {"on": True, "off": False}.get(config.shared_prefill, gpu)
         self.cache = tiered_kv.open_cache(

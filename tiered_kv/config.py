@@ -142,9 +142,10 @@ class Config:
     shared_queue_bytes: int = 2 * 1024**3
     #: TIERED_KV_MAX_BATCH — requests generating together (continuous batching), ≥ 1
     max_batch: int = 8
-    #: TIERED_KV_SHARED_PREFILL — several requests' prompt chunks in one forward: `auto` (on a
-    #: GPU only: on the CPU a row costs what a request alone does), `on`, `off`
-    shared_prefill: str = "auto"
+    #: TIERED_KV_SHARED_PREFILL — several requests' prompt chunks in one forward: `on`, `off`, or
+    #: `auto` (on a GPU only). Off by default: on the H200 it made K=4 sessions slower (TTFT p50
+    #: 1.00 s vs 0.27 s off), and on the CPU a row costs what a request alone does
+    shared_prefill: str = "off"
     #: TIERED_KV_MAX_QUEUE — requests waiting for a place in the batch, ≥ 0; past it a 429
     max_queue: int = 64
     #: TIERED_KV_RESTORE — how a disk hit is restored: `auto` (the fastest of load / compute / both

@@ -107,7 +107,7 @@ def test_restore_mode():
 
 
 def test_shared_prefill_switch():
-    assert from_env({}).shared_prefill == "auto"
+    assert from_env({}).shared_prefill == "off"
     assert from_env({"TIERED_KV_SHARED_PREFILL": " OFF "}).shared_prefill == "off"
     with pytest.raises(ConfigError, match="TIERED_KV_SHARED_PREFILL"):
         from_env({"TIERED_KV_SHARED_PREFILL": "maybe"})
