@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -154,55 +153,15 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
 
         tok = np.empty((1, n, 4), dtype=np.uint8)
         read = rows("tokens", header.tensors["tokens"], tok, 0, 0)
-        order = sorted(tensors.items(), key=lambda kv: int(kv[1]["data_offsets"][0]))
-        # the runs are many and apart (one per head per tensor): the disk's own readahead stops at
-        # every gap, so the kernel is asked for all of them up front, in file order, from a thread
-        # of its own (no copy); the readers below then mostly find their bytes in the page cache
-        stop = threading.Event()
-        ahead = threading.Thread(
-            target=_advise, args=(fd, _runs(header, order, m, n), stop), name="tkv-range-ahead"
-        )
-        ahead.start()
-        try:
-            # positioned reads release the GIL: a few in flight keep the disk (or the cache) busy
-            with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
-                done = list(pool.map(lambda kv: one(*kv), order))
-        finally:
-            stop.set()
-            ahead.join()
+        # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
+        with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
+            done = list(pool.map(lambda kv: one(*kv), tensors.items()))
     finally:
         os.close(fd)
     out = {name: value for name, value, _ in done}
     read += sum(got for _, _, got in done)
     tokens = tok.reshape(-1).view("<i4").copy()
     return RangeRead(m, n, tokens, out, dict(header.metadata), read, time.perf_counter() - t0)
-
-
-def _runs(header: store.Header, order: list[tuple[str, dict[str, Any]]], m: int,
-          n: int) -> list[tuple[int, int]]:  # fmt: skip
-    """File (offset, length) of the whole chunks holding rows ``[m, n)`` of every head of every
-    tensor of ``order``, in file order."""
-    chunk, total, out = header.chunk_bytes, header.n_tokens, []
-    for _, t in order:
-        base = header.data_start + int(t["data_offsets"][0])
-        row, heads = _row_bytes(t), int(t["shape"][1])
-        for h in range(heads):
-            a, b = (h * total + m) * row, (h * total + n) * row
-            lo, hi = a // chunk * chunk, -(-b // chunk) * chunk
-            out.append((base + lo, hi - lo))
-    return out
-
-
-def _advise(fd: int, runs: list[tuple[int, int]], stop: threading.Event) -> None:
-    """``posix_fadvise(WILLNEED)`` over ``runs`` until ``stop`` (a hint: errors are the
-    readers' to report)."""
-    try:
-        for off, length in runs:
-            if stop.is_set():
-                return
-            os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
 
 
 #: chunks read (and verified) per positioned read: the bytes are hashed while still in cache
