@@ -32,6 +32,7 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_MAX_BATCH": ["0", "-2", "eight"],
     "TIERED_KV_MAX_QUEUE": ["-1", "1.5", "lots"],
     "TIERED_KV_RESTORE": ["fast", "load,compute"],
+    "TIERED_KV_SHARED_PREFILL": ["yes", "1"],
     "TIERED_KV_COLD_DEADLINE": ["0", "-1", "soon", "nan"],
     "TIERED_KV_SHUTDOWN_SECONDS": ["0", "1e9", "forever"],
 }
