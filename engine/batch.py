@@ -37,7 +37,9 @@ class BatchLoop:
         ends = Ends(engine)
         self.decode = Decoding(engine.model, ends)
         self.prefill = Prefilling(engine, ends, self.decode.start)
-        self.leasing = Leasing(engine, ends, self.prefill.seqs, lambda: self.decode.count > 0)
+        self.leasing = Leasing(
+            engine, ends, self.prefill.seqs, lambda: self.decode.count > 0, self.prefill.share
+        )
 
     # -- bookkeeping ------------------------------------------------------------------------
     @property

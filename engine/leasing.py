@@ -1,7 +1,8 @@
 """From admission to a lease: each request looks up its own prefix in the tiered cache.
 
-Requests wait (``waiting``) until the batch loop's prefill wants them; all that are ready are leased
-together, the fewest prompt tokens left first, so that their prompts can share forwards. A request
+Requests wait (``waiting``) until the batch loop's prefill wants them, the fewest prompt tokens left
+first: where prompts share forwards all that are ready are leased together, else each when it is
+the next to prefill (so another's lookup never delays its first token). A request
 whose prompt shares more with a prefilling one's than the cache holds waits for that one: its
 prompt is published when its prefill ends (``cache.share``), and the waiting request then starts
 from it. A disk hit that arrives while other requests run is read beside them (``loading``) and
@@ -39,22 +40,39 @@ class Leasing:
     prefill's list), its prefill set up. ``decoding()`` says whether other requests decode."""
 
     def __init__(
-        self, engine: Any, ends: Ends, prefilling: list[Seq], decoding: Callable[[], bool]
+        self,
+        engine: Any,
+        ends: Ends,
+        prefilling: list[Seq],
+        decoding: Callable[[], bool],
+        together: bool = True,
     ) -> None:
         self.engine, self.ends = engine, ends
         self.prefilling, self.decoding = prefilling, decoding
+        #: lease every ready request at once (their prompts share forwards); else one at a time,
+        #: when it is the next to prefill: a lookup (a disk read, a `both` restore) never delays
+        #: the prefill of a request with less prompt left
+        self.together = together
         self.waiting: list[Seq] = []  # admitted, no lease yet
         self.loading: list[Seq] = []  # a disk entry being read for them
 
     def lease_ready(self) -> None:
-        """Lease every waiting request that does not wait for a prefilling one's prompt, the
-        fewest prompt tokens left (after its cache hit) first."""
+        """Lease the waiting requests that do not wait for a prefilling one's prompt, the fewest
+        prompt tokens left (after its cache hit) first: all of them when prompts share forwards
+        (``together``), else the one that would prefill next, if any."""
         while True:
             ready = [s for s in self.waiting if not self._shares_with_prefilling(s)]
             if not ready:
                 return
             left = {id(s): len(s.prompt_ids) - self.engine.cache.peek(s.tokens) for s in ready}
-            self._start(min(ready, key=lambda s: (left[id(s)], s.enqueued)))
+            seq = min(ready, key=lambda s: (left[id(s)], s.enqueued))
+            if self.together:
+                self._start(seq)
+                continue
+            ahead = min(((s.left, s.enqueued) for s in self.prefilling), default=None)
+            if ahead is None or (left[id(seq)], seq.enqueued) < ahead:
+                self._start(seq)
+            return
 
     def poll(self) -> None:
         """One step of every disk read in flight."""

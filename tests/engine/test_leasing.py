@@ -14,7 +14,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.batch import BatchLoop
-from engine.events import Hit, SamplingParams
+from engine.events import Chunk, Hit, SamplingParams
 from engine.leasing import shared
 from tests.engine.batching import ModelEngine, Sink, alone, hit_of, run_until
 from tests.fixtures import make_llama, tokens
@@ -86,3 +86,33 @@ def test_a_disk_hit_is_read_beside_the_running_streams(tmp_path, monkeypatch):
     got, want = hit_of(restored), hit_of(ref)
     assert (got.tokens, got.tier) == (want.tokens, "cold") and restored.ids == ref.ids
     loop.close()
+
+
+def test_without_shared_forwards_a_request_is_looked_up_when_it_prefills_next():
+    """Prompts that do not share forwards gain nothing from being leased together: the request
+    with the least prompt left is looked up, prefilled and gets its first token before another
+    request's lookup (which may be a disk read or a `both` restore) runs."""
+    from tests.engine.batching import PROMPTS, warmed
+
+    engine = warmed(make_llama(seed=4), {})
+    engine.share_prefill = False  # type: ignore[attr-defined]
+    order: list[str] = []
+    fetch = engine.cache.fetch_steps
+
+    def recorded(ids: list[int], background: bool = True) -> Any:
+        order.append(f"fetch {len(ids)}")
+        return fetch(ids, background)
+
+    engine.cache.fetch_steps = recorded  # type: ignore[method-assign,assignment]
+
+    class Ordered(Sink):
+        def emit(self, event: Any) -> None:
+            if isinstance(event, Chunk) and not self.chunks:
+                order.append("first token")
+            super().emit(event)
+
+    loop, fresh, cached = BatchLoop(engine), Ordered(), Ordered()
+    loop.add(fresh, tokens(90, 40), SamplingParams(max_tokens=2))  # nothing cached: 40 to prefill
+    loop.add(cached, PROMPTS[0], SamplingParams(max_tokens=2))  # shared prompt cached: 9 left
+    run_until(loop, lambda: fresh.done and cached.done)
+    assert order[:3] == [f"fetch {len(PROMPTS[0])}", "first token", "fetch 40"]
