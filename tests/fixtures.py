@@ -265,9 +265,12 @@ def kv_cache(n: int, d: int = 8, dtype=mx.bfloat16) -> C.KVCache:
 
 
 def flip_byte(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x10
-    path.write_bytes(bytes(data))
+    """Flip one bit of the byte at ``offset`` of ``path``, in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
 
 
 def entry_file(tier: ColdTier) -> Path:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
-from tests.fixtures import cold_tier, kv_cache
+from tests.fixtures import cold_tier, flip_byte, kv_cache
 from tiered_kv import layers
 from tiered_kv.cold import codec
 from tiered_kv.steps import drain
@@ -103,11 +103,7 @@ def test_a_flipped_byte_fails_either_way_of_loading(tmp_path, host, where):
     path, header, _ = big_entry(tmp_path)
     start, size = header.data_start, path.stat().st_size
     offset = {"first": start + 5, "middle": (start + size) // 2, "last": size - 1}[where]
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(path, offset)
     with pytest.raises(store.CorruptEntry, match="checksum"):
         drain(codec.load_steps(path, header, host=host))
 

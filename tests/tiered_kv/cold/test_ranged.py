@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from tests.fixtures import flip_byte
 from tiered_kv.cold import codec, ranged, store
 from tiered_kv.cold.backend import FileBackend
 
@@ -27,12 +28,6 @@ def write(tmp_path, dtype=mx.float32, chunk=CHUNK):
     b = FileBackend(tmp_path)
     b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk).pieces)
     return b.path("e1"), np.array(big[..., :N, :].astype(mx.float32))
-
-
-def flip(path, offset):
-    raw = bytearray(path.read_bytes())
-    raw[offset] ^= 0x01
-    path.write_bytes(bytes(raw))
 
 
 def test_range_read_returns_exact_rows_and_reads_only_covering_chunks(tmp_path):
@@ -62,7 +57,7 @@ def test_flipped_byte_in_any_chunk_served_is_caught(tmp_path, where):
     row = DIM * 4
     head1 = h.data_start + start + N * row  # the second head's run
     offset = {"first": head1 + 5, "middle": head1 + 300 * row, "last": h.data_start + stop - 1}
-    flip(path, offset[where])
+    flip_byte(path, offset[where])
     with pytest.raises(store.CorruptEntry, match="range checksum"):
         ranged.read_range(path, "fp", 1, N)
 
@@ -70,7 +65,7 @@ def test_flipped_byte_in_any_chunk_served_is_caught(tmp_path, where):
 def test_corrupt_chunk_outside_the_range_is_not_read(tmp_path):
     path, _ = write(tmp_path)
     h = store.read_header(path, "fp")
-    flip(path, h.data_start + h.tensors["0.keys"]["data_offsets"][0] + 3)  # token 0, head 0
+    flip_byte(path, h.data_start + h.tensors["0.keys"]["data_offsets"][0] + 3)  # token 0, head 0
     assert ranged.read_range(path, "fp", 256, N).start == 256  # never served, never read
     with pytest.raises(store.CorruptEntry):
         ranged.read_range(path, "fp", 0, N)
@@ -79,7 +74,7 @@ def test_corrupt_chunk_outside_the_range_is_not_read(tmp_path):
 def test_tokens_are_verified(tmp_path):
     path, _ = write(tmp_path)
     h = store.read_header(path, "fp")
-    flip(path, h.data_start + h.tensors["tokens"]["data_offsets"][0] + 8)
+    flip_byte(path, h.data_start + h.tensors["tokens"]["data_offsets"][0] + 8)
     with pytest.raises(store.CorruptEntry, match="tokens"):
         ranged.read_range(path, "fp", 300, N)
 
@@ -141,7 +136,7 @@ def test_flipped_byte_is_caught_when_reading_into_destinations(tmp_path):
     path, _ = write(tmp_path)
     h = store.read_header(path, "fp")
     start, _ = h.tensors["0.values"]["data_offsets"]
-    flip(path, h.data_start + start + N * DIM * 4 + 400 * DIM * 4)  # head 1, row 400
+    flip_byte(path, h.data_start + start + N * DIM * 4 + 400 * DIM * 4)  # head 1, row 400
     into = {k: np.empty((1, HEADS, N - 300, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
     with pytest.raises(store.CorruptEntry, match="range checksum"):
         ranged.read_range(path, "fp", 300, N, into=into)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
+from tests.fixtures import flip_byte
 from tiered_kv.cold import codec, store
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.tier import ColdTier
@@ -47,11 +48,7 @@ def test_a_flipped_byte_in_any_chunk_of_a_large_file_is_a_miss(tmp_path, where):
     header = store.read_header(path)
     start, size = header.data_start, path.stat().st_size
     offset = {"first": start + 5, "middle": (start + size) // 2, "last": size - 1}[where]
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(path, offset)
     hit = tier.lookup(ids)
     assert hit is not None
     assert tier.load(hit) is None  # detected before anything is served
