@@ -264,13 +264,14 @@ def kv_cache(n: int, d: int = 8, dtype=mx.bfloat16) -> C.KVCache:
     return c
 
 
-def flip_byte(path: Path, offset: int) -> None:
-    """Flip one bit of the byte at ``offset`` of ``path``, in place."""
+def flip_byte(path: Path, offset: int, mask: int = 0x10) -> None:
+    """XOR the byte at ``offset`` of ``path`` (negative: from the end) with ``mask``, in place."""
     with open(path, "r+b") as f:
-        f.seek(offset)
+        f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
+        at = f.tell()
         b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
 
 
 def entry_file(tier: ColdTier) -> Path:

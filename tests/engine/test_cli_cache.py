@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 from engine import cli_cache
-from tests.fixtures import intact, kv_cache, precious
+from tests.fixtures import flip_byte, intact, kv_cache, precious
 from tiered_kv.cold import fsafe, usage
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
@@ -39,9 +39,7 @@ def test_stats_ls_verify_fix_clear(tmp_path, capsys):
     tier.persist(np.arange(8) + 9, [c])
     tier.close()
     bad = sorted((tmp_path / "fpA").glob("*.safetensors"))[0]
-    data = bytearray(bad.read_bytes())
-    data[-1] ^= 1
-    bad.write_bytes(bytes(data))
+    flip_byte(bad, -1, 0x01)
 
     rc, out = _run(capsys, tmp_path, "stats")
     assert rc == 0 and "fpA: 2 files, 2 indexed entries" in out

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from tests.fixtures import make_llama
+from tests.fixtures import flip_byte, make_llama
 from tiered_kv import keys
 from tiered_kv.cold import store
 from tiered_kv.cold.tier import ColdTier
@@ -75,9 +75,7 @@ def entry_files(cache: TieredCache) -> list[Path]:
 
 
 def _flip(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset % len(data)] ^= 0x04
-    path.write_bytes(bytes(data))
+    flip_byte(path, offset % path.stat().st_size, 0x04)
 
 
 def _damage(

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.fixtures import flip_byte
 from tests.reliability.server import Server, soak
 
 SYSTEM = "you are a terse assistant. answer about cities, budgets and packing lists. " * 2
@@ -126,9 +127,7 @@ def test_damaged_files_and_index_between_restarts(server_factory, reference, tmp
     s.stop()
     files = sorted(kv.glob("*/*.safetensors"))
     assert len(files) >= 3
-    data = bytearray(files[0].read_bytes())
-    data[-5] ^= 0xFF  # bit flip in the data section
-    files[0].write_bytes(bytes(data))
+    flip_byte(files[0], -5, 0xFF)  # bit flip in the data section
     files[1].write_bytes(bytes(files[1].stat().st_size))  # zero fill
     (db,) = kv.glob("*/index/cache.db")
     db.write_bytes(random.Random(5).randbytes(8192))  # garbage index: rebuilt from the files

@@ -14,6 +14,7 @@ from tests.fixtures import (
     HEAD_DIM_64,
     QuantizedLlama,
     feed,
+    flip_byte,
     gemma,
     make_llama,
     prefill,
@@ -191,9 +192,7 @@ def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
     s = Setup(make_llama(seed=4), tmp_path)
     hit = s.cold.lookup(s.ids)
     path, _ = s.cold.describe(hit)  # type: ignore[misc]
-    raw = bytearray(path.read_bytes())
-    raw[-1000] ^= 0xFF  # a byte inside the last layer's values, in the range read
-    path.write_bytes(bytes(raw))
+    flip_byte(path, -1000, 0xFF)  # a byte inside the last layer's values, in the range read
     r = s.restorer("both")
     assert r.both(s.cold, hit, s.ids, Decision("both", N - 1, 100, 0, 0, "t")) is None
     assert r.counters["restore_both_fallbacks"] == 1
