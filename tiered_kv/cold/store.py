@@ -329,7 +329,29 @@ def data_end(header: Header) -> int:
     return max((t["data_offsets"][1] for t in header.tensors.values()), default=0)
 
 
-class Scan:
+class _FileThread:
+    """A byte-only thread over one entry file: the descriptor (opened in the caller's thread,
+    so a symlink raises there; closed by the thread's ``_run`` when it ends), a condition for
+    its state, and :meth:`close` to stop it early. A subclass sets its state, then starts
+    ``_thread``."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self._fd = open_entry(path)
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Scan(_FileThread):
     """One sequential pass over an entry's data section on a byte-only thread, every chunk digest
     checked as the bytes arrive.
 
@@ -342,17 +364,14 @@ class Scan:
     """
 
     def __init__(self, path: Path, header: Header, step: int = _READ, ring: int = 4) -> None:
-        self._fd = open_entry(path)
+        super().__init__(path, "tkv-scan")
         self._header = header
         self._step = max(header.chunk_bytes, step // header.chunk_bytes * header.chunk_bytes)
         self._ring = ring
-        self._cond = threading.Condition()
         self._read_to = 0  # data-section offset read so far (pieces handed to hashing)
         self._hashes: list[tuple[int, Future]] = []  # (piece start offset, check), in file order
         self._error: BaseException | None = None
-        self._stop = False
         self._done = False
-        self._thread = threading.Thread(target=self._run, name="tkv-scan", daemon=True)
         self._thread.start()
 
     def wait(self, offset: int) -> None:
@@ -380,12 +399,6 @@ class Scan:
         with self._cond:
             self._cond.wait_for(lambda: self._read_to >= offset or self._done)
             return self._read_to
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
 
     def _run(self) -> None:
         header, step = self._header, self._step
@@ -422,7 +435,7 @@ class Scan:
                 self._cond.notify_all()
 
 
-class Prefetch:
+class Prefetch(_FileThread):
     """Asks the kernel to read an entry's data section into the page cache ahead of a loader
     (``posix_fadvise(WILLNEED)``, piece by piece, no copy into this process), never more than
     ``ahead`` bytes past the position the loader last gave to :meth:`advance`. Pages already
@@ -430,12 +443,9 @@ class Prefetch:
     loader checks what it built (:func:`codec.load_steps` over host-memory arrays)."""
 
     def __init__(self, path: Path, header: Header, ahead: int = 4 * _READ) -> None:
-        self._fd = open_entry(path)
+        super().__init__(path, "tkv-prefetch")
         self._start, self._end, self._ahead = header.data_start, data_end(header), ahead
-        self._cond = threading.Condition()
         self._pos = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="tkv-prefetch", daemon=True)
         self._thread.start()
 
     def advance(self, offset: int) -> None:
@@ -443,12 +453,6 @@ class Prefetch:
         with self._cond:
             self._pos = max(self._pos, offset)
             self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
 
     def _run(self) -> None:
         try:
