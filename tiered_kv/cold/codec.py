@@ -106,7 +106,7 @@ def load_steps(
     memory, nothing is copied twice — the scan's copy into its buffers costs as much as the load
     on a small CPU. Arrays that fail are never returned."""
     if step_bytes is None and (host_arrays() if host is None else host):
-        return (yield from _load_checking_arrays(path, header))
+        return _load_checking_arrays(path, header)  # never yields: one blocking load
     scan = store.Scan(path, header)
     try:
         return (yield from _load_trailing(path, header, scan, step_bytes))
@@ -174,7 +174,7 @@ def _load_trailing(
     return arrays
 
 
-def _load_checking_arrays(path: Path, header: store.Header) -> Steps[dict[str, mx.array]]:
+def _load_checking_arrays(path: Path, header: store.Header) -> dict[str, mx.array]:
     """Build every array (groups of :data:`GROUP_BYTES`, the kernel reading ahead), hashing each
     group's memory on the pool while the next one loads; return once every digest matched."""
     arrays, order, ends = _open(path, header)
@@ -204,7 +204,6 @@ def _load_checking_arrays(path: Path, header: store.Header) -> Steps[dict[str, m
             f.cancel()
         ahead.close()
     return arrays
-    yield  # a generator like the other way (a whole load never yields)
 
 
 def _dtype(x: mx.array) -> str:
