@@ -16,7 +16,10 @@ import xxhash
 #: On-disk / key format version. Bump on any incompatible change of the entry file or the key
 #: scheme: it is mixed into every fingerprint, so old files land in another directory (and are
 #: evicted as stale) instead of being misread.
-FORMAT_VERSION = 2  # 2: chunked xxh3 per tensor in the entry header, sqlite index
+#: 2: chunked xxh3 per tensor in the entry header, sqlite index. 3: splittable layer tensors are
+#: stored token-major, (1, T, heads, row), listed in the header's token_major (a token range of
+#: a tensor is one contiguous run of the file).
+FORMAT_VERSION = 3
 
 BlockHash = NewType("BlockHash", int)  # xxh3_64 of (parent key, block ids as int32 LE bytes)
 

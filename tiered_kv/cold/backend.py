@@ -5,7 +5,9 @@ the index or budgets. The cold tier needs exactly four operations of it::
 
     put(key, pieces)  -> int          write the concatenation of ``pieces`` under ``key``,
                                       atomically (a reader sees the old value, nothing, or the
-                                      whole new one) and durably before returning; the size
+                                      whole new one) and durably before returning; the size.
+                                      ``pieces`` is iterated once, and a piece is valid only
+                                      until the next one is asked for (``store.Encoded``)
     get(key)          -> buffer|None  the whole value (one read), or None when absent
     contains(key)     -> bool
     delete(key)       -> None         absent is fine
@@ -22,7 +24,7 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -37,7 +39,7 @@ _COALESCE = 8 << 20  # small pieces are gathered into one write up to this size
 class Backend(Protocol):
     """Bytes of entries by key (see the module docstring for the contract)."""
 
-    def put(self, key: str, pieces: Sequence[memoryview]) -> int: ...
+    def put(self, key: str, pieces: Iterable[memoryview]) -> int: ...
     def get(self, key: str) -> bytearray | None: ...
     def contains(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
@@ -67,7 +69,7 @@ class FileBackend:
     def path(self, key: str) -> Path:
         return self.dir / f"{check_key(key)}{store.SUFFIX}"
 
-    def put(self, key: str, pieces: Sequence[memoryview]) -> int:
+    def put(self, key: str, pieces: Iterable[memoryview]) -> int:
         path = self.path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}{store.TMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -126,25 +128,24 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def _write_all(fd: int, pieces: Sequence[memoryview]) -> int:
-    """Write ``pieces`` in order: large ones directly, runs of small ones gathered first."""
+def _write_all(fd: int, pieces: Iterable[memoryview]) -> int:
+    """Write ``pieces`` in order: large ones directly, runs of small ones gathered first (copied
+    as they come: a piece may be reused once the next one is asked for)."""
     total = 0
-    small: list[memoryview] = []
-    small_n = 0
+    small = bytearray()
     for p in pieces:
         if len(p) >= _COALESCE:
             if small:
-                total += _write(fd, memoryview(b"".join(small)))
-                small, small_n = [], 0
+                total += _write(fd, memoryview(small))
+                small = bytearray()
             total += _write(fd, p)
         else:
-            small.append(p)
-            small_n += len(p)
-            if small_n >= _COALESCE:
-                total += _write(fd, memoryview(b"".join(small)))
-                small, small_n = [], 0
+            small += p
+            if len(small) >= _COALESCE:
+                total += _write(fd, memoryview(small))
+                small = bytearray()
     if small:
-        total += _write(fd, memoryview(b"".join(small)))
+        total += _write(fd, memoryview(small))
     return total
 
 

@@ -10,6 +10,10 @@
   sequential :class:`store.Scan` that checks the digests as the bytes arrive. Either way the
   disk is read once and nothing is copied through Python;
 * :func:`load_buffer` does the same from a whole entry in memory (a backend without files);
+* every load hands back the token-major tensors of the file (``store`` module doc) as
+  ``mx.swapaxes(a, 1, 2)``: a strided view of the loaded array, no copy (:func:`_logical`). The
+  caches take it as it is: MLX ops read any strides, and a cache's first growth copies it anyway
+  (``KVCache.update_and_fetch`` concatenates when it grows past the loaded length);
 * :func:`decode` rebuilds the caches and checkpoints.
 """
 
@@ -171,7 +175,7 @@ def _load_trailing(
             raise
         raise store.CorruptEntry(f"mx.load failed: {e}") from None
     scan.wait(store.data_end(header))
-    return arrays
+    return _logical(arrays, header)
 
 
 def _load_checking_arrays(path: Path, header: store.Header) -> dict[str, mx.array]:
@@ -203,7 +207,17 @@ def _load_checking_arrays(path: Path, header: store.Header) -> dict[str, mx.arra
         for f in checks:
             f.cancel()
         ahead.close()
-    return arrays
+    return _logical(arrays, header)
+
+
+def _logical(arrays: dict[str, mx.array], header: store.Header) -> dict[str, mx.array]:
+    """``arrays`` as loaded (verified, evaluated) with the token-major ones swapped back to
+    ``(1, heads, T, row)``: views, evaluated here (a transpose shares its input's buffer)."""
+    if not header.token_major:
+        return arrays
+    out = {k: mx.swapaxes(a, 1, 2) if k in header.token_major else a for k, a in arrays.items()}
+    mx.eval([out[k] for k in header.token_major])
+    return out
 
 
 def _dtype(x: mx.array) -> str:
@@ -224,7 +238,7 @@ def load_buffer(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
         raw = np.frombuffer(store.tensor_bytes(buf, header, name), dtype=_NP_UINT[width])
         out[name] = mx.array(raw).view(_MX[t["dtype"]]).reshape(t["shape"])
     mx.eval(list(out.values()))
-    return out
+    return _logical(out, header)
 
 
 def decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list, dict[int, list]]:

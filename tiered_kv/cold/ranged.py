@@ -1,14 +1,16 @@
 """Token ranges of an entry file: ranged reads verified by the entry's own chunk checksums.
 
-An entry file is standard safetensors (cold format 2, :mod:`store`); a layer's KV tensor is
-``(1, heads, T, row)``, so tokens ``[s, e)`` of it are ``heads`` contiguous runs of bytes. Format 2
-already holds, in ``__metadata__`` (covered by the header checksum), ``chunk_bytes`` and ``xxh3``:
-per tensor the xxh3_64 of each ``chunk_bytes`` piece of its bytes. :func:`read_range` reads the
-whole chunks that cover rows ``[m, n)`` of every head of every layer tensor (adjacent chunks in one
-positioned read) plus the chunks of ``tokens[0, n)``, and checks every chunk before anything is
+An entry file is standard safetensors (cold format 3, :mod:`store`); a layer's KV tensor, logically
+``(1, heads, T, row)``, is stored token-major, ``(1, T, heads, row)``, so tokens ``[s, e)`` of it
+are ONE contiguous run of bytes (head-major, as in format 2, they were ``heads`` runs with gaps
+between them, which a virtio disk read at half its sequential speed). The header also holds, in
+``__metadata__`` (covered by the header checksum), ``chunk_bytes`` and ``xxh3``: per tensor the
+xxh3_64 of each ``chunk_bytes`` piece of its bytes as stored. :func:`read_range` reads the whole
+chunks that cover tokens ``[m, n)`` of every layer tensor (one span each, a few adjacent chunks
+per positioned read) plus the chunks of ``tokens[0, n)``, and checks every chunk before anything is
 served: no unverified byte leaves this module. There is no second integrity scheme: what the load
 path checks, the ranged path checks. The cost is read granularity: a range is read in whole chunks
-(4 MiB), so a short range of a long head run reads up to two chunks more than it serves.
+(4 MiB), so it reads up to two chunks per tensor more than it serves.
 
 Files are opened with :func:`fsafe.open_nofollow` (a symlink planted in the cache dir is never
 followed) and the header is read from that same descriptor.
@@ -40,8 +42,9 @@ class Unsplittable(ValueError):
 
 
 def splittable(name: str, shape: tuple[int, ...] | list[int], n_tokens: int) -> bool:
-    """A tensor that holds one row per token on axis 2 of a batch of one."""
-    return len(shape) == 4 and int(shape[0]) == 1 and int(shape[2]) == n_tokens and n_tokens > 0
+    """A tensor (logical shape) that holds one row per token on axis 2 of a batch of one: the
+    ones an entry file stores token-major (:func:`store.splittable`)."""
+    return store.splittable(shape, n_tokens)
 
 
 @dataclass
@@ -51,7 +54,7 @@ class RangeRead:
     start: int  # the m asked for
     stop: int  # the n asked for
     tokens: np.ndarray  # int32 ids [0, stop)
-    #: tensor name → (dtype name as in safetensors, uint8 array (1, heads, stop - start, row))
+    #: tensor name → (dtype name as in safetensors, uint8 array (1, stop - start, heads, row))
     tensors: dict[str, tuple[str, np.ndarray]]
     metadata: dict[str, str]
     nbytes: int  # bytes read (whole chunks: ≥ the bytes served)
@@ -59,14 +62,14 @@ class RangeRead:
 
 
 def plan_tensors(header: store.Header) -> dict[str, dict[str, Any]]:
-    """The tensors a ranged read returns (every one but ``tokens``); Unsplittable when some
-    tensor has no per-token rows (checkpoints, wrapped windows, recurrent state)."""
-    n = header.n_tokens
+    """The tensors a ranged read returns (every one but ``tokens``), each stored token-major;
+    Unsplittable when some tensor has no per-token rows (checkpoints, wrapped windows, recurrent
+    state: the file stores those in their own order)."""
     out = {}
     for name, t in header.tensors.items():
         if name == "tokens":
             continue
-        if not splittable(name, t["shape"], n):
+        if name not in header.token_major:
             raise Unsplittable(f"tensor {name} cannot be read by token range")
         out[name] = t
     return out
@@ -74,8 +77,9 @@ def plan_tensors(header: store.Header) -> dict[str, dict[str, Any]]:
 
 def layout(path: Path, fingerprint: str, m: int, n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The layer tensors of the entry at ``path``, from its header alone: name → (safetensors
-    dtype, shape of its first ``n`` tokens). The caller allocates destinations from it for
-    ``read_range(..., m, n, into=)`` (see there). Raises as :func:`read_range` does."""
+    dtype, token-major shape of its first ``n`` tokens, ``(1, n, heads, ...)``). The caller
+    allocates destinations from it for ``read_range(..., m, n, into=)`` (see there). Raises as
+    :func:`read_range` does."""
     fd = _open(path)
     try:
         header = store.read_header_fd(fd, fingerprint)
@@ -85,7 +89,7 @@ def layout(path: Path, fingerprint: str, m: int, n: int) -> dict[str, tuple[str,
     out = {}
     for name, t in plan_tensors(header).items():
         shape = [int(x) for x in t["shape"]]
-        shape[2] = n
+        shape[1] = n
         out[name] = (str(t["dtype"]), tuple(shape))
     return out
 
@@ -106,13 +110,13 @@ def _check_bounds(m: int, n: int, total: int) -> None:
 
 def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
                into: dict[str, np.ndarray] | None = None) -> RangeRead:  # fmt: skip
-    """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor.
+    """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor, token-major.
 
-    ``into`` (optional): per tensor, a writable uint8 array ``(1, heads, n - m, row bytes)``
-    whose rows of each head are contiguous (e.g. rows ``[m, n)`` of a byte view of a
-    ``(1, heads, n, ...)`` array allocated from :func:`layout`); the rows are read straight into
-    it (one copy: kernel to destination) and it is what the result holds. Without it, arrays are
-    allocated here. On any error the destinations hold unverified bytes and must not be used.
+    ``into`` (optional): per tensor, a writable C-contiguous uint8 array ``(1, n - m, heads, row
+    bytes)`` (e.g. tokens ``[m, n)`` of a byte view of a ``(1, n, heads, ...)`` array allocated
+    from :func:`layout`); the rows are read straight into it (one copy: kernel to destination) and
+    it is what the result holds. Without it, arrays are allocated here. On any error the
+    destinations hold unverified bytes and must not be used.
 
     Raises store.CorruptEntry (checksum, short file, a symlink), store.ForeignEntry,
     Unsplittable, FileNotFoundError, ValueError (range, or ``into`` of another layout). Files
@@ -129,30 +133,27 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
         if into is not None and set(into) != set(tensors):
             raise ValueError("destinations differ from the entry's tensors")
 
-        def rows(name: str, t: dict[str, Any], dst: np.ndarray, row0: int, every: int) -> int:
-            """Rows from ``row0`` of each of ``dst``'s heads (``dst``: heads, rows, row bytes),
-            head ``h`` at byte ``row0 * row + h * every`` of tensor ``name``, verified."""
-            first = row0 * dst.shape[2]
+        def span(name: str, t: dict[str, Any], dst: np.ndarray, first: int) -> int:
+            """Tokens from ``first`` of tensor ``name`` into ``dst`` (one contiguous span)."""
             base = header.data_start + int(t["data_offsets"][0])
             size = int(t["data_offsets"][1]) - int(t["data_offsets"][0])
-            if not all(dst[h].flags.c_contiguous for h in range(dst.shape[0])):
-                raise ValueError(f"destination of {name}: a head's rows are not contiguous")
-            spans = [(first + h * every, dst[h].reshape(-1)) for h in range(dst.shape[0])]
+            per = dst[0].nbytes // max(1, dst.shape[1])  # bytes of one token
+            spans = [(first * per, dst.reshape(-1))]
             return read_spans(fd, base, size, spans, header.digests(name), chunk, name)
 
         def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray], int]:
-            shape = (1, int(t["shape"][1]), n - m, _row_bytes(t))
+            shape = (1, n - m, int(t["shape"][2]), _row_bytes(t))
             if into is None:
                 buf = np.empty(shape, dtype=np.uint8)
             else:
                 buf = into[name]
-                if buf.shape != shape or buf.dtype != np.uint8 or not buf.flags.writeable:
-                    raise ValueError(f"destination of {name} is not writable uint8 {shape}")
-            got = rows(name, t, buf[0], m, total * shape[3])
-            return name, (t["dtype"], buf), got
+                if (buf.shape != shape or buf.dtype != np.uint8 or not buf.flags.writeable
+                        or not buf.flags.c_contiguous):  # fmt: skip
+                    raise ValueError(f"destination of {name} is not contiguous writable uint8 {shape}")
+            return name, (t["dtype"], buf), span(name, t, buf, m)
 
         tok = np.empty((1, n, 4), dtype=np.uint8)
-        read = rows("tokens", header.tensors["tokens"], tok, 0, 0)
+        read = span("tokens", header.tensors["tokens"], tok, 0)
         # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
         with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
             done = list(pool.map(lambda kv: one(*kv), tensors.items()))

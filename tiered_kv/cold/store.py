@@ -7,14 +7,28 @@ Layout (readable by ``mx.load`` / ``safetensors``)::
 The header maps every tensor name to ``{dtype, shape, data_offsets}``; tensors are ``tokens``
 (int32 ids, first) then the ``layers.encode`` arrays, contiguous in that order. ``__metadata__``
 holds ``format_version`` (:data:`FORMAT`), ``fingerprint``, ``n_tokens``, ``layout``, ``layers``
-(the encode tree), ``checkpoints`` (optional), ``created``, ``chunk_bytes`` and ``xxh3``: a JSON
-object mapping each tensor name to the concatenated 16-hex-digit xxh3_64 digests of its bytes cut
-into ``chunk_bytes`` pieces (the last one shorter; none for an empty tensor). So a reader of any
-byte range of a tensor can check just the chunks it covers. ``header_xxh`` is the xxh3_64 of the
-canonical header (sorted keys, without ``header_xxh``).
+(the encode tree), ``checkpoints`` (optional), ``created``, ``chunk_bytes``, ``token_major`` and
+``xxh3``: a JSON object mapping each tensor name to the concatenated 16-hex-digit xxh3_64 digests
+of its bytes as stored, cut into ``chunk_bytes`` pieces (the last one shorter; none for an empty
+tensor). So a reader of any byte range of a tensor can check just the chunks it covers.
+``header_xxh`` is the xxh3_64 of the canonical header (sorted keys, without ``header_xxh``).
+
+Token-major tensors (format 3). A layer tensor with one row per token — :func:`splittable`: 4-D,
+batch 1, ``T`` on axis 2, logically ``(1, heads, T, row)`` — is stored as its ``swapaxes(1, 2)``,
+``(1, T, heads, row)``, and its header ``shape`` is that stored shape (what ``mx.load`` /
+``safetensors`` build). Tokens ``[m, n)`` of it are then one contiguous run of bytes, which a
+disk reads at its sequential speed (head-major, they were ``heads`` runs with gaps between them).
+``token_major`` is the JSON list of the tensors stored so, and a reader swaps exactly those back
+(:meth:`Header.token_major`). It is an explicit list, not a rule a reader re-derives from shapes:
+the rule (which shapes count as splittable) may change while files stay, a checkpoint or window
+tensor can match it by accident of its length, and a tool reading the file sees what it holds.
+Covered by the header checksum; a name that is not a 4-D batch-1 tensor of ``n_tokens`` rows on
+axis 1 makes the header corrupt. Every other tensor (rotating windows, recurrent state,
+checkpoints of another length, ``tokens``) keeps its own C order.
 
 Threads: :func:`encode` runs on the writer thread and reads only buffers (numpy views of
-evaluated arrays); :func:`check_buffer` checks bytes already in memory (request thread,
+evaluated arrays; token-major tensors are transposed by numpy, block by block, on that thread and
+the hashing pool); :func:`check_buffer` checks bytes already in memory (request thread,
 hashing on a small pool of byte-only threads); :func:`read_header` / :func:`check_data` /
 :func:`read_tokens` are plain file reads usable from any thread (verify, CLI); a :class:`Scan` reads
 and verifies a whole data section on its own byte-only thread (the reload path and ``verify``).
@@ -26,7 +40,7 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +62,8 @@ _READ = 64 << 20  # bytes per read() when streaming a file
 _MAX_HEADER = 64 << 20
 _MAX_CHUNK = _READ  # a larger claimed chunk is refused (and would not fit the read buffer)
 _HEX = 16
+#: bytes of one block of tokens transposed at a time on the write path (token-major tensors)
+BLOCK_BYTES = 32 << 20
 
 DTYPES: dict[str, str] = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
@@ -79,10 +95,21 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Encoded:
-    """An entry's bytes as pieces to write in order (header first); ``nbytes`` in all."""
+    """An entry's bytes as pieces to write in order (header first); ``nbytes`` in all.
 
-    pieces: list[memoryview]
+    ``pieces`` is consumed once, in order, and a piece may be reused for a later one as soon as
+    the next is asked for (token-major tensors are transposed into two alternating buffers): a
+    consumer that keeps a piece copies it."""
+
+    pieces: Iterable[memoryview]
     nbytes: int
+
+    def join(self) -> bytearray:
+        """All the bytes in one buffer (consumes ``pieces``; tests, and a backend that needs it)."""
+        out = bytearray()
+        for p in self.pieces:
+            out += p
+        return out
 
 
 @dataclass(frozen=True)
@@ -93,6 +120,13 @@ class Header:
     metadata: dict[str, str]
     data_start: int
     data_len: int
+    #: the tensors stored token-major (``(1, T, heads, row)`` on disk; see the module doc)
+    token_major: frozenset[str] = frozenset()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical shape of tensor ``name``: as stored, token-major ones swapped back."""
+        s = tuple(int(x) for x in self.tensors[name]["shape"])
+        return swapped(s) if name in self.token_major else s
 
     @property
     def n_tokens(self) -> int:
@@ -130,6 +164,17 @@ def pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+def splittable(shape: Sequence[int], n_tokens: int) -> bool:
+    """A tensor that holds one row per token on axis 2 of a batch of one (stored token-major)."""
+    return len(shape) == 4 and int(shape[0]) == 1 and int(shape[2]) == n_tokens and n_tokens > 0
+
+
+def swapped(shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` with axes 1 and 2 exchanged (head-major ⇄ token-major)."""
+    s = tuple(int(x) for x in shape)
+    return (s[0], s[2], s[1], *s[3:])
+
+
 # -- bytes of (possibly strided) arrays --------------------------------------------------------
 def flat_bytes(a: Any) -> memoryview:
     """A C-contiguous buffer's bytes as a flat ``B`` view (no copy)."""
@@ -154,17 +199,19 @@ def byte_blocks(a: np.ndarray) -> list[memoryview]:
             for idx in np.ndindex(*a.shape[:k])]  # fmt: skip
 
 
-def chunk_digests(blocks: Sequence[memoryview], chunk: int = CHUNK_BYTES) -> str:
-    """Concatenated xxh3_64 hex digests of the byte stream ``blocks`` cut into ``chunk`` pieces."""
-    if len(blocks) == 1:
-        mv = blocks[0]
-        return "".join(xxhash.xxh3_64_hexdigest(mv[i : i + chunk]) for i in range(0, len(mv), chunk))
+def chunk_digests(blocks: Iterable[memoryview], chunk: int = CHUNK_BYTES) -> str:
+    """Concatenated xxh3_64 hex digests of the byte stream ``blocks`` cut into ``chunk`` pieces
+    (``blocks`` read once, in order, each only until the next is asked for)."""
     out: list[str] = []
     h: Any = None
     left = chunk
     for b in blocks:
         pos, n = 0, len(b)
         while pos < n:
+            if h is None and n - pos >= chunk:  # a whole chunk inside this block: one call
+                out.append(xxhash.xxh3_64_hexdigest(b[pos : pos + chunk]))
+                pos += chunk
+                continue
             take = min(left, n - pos)
             h = h or xxhash.xxh3_64()
             h.update(b[pos : pos + take])
@@ -180,29 +227,84 @@ def chunk_digests(blocks: Sequence[memoryview], chunk: int = CHUNK_BYTES) -> str
 
 # -- encode (writer thread) --------------------------------------------------------------------
 def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str, str],
-           chunk: int = CHUNK_BYTES) -> Encoded:  # fmt: skip
-    """The entry's bytes: checksums computed over the same buffers that will be written (in
-    parallel per tensor), then the header. No copy of contiguous data. ``chunk``: the checksum
-    granularity (tests use small ones to exercise ranged reads)."""
+           chunk: int = CHUNK_BYTES, block: int = BLOCK_BYTES) -> Encoded:  # fmt: skip
+    """The entry's bytes: checksums computed over the bytes as they will be written (in parallel
+    per tensor, on the hashing pool), then the header; the data pieces are made lazily, as the
+    writer consumes them. Splittable tensors are stored token-major (module doc): numpy
+    transposes ``block`` bytes of tokens at a time into reused buffers — once for the checksums,
+    once more while writing, each block made on the pool while the previous one is written — so
+    an entry never needs a second copy of itself in memory. Everything else is written from the
+    arrays' own buffers, no copy. ``chunk``: the checksum granularity (tests use small ones to
+    exercise ranged reads). Writer thread: numpy and bytes only."""
     assert tokens.dtype == np.dtype("<i4") and all(t.name != "tokens" for t in tensors)
-    items = [Tensor("tokens", "I32", (len(tokens),), tokens), *tensors]
-    blocks = [byte_blocks(t.data) for t in items]
-    sums = list(pool().map(lambda b: chunk_digests(b, chunk), blocks))
+    n_tokens = len(tokens)
+    items = [Tensor("tokens", "I32", (n_tokens,), tokens), *tensors]
+    major = [t.name != "tokens" and splittable(t.shape, n_tokens) for t in items]
+    sources = [_source(t.data, tm, block) for t, tm in zip(items, major, strict=True)]
+    sums = list(pool().map(lambda src: chunk_digests(src(), chunk), sources))
     table: dict[str, Any] = {}
     off = 0
-    for t, bl in zip(items, blocks, strict=True):
-        n = sum(len(b) for b in bl)
-        assert n == int(np.prod(t.shape, dtype=np.int64)) * ITEMSIZE[t.dtype], t.name
-        table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + n]}
+    for t, tm in zip(items, major, strict=True):
+        n = int(np.prod(t.shape, dtype=np.int64)) * ITEMSIZE[t.dtype]
+        assert n == t.data.nbytes, t.name
+        shape = list(swapped(t.shape)) if tm else list(t.shape)
+        table[t.name] = {"dtype": t.dtype, "shape": shape, "data_offsets": [off, off + n]}
         off += n
-    meta = {**metadata, "format_version": str(FORMAT), "n_tokens": str(len(tokens)),
+    meta = {**metadata, "format_version": str(FORMAT), "n_tokens": str(n_tokens),
             "chunk_bytes": str(chunk),
+            "token_major": json.dumps([t.name for t, tm in zip(items, major, strict=True) if tm],
+                                      separators=(",", ":")),
             "xxh3": json.dumps({t.name: s for t, s in zip(items, sums, strict=True)},
                                separators=(",", ":"))}  # fmt: skip
     head = header_bytes(table, meta)
-    pieces = [memoryview(struct.pack("<Q", len(head)) + head)]
-    pieces += [b for bl in blocks for b in bl]
-    return Encoded(pieces, 8 + len(head) + off)
+    first = memoryview(struct.pack("<Q", len(head)) + head)
+    return Encoded(_pieces(first, sources, major), 8 + len(head) + off)
+
+
+def _source(a: np.ndarray, token_major: bool, block: int) -> Callable[[], Iterator[memoryview]]:
+    """A maker of the bytes of ``a`` as stored, in order (a fresh pass at each call)."""
+    if token_major:
+        return lambda: _token_major_blocks(a, block)
+    blocks = byte_blocks(a)
+    return lambda: iter(blocks)
+
+
+def _pieces(first: memoryview, sources: list[Callable[[], Iterator[memoryview]]],
+            major: list[bool]) -> Iterator[memoryview]:  # fmt: skip
+    yield first
+    for src, tm in zip(sources, major, strict=True):
+        yield from (_one_ahead(src()) if tm else src())
+
+
+def _token_major_blocks(a: np.ndarray, block: int = BLOCK_BYTES,
+                        buffers: int = 2) -> Iterator[memoryview]:  # fmt: skip
+    """The bytes of ``a.swapaxes(1, 2)`` (``a``: ``(1, heads, T, ...)``, any strides) in C order,
+    ``block`` bytes of whole tokens at a time, each copied by numpy into one of ``buffers``
+    reused buffers (a block is valid until ``buffers - 1`` more were asked for)."""
+    v = a.swapaxes(1, 2)[0]  # (T, heads, ...): a view
+    t_all = v.shape[0]
+    per = max(1, a.nbytes // max(1, t_all))
+    step = max(1, min(t_all, block // per))
+    count = min(buffers, -(-t_all // step))
+    bufs = [np.empty((step, *v.shape[1:]), dtype=a.dtype) for _ in range(count)]
+    for i, t0 in enumerate(range(0, t_all, step)):
+        k = min(step, t_all - t0)
+        buf = bufs[i % len(bufs)][:k]
+        np.copyto(buf, v[t0 : t0 + k])
+        yield flat_bytes(buf.reshape(-1))
+
+
+def _one_ahead(blocks: Iterator[memoryview]) -> Iterator[memoryview]:
+    """``blocks``, each made on the pool while the consumer writes the one before (numpy's copy
+    and ``write`` both release the GIL). Two buffers alternate: see :func:`_token_major_blocks`."""
+    nxt = pool().submit(next, blocks, None)
+    try:
+        while (cur := nxt.result()) is not None:
+            nxt = pool().submit(next, blocks, None)
+            yield cur
+    finally:
+        if not nxt.cancel():
+            nxt.exception()  # wait: never leave the generator running on the pool
 
 
 def header_bytes(tensors: Mapping[str, Any], meta: Mapping[str, str]) -> bytes:
@@ -242,7 +344,7 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
         raise CorruptEntry(f"file size {size} != {8 + n + data_len} (truncated or padded)")
     if header.get("tokens", {}).get("shape") != [int(meta.get("n_tokens", -1))]:
         raise CorruptEntry("tokens tensor does not match n_tokens")
-    out = Header(header, meta, 8 + n, data_len)
+    out = Header(header, meta, 8 + n, data_len, _token_major(header, meta))
     chunk = out.chunk_bytes if meta.get("chunk_bytes", "").isdigit() else 0
     if not 0 < chunk <= _MAX_CHUNK:
         raise CorruptEntry("bad chunk_bytes")
@@ -252,6 +354,24 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
         if len(sums.get(name, "")) != _HEX * -(-(stop - start) // chunk):
             raise CorruptEntry(f"tensor {name!r}: checksum table does not match its size")
     return out
+
+
+def _token_major(tensors: dict[str, Any], meta: dict[str, str]) -> frozenset[str]:
+    """The ``token_major`` list of a checked header: names of 4-D batch-1 tensors whose axis 1
+    holds ``n_tokens`` rows. Raises CorruptEntry."""
+    try:
+        names = json.loads(meta["token_major"])
+        n_tokens = int(meta["n_tokens"])
+    except (KeyError, ValueError) as e:
+        raise CorruptEntry(f"bad token_major list: {e!r}") from None
+    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+        raise CorruptEntry("bad token_major list")
+    for name in names:
+        shape = tensors.get(name, {}).get("shape") if name != "tokens" else None
+        if not (isinstance(shape, list) and splittable(swapped(shape) if len(shape) == 4 else (),
+                                                         n_tokens)):  # fmt: skip
+            raise CorruptEntry(f"token_major names {name!r}, not a tensor of per-token rows")
+    return frozenset(names)
 
 
 def _check_tensors(tensors: dict[str, Any]) -> int:

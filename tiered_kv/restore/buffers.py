@@ -1,9 +1,11 @@
 """Landing buffers of `both`: evaluated MLX arrays that the restore I/O thread reads bytes into.
 
-`both` reads rows ``[m, n)`` of every layer tensor while the engine thread computes ``[0, m)``.
+`both` reads tokens ``[m, n)`` of every layer tensor while the engine thread computes ``[0, m)``.
 To copy the read bytes once (kernel → final array) instead of three times (a numpy buffer,
-``mx.array`` of it, ``mx.concatenate``), the engine thread allocates each layer's final array
-``(1, heads, n, ...)`` up front, and the I/O thread ``preadv``-s the rows straight into its memory.
+``mx.array`` of it, ``mx.concatenate``), the engine thread allocates each layer's final array up
+front, token-major like the file (``(1, n, heads, ...)``: tokens ``[m, n)`` of it are one
+contiguous run, as in the file), and the I/O thread ``preadv``-s the tokens straight into its
+memory. What is served is ``mx.swapaxes`` of it, ``(1, heads, n, ...)``: a view.
 
 :func:`allocate` makes those arrays without writing them: MLX has no ``empty``, and ``mx.zeros``
 costs a memset of the whole cache on the engine thread before the compute can start (0.1–0.4 s
@@ -13,9 +15,10 @@ pages are first touched by the reader, on the I/O thread, overlapped with the co
 stream: on CUDA that is host-visible (managed) memory, which the GPU then reads in place.
 
 Two landings (:func:`landing`): ``full`` — the arrays hold all ``n`` tokens and the join writes the
-computed head into them in place (no copy of the tail at all: right where CPU and GPU share memory,
-and on the CPU, whose ``mx.concatenate`` is slow); ``tail`` — the arrays hold only ``[m, n)`` and
-the join is one ``mx.concatenate`` on the GPU (right on CUDA: the landing memory is managed memory
+computed head (swapped to token-major) into them in place (no copy of the tail at all: right where
+CPU and GPU share memory, and on the CPU, whose ``mx.concatenate`` is slow); ``tail`` — the arrays
+hold only ``[m, n)`` and the join is one ``mx.concatenate`` of the head and the swapped tail on the
+GPU (right on CUDA: the landing memory is managed memory
 in host pages, and the concatenation moves the tail to device memory once, at GPU speed, instead of
 the GPU faulting the head into managed pages and the first attention migrating the tail).
 
@@ -111,25 +114,25 @@ def landing() -> str:
 
 
 def shapes(layout: Layout, m: int, n: int, way: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``layout`` (shapes of the first ``n`` tokens) as landing arrays of ``way``: all ``n``
-    tokens (``full``) or ``[m, n)`` (``tail``)."""
+    """``layout`` (token-major shapes of the first ``n`` tokens, ``(1, n, heads, ...)``) as
+    landing arrays of ``way``: all ``n`` tokens (``full``) or ``[m, n)`` (``tail``)."""
     if way == "full":
         return dict(layout)
-    return {k: (d, (*s[:2], n - m, *s[3:])) for k, (d, s) in layout.items()}
+    return {k: (d, (s[0], n - m, *s[2:])) for k, (d, s) in layout.items()}
 
 
 def byte_views(arrays: Mapping[str, mx.array], m: int, n: int) -> dict[str, np.ndarray]:
-    """Writable uint8 views ``(1, heads, n - m, row bytes)`` of rows ``[m, n)`` of each evaluated
-    array — ``(1, heads, n, ...)`` (landing ``full``) or ``(1, heads, n - m, ...)`` (``tail``):
-    the destinations of ``ranged.read_range(..., into=)``. Engine thread; the arrays must not be
-    used by MLX while the views are being written."""
+    """Writable contiguous uint8 views ``(1, n - m, heads, row bytes)`` of tokens ``[m, n)`` of
+    each evaluated token-major array — ``(1, n, heads, ...)`` (landing ``full``) or
+    ``(1, n - m, heads, ...)`` (``tail``): the destinations of ``ranged.read_range(..., into=)``.
+    Engine thread; the arrays must not be used by MLX while the views are being written."""
     out = {}
     for name, a in arrays.items():
-        if a.ndim < 4 or a.shape[0] != 1 or a.shape[2] not in (n, n - m):
+        if a.ndim < 4 or a.shape[0] != 1 or a.shape[1] not in (n, n - m):
             raise ValueError(f"landing array {name} of shape {a.shape} for [{m}, {n})")
         raw = np.frombuffer(a, dtype=np.uint8)  # type: ignore[call-overload]
         if not raw.flags.writeable or raw.nbytes != a.nbytes:
             raise ValueError(f"landing array {name} is not writable memory")
-        rows = raw.reshape(1, a.shape[1], a.shape[2], -1)
-        out[name] = rows[:, :, m:n, :] if a.shape[2] == n else rows
+        toks = raw.reshape(1, a.shape[1], a.shape[2], -1)
+        out[name] = toks[:, m:n] if a.shape[1] == n else toks
     return out

@@ -7,8 +7,9 @@ prefills ``[0, m)``. The read lands in the final layer arrays, allocated (unwrit
 thread before the compute starts: the I/O thread writes bytes into their memory through numpy
 views and does nothing else with them, and the engine thread touches them again only after the
 read has returned (:mod:`tiered_kv.restore.buffers` states this exception to the one-MLX-thread
-rule). The join then copies the computed ``[0, m)`` into them in place: the read tail is copied
-once, kernel to final array. The CostBook it feeds is saved at most every few seconds and at
+rule). They are token-major like the entry file (``(1, n, heads, ...)``, the read one contiguous
+run per layer); the join copies the computed ``[0, m)`` into them in place and serves their
+``swapaxes`` view, ``(1, heads, n, ...)``: the read tail is copied once, kernel to final array. The CostBook it feeds is saved at most every few seconds and at
 :meth:`close`.
 """
 
@@ -227,9 +228,10 @@ class Restorer:
     def join(self, computed: list[Any], full: dict[str, mx.array], metadata: dict[str, str],
              m: int, n: int) -> list[Any]:  # fmt: skip
         """Caches holding ``[0, n)``: the computed ``[0, m)`` (quantised like the entry when the
-        tier stores quantised KV) and the read ``[m, n)`` in ``full`` — the landing arrays, of all
-        ``n`` tokens (the head is written into rows ``[0, m)`` in place) or of ``[m, n)`` only
-        (one concatenation). ``full`` is consumed. Engine thread."""
+        tier stores quantised KV) and the read ``[m, n)`` in ``full`` — the token-major landing
+        arrays, of all ``n`` tokens (the head, swapped, is written into tokens ``[0, m)`` in place;
+        the cache holds the ``swapaxes`` view) or of ``[m, n)`` only (one concatenation with the
+        swapped tail). ``full`` is consumed. Engine thread."""
         if self.kv_bits:
             computed = layers.quantize(computed, self.kv_bits, self.kv_group_size)
         mine, _ = layers.encode(computed)
@@ -239,14 +241,14 @@ class Restorer:
         for name in list(full):
             head = mine[name][..., :m, :]
             a = full.pop(name)  # one reference left: the update below writes in place
-            if head.shape[:2] != a.shape[:2] or head.shape[3:] != a.shape[3:]:
+            if a.ndim != 4 or head.shape[:2] != (a.shape[0], a.shape[2]) or head.shape[3:] != a.shape[3:]:
                 raise ranged.Unsplittable(f"computed {name} {head.shape} vs entry {a.shape}")
             head = head.astype(a.dtype) if head.dtype != a.dtype else head
-            if a.shape[2] == n:
-                a[..., :m, :] = head
-                arrays[name] = a
+            if a.shape[1] == n:
+                a[:, :m] = mx.swapaxes(head, 1, 2)
+                arrays[name] = mx.swapaxes(a, 1, 2)
             else:
-                arrays[name] = mx.concatenate([head, a], axis=2)
+                arrays[name] = mx.concatenate([head, mx.swapaxes(a, 1, 2)], axis=2)
         mx.eval(list(arrays.values()))
         tree = json.loads(metadata["layers"])
         _set_offsets(tree, n)

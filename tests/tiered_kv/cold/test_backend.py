@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -19,8 +19,8 @@ class DictBackend:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
 
-    def put(self, key: str, pieces: Sequence[memoryview]) -> int:
-        self.data[key] = b"".join(pieces)
+    def put(self, key: str, pieces: Iterable[memoryview]) -> int:
+        self.data[key] = b"".join(bytes(p) for p in pieces)  # a piece is valid until the next
         return len(self.data[key])
 
     def get(self, key: str) -> bytearray | None:
@@ -34,21 +34,21 @@ class DictBackend:
         self.data.pop(key, None)
 
 
-def entry_pieces() -> tuple[list[memoryview], C.KVCache]:
+def entry_pieces() -> tuple[store.Encoded, C.KVCache]:
     c = C.KVCache()
     c.update_and_fetch(mx.random.normal((1, 2, 40, 8)), mx.random.normal((1, 2, 40, 8)))
     job = codec.prepare(np.arange(40, dtype=np.int32), [c], None, "fp")
-    return store.encode(job.tokens, job.tensors, job.metadata).pieces, c
+    return store.encode(job.tokens, job.tensors, job.metadata), c
 
 
 @pytest.mark.parametrize("kind", ["file", "dict"])
 def test_any_backend_round_trips_an_entry(tmp_path, kind):
     backend = FileBackend(tmp_path) if kind == "file" else DictBackend()
     assert isinstance(backend, Backend)
-    pieces, c = entry_pieces()
+    enc, c = entry_pieces()
     assert not backend.contains("e1") and backend.get("e1") is None
-    n = backend.put("e1", pieces)
-    assert backend.contains("e1") and n == sum(len(p) for p in pieces)
+    n = backend.put("e1", enc.pieces)
+    assert backend.contains("e1") and n == enc.nbytes
     buf = backend.get("e1")
     assert buf is not None
     header = store.parse_buffer(memoryview(buf), "fp")
@@ -64,8 +64,7 @@ def test_file_backend_put_is_atomic_and_private(tmp_path, monkeypatch):
     import os
 
     b = FileBackend(tmp_path)
-    pieces, _ = entry_pieces()
-    b.put("e1", pieces)
+    b.put("e1", entry_pieces()[0].pieces)
     assert (tmp_path / "e1.safetensors").stat().st_mode & 0o777 == 0o600
 
     def fail(*a, **k):
@@ -73,7 +72,7 @@ def test_file_backend_put_is_atomic_and_private(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fail)
     with pytest.raises(OSError):
-        b.put("e2", pieces)
+        b.put("e2", entry_pieces()[0].pieces)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e1.safetensors"]  # no temp left
 
 

@@ -1,7 +1,7 @@
-"""tiered_kv/cold/ranged.py: ranged reads of format-2 entries, verified by the entry's own chunk
-checksums (one integrity scheme with the load path): exact rows, only the covering chunks read, a
-flipped byte in any chunk served is caught, one outside the range is never read, no symlink is
-followed."""
+"""tiered_kv/cold/ranged.py: ranged reads of format-3 (token-major) entries, verified by the
+entry's own chunk checksums (one integrity scheme with the load path): exact rows, one contiguous
+run per tensor, only the covering chunks read, a flipped byte in any chunk served is caught, one
+outside the range is never read, no symlink is followed."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from tiered_kv.cold import codec, ranged, store
 from tiered_kv.cold.backend import FileBackend
 
 N, HEADS, DIM = 600, 2, 8
-CHUNK = 1000  # bytes: a head's run of 600 float32 rows of 8 is 19200 bytes, ~20 chunks
+CHUNK = 1000  # bytes: a tensor of 600 tokens x 2 heads x 8 float32 is 38400 bytes, ~39 chunks
+ROW = HEADS * DIM * 4  # bytes of one token of a tensor, token-major
 
 
 def write(tmp_path, dtype=mx.float32, chunk=CHUNK):
@@ -36,8 +37,8 @@ def test_range_read_returns_exact_rows_and_reads_only_covering_chunks(tmp_path):
     assert (rr.start, rr.stop) == (300, 590) and rr.tokens.tolist() == list(range(590))
     dtype, u8 = rr.tensors["0.keys"]
     assert dtype == "F32" and set(rr.tensors) == {"0.keys", "0.values"}
-    np.testing.assert_array_equal(u8.view(np.float32)[0], keys[0, :, 300:590])
-    assert rr.nbytes < path.stat().st_size * 0.75  # head 0's first half was not read
+    np.testing.assert_array_equal(u8.view(np.float32)[0].swapaxes(0, 1), keys[0, :, 300:590])
+    assert rr.nbytes < path.stat().st_size * 0.6  # tokens [0, 300) of each tensor were not read
 
 
 def test_bf16_rows_round_trip(tmp_path):
@@ -46,7 +47,7 @@ def test_bf16_rows_round_trip(tmp_path):
     dtype, u8 = rr.tensors["0.keys"]
     got = mx.array(u8.view(np.uint16)).view(mx.bfloat16).astype(mx.float32)
     assert dtype == "BF16"
-    np.testing.assert_array_equal(np.array(got)[0], keys[0, :, 1:N])
+    np.testing.assert_array_equal(np.array(got)[0].swapaxes(0, 1), keys[0, :, 1:N])
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
@@ -54,9 +55,8 @@ def test_flipped_byte_in_any_chunk_served_is_caught(tmp_path, where):
     path, _ = write(tmp_path)
     h = store.read_header(path, "fp")
     start, stop = h.tensors["0.values"]["data_offsets"]
-    row = DIM * 4
-    head1 = h.data_start + start + N * row  # the second head's run
-    offset = {"first": head1 + 5, "middle": head1 + 300 * row, "last": h.data_start + stop - 1}
+    tok1 = h.data_start + start + ROW  # token 1, the first served
+    offset = {"first": tok1 + 5, "middle": tok1 + 300 * ROW, "last": h.data_start + stop - 1}
     flip_byte(path, offset[where])
     with pytest.raises(store.CorruptEntry, match="range checksum"):
         ranged.read_range(path, "fp", 1, N)
@@ -65,7 +65,7 @@ def test_flipped_byte_in_any_chunk_served_is_caught(tmp_path, where):
 def test_corrupt_chunk_outside_the_range_is_not_read(tmp_path):
     path, _ = write(tmp_path)
     h = store.read_header(path, "fp")
-    flip_byte(path, h.data_start + h.tensors["0.keys"]["data_offsets"][0] + 3)  # token 0, head 0
+    flip_byte(path, h.data_start + h.tensors["0.keys"]["data_offsets"][0] + 3)  # token 0
     assert ranged.read_range(path, "fp", 256, N).start == 256  # never served, never read
     with pytest.raises(store.CorruptEntry):
         ranged.read_range(path, "fp", 0, N)
@@ -114,30 +114,62 @@ def test_resident_share_is_a_share_or_unknown(tmp_path):
     assert share is None or 0.0 <= share <= 1.0
 
 
-def test_rows_land_straight_in_strided_destinations(tmp_path):
-    """``into``: rows [m, n) of each head go into the caller's buffer (here rows [m, n) of a
-    (1, heads, n, row) buffer), nothing around them is written."""
+def test_rows_land_straight_in_destinations(tmp_path):
+    """``into``: tokens [m, n) go into the caller's buffer (here tokens [m, n) of a token-major
+    (1, n, heads, row) buffer), nothing around them is written."""
     path, keys = write(tmp_path)
     m, n = 123, 590
     full = {
-        name: np.full((1, HEADS, n, DIM * 4), 0xAB, dtype=np.uint8)
+        name: np.full((1, n, HEADS, DIM * 4), 0xAB, dtype=np.uint8)
         for name in ("0.keys", "0.values")
     }
-    into = {name: a[:, :, m:n, :] for name, a in full.items()}
+    into = {name: a[:, m:n] for name, a in full.items()}
     rr = ranged.read_range(path, "fp", m, n, into=into)
     assert rr.tensors["0.keys"][1] is into["0.keys"]
-    np.testing.assert_array_equal(full["0.keys"][:, :, m:n].view(np.float32)[0], keys[0, :, m:n])
-    assert (full["0.keys"][:, :, :m] == 0xAB).all() and (full["0.values"][:, :, :m] == 0xAB).all()
-    assert ranged.layout(path, "fp", m, n) == {"0.keys": ("F32", (1, HEADS, n, DIM)),
-                                               "0.values": ("F32", (1, HEADS, n, DIM))}  # fmt: skip
+    got = full["0.keys"][:, m:n].view(np.float32)[0].swapaxes(0, 1)
+    np.testing.assert_array_equal(got, keys[0, :, m:n])
+    assert (full["0.keys"][:, :m] == 0xAB).all() and (full["0.values"][:, :m] == 0xAB).all()
+    assert ranged.layout(path, "fp", m, n) == {"0.keys": ("F32", (1, n, HEADS, DIM)),
+                                               "0.values": ("F32", (1, n, HEADS, DIM))}  # fmt: skip
+
+
+def test_a_range_of_a_tensor_is_one_contiguous_read(tmp_path, monkeypatch):
+    """Token-major: tokens [m, n) of each tensor are one run of the file, read by positioned reads
+    that follow each other with no gap (head-major, format 2, they were one run per head)."""
+    path, _ = write(tmp_path, chunk=256)
+    h = store.read_header(path, "fp")
+    real = ranged.os.preadv
+    reads: list[tuple[int, int]] = []
+
+    def count(fd, bufs, offset, *flags):
+        got = real(fd, bufs, offset, *flags)
+        reads.append((offset, offset + got))
+        return got
+
+    monkeypatch.setattr(ranged.os, "preadv", count)
+    m, n = 200, 500
+    ranged.read_range(path, "fp", m, n, workers=1)
+    runs: list[list[int]] = []
+    for a, b in sorted(reads):
+        if runs and a == runs[-1][1]:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    assert len(runs) == 3  # tokens, 0.keys, 0.values
+    for name, (a, b) in zip(["tokens", "0.keys", "0.values"], runs, strict=True):
+        start = h.data_start + h.tensors[name]["data_offsets"][0]
+        per = 4 if name == "tokens" else ROW
+        first = 0 if name == "tokens" else m
+        assert a <= start + first * per < start + n * per <= b  # the whole span, in one run
+        assert b - a < (n - first) * per + 2 * 256  # and only its covering chunks
 
 
 def test_flipped_byte_is_caught_when_reading_into_destinations(tmp_path):
     path, _ = write(tmp_path)
     h = store.read_header(path, "fp")
     start, _ = h.tensors["0.values"]["data_offsets"]
-    flip_byte(path, h.data_start + start + N * DIM * 4 + 400 * DIM * 4)  # head 1, row 400
-    into = {k: np.empty((1, HEADS, N - 300, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
+    flip_byte(path, h.data_start + start + 400 * ROW + DIM * 4)  # token 400, head 1
+    into = {k: np.empty((1, N - 300, HEADS, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
     with pytest.raises(store.CorruptEntry, match="range checksum"):
         ranged.read_range(path, "fp", 300, N, into=into)
 
@@ -154,15 +186,22 @@ def test_short_positioned_reads_are_continued(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ranged.os, "preadv", short)
     rr = ranged.read_range(path, "fp", 7, N)
-    np.testing.assert_array_equal(rr.tensors["0.keys"][1].view(np.float32)[0], keys[0, :, 7:N])
+    got = rr.tensors["0.keys"][1].view(np.float32)[0].swapaxes(0, 1)
+    np.testing.assert_array_equal(got, keys[0, :, 7:N])
 
 
 def test_destinations_of_another_layout_are_refused(tmp_path):
     path, _ = write(tmp_path)
     with pytest.raises(ValueError):
         ranged.read_range(
-            path, "fp", 300, N, into={"0.keys": np.empty((1, HEADS, 300, 32), np.uint8)}
+            path, "fp", 300, N, into={"0.keys": np.empty((1, 300, HEADS, 32), np.uint8)}
         )
-    bad = {k: np.empty((1, HEADS, N - 300, 16), np.uint8) for k in ("0.keys", "0.values")}
+    bad = {k: np.empty((1, N - 300, HEADS, 16), np.uint8) for k in ("0.keys", "0.values")}
     with pytest.raises(ValueError):
         ranged.read_range(path, "fp", 300, N, into=bad)
+    head_major = {k: np.empty((1, HEADS, N - 300, 32), np.uint8) for k in ("0.keys", "0.values")}
+    with pytest.raises(ValueError):
+        ranged.read_range(path, "fp", 300, N, into=head_major)
+    strided = {k: np.empty((1, N - 300, HEADS, 64), np.uint8)[..., :32] for k in ("0.keys", "0.values")}
+    with pytest.raises(ValueError):
+        ranged.read_range(path, "fp", 300, N, into=strided)

@@ -1,4 +1,5 @@
-"""tiered_kv/cold/store.py: entry format 2 — one safetensors file, chunked xxh3 per tensor."""
+"""tiered_kv/cold/store.py: entry format 3 — one safetensors file, chunked xxh3 per tensor,
+splittable layer tensors stored token-major."""
 
 from __future__ import annotations
 
@@ -32,11 +33,70 @@ def test_file_is_standard_safetensors_with_chunk_digests(tmp_path):
     b.put("e1", store.encode(job.tokens, job.tensors, job.metadata).pieces)
     path = b.path("e1")
     arrays, meta = mx.load(str(path), return_metadata=True)  # any safetensors reader works
-    assert mx.array_equal(arrays["0.keys"], caches[0].keys[..., :10_000, :]).item()  # type: ignore[index]
-    assert meta["format_version"] == "2" and int(meta["chunk_bytes"]) == store.CHUNK_BYTES  # type: ignore[index]
+    stored = mx.swapaxes(caches[0].keys[..., :10_000, :], 1, 2)  # token-major on disk
+    assert mx.array_equal(arrays["0.keys"], stored).item()  # type: ignore[index]
+    assert meta["format_version"] == "3" and int(meta["chunk_bytes"]) == store.CHUNK_BYTES  # type: ignore[index]
     header = store.read_header(path, "fp")
     assert len(header.digests("0.keys")) == 16 * 3
+    assert header.token_major == {"0.keys", "0.values", "1.keys", "1.values"}
+    assert header.shape("0.keys") == (1, 4, 10_000, 128)
     store.check_data(path, header)
+
+
+def test_splittable_tensors_are_token_major_on_disk(tmp_path):
+    """The bytes of a layer tensor in the file, read with plain numpy at its header offsets, are
+    ``swapaxes(1, 2)`` of the cache's array; written in several transposed blocks (small block),
+    from a strided view (a cache buffer longer than its tokens)."""
+    c = C.KVCache()
+    c.update_and_fetch(mx.random.normal((1, 3, 200, 8)), mx.random.normal((1, 3, 200, 8)))
+    c.update_and_fetch(mx.random.normal((1, 3, 100, 8)), mx.random.normal((1, 3, 100, 8)))
+    job = codec.prepare(np.arange(300, dtype=np.int32), [c], None, "fp")
+    b = FileBackend(tmp_path)
+    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk=1000, block=4096).pieces)
+    raw = b.path("e1").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    import json
+
+    head = json.loads(raw[8 : 8 + n])
+    for name, arr in (("0.keys", c.keys), ("0.values", c.values)):
+        a, z = head[name]["data_offsets"]
+        disk = np.frombuffer(raw[8 + n + a : 8 + n + z], dtype=np.float32)
+        want = np.swapaxes(np.array(arr[..., :300, :]), 1, 2)
+        assert head[name]["shape"] == [1, 300, 3, 8]
+        np.testing.assert_array_equal(disk.reshape(want.shape), want)
+    assert json.loads(head["__metadata__"]["token_major"]) == ["0.keys", "0.values"]
+    header = store.read_header(b.path("e1"), "fp")
+    store.check_data(b.path("e1"), header)  # digests are over the bytes as written
+    loaded = codec.load_file(b.path("e1"), header)
+    assert loaded["0.keys"].shape == (1, 3, 300, 8)
+    assert mx.array_equal(loaded["0.keys"], c.keys[..., :300, :]).item()
+
+
+def test_tensors_without_token_rows_keep_their_order(tmp_path):
+    """A rotating window that wrapped (fewer rows than tokens) is not token-major."""
+    r = C.RotatingKVCache(max_size=16)
+    for _ in range(40):
+        r.update_and_fetch(mx.random.normal((1, 2, 1, 8)), mx.random.normal((1, 2, 1, 8)))
+    job = codec.prepare(np.arange(40, dtype=np.int32), [r], None, "fp")
+    enc = store.encode(job.tokens, job.tensors, job.metadata)
+    header = store.parse_buffer(memoryview(enc.join()), "fp")
+    assert header.token_major == frozenset()
+    assert all(header.shape(k) == tuple(t["shape"]) for k, t in header.tensors.items())
+
+
+@pytest.mark.parametrize("bad", ['["tokens"]', '["nope"]', '"0.keys"', "[", '["0.keys", 3]'])
+def test_a_bad_token_major_list_is_corrupt(bad):
+    job = codec.prepare(np.arange(32, dtype=np.int32), [big_kv(32)], None, "fp")
+    raw = store.encode(job.tokens, job.tensors, job.metadata).join()
+    import json
+
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
+    meta["token_major"] = bad
+    new = store.header_bytes(head, meta)
+    with pytest.raises(store.CorruptEntry, match="token_major"):
+        store.parse_buffer(memoryview(struct.pack("<Q", len(new)) + new + raw[8 + n :]))
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
@@ -64,11 +124,20 @@ def test_strided_views_are_written_without_copy_and_read_back_equal(tmp_path):
     job = codec.prepare(np.arange(300, dtype=np.int32), [c], None, "fp")
     assert any(not t.data.flags.c_contiguous for t in job.tensors)
     enc = store.encode(job.tokens, job.tensors, job.metadata)
-    buf = memoryview(b"".join(enc.pieces))
+    buf = memoryview(enc.join())
     header = store.parse_buffer(buf, "fp")
     arrays = codec.load_buffer(buf, header)
     assert mx.array_equal(arrays["0.keys"], c.keys[..., :300, :]).item()
     assert np.array_equal(codec.tokens_of(arrays), np.arange(300))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 1000])
+def test_chunk_digests_do_not_depend_on_how_the_bytes_are_cut(tokens):
+    rng = np.random.default_rng(tokens)
+    a = rng.integers(0, 255, (1, 3, tokens, 40), dtype=np.uint8)
+    want = store.chunk_digests([memoryview(np.ascontiguousarray(a.swapaxes(1, 2)).reshape(-1))], 256)
+    for block in (1, 100, 333, 1 << 20):
+        assert store.chunk_digests(store._token_major_blocks(a, block), 256) == want
 
 
 def test_symlinked_entry_file_is_never_followed(tmp_path):
@@ -88,7 +157,7 @@ def test_symlinked_entry_file_is_never_followed(tmp_path):
 def test_header_claiming_huge_chunks_is_refused(tmp_path):
     job = codec.prepare(np.arange(32, dtype=np.int32), [big_kv(32)], None, "fp")
     enc = store.encode(job.tokens, job.tensors, job.metadata)
-    raw = b"".join(enc.pieces)
+    raw = enc.join()
     import json
 
     n = struct.unpack("<Q", raw[:8])[0]

@@ -106,6 +106,51 @@ def test_damaged_file_is_a_miss_and_quarantined(tmp_path, damage):
     tier.close()
 
 
+def _as_format_2(path) -> None:
+    """Rewrite a format-3 entry file the way format 2 wrote it: every tensor head-major (its
+    logical shape), no ``token_major`` list, digests over those bytes, ``format_version`` "2"."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = store.parse_buffer(memoryview(raw))
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
+    data, sums, off = [], {}, 0
+    for name in sorted(head, key=lambda k: head[k]["data_offsets"][0]):
+        a, z = head[name]["data_offsets"]
+        b = raw[8 + n + a : 8 + n + z]
+        if name in header.token_major:
+            stored = np.frombuffer(b, np.uint8).reshape(*head[name]["shape"][:3], -1)
+            b = np.ascontiguousarray(stored.swapaxes(1, 2)).tobytes()
+        head[name] = {**head[name], "shape": list(header.shape(name)), "data_offsets": [off, off + len(b)]}
+        sums[name] = store.chunk_digests([memoryview(b)], header.chunk_bytes)
+        data.append(b)
+        off += len(b)
+    del meta["token_major"]
+    meta.update(format_version="2", xxh3=json.dumps(sums, separators=(",", ":")))
+    new = store.header_bytes(head, meta)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + b"".join(data))
+
+
+def test_a_format_2_file_is_a_miss_not_an_error(tmp_path):
+    """Format 2 (head-major tensors) is refused as foreign: a miss, quarantined; `verify` lists it
+    as foreign (a file in an old fingerprint dir is the same; FORMAT_VERSION is in the key)."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    path = entry_file(tier)
+    _as_format_2(path)
+    with pytest.raises(store.ForeignEntry, match="format version '2'"):
+        store.read_header(path, tier.fingerprint)
+    report = tier.verify()
+    assert report.foreign == [path.name] and not report.corrupt
+    hit = tier.lookup(list(range(8)))
+    assert hit is not None and tier.load(hit) is None
+    assert tier.stats()["quarantined"] == 1 and tier.lookup(list(range(8))) is None
+    tier.close()
+
+
 def test_file_of_another_fingerprint_is_refused(tmp_path):
     tier = cold_tier(tmp_path)
     tier.persist(np.arange(8), [kv_cache(8)])

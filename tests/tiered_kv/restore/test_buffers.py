@@ -22,11 +22,11 @@ def test_allocate_gives_evaluated_arrays_of_the_layout():
 
 
 def test_bytes_written_from_another_thread_are_what_mlx_reads():
-    full = buffers.allocate({"k": ("BF16", (1, 3, 8, 4))})
+    full = buffers.allocate({"k": ("BF16", (1, 8, 3, 4))})  # token-major: (1, n, heads, row)
     views = buffers.byte_views(full, 5, 8)
     v = views["k"]
-    assert v.shape == (1, 3, 3, 8) and v.flags.writeable and not v.flags.c_contiguous
-    want = mx.random.normal((1, 3, 3, 4)).astype(mx.bfloat16)
+    assert v.shape == (1, 3, 3, 8) and v.flags.writeable and v.flags.c_contiguous
+    want = mx.random.normal((1, 3, 3, 4)).astype(mx.bfloat16)  # tokens [5, 8), token-major
     raw = np.array(want.view(mx.uint16)).view(np.uint8).reshape(1, 3, 3, 8)
 
     def io(dst: np.ndarray) -> None:  # bytes only: what the I/O thread does
@@ -37,9 +37,9 @@ def test_bytes_written_from_another_thread_are_what_mlx_reads():
     t.join()
     del views, v
     a = full.pop("k")
-    a[..., :5, :] = mx.zeros((1, 3, 5, 4), mx.bfloat16)  # the join's in-place head
-    assert mx.array_equal(a[..., 5:, :], want).item()
-    assert mx.array_equal(a[..., :5, :], mx.zeros((1, 3, 5, 4))).item()
+    a[:, :5] = mx.zeros((1, 5, 3, 4), mx.bfloat16)  # the join's in-place head
+    assert mx.array_equal(a[:, 5:], want).item()
+    assert mx.array_equal(a[:, :5], mx.zeros((1, 5, 3, 4))).item()
 
 
 def test_bad_layouts_are_value_errors():
@@ -51,10 +51,10 @@ def test_bad_layouts_are_value_errors():
 
 
 def test_tail_landing_views_are_the_whole_arrays():
-    lay = {"k": ("F32", (1, 2, 9, 4))}
+    lay = {"k": ("F32", (1, 9, 2, 4))}  # token-major
     assert buffers.shapes(lay, 3, 9, "full") == lay
     tail = buffers.allocate(buffers.shapes(lay, 3, 9, "tail"))
-    assert tail["k"].shape == (1, 2, 6, 4)
+    assert tail["k"].shape == (1, 6, 2, 4)
     v = buffers.byte_views(tail, 3, 9)["k"]
-    assert v.shape == (1, 2, 6, 16) and v.flags.c_contiguous
+    assert v.shape == (1, 6, 2, 16) and v.flags.c_contiguous
     assert buffers.landing() in ("full", "tail")

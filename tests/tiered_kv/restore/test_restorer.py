@@ -236,7 +236,10 @@ def test_the_read_lands_in_the_served_arrays_and_phases_are_recorded(plain):
     hit = plain.cold.lookup(plain.ids)
     got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t"))
     assert got is not None and landed
-    served = [np.frombuffer(x, dtype=np.uint8) for c in got.caches for x in (c.keys, c.values)]
+    # the caches hold swapaxes views of the token-major landing arrays: swapped back, their memory
+    stored = [mx.swapaxes(x, 1, 2) for c in got.caches for x in (c.keys, c.values)]
+    mx.eval(stored)
+    served = [np.frombuffer(x, dtype=np.uint8) for x in stored]
     assert all(any(np.shares_memory(v, s) for s in served) for v in landed)
     assert set(got.phases) == {"alloc", "head", "wait", "join", "read"} == set(r.last_phases)
     stats = r.stats()
