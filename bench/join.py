@@ -2,13 +2,14 @@
 
 ``old``: ``ranged.read_range`` into numpy buffers, then per layer ``mx.array`` of the bytes and
 ``mx.concatenate`` with the head (what ``Restorer.join`` did before: three copies of the tail).
-``full``: the layer arrays of all n tokens allocated unwritten (``restore.buffers``),
-``read_range(into=)`` straight into rows [m, n), the head written in place (no copy of the tail
-after the read). ``tail``: landing arrays of [m, n) only, joined by one ``mx.concatenate``.
+``full``: the layer arrays of all n tokens allocated unwritten and token-major like the file
+(``restore.buffers``), ``read_range(into=)`` straight into tokens [m, n) (one run per layer), the
+head written in place (no copy of the tail after the read), the caches holding their ``swapaxes``
+view. ``tail``: landing arrays of [m, n) only, joined by one ``mx.concatenate``.
 ``Restorer`` takes ``tail`` on CUDA, ``full`` elsewhere (``buffers.landing``).
 
 Per tail size: an entry of an 8B-shaped layer stack (32 layers, 8 KV heads, head dim 128, bf16)
-whose second half is the tail, written once with random bytes; the head is random arrays on the
+whose second half is the tail, written once with random bytes (cold format 3: token-major); the head is random arrays on the
 default device. Columns: alloc (engine thread, before the compute), read (the I/O thread's work),
 join (engine thread, after the read), use (a first reduction over every joined array: on CUDA
 this is where host-resident memory migrates to the GPU), total = alloc + read + join + use.
@@ -81,9 +82,9 @@ def old_join(computed: list[KVCache], rr: ranged.RangeRead, m: int, n: int) -> l
     """The join before this benchmark's change, kept here as its reference."""
     mine, _ = layers.encode(computed)
     arrays = {}
-    for name, (_, u8) in rr.tensors.items():
-        part = np.ascontiguousarray(u8[:, :, : n - m]).view(np.uint16)
-        read = mx.array(part).view(mx.bfloat16)
+    for name, (_, u8) in rr.tensors.items():  # (1, n - m, heads, row bytes): token-major
+        part = np.ascontiguousarray(u8).view(np.uint16)
+        read = mx.swapaxes(mx.array(part).view(mx.bfloat16), 1, 2)
         arrays[name] = mx.concatenate([mine[name][..., :m, :], read], axis=2)
     mx.eval(list(arrays.values()))
     return _decode(arrays, rr.metadata, n)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,7 @@ class WritePath:
             site.faults.count("skipped")
             return
         key = uuid.uuid4().hex
+        pieces: Iterable[memoryview]
         if isinstance(job, Raw):  # [shared tier] bytes as they are
             pieces = [memoryview(job.data)]
         else:
