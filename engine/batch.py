@@ -83,18 +83,20 @@ class BatchLoop:
         of prefill: one chunk of a long prompt, or the whole suffixes of several short ones;
         several requests' chunks share one forward where their caches allow.
 
-        A request's first visible text comes before more prefill of the others: while one has
-        its first token but no text yet (held back; at most ``FIRST_TEXT_TOKENS`` tokens), the
-        step ends after its decode step. So a main request's first text never waits for the
-        prefill of a title request sent with it."""
+        A request's first visible text comes before more prefill of requests with as much
+        prompt left as it had: while one has its first token but no text yet (held back; at most
+        ``FIRST_TEXT_TOKENS`` tokens), only prompts shorter than its own prefill go on. So a main
+        request's first text never waits for the prefill of a title request sent with it, and a
+        title that started first does not hold a main request with less left."""
         self.decode.step()
         self.leasing.poll()
         self.prefill.drop_cancelled()
         budget = self.prefill_budget
-        while budget > 0 and not self.decode.awaiting_text():
-            self.leasing.lease_ready()
+        while budget > 0:
+            hold = self.decode.text_hold()
+            self.leasing.lease_ready(below=hold)
             seq = self.prefill.next()
-            if seq is None:
+            if seq is None or (hold is not None and seq.left >= hold):
                 return
             budget -= self.prefill.advance(seq, budget)
 

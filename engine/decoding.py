@@ -64,12 +64,19 @@ class Decoding:
     def count(self) -> int:
         return (len(self.batch.seqs) if self.batch else 0) + len(self.solo)
 
-    def awaiting_text(self) -> bool:
-        """True while a decoding request has sampled tokens but shown no text yet (fewer than
-        :data:`FIRST_TEXT_TOKENS`): its first visible text comes before more prefill of others."""
-        return any(
-            not s.shown and s.sampled < FIRST_TEXT_TOKENS for g in self.groups() for s in g.seqs
-        )
+    def text_hold(self) -> int | None:
+        """While a decoding request has sampled tokens but shown no text yet (fewer than
+        :data:`FIRST_TEXT_TOKENS`), the prompt tokens it prefilled — its first visible text comes
+        before more prefill of any request with at least as much prompt left (it went first for
+        having less); a request with less left than that goes on. None when no request waits
+        for its text."""
+        held = [
+            s.prefilled
+            for g in self.groups()
+            for s in g.seqs
+            if not s.shown and s.sampled < FIRST_TEXT_TOKENS
+        ]
+        return min(held, default=None)
 
     def groups(self) -> list[Group]:
         return [g for g in (self.batch, *self.solo) if g is not None]

@@ -61,6 +61,11 @@ class Seq:
         """Prompt tokens still to prefill."""
         return len(self.prompt_ids) - len(self.fed)
 
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens its own prefill computes (those its cache hit did not serve)."""
+        return len(self.prompt_ids) - self.prefill_from
+
     def on_token(self, tok: int) -> str | None:
         """Emit the text ``tok`` brings; the finish reason when the request ends with it."""
         assert self.text is not None

@@ -56,16 +56,19 @@ class Leasing:
         self.waiting: list[Seq] = []  # admitted, no lease yet
         self.loading: list[Seq] = []  # a disk entry being read for them
 
-    def lease_ready(self) -> None:
+    def lease_ready(self, below: int | None = None) -> None:
         """Lease the waiting requests that do not wait for a prefilling one's prompt, the fewest
         prompt tokens left (after its cache hit) first: all of them when prompts share forwards
-        (``together``), else the one that would prefill next, if any."""
+        (``together``), else the one that would prefill next, if any. With ``below``, only
+        requests with fewer prompt tokens left than that (the others' prefill is held)."""
         while True:
             ready = [s for s in self.waiting if not self._shares_with_prefilling(s)]
             if not ready:
                 return
             left = {id(s): len(s.prompt_ids) - self.engine.cache.peek(s.tokens) for s in ready}
             seq = min(ready, key=lambda s: (left[id(s)], s.enqueued))
+            if below is not None and left[id(seq)] >= below:
+                return
             if self.together:
                 self._start(seq)
                 continue

@@ -87,15 +87,18 @@ class Server:
         """Both endpoints: parse, prepare (thread pool), queue, then stream or collect."""
         try:
             body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
-            req = await self._off_loop(api.parse_body, body, schema)
-            ids, out = await self._off_loop(prepare, req)
-            params = respond.sampling(req, len(ids), self.engine.context_length)
+            arrival = self.worker.arrive()  # an idle engine waits for it with the others
             try:
-                job = self.worker.submit(ids, params, endpoint)
+                req = await self._off_loop(api.parse_body, body, schema)
+                ids, out = await self._off_loop(prepare, req)
+                params = respond.sampling(req, len(ids), self.engine.context_length)
+                job = self.worker.submit(ids, params, endpoint, arrival)
             except QueueFull as e:
                 raise ApiError(
                     429, f"server busy: {e}", type_="rate_limit_error", code="queue_full"
                 ) from None
+            finally:
+                arrival.leave()
             rest = sse.events(job, self.keepalive)
             first = await anext(rest)  # the cache hit (or a failure), so headers name the tier
             headers = respond.hit_headers(first)

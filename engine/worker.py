@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 __all__ = ["END", "Job", "QueueFull", "Worker"]
 
 
+#: how long an idle engine waits, after taking a job, for requests that are still being parsed and
+#: tokenised (:meth:`Worker.arrive`); it waits only while some are
+GATHER_SECONDS = 0.1
+
+
 class QueueFull(Exception):
     """``max_queue`` jobs already wait for a place in the batch."""
 
@@ -71,6 +76,26 @@ class Job:
             return None
 
 
+class Arrival:
+    """A request between its body and :meth:`Worker.submit` (parse, render, tokenise): while any
+    is open, an engine that was idle gathers the jobs arriving with its first one. ``leave()`` is
+    idempotent; ``submit`` leaves it as it queues the job."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker, self._open = worker, True
+        with worker._lock:
+            worker._arriving += 1
+
+    def leave(self) -> None:
+        with self._worker._lock:
+            self._leave_locked()
+
+    def _leave_locked(self) -> None:
+        if self._open:
+            self._open = False
+            self._worker._arriving -= 1
+
+
 class _Progress:
     """Logs long prefills: tokens done / total and tok/s, at most every ``interval`` seconds."""
 
@@ -105,8 +130,11 @@ class Worker:
         progress_interval: float = 2.0,
         max_batch: int = 8,
         max_queue: int = 64,
+        gather_seconds: float = GATHER_SECONDS,
     ) -> None:
         self._make_engine = make_engine
+        self.gather_seconds = gather_seconds
+        self._arriving = 0  # Arrival objects open: requests being parsed and tokenised
         self.engine: Any = None  # set on the engine thread before ``start`` returns
         self.max_batch, self.max_queue = max_batch, max_queue
         self._progress_interval = progress_interval
@@ -131,11 +159,28 @@ class Worker:
         if self._load_error is not None:
             raise self._load_error
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, label: str = "") -> Job:
-        """Queue a job. Must be called on the event loop that will read the job's events.
-        Raises QueueFull past ``max_queue`` waiting jobs, RuntimeError after close()."""
+    def arrive(self) -> Arrival:
+        """Say a request is on its way (call before parsing and tokenising it; ``leave()`` it on
+        every path, or pass it to :meth:`submit`). An idle engine that takes a job waits up to
+        ``gather_seconds`` for the jobs still arriving, so the batch loop orders their prefills
+        (the fewest prompt tokens left first) instead of starting whichever was tokenised first:
+        a title request's short prompt is ready sooner than the main request sent with it."""
+        return Arrival(self)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        label: str = "",
+        arrival: Arrival | None = None,
+    ) -> Job:
+        """Queue a job (``arrival``, if given, has arrived). Must be called on the event loop that
+        will read the job's events. Raises QueueFull past ``max_queue`` waiting jobs,
+        RuntimeError after close()."""
         job = Job(prompt_ids, params, asyncio.get_running_loop(), label, on_end=self._ended)
         with self._lock:
+            if arrival is not None:
+                arrival._leave_locked()
             if self._closed:
                 raise RuntimeError("server is shutting down")
             if self._accepted >= self.max_batch + self.max_queue:
@@ -200,15 +245,22 @@ class Worker:
             self.engine.close()
 
     def _admit(self, loop: BatchLoop) -> bool:
-        """Move queued jobs into the loop while it has room (blocking while it is idle).
+        """Move queued jobs into the loop while it has room (blocking while it is idle; after
+        taking a job from idle, waiting up to ``gather_seconds`` while others are arriving).
         False once close() was called."""
+        from_idle, first = loop.active == 0, 0.0
         while loop.has_room():
+            block, timeout = loop.active == 0, None
+            if not block and from_idle and self._arriving > 0:
+                timeout = first + self.gather_seconds - time.perf_counter()
+                block = timeout > 0
             try:
-                job = self._queue.get(block=loop.active == 0)
+                job = self._queue.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             if job is None:
                 return False
+            first = first or time.perf_counter()
             progress = _Progress(job.label, self._progress_interval)
             loop.add(job, job.prompt_ids, job.params, progress, job.enqueued)
             self.in_flight = loop.active

@@ -171,3 +171,34 @@ def test_first_visible_text_before_more_prefill_of_others(hold):
     assert waited == (hold < FIRST_TEXT_TOKENS)  # past FIRST_TEXT_TOKENS the others go on
     if hold == 0:  # text with the first token: the title's prefill goes on before main's next
         assert any(mains[0] < i < mains[1] for i in titled)
+
+
+def test_a_title_admitted_first_holds_no_main_with_less_prompt_left():
+    """Issue 14, title + main when the title arrives first: its prompt is all prefilled and its
+    first tokens bring no text yet; a main request admitted next whose prompt is mostly cached
+    (fewer tokens left than the title prefilled) is prefilled and gets its first token before
+    the title's first text — the hold is only for prompts with as much left."""
+    engine = Holding(make_llama(seed=4), Config(tiers=("hot",), min_continuation_tokens=16))
+    alone(engine, SHARED + [5], 1)
+    order: list[tuple[str, Any]] = []
+
+    class Logged(Sink):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def emit(self, event: Event) -> None:
+            super().emit(event)
+            if isinstance(event, Chunk):
+                order.append((self.name, bool(event.text)))
+
+    loop, title, main = BatchLoop(engine), Logged("title"), Logged("main")
+    title_params = SamplingParams(max_tokens=8)
+    engine.hold = {id(title_params): FIRST_TEXT_TOKENS - 1}
+    loop.add(title, tokens(70, 60), title_params)
+    run_until(loop, lambda: bool(order))  # the title's whole prompt: its first token, no text
+    assert order == [("title", False)]
+    loop.add(main, SHARED + tokens(71, 6), SamplingParams(max_tokens=4))
+    run_until(loop, lambda: main.done and title.done)
+    title_text = order.index(("title", True))
+    assert ("main", True) in order[:title_text] or ("main", False) in order[:title_text]

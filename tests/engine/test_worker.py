@@ -107,3 +107,57 @@ def test_batch_bound_and_queue_full(make_engine):
     events = asyncio.run(main())
     worker.close()
     assert events[-1].finish_reason == "length"
+
+
+def test_an_idle_engine_gathers_the_requests_still_arriving(make_engine):
+    """Issue 14, title + main: the title's short prompt is tokenised first; an idle engine that
+    takes it waits for the main request still being tokenised (an open Arrival), so both are in
+    the loop together and the one with the fewest prompt tokens left (main, its long prompt
+    cached) is looked up and prefilled first, instead of whichever was tokenised first."""
+    worker = Worker(make_engine, gather_seconds=30.0)
+    worker.start()
+    engine = worker.engine
+    system = engine.encode_text("you are a coding agent with many tools to call " * 8)
+    title = engine.encode_text("write a short title for this conversation please " * 3)
+    order: list[str] = []
+
+    async def main():
+        await drain(worker.submit(system + [7], SamplingParams(max_tokens=1)))  # cached
+        arrival = worker.arrive()  # main is being tokenised
+        jobs = [worker.submit(title, SamplingParams(max_tokens=2), label="title")]
+        await asyncio.sleep(0.05)
+        jobs.append(worker.submit(system + [9, 11], SamplingParams(max_tokens=2), "main", arrival))
+
+        async def watch(job):
+            async for item in events_of(job):
+                if isinstance(item, Hit):
+                    order.append(job.label)
+
+        await asyncio.gather(*(watch(j) for j in jobs))
+
+    asyncio.run(main())
+    worker.close()
+    assert order == ["main", "title"]
+
+
+def test_an_arrival_that_never_submits_stops_no_one(make_engine):
+    """An Arrival left (a request that failed to parse) holds nothing: a job taken from idle
+    runs without waiting for it."""
+    worker = Worker(make_engine, gather_seconds=30.0)
+    worker.start()
+    ids = worker.engine.encode_text("hello there")
+    worker.arrive().leave()
+
+    async def main():
+        job = worker.submit(ids, SamplingParams(max_tokens=2))
+        return await asyncio.wait_for(drain(job), 10)
+
+    events = asyncio.run(main())
+    worker.close()
+    assert events[-1].finish_reason == "length"
+
+
+async def events_of(job):
+    while (item := await job.get(30)) is not END:
+        assert item is not None, "worker stalled"
+        yield item
