@@ -19,9 +19,10 @@ batch 1, ``T`` on axis 2, logically ``(1, heads, T, row)`` — is stored as its 
 ``safetensors`` build). Tokens ``[m, n)`` of it are then one contiguous run of bytes, which a
 disk reads at its sequential speed (head-major, they were ``heads`` runs with gaps between them).
 ``token_major`` is the JSON list of the tensors stored so, and a reader swaps exactly those back
-(:meth:`Header.token_major`). It is an explicit list, not a rule a reader re-derives from shapes:
-the rule (which shapes count as splittable) may change while files stay, a checkpoint or window
-tensor can match it by accident of its length, and a tool reading the file sees what it holds.
+(``Header.token_major``, ``Header.shape``). It is an explicit list, not a rule a reader re-derives
+from shapes: the rule (which shapes count as splittable) may change while files stay, a checkpoint
+or window tensor can match it by accident of its length, and a tool reading the file sees what it
+holds.
 Covered by the header checksum; a name that is not a 4-D batch-1 tensor of ``n_tokens`` rows on
 axis 1 makes the header corrupt. Every other tensor (rotating windows, recurrent state,
 checkpoints of another length, ``tokens``) keeps its own C order.
