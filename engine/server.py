@@ -86,9 +86,11 @@ class Server:
     ) -> Response:
         """Both endpoints: parse, prepare (thread pool), queue, then stream or collect."""
         try:
-            body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
-            arrival = self.worker.arrive()  # an idle engine waits for it with the others
+            # from the first byte: a title's small body is read, parsed and tokenised before
+            # the main request's large one is read; an idle engine waits for it with the others
+            arrival = self.worker.arrive()
             try:
+                body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
                 req = await self._off_loop(api.parse_body, body, schema)
                 ids, out = await self._off_loop(prepare, req)
                 params = respond.sampling(req, len(ids), self.engine.context_length)
