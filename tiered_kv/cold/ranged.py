@@ -21,7 +21,11 @@ are what the restore I/O thread runs, and never touch MLX.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import functools
+import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -255,11 +259,15 @@ def _row_bytes(t: dict[str, Any]) -> int:
     return int(np.prod(shape[3:], dtype=np.int64)) * store.ITEMSIZE[t["dtype"]]
 
 
-def resident_share(path: Path, samples: int = 16) -> float | None:
-    """Share of ``path`` in the page cache, probed by ``samples`` 4 KiB non-blocking reads
-    (``RWF_NOWAIT``: fails instead of waiting for the disk). None when the OS cannot tell."""
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None:
+def resident_share(path: Path) -> float | None:
+    """Share of ``path``'s pages in the page cache: ``mincore`` over a read-only mapping of the
+    file, which touches no page and starts no read. None when the OS cannot tell.
+
+    (A non-blocking read, ``RWF_NOWAIT``, is no probe: on a miss the kernel starts readahead
+    before it answers EAGAIN, so the next probe of a cold file found it warm — on the H200 every
+    plan after the first priced a cold read at the warm rate.)"""
+    libc = _libc()
+    if libc is None:
         return None
     try:
         fd = fsafe.open_nofollow(path, os.O_RDONLY)
@@ -269,18 +277,35 @@ def resident_share(path: Path, samples: int = 16) -> float | None:
         size = os.fstat(fd).st_size
         if size == 0:
             return None
-        buf = bytearray(4096)
-        hits = 0
-        for i in range(samples):
-            off = (size * (2 * i + 1) // (2 * samples)) // 4096 * 4096
-            try:
-                hits += os.preadv(fd, [buf], off, flag) > 0
-            except BlockingIOError:
-                pass
-            except OSError as e:
-                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    return None
-                raise
-        return hits / samples
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            return None
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                return None
+            return int(np.count_nonzero(np.ctypeslib.as_array(vec) & 1)) / pages
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
     finally:
         os.close(fd)
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's mmap / mincore / munmap, typed (None where there is none)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    return libc

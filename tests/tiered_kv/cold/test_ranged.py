@@ -5,6 +5,9 @@ outside the range is never read, no symlink is followed."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -112,6 +115,31 @@ def test_resident_share_is_a_share_or_unknown(tmp_path):
     path, _ = write(tmp_path)
     share = ranged.resident_share(path)
     assert share is None or 0.0 <= share <= 1.0
+
+
+def test_probing_a_cold_file_does_not_warm_it(tmp_path):
+    """Issue 15 on the H200: a non-blocking read that misses starts readahead, so the plan's
+    probe after the benchmark's found every sampled page resident ("warm=1.0" in every cold
+    plan) and priced cold reads at warm rates. The probe reads nothing: a dropped file stays
+    cold however often it is probed, and a file that was read is warm."""
+    path = tmp_path / "entry.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8))
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        first = ranged.resident_share(path)
+        if first is None or first > 0.05:
+            pytest.skip(f"the page cache of {tmp_path} cannot be dropped here ({first})")
+        again = [ranged.resident_share(path) for _ in range(3)]
+        time.sleep(0.2)  # readahead a probe started would have landed by now
+        again.append(ranged.resident_share(path))
+        assert again == [0.0] * 4
+        while os.read(fd, 8 << 20):
+            pass
+    finally:
+        os.close(fd)
+    assert ranged.resident_share(path) == 1.0
 
 
 def test_rows_land_straight_in_destinations(tmp_path):

@@ -239,7 +239,7 @@ def test_the_read_lands_in_the_served_arrays_and_phases_are_recorded(plain):
     # the caches hold swapaxes views of the token-major landing arrays: swapped back, their memory
     stored = [mx.swapaxes(x, 1, 2) for c in got.caches for x in (c.keys, c.values)]
     mx.eval(stored)
-    served = [np.frombuffer(x, dtype=np.uint8) for x in stored]
+    served = [np.frombuffer(memoryview(x), dtype=np.uint8) for x in stored]
     assert all(any(np.shares_memory(v, s) for s in served) for v in landed)
     assert set(got.phases) == {"alloc", "head", "wait", "join", "read"} == set(r.last_phases)
     stats = r.stats()
