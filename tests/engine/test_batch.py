@@ -137,6 +137,18 @@ class Holding(ModelEngine):
         return HeldText(params, self.hold.get(id(params), 0))
 
 
+class Logged(Sink):
+    """A sink that also appends (its name, each event) to a log shared with other sinks."""
+
+    def __init__(self, name: str, log: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.name, self.log = name, log
+
+    def emit(self, event: Event) -> None:
+        super().emit(event)
+        self.log.append((self.name, event))
+
+
 @pytest.mark.parametrize("hold", [0, 1, 3, 6])
 def test_first_visible_text_before_more_prefill_of_others(hold):
     """Issue 14, main-request TTFT next to a title request: once a request has its first token, no
@@ -146,17 +158,7 @@ def test_first_visible_text_before_more_prefill_of_others(hold):
     engine = Holding(make_llama(seed=4), Config(tiers=("hot",), min_continuation_tokens=16))
     alone(engine, SHARED + [5], 1)
     order: list[tuple[str, Any]] = []
-
-    class Logged(Sink):
-        def __init__(self, name: str) -> None:
-            super().__init__()
-            self.name = name
-
-        def emit(self, event: Event) -> None:
-            super().emit(event)
-            order.append((self.name, event))
-
-    loop, title, main = BatchLoop(engine), Logged("title"), Logged("main")
+    loop, title, main = BatchLoop(engine), Logged("title", order), Logged("main", order)
     main_params = SamplingParams(max_tokens=10)
     engine.hold = {id(main_params): hold}
     progress = lambda done, total: order.append(("title prefill", done))  # noqa: E731
@@ -180,25 +182,18 @@ def test_a_title_admitted_first_holds_no_main_with_less_prompt_left():
     the title's first text — the hold is only for prompts with as much left."""
     engine = Holding(make_llama(seed=4), Config(tiers=("hot",), min_continuation_tokens=16))
     alone(engine, SHARED + [5], 1)
-    order: list[tuple[str, Any]] = []
+    events: list[tuple[str, Any]] = []
+    loop, title, main = BatchLoop(engine), Logged("title", events), Logged("main", events)
 
-    class Logged(Sink):
-        def __init__(self, name: str) -> None:
-            super().__init__()
-            self.name = name
+    def chunks() -> list[tuple[str, bool]]:  # (whose, shows text), in emission order
+        return [(n, bool(e.text)) for n, e in events if isinstance(e, Chunk)]
 
-        def emit(self, event: Event) -> None:
-            super().emit(event)
-            if isinstance(event, Chunk):
-                order.append((self.name, bool(event.text)))
-
-    loop, title, main = BatchLoop(engine), Logged("title"), Logged("main")
     title_params = SamplingParams(max_tokens=8)
     engine.hold = {id(title_params): FIRST_TEXT_TOKENS - 1}
     loop.add(title, tokens(70, 60), title_params)
-    run_until(loop, lambda: bool(order))  # the title's whole prompt: its first token, no text
-    assert order == [("title", False)]
+    run_until(loop, lambda: bool(chunks()))  # the title's whole prompt: its first token, no text
+    assert chunks() == [("title", False)]
     loop.add(main, SHARED + tokens(71, 6), SamplingParams(max_tokens=4))
     run_until(loop, lambda: main.done and title.done)
-    title_text = order.index(("title", True))
-    assert ("main", True) in order[:title_text] or ("main", False) in order[:title_text]
+    order = chunks()
+    assert any(n == "main" for n, _ in order[: order.index(("title", True))])
