@@ -171,6 +171,8 @@ def run(shape_name: str, token_counts: list[int], root: Path | None = None,
     shape = SHAPES[shape_name]
     config = config or Config()
     rows = []
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)  # `--dir /tmp/x` on a fresh machine
     with tempfile.TemporaryDirectory(prefix="tkv-sizes-", dir=root) as tmp:
         one_size(Path(tmp), shape, 1024, config)  # warm-up: first-call costs (CUDA, kernels) out
         for n in token_counts:
