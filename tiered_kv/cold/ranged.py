@@ -45,12 +45,6 @@ class Unsplittable(ValueError):
     """The entry cannot be read by token ranges (layers without one row per token)."""
 
 
-def splittable(name: str, shape: tuple[int, ...] | list[int], n_tokens: int) -> bool:
-    """A tensor (logical shape) that holds one row per token on axis 2 of a batch of one: the
-    ones an entry file stores token-major (:func:`store.splittable`)."""
-    return store.splittable(shape, n_tokens)
-
-
 @dataclass
 class RangeRead:
     """Verified bytes of ``[start, stop)`` of every layer tensor, and the entry's first tokens."""
@@ -142,8 +136,7 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
             base = header.data_start + int(t["data_offsets"][0])
             size = int(t["data_offsets"][1]) - int(t["data_offsets"][0])
             per = dst[0].nbytes // max(1, dst.shape[1])  # bytes of one token
-            spans = [(first * per, dst.reshape(-1))]
-            return read_spans(fd, base, size, spans, header.digests(name), chunk, name)
+            return read_span(fd, base, size, first * per, dst, header.digests(name), chunk, name)
 
         def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray], int]:
             shape = (1, n - m, int(t["shape"][2]), _row_bytes(t))
@@ -174,38 +167,28 @@ _GROUP_CHUNKS = 4
 _IOV_MAX = 512
 
 
-def read_spans(fd: int, base: int, size: int, spans: list[tuple[int, np.ndarray]],
-               digests: str, chunk: int, name: str) -> int:  # fmt: skip
-    """Fill each destination of ``spans`` — (byte offset in the tensor, writable contiguous uint8
-    array) — from the tensor of ``size`` bytes at file offset ``base``. The whole checksum chunks
-    covering them are read, by ``preadv`` straight into the destinations (the chunk bytes outside
-    every span land in a scratch buffer), and each chunk is hashed over its pieces: a chunk that
-    fails raises CorruptEntry. Returns the bytes read."""
-    dests = sorted(((a, d.data.cast("B")) for a, d in spans if d.nbytes), key=lambda x: x[0])
-    for (a, d), (b, _) in zip(dests, dests[1:], strict=False):
-        if a + len(d) > b:
-            raise ValueError(f"overlapping spans in {name}")
-    if dests and dests[-1][0] + len(dests[-1][1]) > size:
+def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, digests: str,
+              chunk: int, name: str) -> int:  # fmt: skip
+    """Fill ``dest`` (a writable contiguous uint8 array) with the bytes from ``first`` of the
+    tensor of ``size`` bytes at file offset ``base``. The whole checksum chunks covering them are
+    read, a few per ``preadv``, straight into ``dest`` (the chunk bytes before and after it land
+    in scratch buffers), and each chunk is hashed over its pieces: a chunk that fails raises
+    CorruptEntry. Returns the bytes read."""
+    d = dest.data.cast("B")
+    end = first + len(d)
+    if end > size:
         raise store.CorruptEntry(f"short tensor {name}")
-    wanted: list[int] = []
-    for a, d in dests:
-        wanted.extend(range(a // chunk, -(-(a + len(d)) // chunk)))
-    chunks = sorted(set(wanted))
-    groups: list[list[int]] = []
-    for c in chunks:  # runs of adjacent chunks, at most _GROUP_CHUNKS each
-        if groups and c == groups[-1][-1] + 1 and len(groups[-1]) < _GROUP_CHUNKS:
-            groups[-1].append(c)
-        else:
-            groups.append([c])
-    read, k = 0, 0
-    for g in groups:
-        lo, hi = g[0] * chunk, min(size, (g[-1] + 1) * chunk)
-        while k < len(dests) and dests[k][0] + len(dests[k][1]) <= lo:
-            k += 1
-        pieces = _pieces(lo, hi, dests, k)
+    if not len(d):
+        return 0
+    c0, c1 = first // chunk, -(-end // chunk)
+    read = 0
+    for g0 in range(c0, c1, _GROUP_CHUNKS):
+        g1 = min(c1, g0 + _GROUP_CHUNKS)
+        lo, hi = g0 * chunk, min(size, g1 * chunk)
+        pieces = _pieces(lo, hi, first, d)
         _preadv_all(fd, [v for _, v in pieces], base + lo)
         read += hi - lo
-        for c in g:
+        for c in range(g0, g1):
             a, b = c * chunk, min(size, (c + 1) * chunk)
             h = xxhash.xxh3_64()
             for off, v in pieces:
@@ -217,23 +200,18 @@ def read_spans(fd: int, base: int, size: int, spans: list[tuple[int, np.ndarray]
     return read
 
 
-def _pieces(lo: int, hi: int, dests: list[tuple[int, memoryview]],
-            k: int) -> list[tuple[int, memoryview]]:  # fmt: skip
-    """Bytes ``[lo, hi)`` of a tensor as (offset, buffer) pieces in order: the parts that fall in
-    a destination are views of it, the rest one scratch buffer per gap."""
+def _pieces(lo: int, hi: int, first: int, d: memoryview) -> list[tuple[int, memoryview]]:
+    """Bytes ``[lo, hi)`` of a tensor as (offset, buffer) pieces in order: the part that falls in
+    the destination ``d`` (at byte ``first``) a view of it, the parts before and after it a
+    scratch buffer each."""
+    a, b = min(max(lo, first), hi), max(lo, min(hi, first + len(d)))
     out: list[tuple[int, memoryview]] = []
-    pos = lo
-    while pos < hi:
-        if k < len(dests) and dests[k][0] <= pos < dests[k][0] + len(dests[k][1]):
-            a, d = dests[k]
-            end = min(hi, a + len(d))
-            out.append((pos, d[pos - a : end - a]))
-            if end == a + len(d):
-                k += 1
-        else:
-            end = min(hi, dests[k][0]) if k < len(dests) else hi
-            out.append((pos, np.empty(end - pos, dtype=np.uint8).data))
-        pos = end
+    if lo < a:
+        out.append((lo, np.empty(a - lo, dtype=np.uint8).data))
+    if a < b:
+        out.append((a, d[a - first : b - first]))
+    if b < hi:
+        out.append((b, np.empty(hi - b, dtype=np.uint8).data))
     return out
 
 
