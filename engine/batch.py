@@ -95,10 +95,10 @@ class BatchLoop:
         while budget > 0:
             hold = self.decode.text_hold()
             self.leasing.lease_ready(below=hold)
-            seq = self.prefill.next()
-            if seq is None or (hold is not None and seq.left >= hold):
+            seq = self.prefill.next(below=hold)
+            if seq is None:
                 return
-            budget -= self.prefill.advance(seq, budget)
+            budget -= self.prefill.advance(seq, budget, below=hold)
 
     def close(self) -> None:
         """Cancel everything in flight: what each request computed is stored, listeners get

@@ -38,15 +38,18 @@ class Prefilling:
         # with its rows, and riding rows only delay the first request's first token
         self.share = bool(getattr(engine, "share_prefill", True))
 
-    def next(self) -> Seq | None:
-        """The request to prefill next: the fewest prompt tokens left (arrival order on a tie)."""
-        return min(self.seqs, key=lambda s: (s.left, s.enqueued), default=None)
+    def next(self, below: int | None = None) -> Seq | None:
+        """The request to prefill next: the fewest prompt tokens left (arrival order on a tie);
+        with ``below``, None unless it has fewer left than that (the others' prefill is held)."""
+        seq = min(self.seqs, key=lambda s: (s.left, s.enqueued), default=None)
+        return seq if seq is None or below is None or seq.left < below else None
 
-    def advance(self, seq: Seq, budget: int) -> int:
-        """Prefill a chunk of ``seq`` (with the requests that share its forwards) within about
-        ``budget`` prompt tokens; returns the tokens fed."""
+    def advance(self, seq: Seq, budget: int, below: int | None = None) -> int:
+        """Prefill a chunk of ``seq`` (with the requests that share its forwards, those with
+        fewer than ``below`` prompt tokens left when given) within about ``budget`` prompt
+        tokens; returns the tokens fed."""
         if seq.steps is None:  # plain KV: its chunks share forwards with the others'
-            return self._rows(self._together(seq), budget)
+            return self._rows(self._together(seq, below), budget)
         before = len(seq.fed)
         self._alone(seq)
         return max(1, len(seq.fed) - before)
@@ -62,12 +65,14 @@ class Prefilling:
         self.seqs.clear()
 
     # -- shared forwards --------------------------------------------------------------------
-    def _together(self, seq: Seq) -> list[Seq]:
+    def _together(self, seq: Seq, below: int | None) -> list[Seq]:
         """``seq`` and the requests whose prompt chunks share its forwards (least left first):
-        those without a prefill of their own (``steps``: caches that cannot be batched)."""
+        those without a prefill of their own (``steps``: caches that cannot be batched) and with
+        fewer than ``below`` prompt tokens left."""
         if not self.share:
             return [seq]
-        others = [s for s in self.seqs if s is not seq and s.steps is None]
+        others = [s for s in self.seqs if s is not seq and s.steps is None
+                  and (below is None or s.left < below)]  # fmt: skip
         return [seq] + sorted(others, key=lambda s: (s.left, s.enqueued))
 
     def _rows(self, rows: list[Seq], budget: int) -> int:

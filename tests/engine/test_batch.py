@@ -197,3 +197,32 @@ def test_a_title_admitted_first_holds_no_main_with_less_prompt_left():
     run_until(loop, lambda: main.done and title.done)
     order = chunks()
     assert any(n == "main" for n, _ in order[: order.index(("title", True))])
+
+
+def test_held_prompts_do_not_ride_along_in_shared_forwards():
+    """The text hold is one rule for every forward: while a request awaits its first text, a
+    prompt with as much left as it had is neither prefilled next nor carried as a row of the
+    shared forward of a shorter one (forwards are shared here, as on a GPU) — also when its
+    prefill was under way before the hold began."""
+    engine = Holding(make_llama(seed=4), Config(tiers=("hot",), min_continuation_tokens=16))
+    assert getattr(engine, "share_prefill", True)  # Prefilling shares forwards for this engine
+    alone(engine, SHARED + [5], 1)
+    events: list[tuple[str, Any]] = []
+    fed = lambda name: lambda done, total: events.append((f"{name} prefill", done))  # noqa: E731
+    loop = BatchLoop(engine)
+    loop.prefill_budget = 8
+    main, short, long = Logged("main", events), Logged("short", events), Logged("long", events)
+    loop.add(long, tokens(70, 60), SamplingParams(max_tokens=2), fed("long"))
+    loop.step()  # the long prompt's prefill is under way
+    assert ("long prefill", 8) in events
+    main_params = SamplingParams(max_tokens=8)
+    engine.hold = {id(main_params): FIRST_TEXT_TOKENS - 1}
+    loop.add(main, SHARED + tokens(71, 6), main_params)
+    run_until(loop, lambda: bool(main.chunks))  # main's first token, no text yet
+    first = len(events)
+    loop.add(short, tokens(72, 3), SamplingParams(max_tokens=2), fed("short"))
+    run_until(loop, lambda: main.done and short.done and long.done)
+    text = next(i for i, (n, e) in enumerate(events) if n == "main" and getattr(e, "text", ""))
+    held = {n for n, _ in events[first:text]}
+    assert "short prefill" in held  # fewer tokens left than main prefilled: it goes on
+    assert "long prefill" not in held
