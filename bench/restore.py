@@ -18,7 +18,6 @@ goes to stdout; no network, no hub.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import tiered_kv
+from bench.dd import drop_page_cache
 from engine.generate import default_prefill_chunk
 from engine.loading import load_model
 from engine.prefill import prefill
@@ -110,20 +110,16 @@ def entry_files(root: Path) -> list[Path]:
 
 
 def set_pages(root: Path, state: str) -> float | None:
-    """Drop (cold) or fill (warm) the page cache of every entry file; the probed share after."""
+    """Drop (cold: :func:`bench.dd.drop_page_cache`, as every reload bench) or fill (warm) the
+    page cache of every entry file; the probed share after."""
     files = entry_files(root)
     if state == "cold":
-        os.sync()
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            if state == "cold":
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            else:
-                while os.read(fd, 64 << 20):
+        drop_page_cache(*files)
+    else:
+        for p in files:
+            with p.open("rb") as f:
+                while f.read(64 << 20):
                     pass
-        finally:
-            os.close(fd)
     shares = [s for s in (resident_share(p) for p in files) if s is not None]
     return sum(shares) / len(shares) if shares else None
 
