@@ -63,7 +63,7 @@ def write_entry(root: Path, n: int) -> Path:
     enc = store.encode(np.arange(n, dtype=np.int32), tensors, meta)
     root.mkdir(parents=True, exist_ok=True)
     b = FileBackend(root)
-    b.put("e", enc.pieces)
+    b.put("e", enc)
     return b.path("e")
 
 

@@ -3,14 +3,25 @@
 A backend stores one opaque byte string per key (an entry id) and knows nothing of KV caches,
 the index or budgets. The cold tier needs exactly four operations of it::
 
-    put(key, pieces)  -> int          write the concatenation of ``pieces`` under ``key``,
+    put(key, entry)   -> int          write ``entry`` (a ``store.Encoded``) under ``key``,
                                       atomically (a reader sees the old value, nothing, or the
                                       whole new one) and durably before returning; the size.
-                                      ``pieces`` is iterated once, and a piece is valid only
-                                      until the next one is asked for (``store.Encoded``)
+                                      The value is the concatenation of ``entry.pieces``, then,
+                                      when ``entry.head`` is set, its first ``len(head())``
+                                      bytes replaced by ``entry.head()`` (see below)
     get(key)          -> buffer|None  the whole value (one read), or None when absent
     contains(key)     -> bool
     delete(key)       -> None         absent is fine
+
+``put``'s value is written in one pass. ``entry.pieces`` is iterated once, in order, and a piece
+is valid only until the next one is asked for. ``entry.head`` (when not None) may be called only
+after the last piece was consumed: it returns the entry's real first bytes (the header, whose
+checksums cover the data that just went by), which take the place of the reserved bytes the
+first piece held. So a backend writes the pieces as they come and then patches the start (the
+file backend: one ``pwrite`` at offset 0 before its fsync), or gathers and patches in memory. A
+``head`` that raises (or any failure before the value is whole) publishes nothing: the key keeps
+its old value or stays absent. ``store.Encoded.whole(data)`` wraps bytes that are complete
+already (no ``head``).
 
 Errors are ``OSError`` (ENOSPC, EROFS, ENOENT of the directory ... counted by the tier).
 A shared backend (e.g. a key-value server) implements these four; :class:`FileBackend` adds
@@ -39,7 +50,7 @@ _COALESCE = 8 << 20  # small pieces are gathered into one write up to this size
 class Backend(Protocol):
     """Bytes of entries by key (see the module docstring for the contract)."""
 
-    def put(self, key: str, pieces: Iterable[memoryview]) -> int: ...
+    def put(self, key: str, entry: store.Encoded) -> int: ...
     def get(self, key: str) -> bytearray | None: ...
     def contains(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
@@ -58,8 +69,9 @@ def check_key(key: str) -> str:
 class FileBackend:
     """One file per key, ``<dir>/<key>.safetensors`` (0600, the dir 0700).
 
-    ``put`` writes a temp file in the same directory with large sequential writes, one fsync,
-    ``os.replace`` into place, then fsyncs the directory. Nothing follows a symlink: files are
+    ``put`` writes a temp file in the same directory with large sequential writes, then the
+    header over its reserved first bytes (one ``pwrite``), one fsync, ``os.replace`` into
+    place, then fsyncs the directory; on any failure the temp file is removed. Nothing follows a symlink: files are
     opened with ``O_NOFOLLOW`` and temp files created with ``O_EXCL``. Thread-safe (no state).
     """
 
@@ -69,7 +81,7 @@ class FileBackend:
     def path(self, key: str) -> Path:
         return self.dir / f"{check_key(key)}{store.SUFFIX}"
 
-    def put(self, key: str, pieces: Iterable[memoryview]) -> int:
+    def put(self, key: str, entry: store.Encoded) -> int:
         path = self.path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}{store.TMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -80,7 +92,12 @@ class FileBackend:
             fd = os.open(tmp, flags, store.FILE_MODE)
         try:
             try:
-                total = _write_all(fd, pieces)
+                total = _write_all(fd, entry.pieces)
+                if entry.head is not None:
+                    first = entry.head()
+                    if len(first) > total:
+                        raise RuntimeError(f"head of {len(first)} bytes over {total} written")
+                    _pwrite(fd, memoryview(first), 0)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -157,6 +174,16 @@ def _write(fd: int, view: memoryview) -> int:
             raise OSError(errno.EIO, "write returned 0")
         off += wrote
     return n
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+    """Write ``view`` at ``offset`` (the header over its reserved bytes)."""
+    done = 0
+    while done < len(view):
+        wrote = os.pwrite(fd, view[done:], offset + done)
+        if wrote <= 0:
+            raise OSError(errno.EIO, "pwrite returned 0")
+        done += wrote
 
 
 def fsync_dir(path: Path) -> None:

@@ -96,20 +96,33 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Encoded:
-    """An entry's bytes as pieces to write in order (header first); ``nbytes`` in all.
+    """An entry's bytes as pieces to write in order; ``nbytes`` in all.
 
     ``pieces`` is consumed once, in order, and a piece may be reused for a later one as soon as
     the next is asked for (token-major tensors are transposed into two alternating buffers): a
-    consumer that keeps a piece copies it."""
+    consumer that keeps a piece copies it. ``head``, when set, is called once after the last
+    piece was consumed and returns the entry's real first bytes, which replace the reserved
+    bytes (zeros) the first piece held — the header, whose checksums are known only once every
+    data byte went by (:func:`encode`). ``head`` is None for bytes that are whole already."""
 
     pieces: Iterable[memoryview]
     nbytes: int
+    head: Callable[[], bytes] | None = None
+
+    @staticmethod
+    def whole(data: bytes | bytearray | memoryview) -> Encoded:
+        """Bytes that are already a complete entry (e.g. fetched from the shared tier)."""
+        view = memoryview(data).cast("B")
+        return Encoded([view], len(view))
 
     def join(self) -> bytearray:
         """All the bytes in one buffer (consumes ``pieces``; tests, and a backend that needs it)."""
         out = bytearray()
         for p in self.pieces:
             out += p
+        if self.head is not None:
+            first = self.head()
+            out[: len(first)] = first
         return out
 
 
@@ -200,49 +213,73 @@ def byte_blocks(a: np.ndarray) -> list[memoryview]:
             for idx in np.ndindex(*a.shape[:k])]  # fmt: skip
 
 
+class Digests:
+    """Concatenated xxh3_64 hex digests of a byte stream cut into ``chunk`` pieces, fed block by
+    block (:meth:`update`; a block is read only during the call), finished by :meth:`hexdigests`."""
+
+    def __init__(self, chunk: int = CHUNK_BYTES) -> None:
+        self._chunk = chunk
+        self._out: list[str] = []
+        self._h: Any = None
+        self._left = chunk
+
+    def update(self, b: memoryview) -> None:
+        chunk = self._chunk
+        pos, n = 0, len(b)
+        while pos < n:
+            if self._h is None and n - pos >= chunk:  # a whole chunk inside this block: one call
+                self._out.append(xxhash.xxh3_64_hexdigest(b[pos : pos + chunk]))
+                pos += chunk
+                continue
+            take = min(self._left, n - pos)
+            self._h = self._h or xxhash.xxh3_64()
+            self._h.update(b[pos : pos + take])
+            pos += take
+            self._left -= take
+            if self._left == 0:
+                self._out.append(self._h.hexdigest())
+                self._h, self._left = None, chunk
+
+    def hexdigests(self) -> str:
+        if self._h is not None:
+            self._out.append(self._h.hexdigest())
+            self._h, self._left = None, self._chunk
+        return "".join(self._out)
+
+
 def chunk_digests(blocks: Iterable[memoryview], chunk: int = CHUNK_BYTES) -> str:
     """Concatenated xxh3_64 hex digests of the byte stream ``blocks`` cut into ``chunk`` pieces
     (``blocks`` read once, in order, each only until the next is asked for)."""
-    out: list[str] = []
-    h: Any = None
-    left = chunk
+    d = Digests(chunk)
     for b in blocks:
-        pos, n = 0, len(b)
-        while pos < n:
-            if h is None and n - pos >= chunk:  # a whole chunk inside this block: one call
-                out.append(xxhash.xxh3_64_hexdigest(b[pos : pos + chunk]))
-                pos += chunk
-                continue
-            take = min(left, n - pos)
-            h = h or xxhash.xxh3_64()
-            h.update(b[pos : pos + take])
-            pos += take
-            left -= take
-            if left == 0:
-                out.append(h.hexdigest())
-                h, left = None, chunk
-    if h is not None:
-        out.append(h.hexdigest())
-    return "".join(out)
+        d.update(b)
+    return d.hexdigests()
+
+
+def n_digest_chars(nbytes: int, chunk: int) -> int:
+    """The length of a tensor's digest string: 16 hex digits per (possibly short) chunk."""
+    return _HEX * -(-nbytes // chunk)
 
 
 # -- encode (writer thread) --------------------------------------------------------------------
 def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str, str],
            chunk: int = CHUNK_BYTES, block: int = BLOCK_BYTES) -> Encoded:  # fmt: skip
-    """The entry's bytes: checksums computed over the bytes as they will be written (in parallel
-    per tensor, on the hashing pool), then the header; the data pieces are made lazily, as the
-    writer consumes them. Splittable tensors are stored token-major (module doc): numpy
-    transposes ``block`` bytes of tokens at a time into reused buffers — once for the checksums,
-    once more while writing, each block made on the pool while the previous one is written — so
-    an entry never needs a second copy of itself in memory. Everything else is written from the
-    arrays' own buffers, no copy. ``chunk``: the checksum granularity (tests use small ones to
-    exercise ranged reads). Writer thread: numpy and bytes only."""
+    """The entry's bytes in one pass: each tensor's bytes are made once, as the writer consumes
+    them, and its chunk checksums are computed over those same bytes as they go by. The header
+    (which holds the checksums) has a length that does not depend on their values (16 hex digits
+    per chunk, a fixed-length ``header_xxh``), so the first piece is ``8 + len(header)`` reserved
+    zero bytes and :attr:`Encoded.head` gives the real first bytes once every piece was consumed.
+
+    Splittable tensors are stored token-major (module doc): numpy transposes ``block`` bytes of
+    tokens at a time into two reused buffers, each block made and hashed on the pool while the
+    writer writes the one before, so an entry never needs a second copy of itself in memory.
+    Every other tensor is written from the array's own buffer, no copy, hashed on the pool while
+    it is written. ``chunk``: the checksum granularity (tests use small ones to exercise ranged
+    reads). Writer thread: numpy and bytes only."""
     assert tokens.dtype == np.dtype("<i4") and all(t.name != "tokens" for t in tensors)
     n_tokens = len(tokens)
     items = [Tensor("tokens", "I32", (n_tokens,), tokens), *tensors]
     major = [t.name != "tokens" and splittable(t.shape, n_tokens) for t in items]
-    sources = [_source(t.data, tm, block) for t, tm in zip(items, major, strict=True)]
-    sums = list(pool().map(lambda src: chunk_digests(src(), chunk), sources))
     table: dict[str, Any] = {}
     off = 0
     for t, tm in zip(items, major, strict=True):
@@ -251,53 +288,108 @@ def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str,
         shape = list(swapped(t.shape)) if tm else list(t.shape)
         table[t.name] = {"dtype": t.dtype, "shape": shape, "data_offsets": [off, off + n]}
         off += n
-    meta = {**metadata, "format_version": str(FORMAT), "n_tokens": str(n_tokens),
-            "chunk_bytes": str(chunk),
-            "token_major": json.dumps([t.name for t, tm in zip(items, major, strict=True) if tm],
-                                      separators=(",", ":")),
-            "xxh3": json.dumps({t.name: s for t, s in zip(items, sums, strict=True)},
-                               separators=(",", ":"))}  # fmt: skip
-    head = header_bytes(table, meta)
-    first = memoryview(struct.pack("<Q", len(head)) + head)
-    return Encoded(_pieces(first, sources, major), 8 + len(head) + off)
+
+    def meta(sums: Sequence[str]) -> dict[str, str]:
+        return {**metadata, "format_version": str(FORMAT), "n_tokens": str(n_tokens),
+                "chunk_bytes": str(chunk),
+                "token_major": json.dumps([t.name for t, tm in zip(items, major, strict=True)
+                                           if tm], separators=(",", ":")),
+                "xxh3": json.dumps({t.name: s for t, s in zip(items, sums, strict=True)},
+                                   separators=(",", ":"))}  # fmt: skip
+
+    # digests are hex: the same length whatever their values, so the header's length is known now
+    blank = [
+        "0" * n_digest_chars(t["data_offsets"][1] - t["data_offsets"][0], chunk)
+        for t in table.values()
+    ]
+    size = len(header_bytes(table, meta(blank)))
+    stream = _Stream(items, major, chunk, block)
+
+    def head() -> bytes:
+        raw = header_bytes(table, meta(stream.digests()))
+        if len(raw) != size:
+            raise RuntimeError(f"header is {len(raw)} bytes, {size} were reserved")
+        return struct.pack("<Q", size) + raw
+
+    return Encoded(stream.pieces(memoryview(bytes(8 + size))), 8 + size + off, head)
 
 
-def _source(a: np.ndarray, token_major: bool, block: int) -> Callable[[], Iterator[memoryview]]:
-    """A maker of the bytes of ``a`` as stored, in order (a fresh pass at each call)."""
-    if token_major:
-        return lambda: _token_major_blocks(a, block)
-    blocks = byte_blocks(a)
-    return lambda: iter(blocks)
+class _Stream:
+    """The data pieces of one entry as one stream of blocks, each made once (token-major ones
+    transposed into a shared :class:`_Ring`), hashed as it is made, and made on the pool one
+    block ahead of the writer — across tensor boundaries, so the writer never waits for a
+    tensor's first block."""
+
+    def __init__(self, items: list[Tensor], major: list[bool], chunk: int, block: int) -> None:
+        self._items, self._major, self._chunk, self._block = items, major, chunk, block
+        self._sums: list[Digests] = []
+        self._done = False
+
+    def pieces(self, first: memoryview) -> Iterator[memoryview]:
+        yield first
+        yield from _one_ahead(self._blocks())
+
+    def _blocks(self) -> Iterator[memoryview]:
+        ring = _Ring()
+        for t, tm in zip(self._items, self._major, strict=True):
+            d = Digests(self._chunk)
+            self._sums.append(d)
+            if tm:
+                blocks = _token_major_blocks(t.data, self._block, ring)
+            else:  # views of the array itself (valid throughout), cut to blocks to overlap
+                blocks = (v[i : i + self._block] for v in byte_blocks(t.data)
+                          for i in range(0, len(v), self._block))  # fmt: skip
+            for b in blocks:
+                d.update(b)
+                yield b
+        self._done = True
+
+    def digests(self) -> list[str]:
+        """Every tensor's digests; only after the last piece was consumed."""
+        if not self._done:
+            raise RuntimeError("entry header asked for before all its bytes were written")
+        return [d.hexdigests() for d in self._sums]
 
 
-def _pieces(first: memoryview, sources: list[Callable[[], Iterator[memoryview]]],
-            major: list[bool]) -> Iterator[memoryview]:  # fmt: skip
-    yield first
-    for src, tm in zip(sources, major, strict=True):
-        yield from (_one_ahead(src()) if tm else src())
+class _Ring:
+    """``count`` reused byte buffers taken in turn: a block is valid until ``count - 1`` more
+    were taken. Grown (never shrunk) to the largest block asked for; not zero-filled."""
+
+    def __init__(self, count: int = 2) -> None:
+        self._bufs: list[np.ndarray] = []
+        self._count = count
+        self._taken = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        slot = self._taken % self._count
+        self._taken += 1
+        if slot == len(self._bufs):
+            self._bufs.append(np.empty(nbytes, dtype=np.uint8))
+        elif self._bufs[slot].nbytes < nbytes:
+            self._bufs[slot] = np.empty(nbytes, dtype=np.uint8)
+        return self._bufs[slot][:nbytes]
 
 
 def _token_major_blocks(a: np.ndarray, block: int = BLOCK_BYTES,
-                        buffers: int = 2) -> Iterator[memoryview]:  # fmt: skip
+                        ring: _Ring | None = None) -> Iterator[memoryview]:  # fmt: skip
     """The bytes of ``a.swapaxes(1, 2)`` (``a``: ``(1, heads, T, ...)``, any strides) in C order,
-    ``block`` bytes of whole tokens at a time, each copied by numpy into one of ``buffers``
-    reused buffers (a block is valid until ``buffers - 1`` more were asked for)."""
+    ``block`` bytes of whole tokens at a time, each copied by numpy into a buffer of ``ring``
+    (a block is valid until the ring's next buffer after it is taken)."""
+    ring = ring or _Ring()
     v = a.swapaxes(1, 2)[0]  # (T, heads, ...): a view
     t_all = v.shape[0]
-    per = max(1, a.nbytes // max(1, t_all))
-    step = max(1, min(t_all, block // per))
-    count = min(buffers, -(-t_all // step))
-    bufs = [np.empty((step, *v.shape[1:]), dtype=a.dtype) for _ in range(count)]
-    for i, t0 in enumerate(range(0, t_all, step)):
+    per = a.nbytes // max(1, t_all)
+    step = max(1, min(t_all, block // max(1, per)))
+    for t0 in range(0, t_all, step):
         k = min(step, t_all - t0)
-        buf = bufs[i % len(bufs)][:k]
+        buf = ring.take(k * per).view(a.dtype).reshape(k, *v.shape[1:])
         np.copyto(buf, v[t0 : t0 + k])
         yield flat_bytes(buf.reshape(-1))
 
 
 def _one_ahead(blocks: Iterator[memoryview]) -> Iterator[memoryview]:
-    """``blocks``, each made on the pool while the consumer writes the one before (numpy's copy
-    and ``write`` both release the GIL). Two buffers alternate: see :func:`_token_major_blocks`."""
+    """``blocks``, each made on the pool while the consumer writes the one before (numpy's copy,
+    xxhash and ``write`` all release the GIL). Two buffers alternate: see :class:`_Ring`."""
     nxt = pool().submit(next, blocks, None)
     try:
         while (cur := nxt.result()) is not None:

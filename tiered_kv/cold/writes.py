@@ -1,8 +1,9 @@
 """The write path of the cold tier (writer thread only): budget, bytes, publish, index commit.
 
-One entry is written as: make room (evicting LRU entries through ``evict.Remover``) → encode
-(chunk checksums over the evaluated arrays' own buffers, on the hashing pool) → ``backend.put``
-(large sequential writes, one fsync, atomic rename, directory fsync) → one index transaction
+One entry is written as: make room (evicting LRU entries through ``evict.Remover``) → encode and
+``backend.put`` in one pass (each data byte made once, written with large sequential writes and
+hashed on the pool as it goes by; then the header with those checksums over its reserved first
+bytes, one fsync, atomic rename, directory fsync) → one index transaction
 that adds the record and removes the older entries it continues → delete those files. A failure
 anywhere is counted by kind (:class:`faults.Faults`), logged once, and leaves no temp file.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,12 +75,11 @@ class WritePath:
             site.faults.count("skipped")
             return
         key = uuid.uuid4().hex
-        pieces: Iterable[memoryview]
         if isinstance(job, Raw):  # [shared tier] bytes as they are
-            pieces = [memoryview(job.data)]
+            entry = store.Encoded.whole(job.data)
         else:
-            pieces = store.encode(job.tokens, job.tensors, job.metadata).pieces
-        nbytes = site.backend.put(key, pieces)
+            entry = store.encode(job.tokens, job.tensors, job.metadata)
+        nbytes = site.backend.put(key, entry)
         try:
             now = time.time()
             blocks = tuple(site.block_hashes(job.tokens))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -19,8 +17,8 @@ class DictBackend:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
 
-    def put(self, key: str, pieces: Iterable[memoryview]) -> int:
-        self.data[key] = b"".join(bytes(p) for p in pieces)  # a piece is valid until the next
+    def put(self, key: str, entry: store.Encoded) -> int:
+        self.data[key] = bytes(entry.join())  # gathers the pieces, then patches the head in
         return len(self.data[key])
 
     def get(self, key: str) -> bytearray | None:
@@ -47,7 +45,7 @@ def test_any_backend_round_trips_an_entry(tmp_path, kind):
     assert isinstance(backend, Backend)
     enc, c = entry_pieces()
     assert not backend.contains("e1") and backend.get("e1") is None
-    n = backend.put("e1", enc.pieces)
+    n = backend.put("e1", enc)
     assert backend.contains("e1") and n == enc.nbytes
     buf = backend.get("e1")
     assert buf is not None
@@ -64,7 +62,7 @@ def test_file_backend_put_is_atomic_and_private(tmp_path, monkeypatch):
     import os
 
     b = FileBackend(tmp_path)
-    b.put("e1", entry_pieces()[0].pieces)
+    b.put("e1", entry_pieces()[0])
     assert (tmp_path / "e1.safetensors").stat().st_mode & 0o777 == 0o600
 
     def fail(*a, **k):
@@ -72,8 +70,52 @@ def test_file_backend_put_is_atomic_and_private(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fail)
     with pytest.raises(OSError):
-        b.put("e2", entry_pieces()[0].pieces)
+        b.put("e2", entry_pieces()[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e1.safetensors"]  # no temp left
+
+
+class Crash(Exception):
+    """Stands for the writer dying between the data and the header."""
+
+
+@pytest.mark.parametrize("where", ["head", "pwrite"])
+def test_a_failure_between_data_and_header_publishes_nothing(tmp_path, monkeypatch, where):
+    """The header comes last (over its reserved first bytes): a failure after the data is
+    written and before the header is in place leaves no file at the key (the old value, when
+    there is one, stays whole) and no temp file."""
+    import dataclasses
+    import os
+
+    b = FileBackend(tmp_path)
+    b.put("e1", entry_pieces()[0])
+    before = b.path("e1").read_bytes()
+    seen: list[int] = []
+
+    def crashing(enc: store.Encoded) -> store.Encoded:
+        real = enc.head
+        assert real is not None
+
+        def head() -> bytes:
+            temps = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+            seen.append(sum(p.stat().st_size for p in temps))
+            if where == "head":
+                raise Crash
+            return real()
+
+        return dataclasses.replace(enc, head=head)
+
+    def pwrite(*a, **k):
+        raise Crash
+
+    if where == "pwrite":
+        monkeypatch.setattr(os, "pwrite", pwrite)
+    for key in ("e1", "e2"):  # over an existing value, and at a new key
+        enc = entry_pieces()[0]
+        with pytest.raises(Crash):
+            b.put(key, crashing(enc))
+        assert seen[-1] == enc.nbytes  # the data was all written when the header was asked for
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e1.safetensors"]
+    assert b.path("e1").read_bytes() == before and not b.contains("e2")
 
 
 def test_keys_are_never_paths(tmp_path):

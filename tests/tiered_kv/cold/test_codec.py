@@ -106,7 +106,7 @@ def big_entry(tmp_path, tokens: int = 12_000):
     caches = [kv(), kv()]
     job = codec.prepare(np.arange(tokens, dtype=np.int32), caches, None, "fp")
     backend = FileBackend(tmp_path)
-    backend.put("e", store.encode(job.tokens, job.tensors, job.metadata).pieces)
+    backend.put("e", store.encode(job.tokens, job.tensors, job.metadata))
     path = backend.path("e")
     return path, store.read_header(path, "fp"), caches
 

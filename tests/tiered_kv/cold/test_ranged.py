@@ -30,7 +30,7 @@ def write(tmp_path, dtype=mx.float32, chunk=CHUNK):
     c.update_and_fetch(big[..., :N, :], (big * 2)[..., :N, :])
     job = codec.prepare(np.arange(N, dtype=np.int32), [c], None, "fp")
     b = FileBackend(tmp_path)
-    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk).pieces)
+    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk))
     return b.path("e1"), np.array(big[..., :N, :].astype(mx.float32))
 
 
@@ -106,7 +106,7 @@ def test_layers_without_token_rows_cannot_be_split(tmp_path):
     at20.update_and_fetch(mx.zeros((1, HEADS, 20, DIM)), mx.zeros((1, HEADS, 20, DIM)))
     job = codec.prepare(np.arange(40, dtype=np.int32), [c], {20: [at20]}, "fp")  # a checkpoint
     b = FileBackend(tmp_path)
-    b.put("e2", store.encode(job.tokens, job.tensors, job.metadata, CHUNK).pieces)
+    b.put("e2", store.encode(job.tokens, job.tensors, job.metadata, CHUNK))
     with pytest.raises(ranged.Unsplittable):
         ranged.read_range(b.path("e2"), "fp", 10, 40)
 

@@ -3,8 +3,10 @@ splittable layer tensors stored token-major."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -30,7 +32,7 @@ def test_file_is_standard_safetensors_with_chunk_digests(tmp_path):
     caches = [big_kv(10_000), big_kv(10_000)]  # ~10 MB per tensor: 3 chunks each
     job = codec.prepare(np.arange(10_000, dtype=np.int32), caches, None, "fp")
     b = FileBackend(tmp_path)
-    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata).pieces)
+    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata))
     path = b.path("e1")
     arrays, meta = mx.load(str(path), return_metadata=True)  # any safetensors reader works
     stored = mx.swapaxes(caches[0].keys[..., :10_000, :], 1, 2)  # token-major on disk
@@ -52,7 +54,7 @@ def test_splittable_tensors_are_token_major_on_disk(tmp_path):
     c.update_and_fetch(mx.random.normal((1, 3, 100, 8)), mx.random.normal((1, 3, 100, 8)))
     job = codec.prepare(np.arange(300, dtype=np.int32), [c], None, "fp")
     b = FileBackend(tmp_path)
-    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk=1000, block=4096).pieces)
+    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk=1000, block=4096))
     raw = b.path("e1").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     import json
@@ -173,7 +175,7 @@ def _entry(tmp_path, tokens=6_000):
     caches = [big_kv(tokens), big_kv(tokens)]  # ~6 MB per tensor: 2 chunks each
     job = codec.prepare(np.arange(tokens, dtype=np.int32), caches, None, "fp")
     b = FileBackend(tmp_path)
-    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata).pieces)
+    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata))
     path = b.path("e1")
     return path, store.read_header(path, "fp")
 
@@ -222,3 +224,112 @@ def test_scan_closed_early_stops_its_thread(tmp_path):
     scan = store.Scan(path, header, step=store.CHUNK_BYTES, ring=1)
     scan.close()
     assert not scan._thread.is_alive()
+
+
+# -- one pass: each byte made once, the header written last over reserved bytes, same bytes ----
+EXAMPLE = Path(__file__).resolve().parents[3] / "cache_dir.example"
+_DERIVED = {"format_version", "n_tokens", "chunk_bytes", "token_major", "xxh3"}
+
+
+def _encode_args(raw: bytes) -> tuple[np.ndarray, list[store.Tensor], dict[str, str], int]:
+    """What the writer was given for the entry ``raw``: its arrays as the caches held them
+    (token-major ones as strided head-major views), its metadata, its chunk size."""
+    header = store.parse_buffer(memoryview(raw))
+    tensors: list[store.Tensor] = []
+    tokens = np.empty(0, "<i4")
+    for name, t in header.tensors.items():  # file order: tokens first
+        data = store.tensor_bytes(memoryview(raw), header, name)
+        a = np.frombuffer(data, f"<u{store.ITEMSIZE[t['dtype']]}").reshape(t["shape"])
+        if name == "tokens":
+            tokens = a.view("<i4")
+            continue
+        view = a.swapaxes(1, 2) if name in header.token_major else a
+        tensors.append(store.Tensor(name, t["dtype"], header.shape(name), view))
+    meta = {k: v for k, v in header.metadata.items() if k not in _DERIVED}
+    return tokens, tensors, meta, header.chunk_bytes
+
+
+def test_the_one_pass_writer_reproduces_the_example_files_byte_for_byte(tmp_path):
+    """cache_dir.example/ was written by the two-pass encoder: the same arrays and metadata
+    encoded today give the same bytes, joined in memory and through the file backend (format 3
+    unchanged)."""
+    files = sorted(EXAMPLE.rglob("*.safetensors"))
+    assert len(files) == 2
+    b = FileBackend(tmp_path)
+    for path in files:
+        want = path.read_bytes()
+        assert store.encode(*_encode_args(want)).join() == want
+        b.put("again", store.encode(*_encode_args(want)))
+        assert b.path("again").read_bytes() == want
+
+
+def _fixture() -> tuple[np.ndarray, list[store.Tensor]]:
+    """Fixed arrays: a strided and a contiguous per-token tensor, a 4-D one of another length
+    and a 2-D state (both kept in C order)."""
+    buf = (np.arange(3 * 320 * 8, dtype=np.uint32) * 2654435761 % 65521).astype("<u2")
+    k = buf.reshape(1, 3, 320, 8)[:, :, :300, :]  # a cache buffer longer than its tokens
+    v = (k[..., ::-1] ^ 0x5A5A).astype("<u2")
+    win = np.arange(2 * 5 * 7, dtype="<f4").reshape(1, 2, 5, 7)
+    state = np.linspace(-1, 1, 33, dtype="<f4").reshape(3, 11)
+    return np.arange(300, dtype="<i4") * 7 % 1000, [
+        store.Tensor("0.keys", "BF16", k.shape, k), store.Tensor("0.values", "BF16", v.shape, v),
+        store.Tensor("1.window", "F32", win.shape, win),
+        store.Tensor("2.state", "F32", state.shape, state),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("chunk", "block", "sha256"), [
+    (store.CHUNK_BYTES, store.BLOCK_BYTES,
+     "ba0a4dfadf1014a665a134cb72d5568b6946464f8736e08c4e043c17824dab76"),
+    (1000, 4096, "c2571e1a1837f967a4ae3c1e0ac2cce5c6824b5d0a9b05dcf124f7497f3b2b27"),
+])  # fmt: skip
+def test_encoded_bytes_equal_the_two_pass_encoders(tmp_path, chunk, block, sha256):
+    """The digests of the two-pass encoder's output for fixed arrays (recorded before the one
+    pass landed), with chunks that straddle transposed blocks (second case)."""
+    tokens, tensors = _fixture()
+    meta = {"fingerprint": "fp", "created": "1700000000.0", "layout": "x", "layers": "[]"}
+    b = FileBackend(tmp_path)
+    b.put("e1", store.encode(tokens, tensors, meta, chunk, block))
+    raw = b.path("e1").read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == sha256
+    header = store.read_header(b.path("e1"), "fp")
+    for name in header.tensors:  # and the digests are those of the bytes as stored
+        assert store.chunk_digests([store.tensor_bytes(memoryview(raw), header, name)], chunk) == (
+            header.digests(name)
+        )
+
+
+def test_each_token_major_block_is_made_once_per_write(tmp_path, monkeypatch):
+    """The writer transposes every token-major block exactly once: the checksums are computed
+    over the blocks it writes (the two-pass writer made each twice, once only to hash it)."""
+    made: list[int] = []
+    real = store._token_major_blocks
+
+    def counting(*args, **kwargs):
+        for view in real(*args, **kwargs):
+            made.append(len(view))
+            yield view
+
+    monkeypatch.setattr(store, "_token_major_blocks", counting)
+    c = C.KVCache()
+    c.update_and_fetch(mx.random.normal((1, 3, 300, 8)), mx.random.normal((1, 3, 300, 8)))
+    job = codec.prepare(np.arange(300, dtype=np.int32), [c], None, "fp")
+    b = FileBackend(tmp_path)
+    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk=1000, block=4096))
+    per_block = 4096 // (3 * 8 * 4)  # whole tokens per block
+    assert len(made) == 2 * -(-300 // per_block)  # keys + values, each block once
+    store.check_data(b.path("e1"), store.read_header(b.path("e1"), "fp"))
+
+
+def test_the_header_is_given_only_after_every_byte(tmp_path):
+    tokens, tensors = _fixture()
+    enc = store.encode(tokens, tensors, {"fingerprint": "fp"}, 1000, 4096)
+    assert enc.head is not None
+    pieces = iter(enc.pieces)
+    first = next(pieces)
+    assert bytes(first) == bytes(len(first))  # reserved: zeros until the header is known
+    with pytest.raises(RuntimeError):
+        enc.head()
+    total = len(first) + sum(len(p) for p in pieces)
+    head = enc.head()
+    assert total == enc.nbytes and len(head) == len(first)
