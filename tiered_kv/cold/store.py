@@ -27,9 +27,14 @@ Covered by the header checksum; a name that is not a 4-D batch-1 tensor of ``n_t
 axis 1 makes the header corrupt. Every other tensor (rotating windows, recurrent state,
 checkpoints of another length, ``tokens``) keeps its own C order.
 
+Written in one pass (:func:`encode`): the header's length does not depend on the digests' values
+(16 hex digits per chunk, a fixed-length ``header_xxh``), so its bytes are reserved first (zeros),
+the data is made, hashed and written block by block, and the real header is written last over the
+reserved bytes (:attr:`Encoded.head`), before the file is published.
+
 Threads: :func:`encode` runs on the writer thread and reads only buffers (numpy views of
-evaluated arrays; token-major tensors are transposed by numpy, block by block, on that thread and
-the hashing pool); :func:`check_buffer` checks bytes already in memory (request thread,
+evaluated arrays; token-major tensors are transposed by numpy, block by block, and every block
+hashed, on the hashing pool one block ahead of the writer); :func:`check_buffer` checks bytes already in memory (request thread,
 hashing on a small pool of byte-only threads); :func:`read_header` / :func:`check_data` /
 :func:`read_tokens` are plain file reads usable from any thread (verify, CLI); a :class:`Scan` reads
 and verifies a whole data section on its own byte-only thread (the reload path and ``verify``).
