@@ -19,6 +19,7 @@ MEASURED_ALONE = {
     "sizes.py": {"tiered_kv.cold.tier"},  # cold tier write / reload by entry size
     "restore.py": {"tiered_kv.cold.ranged", "tiered_kv.restore.restorer"},  # ranged read, calibration
     # both's read + join alone: ranged reads into landing buffers, the Restorer's join
+    "write_pass.py": {"tiered_kv.cold"},  # encode + FileBackend.put alone (the writer's pass)
     "join.py": {"tiered_kv.cold", "tiered_kv.cold.backend", "tiered_kv.restore",
                 "tiered_kv.restore.costs", "tiered_kv.restore.restorer"},  # fmt: skip
     "shared_reload.py": {"tiered_kv.cold.tier", "tiered_kv.shared.link"},  # publish / fetch alone

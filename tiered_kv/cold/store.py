@@ -278,8 +278,8 @@ def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str,
     Splittable tensors are stored token-major (module doc): numpy transposes ``block`` bytes of
     tokens at a time into two reused buffers, each block made and hashed on the pool while the
     writer writes the one before, so an entry never needs a second copy of itself in memory.
-    Every other tensor is written from the array's own buffer, no copy, hashed on the pool while
-    it is written. ``chunk``: the checksum granularity (tests use small ones to exercise ranged
+    Every other tensor is written from the array's own buffer, no copy, hashed on the pool in
+    blocks of the same size, one ahead of the writer too. ``chunk``: the checksum granularity (tests use small ones to exercise ranged
     reads). Writer thread: numpy and bytes only."""
     assert tokens.dtype == np.dtype("<i4") and all(t.name != "tokens" for t in tensors)
     n_tokens = len(tokens)
@@ -449,7 +449,7 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
     sums = out._sums()
     for name, t in header.items():
         start, stop = t["data_offsets"]
-        if len(sums.get(name, "")) != _HEX * -(-(stop - start) // chunk):
+        if len(sums.get(name, "")) != n_digest_chars(stop - start, chunk):
             raise CorruptEntry(f"tensor {name!r}: checksum table does not match its size")
     return out
 
