@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.decoding import Decoding, Group, batchable
 from engine.events import SamplingParams
-from engine.inflight import Ends, Progress, Seq, Sink
+from engine.inflight import Ends, Hold, Progress, Seq, Sink
 from engine.leasing import Leasing
 from engine.prefilling import Prefilling
 
@@ -36,7 +36,7 @@ class BatchLoop:
         self.prefill_budget = getattr(engine, "prefill_chunk", 0) or engine.config.prefill_chunk
         ends = Ends(engine)
         self.decode = Decoding(engine.model, ends)
-        self.prefill = Prefilling(engine, ends, self.decode.start)
+        self.prefill = Prefilling(engine, ends, self.decode.start, self.decode.join)
         self.leasing = Leasing(
             engine, ends, self.prefill.seqs, lambda: self.decode.count > 0, self.prefill.share
         )
@@ -87,18 +87,27 @@ class BatchLoop:
         prompt left as it had: while one has its first token but no text yet (held back; at most
         ``FIRST_TEXT_TOKENS`` tokens), only prompts shorter than its own prefill go on. So a main
         request's first text never waits for the prefill of a title request sent with it, and a
-        title that started first does not hold a main request with less left."""
+        title that started first does not hold a main request with less left. Prompts of a few
+        tokens (``SHORT_PREFILL``) are never held; requests whose bodies went in during the step
+        join the decode batch together at its end, their last prompt tokens one forward."""
         self.decode.step()
         self.leasing.poll()
         self.prefill.drop_cancelled()
         budget = self.prefill_budget
         while budget > 0:
-            hold = self.decode.text_hold()
-            self.leasing.lease_ready(below=hold)
-            seq = self.prefill.next(below=hold)
+            hold = self._hold()
+            self.leasing.lease_ready(hold)
+            seq = self.prefill.next(hold)
             if seq is None:
-                return
-            budget -= self.prefill.advance(seq, budget, below=hold)
+                break
+            budget -= self.prefill.advance(seq, budget, hold)
+        self.prefill.join_ready()
+
+    def _hold(self) -> Hold:
+        """Whose prefill waits for first texts: requests with a token but no text yet, and
+        those whose body went in this step (:class:`engine.inflight.Hold`)."""
+        held = [h for h in (self.decode.text_hold(), self.prefill.ready_hold()) if h is not None]
+        return Hold(min(held, default=None))
 
     def close(self) -> None:
         """Cancel everything in flight: what each request computed is stored, listeners get

@@ -82,8 +82,8 @@ class Decoding:
         return [g for g in (self.batch, *self.solo) if g is not None]
 
     def start(self, seq: Seq, logits: mx.array) -> None:
-        """Sample ``seq``'s first token from its prefill's logits, then join a decode group (or
-        finish, when that token ends the request)."""
+        """Sample ``seq``'s first token from its prefill's logits (a prefill of its own), then
+        join a decode group (or finish, when that token ends the request)."""
         assert seq.lease is not None
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         sampled = (seq.sampler or sampling.greedy)(logprobs[None])
@@ -93,28 +93,51 @@ class Decoding:
         if reason is not None:
             self.ends.finish(seq, reason, seq.lease.caches)
             return
-        caches = seq.lease.caches
-        together = batchable(caches)
-        layer_caches = [c.merge([c]) for c in caches] if together else list(caches)
+        self._enter([seq], [tok])
+
+    def join(self, seqs: list[Seq]) -> None:
+        """``seqs`` (plain KV, each with only its last prompt token left) join the decode batch
+        with that token as their input: its forward is the new rows' first decode step, one for
+        all of them, and their first tokens come with the batch's next step (as in mlx-lm's
+        ``BatchGenerator``) — no forward of their own for the last token and another for the
+        first sampled one."""
+        try:
+            self._enter(seqs, [s.prompt_ids[-1] for s in seqs])
+        except Exception as e:
+            for seq in seqs:
+                self.ends.fail(seq, e, seq.lease.caches if seq.lease else None)
+
+    def _enter(self, seqs: list[Seq], inputs: list[int]) -> None:
+        """A ``GenerationBatch`` over ``seqs`` fed ``inputs`` (its first forward starts now),
+        extended into the batched group, or a group of its own when the caches cannot be
+        batched (one request)."""
+        caches = [s.lease.caches for s in seqs if s.lease is not None]
+        assert len(caches) == len(seqs)
+        together = all(batchable(c) for c in caches)
+        assert together or len(seqs) == 1
+        if together:  # one merged cache per layer (mlx-lm's Batch*Cache.merge pads the rows)
+            layers = [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
+        else:
+            layers = list(caches[0])
         gen = GenerationBatch(
             self.model,
-            [id(seq)],
-            mx.array([tok]),
-            layer_caches,
-            [seq.fed],  # GenerationBatch appends each token it feeds: ``fed`` stays exact
-            [seq.sampler],
+            [id(s) for s in seqs],
+            mx.array(inputs),
+            layers,
+            [s.fed for s in seqs],  # GenerationBatch appends each token it feeds: ``fed`` stays exact
+            [s.sampler for s in seqs],
             sampling.greedy,
-            [()],
-            [StopSequences()],
-            [NO_LIMIT],
+            [()] * len(seqs),
+            [StopSequences() for _ in seqs],
+            [NO_LIMIT] * len(seqs),
         )
         if not together:
-            self.solo.append(Group(gen, [seq], batched=False))
+            self.solo.append(Group(gen, list(seqs), batched=False))
         elif self.batch is None:
-            self.batch = Group(gen, [seq], batched=True)
+            self.batch = Group(gen, list(seqs), batched=True)
         else:
             self.batch.gen.extend(gen)
-            self.batch.seqs.append(seq)
+            self.batch.seqs.extend(seqs)
 
     def step(self) -> None:
         """One decode step of every group."""
@@ -139,6 +162,8 @@ class Decoding:
         done: list[int] = []
         reasons: list[str] = []
         for i, (seq, r) in enumerate(zip(group.seqs, responses, strict=True)):
+            if not seq.t_first:  # joined with its last prompt token: this is its first token
+                seq.t_first = time.perf_counter() - seq.started
             reason = seq.on_token(int(r.token))
             if reason is not None:
                 done.append(i)

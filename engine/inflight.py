@@ -22,6 +22,26 @@ from tiered_kv import Lease
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
+#: prompts with at most this many tokens left are never held: their prefill costs about a decode
+#: step, and they join the decode batch in the same step as the request that holds them
+SHORT_PREFILL = 64
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Which prompts may prefill now. While requests await their first text, a prompt with as
+    many tokens left as the least any of them prefilled (``below``) waits: it went first for
+    having less, and its text comes before more prefill of longer ones — so a main request's
+    first text never waits for the prefill of a title request sent with it. Short prompts
+    (:data:`SHORT_PREFILL`) are never held. ``below`` None: nothing is held."""
+
+    below: int | None = None
+
+    def lets(self, left: int) -> bool:
+        return self.below is None or left < self.below or left <= SHORT_PREFILL
+
+
+NO_HOLD = Hold()
 
 
 class Sink(Protocol):
@@ -60,6 +80,12 @@ class Seq:
     def left(self) -> int:
         """Prompt tokens still to prefill."""
         return len(self.prompt_ids) - len(self.fed)
+
+    @property
+    def ready(self) -> bool:
+        """Its body is in its plain-KV caches; its last prompt token goes in with the decode
+        batch (:meth:`engine.decoding.Decoding.join`)."""
+        return self.steps is None and self.left == 1
 
     @property
     def prefilled(self) -> int:

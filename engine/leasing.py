@@ -22,7 +22,7 @@ import numpy as np
 from engine import prefill_batch
 from engine import sampler as sampling
 from engine.events import END, Hit
-from engine.inflight import Ends, Seq
+from engine.inflight import NO_HOLD, SHORT_PREFILL, Ends, Hold, Seq
 
 #: prompt tokens a waiting request must gain from a prefilling one's published prompt to wait for it
 SHARE_GAIN = 64
@@ -56,25 +56,29 @@ class Leasing:
         self.waiting: list[Seq] = []  # admitted, no lease yet
         self.loading: list[Seq] = []  # a disk entry being read for them
 
-    def lease_ready(self, below: int | None = None) -> None:
+    def lease_ready(self, hold: Hold = NO_HOLD) -> None:
         """Lease the waiting requests that do not wait for a prefilling one's prompt, the fewest
         prompt tokens left (after its cache hit) first: all of them when prompts share forwards
-        (``together``), else the one that would prefill next, if any. With ``below``, only
-        requests with fewer prompt tokens left than that (the others' prefill is held)."""
+        (``together``), else the one that would prefill next, if any — only those whose
+        prefill ``hold`` lets go on."""
         while True:
             ready = [s for s in self.waiting if not self._shares_with_prefilling(s)]
             if not ready:
                 return
             left = {id(s): len(s.prompt_ids) - self.engine.cache.peek(s.tokens) for s in ready}
             seq = min(ready, key=lambda s: (left[id(s)], s.enqueued))
-            if below is not None and left[id(seq)] >= below:
+            if not hold.lets(left[id(seq)]):
                 return
             if self.together:
                 self._start(seq)
                 continue
-            ahead = min(((s.left, s.enqueued) for s in self.prefilling), default=None)
-            if ahead is None or (left[id(seq)], seq.enqueued) < ahead:
+            ahead = min(((s.left, s.enqueued) for s in self.prefilling if not s.ready),
+                        default=None)  # fmt: skip
+            short = left[id(seq)] - 1 <= SHORT_PREFILL  # leased together: they share a forward
+            if short or ahead is None or (left[id(seq)], seq.enqueued) < ahead:
                 self._start(seq)
+                if short:
+                    continue
             return
 
     def poll(self) -> None:

@@ -24,35 +24,53 @@ from typing import Any
 import mlx.core as mx
 
 from engine import prefill_batch
-from engine.inflight import Ends, Seq
+from engine.inflight import NO_HOLD, SHORT_PREFILL, Ends, Hold, Seq
 
 
 class Prefilling:
     """Leased requests whose prompt is not all in their caches yet (``seqs``). ``first(seq,
     logits)`` takes each one whose prompt is done (its first token, a place in a decode group)."""
 
-    def __init__(self, engine: Any, ends: Ends, first: Callable[[Seq, mx.array], None]) -> None:
-        self.engine, self.ends, self.first = engine, ends, first
+    def __init__(self, engine: Any, ends: Ends, first: Callable[[Seq, mx.array], None],
+                 join: Callable[[list[Seq]], None]) -> None:  # fmt: skip
+        self.engine, self.ends, self.first, self.join = engine, ends, first, join
         self.seqs: list[Seq] = []
         # rows ride along only where they cost little (a GPU); on the CPU a forward's cost grows
         # with its rows, and riding rows only delay the first request's first token
         self.share = bool(getattr(engine, "share_prefill", True))
 
-    def next(self, below: int | None = None) -> Seq | None:
-        """The request to prefill next: the fewest prompt tokens left (arrival order on a tie);
-        with ``below``, None unless it has fewer left than that (the others' prefill is held)."""
-        seq = min(self.seqs, key=lambda s: (s.left, s.enqueued), default=None)
-        return seq if seq is None or below is None or seq.left < below else None
+    def next(self, hold: Hold = NO_HOLD) -> Seq | None:
+        """The request to prefill next: the fewest prompt tokens left (arrival order on a tie),
+        not counting those :meth:`join_ready` takes; None when ``hold`` holds it."""
+        seq = min((s for s in self.seqs if not s.ready), key=lambda s: (s.left, s.enqueued),
+                  default=None)  # fmt: skip
+        return seq if seq is None or hold.lets(seq.left) else None
 
-    def advance(self, seq: Seq, budget: int, below: int | None = None) -> int:
-        """Prefill a chunk of ``seq`` (with the requests that share its forwards, those with
-        fewer than ``below`` prompt tokens left when given) within about ``budget`` prompt
-        tokens; returns the tokens fed."""
+    def advance(self, seq: Seq, budget: int, hold: Hold = NO_HOLD) -> int:
+        """Prefill a chunk of ``seq`` (with the requests that share its forwards, those ``hold``
+        lets go on) within about ``budget`` prompt tokens; returns the tokens fed."""
         if seq.steps is None:  # plain KV: its chunks share forwards with the others'
-            return self._rows(self._together(seq, below), budget)
+            return self._rows(self._together(seq, hold), budget)
         before = len(seq.fed)
         self._alone(seq)
         return max(1, len(seq.fed) - before)
+
+    def ready_hold(self) -> int | None:
+        """The least prompt tokens prefilled by a request whose body is in (it awaits its first
+        text like a decoding one: :meth:`engine.decoding.Decoding.text_hold`)."""
+        return min((s.prefilled for s in self.seqs if s.ready), default=None)
+
+    def join_ready(self) -> None:
+        """Every request whose body is in joins the decode batch, together: their last prompt
+        tokens are the new rows' first decode step, one forward for all of them
+        (:meth:`engine.decoding.Decoding.join`). The loop calls it once per step, after the
+        step's prefill: requests whose bodies went in during the step join in one forward."""
+        rows = [s for s in self.seqs if s.ready]
+        rows = [s for s in rows if s.t_prefill or self._publish(s)]  # a whole hit: no body fed
+        for seq in rows:
+            self.seqs.remove(seq)
+        if rows:
+            self.join(rows)
 
     def drop_cancelled(self) -> None:
         for gone in [s for s in self.seqs if s.sink.cancelled()]:
@@ -65,32 +83,32 @@ class Prefilling:
         self.seqs.clear()
 
     # -- shared forwards --------------------------------------------------------------------
-    def _together(self, seq: Seq, below: int | None) -> list[Seq]:
+    def _together(self, seq: Seq, hold: Hold) -> list[Seq]:
         """``seq`` and the requests whose prompt chunks share its forwards (least left first):
-        those without a prefill of their own (``steps``: caches that cannot be batched) and with
-        fewer than ``below`` prompt tokens left."""
-        if not self.share:
+        those without a prefill of their own (``steps``: caches that cannot be batched), with
+        their body not all in yet, that ``hold`` lets go on. Where rows cost what a request
+        alone does (``share`` off: the CPU), only short chunks are shared (a forward of a few
+        tokens costs its fixed part, whatever its rows)."""
+        if not self.share and seq.left - 1 > SHORT_PREFILL:
             return [seq]
-        others = [s for s in self.seqs if s is not seq and s.steps is None
-                  and (below is None or s.left < below)]  # fmt: skip
+        others = [s for s in self.seqs if s is not seq and s.steps is None and not s.ready
+                  and hold.lets(s.left)]  # fmt: skip
         return [seq] + sorted(others, key=lambda s: (s.left, s.enqueued))
 
     def _rows(self, rows: list[Seq], budget: int) -> int:
         """One forward over ``rows``: a chunk of each one's prompt body, or — once the first has
         only its last prompt token left — the last tokens of all that are there, whose logits
         give their first tokens. Returns the prompt tokens it fed."""
-        if rows[0].left == 1:
-            rows = [s for s in rows if s.left == 1]
-            logits = self._forward(rows, [s.prompt_ids[-1:] for s in rows], logits=True)
-            for i, seq in enumerate(rows if logits is not None else []):
-                self._done(seq, logits[i])  # type: ignore[index]
-            return len(rows)
+        assert rows[0].left > 1
         # the first row's chunk is what it would be alone (the least prompt left keeps its pace);
         # the others ride along with as much while the budget lasts. Each has at least that much
         # body left (rows[0] has the least): one length for all, no padding.
         n = max(1, min(rows[0].left - 1, budget))
         rows = rows[: max(1, budget // n)]
         self._forward(rows, [s.prompt_ids[len(s.fed) : len(s.fed) + n] for s in rows])
+        for seq in rows:
+            if seq.ready and seq in self.seqs:  # published now: others may share its prompt
+                self._publish(seq)
         if any(s.left > 1 for s in rows):
             mx.clear_cache()
         return n * len(rows)
@@ -136,17 +154,30 @@ class Prefilling:
         self._done(seq, logits)
 
     def _done(self, seq: Seq, logits: mx.array) -> None:
-        """``seq``'s prompt is all in its caches: publish it, then its first token."""
-        assert seq.lease is not None
+        """``seq``'s prompt is all in its caches (a prefill of its own): publish it, then its
+        first token."""
+        if not self._publish(seq):
+            return
         self.seqs.remove(seq)
+        try:
+            self.first(seq, logits)
+        except Exception as e:
+            self.ends.fail(seq, e, seq.lease.caches if seq.lease else None)
+
+    def _publish(self, seq: Seq) -> bool:
+        """``seq``'s prefill is over (``t_prefill`` set): it is counted (the engine learns
+        prefill speed from it) and its prompt is published for the requests prefilling after it
+        (they may share its prefix). False when that failed (``seq`` failed and left)."""
+        assert seq.lease is not None
         seq.t_prefill = time.perf_counter() - seq.started
         done_hook = getattr(self.engine, "prefill_done", None)
         if done_hook is not None:
             new = len(seq.fed) - seq.prefill_from
             done_hook(seq.lease, seq.prefill_from, new, seq.prefill_busy)
         try:
-            # the requests prefilling after this one may share its prompt: publish it now
             self.engine.cache.share(seq.lease, seq.fed)
-            self.first(seq, logits)
         except Exception as e:
+            self.seqs.remove(seq)
             self.ends.fail(seq, e, seq.lease.caches)
+            return False
+        return True

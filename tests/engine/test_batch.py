@@ -18,6 +18,7 @@ import pytest
 from engine.batch import BatchLoop
 from engine.decoding import FIRST_TEXT_TOKENS
 from engine.events import Chunk, Event, Hit, SamplingParams
+from engine.inflight import SHORT_PREFILL
 from tests.engine.batching import (
     MAX,
     PROMPTS,
@@ -162,7 +163,7 @@ def test_first_visible_text_before_more_prefill_of_others(hold):
     main_params = SamplingParams(max_tokens=10)
     engine.hold = {id(main_params): hold}
     progress = lambda done, total: order.append(("title prefill", done))  # noqa: E731
-    loop.add(title, tokens(70, 60), SamplingParams(max_tokens=4), progress)
+    loop.add(title, tokens(70, SHORT_PREFILL + 40), SamplingParams(max_tokens=4), progress)
     loop.add(main, SHARED + tokens(71, 6), main_params)
     run_until(loop, lambda: main.done and title.done)
     mains = [i for i, (n, e) in enumerate(order) if n == "main" and isinstance(e, Chunk)]
@@ -190,7 +191,7 @@ def test_a_title_admitted_first_holds_no_main_with_less_prompt_left():
 
     title_params = SamplingParams(max_tokens=8)
     engine.hold = {id(title_params): FIRST_TEXT_TOKENS - 1}
-    loop.add(title, tokens(70, 60), title_params)
+    loop.add(title, tokens(70, SHORT_PREFILL + 40), title_params)
     run_until(loop, lambda: bool(chunks()))  # the title's whole prompt: its first token, no text
     assert chunks() == [("title", False)]
     loop.add(main, SHARED + tokens(71, 6), SamplingParams(max_tokens=4))
@@ -212,7 +213,7 @@ def test_held_prompts_do_not_ride_along_in_shared_forwards():
     loop = BatchLoop(engine)
     loop.prefill_budget = 8
     main, short, long = Logged("main", events), Logged("short", events), Logged("long", events)
-    loop.add(long, tokens(70, 60), SamplingParams(max_tokens=2), fed("long"))
+    loop.add(long, tokens(70, SHORT_PREFILL + 40), SamplingParams(max_tokens=2), fed("long"))
     loop.step()  # the long prompt's prefill is under way
     assert ("long prefill", 8) in events
     main_params = SamplingParams(max_tokens=8)

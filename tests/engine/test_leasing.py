@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.batch import BatchLoop
 from engine.events import Chunk, Hit, SamplingParams
+from engine.inflight import SHORT_PREFILL
 from engine.leasing import shared
 from tests.engine.batching import ModelEngine, Sink, alone, hit_of, run_until
 from tests.fixtures import make_llama, tokens
@@ -112,7 +113,8 @@ def test_without_shared_forwards_a_request_is_looked_up_when_it_prefills_next():
             super().emit(event)
 
     loop, fresh, cached = BatchLoop(engine), Ordered(), Ordered()
-    loop.add(fresh, tokens(90, 40), SamplingParams(max_tokens=2))  # nothing cached: 40 to prefill
+    fresh_ids = tokens(90, SHORT_PREFILL + 40)  # nothing cached, not short: all to prefill
+    loop.add(fresh, fresh_ids, SamplingParams(max_tokens=2))
     loop.add(cached, PROMPTS[0], SamplingParams(max_tokens=2))  # shared prompt cached: 9 left
     run_until(loop, lambda: fresh.done and cached.done)
-    assert order[:3] == [f"fetch {len(PROMPTS[0])}", "first token", "fetch 40"]
+    assert order[:3] == [f"fetch {len(PROMPTS[0])}", "first token", f"fetch {len(fresh_ids)}"]

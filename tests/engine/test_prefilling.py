@@ -11,6 +11,7 @@ import pytest
 
 from engine.batch import BatchLoop
 from engine.events import SamplingParams
+from engine.inflight import SHORT_PREFILL
 from tests.engine.batching import (
     SHARED,
     ModelEngine,
@@ -32,8 +33,10 @@ def test_short_suffixes_prefill_together():
     sinks = [Sink() for _ in range(3)]
     for i, s in enumerate(sinks):
         loop.add(s, tokens(60 + i, 2), SamplingParams(max_tokens=5))
-    loop.step()
-    assert all(s.ids for s in sinks)  # 3 prompts of 2 tokens, budget 8: all in the first step
+    loop.step()  # 3 prompts of 2 tokens, budget 8: all prefilled in the first step
+    assert loop.decoding == 3 and not loop.prefilling
+    loop.step()  # their first tokens come with the decode batch's next step
+    assert all(s.ids for s in sinks)
 
 
 @pytest.mark.parametrize("title_started", [False, True])
@@ -101,7 +104,7 @@ def test_without_shared_forwards_each_prompt_has_its_own():
     """An engine that does not share prefill forwards (the CPU default: a row costs what a request
     alone does) prefills each prompt in forwards of its own, with the same outputs."""
     model = make_llama(seed=4)
-    prompts = [SHARED + tokens(130 + i, 5 + 3 * i) for i in range(3)]
+    prompts = [SHARED + tokens(130 + i, SHORT_PREFILL + 5 + 3 * i) for i in range(3)]
     ref = [alone(warmed(model, {}), p, 6).ids for p in prompts]
     engine = warmed(model, {})
     engine.share_prefill = False  # type: ignore[attr-defined]
@@ -111,3 +114,42 @@ def test_without_shared_forwards_each_prompt_has_its_own():
     run_until(loop, lambda: all(s.done for s in sinks))
     assert engine.model.prompt_rows() == 1
     assert [s.ids for s in sinks] == ref
+
+
+def test_without_shared_forwards_short_prompts_still_share_one():
+    """Issue 14, decode on the CPU: short prompts (``SHORT_PREFILL``) sent together share their
+    body's forward even where rows are not shared (a forward of a few tokens costs its fixed part)
+    and join the decode batch together — bodies in one forward, last prompt tokens in one more,
+    as mlx_lm.server does — with the outputs each has alone."""
+    model = make_llama(seed=4)
+    prompts = [SHARED + tokens(140 + i, 3) for i in range(3)]
+    ref = [alone(warmed(model, {}), p, 6).ids for p in prompts]
+    engine = warmed(model, {})
+    engine.share_prefill = False  # type: ignore[attr-defined]
+    engine.model.shapes.clear()
+    loop, sinks = BatchLoop(engine), [Sink() for _ in prompts]
+    for sink, p in zip(sinks, prompts, strict=True):
+        loop.add(sink, p, SamplingParams(max_tokens=6))
+    run_until(loop, lambda: all(s.done for s in sinks))
+    assert engine.model.shapes[:2] == [(3, 2), (3, 1)]
+    assert [s.ids for s in sinks] == ref
+
+
+def test_a_last_prompt_token_is_the_first_decode_step():
+    """Issue 14, decode speed: a request that joins a running batch feeds its last prompt token as
+    its first decode step (as mlx-lm's ``BatchGenerator`` does): two forwards of its own (its body,
+    that step), then it decodes in the batch's — not three (the body, the last token alone for
+    logits, then the sampled token's own forward before joining)."""
+    model = make_llama(seed=4)
+    first, later = tokens(150, 6), tokens(151, 6)
+    ref = alone(ModelEngine(model, Config(tiers=())), later, 4).ids
+    engine = ModelEngine(model, Config(tiers=()))
+    loop, running, joining = BatchLoop(engine), Sink(), Sink()
+    loop.add(running, first, SamplingParams(max_tokens=30))
+    run_until(loop, lambda: len(running.ids) >= 2)
+    engine.model.shapes.clear()
+    loop.add(joining, later, SamplingParams(max_tokens=4))
+    run_until(loop, lambda: joining.done)
+    shapes = engine.model.shapes
+    assert shapes[: shapes.index((2, 1))] == [(1, 1), (1, 5), (1, 1)]  # a step, body, last token
+    assert joining.ids == ref

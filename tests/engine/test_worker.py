@@ -10,6 +10,7 @@ import pytest
 
 from engine.events import END, Chunk, Hit
 from engine.generate import Engine, SamplingParams
+from engine.inflight import SHORT_PREFILL
 from engine.worker import QueueFull, Worker
 from tiered_kv.config import Config
 
@@ -118,7 +119,8 @@ def test_an_idle_engine_gathers_the_requests_still_arriving(make_engine):
     worker.start()
     engine = worker.engine
     system = engine.encode_text("you are a coding agent with many tools to call " * 8)
-    title = engine.encode_text("write a short title for this conversation please " * 3)
+    title = engine.encode_text("write a short title for this conversation please " * 12)
+    assert len(title) > SHORT_PREFILL  # short prompts are leased together with main
     order: list[str] = []
 
     async def main():

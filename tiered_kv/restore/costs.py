@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.restore.plan import Learned, PrefillCost, ReadCost
+from tiered_kv.restore.plan import WARM, Learned, PrefillCost, ReadCost
 
 log = logging.getLogger(__name__)
 #: 2: join observations are per byte of the restored prefix (were: per byte read, of a slower join)
@@ -44,7 +44,6 @@ WAYS = ("load", "compute", "both")  # an outcome's way is stored as its index + 
 _CLAMP = (0.2, 5.0)  # a correction never moves a prediction further than this
 _PER_BUCKET = 3  # observations kept per size bucket: recent ones, spread over sizes
 _MAX_PER_KIND = 192
-WARM = 0.5  # a read with at least this share in the page cache counts as warm
 
 
 def machine_id(device: str = "") -> tuple[str, dict[str, Any]]:

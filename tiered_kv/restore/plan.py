@@ -113,6 +113,20 @@ class Plan:
     compute_s: float | None = None
     both_s: float | None = None
     factor: float = 1.0  # the correction applied to ``seconds`` (Learned.correction)
+    #: its reads were priced from reads of their own kind (page-cache warm or cold) that this
+    #: machine measured. An outcome of a plan that was not (a warm file priced at the cold rate,
+    #: nothing warm measured yet) says which kind the file was, not what the cost model misses:
+    #: it must not correct later plans (it did: 128k warm, the load predicted at 0.4x)
+    informed: bool = True
+
+
+#: a read with at least this share of its file in the page cache counts as warm
+WARM = 0.5
+
+
+def _priced(warm: float | None, cold_cost: ReadCost | None, warm_cost: ReadCost | None) -> bool:
+    """True when a read of share ``warm`` has a measured cost of its own kind."""
+    return (warm_cost if warm is not None and warm >= WARM else cold_cost) is not None
 
 
 def _mix(warm: float | None, cold_cost: ReadCost | None, warm_cost: ReadCost | None,
@@ -192,13 +206,15 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
         both = (both[0], both[1] * fb)
     both_s = both[1] if both else None
     est: dict[str, Any] = {"load_s": load_s, "compute_s": compute_s, "both_s": both_s}
+    load_ok = _priced(hit.warm, learned.load_cold, learned.load_warm)
+    both_ok = _priced(hit.warm, learned.range_cold, learned.range_warm)
     if mode == "load":
-        return Plan("load", 0, load_s or 0.0, "forced", **est, factor=fl)
+        return Plan("load", 0, load_s or 0.0, "forced", **est, factor=fl, informed=load_ok)
     if mode == "compute":
         return Plan("compute", n, compute_s or 0.0, "forced", **est, factor=fc)
     if mode == "both":
         if both is not None:
-            return Plan("both", both[0], both[1], "forced", **est, factor=fb)
+            return Plan("both", both[0], both[1], "forced", **est, factor=fb, informed=both_ok)
         block = max(1, hit.block)
         m = max(block, (n // 2) // block * block)  # nothing learned: meet in the middle
         if not hit.both_blocker and 0 < m < n:
@@ -210,10 +226,10 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
         return Plan("load", 0, load_s or 0.0, "not learned", **est, factor=fl)
     reason = f"learned; both unavailable: {hit.both_blocker}" if hit.both_blocker else "learned"
     if both is not None and both[1] < BOTH_MARGIN * min(load_s, compute_s):
-        return Plan("both", both[0], both[1], reason, **est, factor=fb)
+        return Plan("both", both[0], both[1], reason, **est, factor=fb, informed=both_ok)
     if compute_s < load_s:
         return Plan("compute", n, compute_s, reason, **est, factor=fc)
-    return Plan("load", 0, load_s, reason, **est, factor=fl)
+    return Plan("load", 0, load_s, reason, **est, factor=fl, informed=load_ok)
 
 
 def worth_spilling(tokens: int, entry_bytes: int, bytes_per_token: float, learned: Learned,

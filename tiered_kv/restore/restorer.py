@@ -67,6 +67,9 @@ class Decision:
     reason: str
     #: the same before the learned correction of its way (what the outcome corrects)
     raw_total_s: float = 0.0
+    #: priced from reads of its own page-cache kind (``Plan.informed``): only such outcomes
+    #: correct later plans
+    informed: bool = True
 
 
 @dataclass
@@ -139,7 +142,7 @@ class Restorer:
         suffix = learned.prefill.seconds(prompt_len - n, n) if learned.prefill else 0.0
         known = p.seconds > 0 and learned.prefill is not None
         d = Decision(p.kind, n, p.m, restore_s, restore_s + suffix if known else 0.0, p.reason,
-                     raw + suffix if known else 0.0)  # fmt: skip
+                     raw + suffix if known else 0.0, p.informed)  # fmt: skip
         self._count(f"restore_{p.kind}")
         log.debug("restore plan %s (n=%d m=%d warm=%s): %s; load %s compute %s both %s", p.kind,
                   n, p.m, warm, p.reason, p.load_s, p.compute_s, p.both_s)  # fmt: skip
@@ -150,10 +153,12 @@ class Restorer:
         self.costs.observe_load(nbytes, seconds, self._warm.pop(entry_id, None))
 
     def outcome(self, decision: Decision, actual_total_s: float) -> None:
-        """The prompt is prefilled: record predicted vs actual (only for predictions made)."""
+        """The prompt is prefilled: record predicted vs actual (only for predictions made; only
+        informed ones teach the correction)."""
         if decision.predicted_total_s <= 0:
             return
-        self.costs.observe_outcome(decision.kind, decision.raw_total_s, actual_total_s)
+        if decision.informed:
+            self.costs.observe_outcome(decision.kind, decision.raw_total_s, actual_total_s)
         with self._lock:
             c = self.counters
             c["restore_predicted_seconds"] += decision.predicted_total_s

@@ -157,3 +157,19 @@ def test_a_warm_ranged_read_not_yet_measured_is_priced_faster_than_the_warm_load
     assert range_seconds(warm_hit, measured, N) == pytest.approx(N * BPT / (9.0 * GB))
     # cold pages keep the cold rates
     assert range_seconds(HIT, costs, N) == pytest.approx(N * BPT / (1.5 * GB))
+
+
+def test_a_plan_priced_from_the_other_page_kind_is_not_informed():
+    """A warm file priced at the cold rate (nothing warm measured yet) is not an informed plan:
+    its outcome says the file was warm, not what the cost model misses. On the H200 (128k
+    tokens, 8B) such an outcome (load predicted 10.7 s, 4.3 s actual) became a 0.4x correction
+    of every later load, and a warm load of 4.5 s was predicted at 1.7 s."""
+    warm_hit = replace(HIT, warm=1.0)
+    cold_only = learned(PREFILL_FAST, 1.5, 1.5)
+    assert not plan(warm_hit, cold_only, "load").informed
+    assert not plan(warm_hit, cold_only, "both").informed
+    assert plan(HIT, cold_only, "load").informed and plan(HIT, cold_only, "both").informed
+    assert plan(warm_hit, cold_only, "compute").informed  # prefill has no page kind
+    both_kinds = replace(cold_only, load_warm=reads(4.0), range_warm=reads(7.0))
+    assert plan(warm_hit, both_kinds, "load").informed
+    assert plan(warm_hit, both_kinds, "both").informed

@@ -190,6 +190,16 @@ def test_tiered_cache_compute_plan_is_a_truthful_miss(plain):
     tc.cold.close()
 
 
+def test_only_informed_outcomes_correct_later_plans(plain):
+    """An outcome of a plan that priced its read from the other page-cache kind is not kept as
+    a correction (see test_plan's test of ``informed``); an informed one is."""
+    r = plain.restorer("load")
+    r.outcome(Decision("load", N, 0, 10.0, 10.0, "forced", 10.0, informed=False), 4.0)
+    assert r.costs.obs["outcome"] == [] and r.costs.learned.factor("load") == 1.0
+    r.outcome(Decision("load", N, 0, 4.0, 4.0, "forced", 4.0), 4.4)
+    assert len(r.costs.obs["outcome"]) == 1 and r.costs.learned.factor("load") == pytest.approx(1.1)
+
+
 def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
     s = Setup(make_llama(seed=4), tmp_path)
     hit = s.cold.lookup(s.ids)
