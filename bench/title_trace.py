@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.concurrency import _session
+from bench.concurrency import _session, twin
 from engine.batch import BatchLoop
 from engine.events import Chunk, Event, SamplingParams
 from engine.generate import Engine
@@ -67,10 +67,10 @@ def trace(model: Path, scale: float, repeats: int, max_tokens: int) -> str:
     rows: dict[str, list[tuple[float, float]]] = {"alone": [], "together": [], "title first": []}
     enc: dict[str, list[float]] = {"main": [], "title": []}
     for i in range(repeats):
-        for name, seed in (("alone", 7000), ("together", 8000), ("title first", 9000)):
-            s = _session(0, seed + i, 1, max_tokens, scale)
-            main, t_main = ids(s.turns[0])
-            title, t_title = ids(s.title)
+        s = _session(0, 8000 + i, 1, max_tokens, scale)  # one main prompt length per repeat
+        for j, name in enumerate(("alone", "together", "title first")):
+            main, t_main = ids(twin(s.turns[0], f"[{j}/{i}]"))
+            title, t_title = ids(twin(s.title, f"[{j}/{i}]"))
             enc["main"].append(t_main)
             enc["title"].append(t_title)
             reqs = [main] if name == "alone" else [title, main]
