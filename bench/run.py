@@ -14,6 +14,7 @@ import logging
 import os
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -163,7 +164,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_concurrency(args: argparse.Namespace, model: Path, turns: int, scale: float) -> int:
-    """K concurrent sessions on a shared system prompt + tools: ours (b) then the peer (d)."""
+    """K concurrent sessions on a shared system prompt + tools: ours (b) and the peer (d), both up
+    at once. Sessions run one server after the other; the decode passes alternate between the two
+    (``--repeats`` of each, median), so a change in the machine's load between runs — this
+    machine's two cores move single runs by ±20 % — falls on both."""
     from bench import concurrency as conc
 
     ks = [int(k) for k in args.concurrency.split(",") if k.strip()]
@@ -171,30 +175,40 @@ def run_concurrency(args: argparse.Namespace, model: Path, turns: int, scale: fl
     specs = _specs(["b", "d"], model, work, args.blas)
     names = {"b": "tiered-kv", "d": "mlx_lm.server"}
     rows, pattern, single = [], {}, {}
-    for s, spec in specs.items():
-        srv = ServerProcess(spec, work / f"server-{s}.log")
-        srv.start()
-        try:
+    servers = {s: ServerProcess(spec, work / f"server-{s}.log") for s, spec in specs.items()}
+    try:
+        mid = {}
+        for s, srv in servers.items():
+            srv.start()
             with httpx.Client() as client:
-                mid = "default_model" if s == "d" else model_id(client, srv.base_url, model.name)
+                mid[s] = "default_model" if s == "d" else model_id(client, srv.base_url, model.name)
             # unmeasured: kernels compile at first use of each batch shape (on a GPU, seconds),
             # and the server measured first would pay for both
             warm = conc.shared_sessions(max(ks), 1, args.seed + 999, args.max_tokens, scale)
-            conc.run_sessions(srv.base_url, mid, names[s], warm)
-            for k in ks:
+            conc.run_sessions(srv.base_url, mid[s], names[s], warm)
+        for k in ks:
+            got: dict[str, Any] = {}
+            for s, srv in servers.items():
                 sessions = conc.shared_sessions(k, turns, args.seed, args.max_tokens, scale)
-                row = conc.run_sessions(srv.base_url, mid, names[s], sessions)
-                row.decode_tps = conc.run_decode(
-                    srv.base_url, mid, names[s], k, args.decode_tokens, args.seed + k
-                )
+                got[s] = conc.run_sessions(srv.base_url, mid[s], names[s], sessions)
+            tps: dict[str, list[float]] = {s: [] for s in servers}
+            for r in range(max(1, args.repeats)):
+                for s in list(servers)[:: 1 if r % 2 == 0 else -1]:
+                    seed = args.seed + k + 100 * r
+                    tps[s].append(conc.run_decode(servers[s].base_url, mid[s], names[s], k,
+                                                  args.decode_tokens, seed))  # fmt: skip
+            for s, row in got.items():
+                row.decode_tps = statistics.median(tps[s])
                 if k == 1:
                     single[names[s]] = row.decode_tps
                 rows.append(row)
                 print(f"{names[s]} K={k}: {row}", flush=True)
+        for s, srv in servers.items():
             pattern[names[s]] = conc.title_main(
-                srv.base_url, mid, names[s], args.seed, args.max_tokens, scale, args.repeats
+                srv.base_url, mid[s], names[s], args.seed, args.max_tokens, scale, args.repeats
             )
-        finally:
+    finally:
+        for srv in servers.values():
             srv.stop()
     rows.sort(key=lambda r: (r.k, r.server))
     out = conc.table(rows, pattern, single)

@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--decode-tokens", type=int, default=64, help="tokens per request of the decode pass"
     )
     p.add_argument(
-        "--repeats", type=int, default=3, help="title + main pattern repetitions (median)"
+        "--repeats", type=int, default=3,
+        help="title + main pattern and --concurrency decode pass repetitions (median)",
     )
     p.set_defaults(func=run)
 
