@@ -2,7 +2,8 @@
 
 Requests wait (``waiting``) until the batch loop's prefill wants them, the fewest prompt tokens left
 first: where prompts share forwards all that are ready are leased together, else each when it is
-the next to prefill (so another's lookup never delays its first token). A request
+the next to prefill (so another's lookup never delays its first token) — short prompts
+(``SHORT_PREFILL``) together all the same: they share a forward everywhere. A request
 whose prompt shares more with a prefilling one's than the cache holds waits for that one: its
 prompt is published when its prefill ends (``cache.share``), and the waiting request then starts
 from it. A disk hit that arrives while other requests run is read beside them (``loading``) and

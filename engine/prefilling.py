@@ -8,9 +8,12 @@ token before a concurrent title request (a fresh ~600-token prompt) has prefille
 Requests whose caches are plain KV share forwards (:mod:`engine.prefill_batch`): the first
 request's chunk is what it would be alone (its body left, up to the step's budget), and the next
 ones in the order ride along with a chunk of that same length, as many as the budget holds, each as
-one row of a batch; their last prompt tokens go together too, and their logits give
-their first tokens. Others (checkpointed or quantised caches) prefill alone in their own chunks
-(``Seq.steps``, :func:`engine.prefill.prefill_steps`).
+one row of a batch (on the CPU, where a row costs what a request alone does, only short chunks:
+``SHORT_PREFILL``). Their prefill stops before the last prompt token: the requests whose bodies
+went in during a loop step join the decode batch together at its end, with their last prompt
+tokens as their first decode step (:meth:`Prefilling.join_ready`). Others (checkpointed or
+quantised caches) prefill alone in their own chunks (``Seq.steps``,
+:func:`engine.prefill.prefill_steps`), last token included, and sample their first token from it.
 
 Ownership: the thread that owns MLX (the batch loop's).
 """
@@ -28,8 +31,9 @@ from engine.inflight import NO_HOLD, SHORT_PREFILL, Ends, Hold, Seq
 
 
 class Prefilling:
-    """Leased requests whose prompt is not all in their caches yet (``seqs``). ``first(seq,
-    logits)`` takes each one whose prompt is done (its first token, a place in a decode group)."""
+    """Leased requests whose prompt is not all in their caches yet (``seqs``). ``join(seqs)``
+    takes plain-KV requests whose body is in (their last prompt token is their first decode
+    step); ``first(seq, logits)`` takes each one whose own prefill is done (its first token)."""
 
     def __init__(self, engine: Any, ends: Ends, first: Callable[[Seq, mx.array], None],
                  join: Callable[[list[Seq]], None]) -> None:  # fmt: skip
@@ -96,9 +100,9 @@ class Prefilling:
         return [seq] + sorted(others, key=lambda s: (s.left, s.enqueued))
 
     def _rows(self, rows: list[Seq], budget: int) -> int:
-        """One forward over ``rows``: a chunk of each one's prompt body, or — once the first has
-        only its last prompt token left — the last tokens of all that are there, whose logits
-        give their first tokens. Returns the prompt tokens it fed."""
+        """One forward over ``rows``: a chunk of each one's prompt body (never its last token).
+        A row whose body is in is published at once (the requests after it may share its
+        prompt) and joins the decode batch at the end of the step. Returns the tokens fed."""
         assert rows[0].left > 1
         # the first row's chunk is what it would be alone (the least prompt left keeps its pace);
         # the others ride along with as much while the budget lasts. Each has at least that much
@@ -113,27 +117,24 @@ class Prefilling:
             mx.clear_cache()
         return n * len(rows)
 
-    def _forward(
-        self, rows: list[Seq], chunks: list[list[int]], logits: bool = False
-    ) -> mx.array | None:
+    def _forward(self, rows: list[Seq], chunks: list[list[int]]) -> None:
         """:func:`engine.prefill_batch.forward` for ``rows``: their ``fed`` grow by their chunk;
         on an error every row fails (its cache as it was before the forward is stored)."""
         leases = [s.lease for s in rows if s.lease is not None]
         t0 = time.perf_counter()
         try:
-            out = prefill_batch.forward(self.engine.model, leases, chunks, logits)
+            prefill_batch.forward(self.engine.model, leases, chunks)
         except Exception as e:
             for seq in rows:
                 self.seqs.remove(seq)
                 self.ends.fail(seq, e, seq.lease.caches if seq.lease else None)
-            return None
+            return
         busy, total = time.perf_counter() - t0, sum(len(c) for c in chunks)
         for seq, chunk in zip(rows, chunks, strict=True):
             seq.fed.extend(chunk)
             seq.prefill_busy += busy * len(chunk) / total  # the forward's time, shared by tokens
             if seq.progress:
                 seq.progress(len(seq.fed), len(seq.prompt_ids))
-        return out
 
     # -- a prefill of its own ---------------------------------------------------------------
     def _alone(self, seq: Seq) -> None:
