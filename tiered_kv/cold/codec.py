@@ -7,7 +7,7 @@
   arrays' memory, on the device). Where that memory is host memory (the CPU, unified memory)
   the hashing pool checks every chunk digest over the arrays themselves while the kernel reads
   ahead; elsewhere (CUDA, where reading would migrate the arrays back) ``mx.load`` trails a
-  sequential :class:`store.Scan` that checks the digests as the bytes arrive. Either way the
+  sequential :class:`scan.Scan` that checks the digests as the bytes arrive. Either way the
   disk is read once and nothing is copied through Python;
 * :func:`load_buffer` does the same from a whole entry in memory (a backend without files);
 * every load hands back the token-major tensors of the file (``store`` module doc) as
@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered_kv import checkpoints, layers
-from tiered_kv.cold import store
+from tiered_kv.cold import scan, store
 from tiered_kv.steps import Steps, drain
 
 #: bytes of arrays built before their digests are checked, while the next group loads
@@ -89,7 +89,7 @@ def _numpy(x: Any) -> np.ndarray:
 def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
     """Every tensor of ``path`` (whose checked header is ``header``), verified.
 
-    A :class:`store.Scan` reads the file once, sequentially, checking every chunk digest on the
+    A :class:`scan.Scan` reads the file once, sequentially, checking every chunk digest on the
     hashing pool; ``mx.load`` builds the arrays trailing it, each step evaluating what the scan
     has verified (the page cache serves it: the disk is read once, and the arrays go straight to
     the device's memory, never through Python). Raises store.CorruptEntry (also when the file
@@ -106,16 +106,16 @@ def load_steps(
 
     Where the arrays live in host memory (``host``; default :func:`host_arrays`) a whole load
     (``step_bytes`` None) checks the digests over the arrays themselves instead: the kernel reads
-    ahead (:class:`store.Prefetch`), ``mx.load`` builds the arrays, the hashing pool reads their
+    ahead (:class:`scan.Prefetch`), ``mx.load`` builds the arrays, the hashing pool reads their
     memory, nothing is copied twice — the scan's copy into its buffers costs as much as the load
     on a small CPU. Arrays that fail are never returned."""
     if step_bytes is None and (host_arrays() if host is None else host):
         return _load_checking_arrays(path, header)  # never yields: one blocking load
-    scan = store.Scan(path, header)
+    reader = scan.Scan(path, header)
     try:
-        return (yield from _load_trailing(path, header, scan, step_bytes))
+        return (yield from _load_trailing(path, header, reader, step_bytes))
     finally:
-        scan.close()
+        reader.close()
 
 
 def host_arrays() -> bool:
@@ -147,7 +147,7 @@ def _open(path: Path, header: store.Header) -> tuple[dict[str, mx.array], list[s
 
 
 def _load_trailing(
-    path: Path, header: store.Header, scan: store.Scan, step_bytes: int | None
+    path: Path, header: store.Header, reader: scan.Scan, step_bytes: int | None
 ) -> Steps[dict[str, mx.array]]:
     arrays, order, ends = _open(path, header)
     starts = [header.tensors[n]["data_offsets"][0] for n in order]
@@ -155,17 +155,17 @@ def _load_trailing(
     try:
         while i < len(order):
             if step_bytes is not None:
-                while not scan.has_read(ends[i]):
+                while not reader.has_read(ends[i]):
                     yield  # the scan thread reads; the caller's other work goes on
             # everything the scan has read by now, at least the next tensor: a warm file is read
             # far ahead (few large evals, as mlx-lm's load), a cold one is followed closely
-            reached = scan.wait_read(ends[i])
+            reached = reader.wait_read(ends[i])
             if step_bytes is not None:
                 reached = min(reached, max(ends[i], starts[i] + step_bytes))
             j = i + 1
             while j < len(order) and ends[j] <= reached:
                 j += 1
-            scan.wait(ends[j - 1])  # raises store.CorruptEntry
+            reader.wait(ends[j - 1])  # raises store.CorruptEntry
             mx.eval([arrays[n] for n in order[i:j]])
             i = j
             if step_bytes is not None and i < len(order):
@@ -174,7 +174,7 @@ def _load_trailing(
         if isinstance(e, store.CorruptEntry):
             raise
         raise store.CorruptEntry(f"mx.load failed: {e}") from None
-    scan.wait(store.data_end(header))
+    reader.wait(store.data_end(header))
     return _logical(arrays, header)
 
 
@@ -182,7 +182,7 @@ def _load_checking_arrays(path: Path, header: store.Header) -> dict[str, mx.arra
     """Build every array (groups of :data:`GROUP_BYTES`, the kernel reading ahead), hashing each
     group's memory on the pool while the next one loads; return once every digest matched."""
     arrays, order, ends = _open(path, header)
-    ahead = store.Prefetch(path, header)
+    ahead = scan.Prefetch(path, header)
     checks = []
     try:
         i = 0

@@ -35,9 +35,9 @@ reserved bytes (:attr:`Encoded.head`), before the file is published.
 Threads: :func:`encode` runs on the writer thread and reads only buffers (numpy views of
 evaluated arrays; token-major tensors are transposed by numpy, block by block, and every block
 hashed, on the hashing pool one block ahead of the writer); :func:`check_buffer` checks bytes already in memory (request thread,
-hashing on a small pool of byte-only threads); :func:`read_header` / :func:`check_data` /
-:func:`read_tokens` are plain file reads usable from any thread (verify, CLI); a :class:`Scan` reads
-and verifies a whole data section on its own byte-only thread (the reload path and ``verify``).
+hashing on a small pool of byte-only threads); :func:`read_header` /
+:func:`read_tokens` are plain file reads usable from any thread (verify, CLI). The threads that read a
+whole data section beside a loader are :mod:`tiered_kv.cold.scan`'s.
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,9 +63,9 @@ DIR_MODE = 0o700
 FORMAT = FORMAT_VERSION
 #: checksum granularity: a reader of part of a tensor checks (and so reads) whole chunks
 CHUNK_BYTES = 4 << 20
-_READ = 64 << 20  # bytes per read() when streaming a file
+READ_BYTES = 64 << 20  # bytes per read() when streaming a file
 _MAX_HEADER = 64 << 20
-_MAX_CHUNK = _READ  # a larger claimed chunk is refused (and would not fit the read buffer)
+_MAX_CHUNK = READ_BYTES  # a larger claimed chunk is refused (and would not fit the read buffer)
 _HEX = 16
 #: bytes of one block of tokens transposed at a time on the write path (token-major tensors)
 BLOCK_BYTES = 32 << 20
@@ -533,176 +532,9 @@ def check_buffer(name: str, data: memoryview, header: Header) -> None:
         raise CorruptEntry(f"checksum mismatch in tensor {name!r}")
 
 
-def check_data(path: Path, header: Header) -> None:
-    """Stream the data section (one pass, large reads) and check every chunk digest."""
-    scan = Scan(path, header)
-    try:
-        scan.wait(data_end(header))
-    finally:
-        scan.close()
-
-
 def data_end(header: Header) -> int:
     """The end of the last tensor's bytes (data-section relative)."""
     return max((t["data_offsets"][1] for t in header.tensors.values()), default=0)
-
-
-class _FileThread:
-    """A byte-only thread over one entry file: the descriptor (opened in the caller's thread,
-    so a symlink raises there; closed by the thread's ``_run`` when it ends), a condition for
-    its state, and :meth:`close` to stop it early. A subclass sets its state, then starts
-    ``_thread``."""
-
-    def __init__(self, path: Path, name: str) -> None:
-        self._fd = open_entry(path)
-        self._cond = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    def _run(self) -> None:
-        raise NotImplementedError
-
-
-class Scan(_FileThread):
-    """One sequential pass over an entry's data section on a byte-only thread, every chunk digest
-    checked as the bytes arrive.
-
-    Large reads (``step`` bytes, whole chunks of one tensor) go into a small ring of reused
-    buffers; each piece is hashed on :func:`pool` while the next one is read, so the pass runs at
-    the disk's sequential speed. A loader that reads the same file (``mx.load``) trails it with
-    :meth:`wait`: what it reads was just read by the scan (the page cache serves it, the disk is
-    read once) and was verified before it is used. Opened in the caller's thread (raises
-    FileNotFoundError / CorruptEntry for a symlink); :meth:`close` stops it early.
-    """
-
-    def __init__(self, path: Path, header: Header, step: int = _READ, ring: int = 4) -> None:
-        super().__init__(path, "tkv-scan")
-        self._header = header
-        self._step = max(header.chunk_bytes, step // header.chunk_bytes * header.chunk_bytes)
-        self._ring = ring
-        self._read_to = 0  # data-section offset read so far (pieces handed to hashing)
-        self._hashes: list[tuple[int, Future]] = []  # (piece start offset, check), in file order
-        self._error: BaseException | None = None
-        self._done = False
-        self._thread.start()
-
-    def wait(self, offset: int) -> None:
-        """Block until every byte of the data section before ``offset`` is read and verified.
-        Raises CorruptEntry (a bad chunk, a short file) or the read's OSError."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._read_to >= offset or self._done)
-            if self._read_to < offset and self._error is None:
-                raise CorruptEntry("scan ended before the requested offset")
-            hashes = [f for start, f in self._hashes if start < offset]
-        for f in hashes:
-            f.result()  # raises CorruptEntry
-        if self._error is not None:
-            with self._cond:
-                if self._read_to < offset:
-                    raise self._error
-
-    def has_read(self, offset: int) -> bool:
-        """Whether the scan has read past ``offset`` or ended (then :meth:`wait` raises)."""
-        with self._cond:
-            return self._read_to >= offset or self._done
-
-    def wait_read(self, offset: int) -> int:
-        """Block until the scan has read past ``offset`` (or ended); how far it has read."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._read_to >= offset or self._done)
-            return self._read_to
-
-    def _run(self) -> None:
-        header = self._header
-        # no larger than the data (a small entry), and not zero-filled: a bytearray of the
-        # ring's 4 x 64 MiB is written whole before the first read (~0.1 s on every reload)
-        step = min(self._step, max(1, data_end(header)))
-        bufs: list[memoryview] = []
-        use = 0
-        try:
-            for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                start, stop = t["data_offsets"]
-                sums = header.digests(name)
-                for off in range(start, stop, step):
-                    n = min(step, stop - off)
-                    with self._cond:
-                        if self._stop:
-                            return
-                        if len(self._hashes) >= self._ring:
-                            self._hashes[-self._ring][1].result()  # its buffer is free again
-                    if len(bufs) < self._ring:
-                        bufs.append(np.empty(step, dtype=np.uint8).data)
-                    view = bufs[use % self._ring][:n]
-                    use += 1
-                    if read_into(self._fd, view, header.data_start + off) != n:
-                        raise CorruptEntry("short read in data section")
-                    first = (off - start) // header.chunk_bytes * _HEX
-                    want = sums[first : first + -(-n // header.chunk_bytes) * _HEX]
-                    f = pool().submit(_check_piece, name, view, header.chunk_bytes, want)
-                    with self._cond:
-                        self._hashes.append((off, f))
-                        self._read_to = off + n
-                        self._cond.notify_all()
-        except BaseException as e:  # handed to wait()
-            self._error = e
-        finally:
-            os.close(self._fd)
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
-
-
-class Prefetch(_FileThread):
-    """Asks the kernel to read an entry's data section into the page cache ahead of a loader
-    (``posix_fadvise(WILLNEED)``, piece by piece, no copy into this process), never more than
-    ``ahead`` bytes past the position the loader last gave to :meth:`advance`. Pages already
-    cached cost nothing. Byte-only thread; reads nothing itself, so it verifies nothing: the
-    loader checks what it built (:func:`codec.load_steps` over host-memory arrays)."""
-
-    def __init__(self, path: Path, header: Header, ahead: int = 4 * _READ) -> None:
-        super().__init__(path, "tkv-prefetch")
-        self._start, self._end, self._ahead = header.data_start, data_end(header), ahead
-        self._pos = 0
-        self._thread.start()
-
-    def advance(self, offset: int) -> None:
-        """The loader is about to read up to ``offset`` (data-section relative)."""
-        with self._cond:
-            self._pos = max(self._pos, offset)
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        try:
-            off = 0
-            while off < self._end:
-                with self._cond:
-                    while not (self._stop or off < self._pos + self._ahead):
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                n = min(_READ, self._end - off)
-                os.posix_fadvise(self._fd, self._start + off, n, os.POSIX_FADV_WILLNEED)
-                off += n
-        except OSError:  # a hint only: the loader's own reads report what is wrong
-            pass
-        finally:
-            os.close(self._fd)
-
-
-def read_into(fd: int, view: memoryview, offset: int) -> int:
-    """One positioned read of a scan (a seam for tests that make the disk slow)."""
-    return os.preadv(fd, [view], offset)
-
-
-def _check_piece(name: str, data: memoryview, chunk: int, want: str) -> None:
-    if chunk_digests([data], chunk) != want:
-        raise CorruptEntry(f"checksum mismatch in tensor {name!r}")
 
 
 def read_tokens(path: Path, header: Header) -> np.ndarray:

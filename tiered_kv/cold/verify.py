@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered_kv import keys
-from tiered_kv.cold import fsafe, store
+from tiered_kv.cold import fsafe, scan, store
 from tiered_kv.cold.index import Index, Record
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def verify_dir(
     for path in files:
         try:
             header = store.read_header(path, fingerprint)
-            store.check_data(path, header)
+            scan.check_data(path, header)
             rec = by_file.get(path.name)
             if rec is not None and index is not None:
                 stored = index.tokens(rec.entry_id)

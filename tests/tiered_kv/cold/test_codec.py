@@ -134,18 +134,18 @@ def test_a_flipped_byte_fails_either_way_of_loading(tmp_path, host, where):
 def test_a_whole_load_into_host_memory_reads_the_file_once(tmp_path, monkeypatch):
     """On the CPU the digests are checked over the loaded arrays: no scan copies the file into
     buffers beside mx.load (that copy halved warm reloads on a 2-core machine)."""
-    from tiered_kv.cold import store
+    from tiered_kv.cold import scan, store
 
     assert codec.host_arrays()  # this test machine's device is the CPU
     path, header, caches = big_entry(tmp_path)
     read: list[int] = []
-    real = store.read_into
+    real = scan.read_into
 
     def counted(fd: int, view: memoryview, offset: int) -> int:
         read.append(len(view))
         return real(fd, view, offset)
 
-    monkeypatch.setattr(store, "read_into", counted)
+    monkeypatch.setattr(scan, "read_into", counted)
     got = codec.load_file(path, header)
     assert read == [] and mx.array_equal(got["0.keys"], caches[0].keys[..., :12_000, :]).item()
     drain(codec.load_steps(path, header, step_bytes=8 << 20))  # step-wise: the scan, as before

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 from tests.fixtures import flip_byte
-from tiered_kv.cold import codec, store
+from tiered_kv.cold import codec, scan, store
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
@@ -42,7 +42,7 @@ def test_file_is_standard_safetensors_with_chunk_digests(tmp_path):
     assert len(header.digests("0.keys")) == 16 * 3
     assert header.token_major == {"0.keys", "0.values", "1.keys", "1.values"}
     assert header.shape("0.keys") == (1, 4, 10_000, 128)
-    store.check_data(path, header)
+    scan.check_data(path, header)
 
 
 def test_splittable_tensors_are_token_major_on_disk(tmp_path):
@@ -68,7 +68,7 @@ def test_splittable_tensors_are_token_major_on_disk(tmp_path):
         np.testing.assert_array_equal(disk.reshape(want.shape), want)
     assert json.loads(head["__metadata__"]["token_major"]) == ["0.keys", "0.values"]
     header = store.read_header(b.path("e1"), "fp")
-    store.check_data(b.path("e1"), header)  # digests are over the bytes as written
+    scan.check_data(b.path("e1"), header)  # digests are over the bytes as written
     loaded = codec.load_file(b.path("e1"), header)
     assert loaded["0.keys"].shape == (1, 3, 300, 8)
     assert mx.array_equal(loaded["0.keys"], c.keys[..., :300, :]).item()
@@ -171,61 +171,6 @@ def test_header_claiming_huge_chunks_is_refused(tmp_path):
         store.parse_buffer(memoryview(struct.pack("<Q", len(new)) + new + raw[8 + n :]))
 
 
-def _entry(tmp_path, tokens=6_000):
-    caches = [big_kv(tokens), big_kv(tokens)]  # ~6 MB per tensor: 2 chunks each
-    job = codec.prepare(np.arange(tokens, dtype=np.int32), caches, None, "fp")
-    b = FileBackend(tmp_path)
-    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata))
-    path = b.path("e1")
-    return path, store.read_header(path, "fp")
-
-
-def test_scan_reads_in_ring_buffers_and_verifies_every_piece(tmp_path):
-    path, header = _entry(tmp_path)
-    scan = store.Scan(path, header, step=store.CHUNK_BYTES, ring=2)  # many pieces, buffers reused
-    scan.wait(store.data_end(header))
-    scan.close()
-
-
-@pytest.mark.parametrize("piece", [0, 1, -1])
-def test_scan_verifies_the_prefix_before_a_corrupt_piece_and_refuses_past_it(tmp_path, piece):
-    path, header = _entry(tmp_path)
-    name = "1.values" if piece == -1 else "0.keys"
-    start, stop = header.tensors[name]["data_offsets"]
-    bad = start + piece * store.CHUNK_BYTES + 3 if piece >= 0 else stop - 1
-    with open(path, "r+b") as f:
-        f.seek(header.data_start + bad)
-        b = f.read(1)
-        f.seek(header.data_start + bad)
-        f.write(bytes([b[0] ^ 0x80]))
-    scan = store.Scan(path, header, step=store.CHUNK_BYTES, ring=2)
-    try:
-        piece_start = start + (bad - start) // store.CHUNK_BYTES * store.CHUNK_BYTES
-        scan.wait(piece_start)  # everything before the bad piece is fine
-        with pytest.raises(store.CorruptEntry, match=name):
-            scan.wait(store.data_end(header))
-    finally:
-        scan.close()
-    with pytest.raises(store.CorruptEntry):
-        store.check_data(path, header)
-
-
-def test_scan_of_a_truncated_file_is_corrupt(tmp_path):
-    path, header = _entry(tmp_path)
-    os.truncate(path, path.stat().st_size - 100)
-    scan = store.Scan(path, header)
-    with pytest.raises(store.CorruptEntry):
-        scan.wait(store.data_end(header))
-    scan.close()
-
-
-def test_scan_closed_early_stops_its_thread(tmp_path):
-    path, header = _entry(tmp_path)
-    scan = store.Scan(path, header, step=store.CHUNK_BYTES, ring=1)
-    scan.close()
-    assert not scan._thread.is_alive()
-
-
 # -- one pass: each byte made once, the header written last over reserved bytes, same bytes ----
 EXAMPLE = Path(__file__).resolve().parents[3] / "cache_dir.example"
 _DERIVED = {"format_version", "n_tokens", "chunk_bytes", "token_major", "xxh3"}
@@ -318,7 +263,7 @@ def test_each_token_major_block_is_made_once_per_write(tmp_path, monkeypatch):
     b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk=1000, block=4096))
     per_block = 4096 // (3 * 8 * 4)  # whole tokens per block
     assert len(made) == 2 * -(-300 // per_block)  # keys + values, each block once
-    store.check_data(b.path("e1"), store.read_header(b.path("e1"), "fp"))
+    scan.check_data(b.path("e1"), store.read_header(b.path("e1"), "fp"))
 
 
 def test_the_header_is_given_only_after_every_byte(tmp_path):
