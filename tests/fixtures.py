@@ -54,6 +54,16 @@ def make_llama(seed: int = 0, layers: int = 2, **shape: Any) -> llama.Model:
     return model
 
 
+def big_kv(tokens: int) -> C.KVCache:
+    """A plain KV cache of ``tokens`` tokens, 1 KiB per token per array (bf16, 4 heads x 128):
+    entries of several checksum chunks per tensor from a few thousand tokens."""
+    c = C.KVCache()
+    x = mx.random.normal((1, 4, tokens, 128)).astype(mx.bfloat16)
+    c.update_and_fetch(x, -x)
+    mx.eval(c.keys, c.values)
+    return c
+
+
 def tokens(seed: int, n: int) -> list[int]:
     """``n`` random token ids below :data:`VOCAB`, the same for the same seed."""
     return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()

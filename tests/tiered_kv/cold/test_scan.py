@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import os
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import cache as C
 
+from tests.fixtures import big_kv
 from tiered_kv.cold import codec, scan, store
 from tiered_kv.cold.backend import FileBackend
-
-
-def big_kv(tokens: int) -> C.KVCache:
-    c = C.KVCache()
-    x = mx.random.normal((1, 4, tokens, 128)).astype(mx.bfloat16)  # 1 KiB per token per array
-    c.update_and_fetch(x, -x)
-    mx.eval(c.keys, c.values)
-    return c
 
 
 def _entry(tmp_path, tokens=6_000):

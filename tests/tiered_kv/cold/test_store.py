@@ -13,19 +13,11 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
-from tests.fixtures import flip_byte
+from tests.fixtures import big_kv, flip_byte
 from tiered_kv.cold import codec, scan, store
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
-
-
-def big_kv(tokens: int) -> C.KVCache:
-    c = C.KVCache()
-    x = mx.random.normal((1, 4, tokens, 128)).astype(mx.bfloat16)  # 1 KiB per token per array
-    c.update_and_fetch(x, -x)
-    mx.eval(c.keys, c.values)
-    return c
 
 
 def test_file_is_standard_safetensors_with_chunk_digests(tmp_path):
