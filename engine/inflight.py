@@ -27,6 +27,13 @@ Progress = Callable[[int, int], None]
 SHORT_PREFILL = 64
 
 
+def short(left: int) -> bool:
+    """A prompt with at most :data:`SHORT_PREFILL` tokens left: never held, leased with the
+    others and sharing their forward (on the CPU too), where its prefill costs about a decode
+    step. The one definition the leasing, the prefill order and :class:`Hold` ask."""
+    return left <= SHORT_PREFILL
+
+
 @dataclass(frozen=True)
 class Hold:
     """Which prompts may prefill now. While requests await their first text, a prompt with as
@@ -38,7 +45,7 @@ class Hold:
     below: int | None = None
 
     def lets(self, left: int) -> bool:
-        return self.below is None or left < self.below or left <= SHORT_PREFILL
+        return self.below is None or left < self.below or short(left)
 
 
 NO_HOLD = Hold()

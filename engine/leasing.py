@@ -23,7 +23,7 @@ import numpy as np
 from engine import prefill_batch
 from engine import sampler as sampling
 from engine.events import END, Hit
-from engine.inflight import NO_HOLD, SHORT_PREFILL, Ends, Hold, Seq
+from engine.inflight import NO_HOLD, Ends, Hold, Seq, short
 
 #: prompt tokens a waiting request must gain from a prefilling one's published prompt to wait for it
 SHARE_GAIN = 64
@@ -75,10 +75,10 @@ class Leasing:
                 continue
             ahead = min(((s.left, s.enqueued) for s in self.prefilling if not s.ready),
                         default=None)  # fmt: skip
-            short = left[id(seq)] - 1 <= SHORT_PREFILL  # leased together: they share a forward
-            if short or ahead is None or (left[id(seq)], seq.enqueued) < ahead:
+            together = short(left[id(seq)])  # leased with the others: they share a forward
+            if together or ahead is None or (left[id(seq)], seq.enqueued) < ahead:
                 self._start(seq)
-                if short:
+                if together:
                     continue
             return
 

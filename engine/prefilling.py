@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine import prefill_batch
-from engine.inflight import NO_HOLD, SHORT_PREFILL, Ends, Hold, Seq
+from engine.inflight import NO_HOLD, Ends, Hold, Seq, short
 
 
 class Prefilling:
@@ -93,7 +93,7 @@ class Prefilling:
         their body not all in yet, that ``hold`` lets go on. Where rows cost what a request
         alone does (``share`` off: the CPU), only short chunks are shared (a forward of a few
         tokens costs its fixed part, whatever its rows)."""
-        if not self.share and seq.left - 1 > SHORT_PREFILL:
+        if not self.share and not short(seq.left):
             return [seq]
         others = [s for s in self.seqs if s is not seq and s.steps is None and not s.ready
                   and hold.lets(s.left)]  # fmt: skip

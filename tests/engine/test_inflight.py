@@ -12,7 +12,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.events import END, Chunk, Failed, SamplingParams
-from engine.inflight import Ends, Seq
+from engine.inflight import SHORT_PREFILL, Ends, Hold, Seq, short
 from tests.engine.batching import IdText, ModelEngine, Sink
 from tests.fixtures import make_llama, tokens
 from tiered_kv.config import Config
@@ -76,3 +76,14 @@ def test_a_failure_still_stores_and_ends_even_when_the_store_fails(monkeypatch):
     monkeypatch.setattr(engine.cache, "store", broken)
     Ends(engine).finish(seq, "stop", seq.lease.caches)
     assert sink.chunks[-1].finish_reason == "stop" and sink.events[-1] is END
+
+
+def test_short_prompts_are_never_held():
+    """One definition of a short prompt (``inflight.short``): the hold lets it go on whatever
+    the first texts awaited, and lets a longer one go on only below the hold."""
+    assert short(SHORT_PREFILL) and not short(SHORT_PREFILL + 1)
+    hold = Hold(below=10)
+    assert hold.lets(SHORT_PREFILL) and hold.lets(9)
+    assert not hold.lets(SHORT_PREFILL + 1)
+    assert Hold(below=SHORT_PREFILL + 50).lets(SHORT_PREFILL + 49)
+    assert not Hold(below=SHORT_PREFILL + 50).lets(SHORT_PREFILL + 50)
