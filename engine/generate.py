@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import tiered_kv
 from engine.batch import BatchLoop
 from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
 from engine.loading import context_length, load_model
-from engine.prefill import Progress, checkpoint_positions, prefill, prefill_steps
+from engine.prefill import Progress, checkpoint_positions, fill, prefill, prefill_steps
 from engine.textout import TextStream
 from tiered_kv import CacheDirError, Config, HitInfo, Lease, model_identity
 
@@ -43,10 +44,12 @@ class Engine:
 
     def __init__(self, model_dir: Path, config: Config) -> None:
         self.model_dir = Path(model_dir)
+        # the prefill step, resolved here once (0 is auto): the cache's restore plans need it too
+        config = replace(config, prefill_chunk=config.prefill_chunk or default_prefill_chunk())
         self.config = config
         self.model, self.tokenizer = load_model(self.model_dir)
         self.context_length = context_length(self.model_dir, self.tokenizer)
-        self.prefill_chunk = config.prefill_chunk or default_prefill_chunk()
+        self.prefill_chunk = config.prefill_chunk
         # several requests' prompt chunks in one forward (engine/prefilling.py), when switched on
         # (TIERED_KV_SHARED_PREFILL; `auto`: on a GPU)
         gpu = mx.default_device().type == mx.gpu
@@ -59,9 +62,10 @@ class Engine:
         self.restorer = self.cache.restorer  # issue 15: None without a cold tier
 
     def compute_prefix(self, ids: list[int]) -> list[Any]:
-        """Fresh caches holding exactly ``ids`` (prefilled here, on the engine thread)."""
+        """Fresh caches holding exactly ``ids`` (whole prefill steps, no logits: a restore's
+        computed head, the calibration), computed here, on the engine thread."""
         lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
-        prefill(self.model, lease, [], self.prefill_chunk)
+        fill(self.model, lease, self.prefill_chunk)
         return lease.caches
 
     # -- prompts ---------------------------------------------------------------------------

@@ -181,6 +181,20 @@ def qwen_next() -> qwen3_next.Model:
     return m
 
 
+class Steps:
+    """A real model that records the length of every forward (``lengths``)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.lengths = model, list[int]()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, x, cache=None):
+        self.lengths.append(x.shape[-1])
+        return self.model(x, cache=cache)
+
+
 class QuantizedLlama:
     """A llama whose model cache is mlx-lm's QuantizedKVCache (8-bit, group 64)."""
 

@@ -50,7 +50,8 @@ def open_cache(
     ``make_cache`` returns the model's fresh prompt cache (``lambda:
     mlx_lm.models.cache.make_prompt_cache(model)``). ``compute`` (optional) prefills fresh caches;
     with it, disk hits are planned (load, recompute or both, by learned costs); without it they
-    are always loaded. Raises :class:`CacheDirError` when the cold tier's directory cannot be
+    are always loaded. ``config.prefill_chunk`` is taken as ``compute``'s prefill step (the caller
+    resolves 0, auto, to the step it uses): a `both` computes whole steps. Raises :class:`CacheDirError` when the cold tier's directory cannot be
     opened. The caller owns the result and must ``close()`` it (writes what memory holds to disk).
     """
     probe = make_cache()
@@ -86,7 +87,8 @@ def _restorer(config: Config, cold: Any, probe: list[Any], compute: Compute) -> 
     device = str(mx.default_device())
     costs = CostBook(CostBook.file_for(cold.dir, device), cold.fingerprint, device)
     mode: Any = config.restore  # validated by config: auto | load | compute | both
-    r = Restorer(mode, costs, compute, blocker_of(probe), config.kv_bits, config.kv_group_size)
+    r = Restorer(mode, costs, compute, blocker_of(probe), config.kv_bits, config.kv_group_size,
+                 step=config.prefill_chunk or 1)  # fmt: skip
     if costs.learned.prefill is None and config.restore == "auto" and cold.stats()["entries"]:
         calibrate(compute, costs)  # the first disk hit must not plan blind
     return r

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.prefill import PrefillStopped, prefill
+from engine.prefill import PrefillStopped, fill, prefill
 from tests import fixtures
 from tests.fixtures import tokens
 from tiered_kv.config import Config
@@ -41,3 +41,18 @@ def test_stop_between_chunks_keeps_what_was_evaluated(small_model):
     assert seen == [(8, 40), (16, 40)] and fed == ids[:16]
     mx.eval([c.state for c in lease.caches])
     assert lease.caches[0].offset == 16
+
+
+def test_fill_feeds_whole_steps_and_holds_the_same_kv(small_model):
+    """A restore's head (Engine.compute_prefix) is fed in whole steps from the start, no last-token
+    step: 2 x 16, not 16 + 15 + 1 (on CUDA each new (length, offset) compiles on first use)."""
+    ids = tokens(92, 32)
+    model = fixtures.Steps(small_model)
+    lease = lease_of(model, ids)
+    fill(model, lease, 16)
+    assert model.lengths == [16, 16] and lease.caches[0].offset == 32
+    ref = lease_of(small_model, ids)
+    prefill(small_model, ref, [], 16)
+    for a, b in zip(lease.caches, ref.caches, strict=True):
+        for x, y in zip(a.state, b.state, strict=True):
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=1e-5)

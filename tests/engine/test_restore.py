@@ -142,3 +142,27 @@ def test_admission_by_value_is_counted(tiny_model_dir, tmp_path):
     engine.close()  # the longer entry is not worth a file here: refused, counted
     assert engine.restorer.counters["restore_not_admitted"] == 1
     assert engine.cache.cold.stats()["spills"] == 0
+
+
+def test_the_engine_plans_with_its_own_prefill_step(tiny_model_dir, tmp_path):
+    """TIERED_KV_PREFILL_CHUNK=0 (auto) is resolved once, by the Engine, and the restore plans get
+    the step its prefills run (a `both` computes whole steps)."""
+    from engine.generate import default_prefill_chunk
+
+    auto = Engine(tiny_model_dir, Config(cache_dir=tmp_path / "a"))
+    assert auto.prefill_chunk == auto.config.prefill_chunk == default_prefill_chunk()
+    assert auto.restorer.step == default_prefill_chunk()
+    set_ = Engine(tiny_model_dir, Config(cache_dir=tmp_path / "b", prefill_chunk=96))
+    assert set_.restorer.step == set_.prefill_chunk == 96
+    auto.cache.close()
+    set_.cache.close()
+
+
+def test_the_engines_computed_prefix_is_whole_steps(tiny_model_dir, tmp_path):
+    engine = Engine(tiny_model_dir, Config(cache_dir=tmp_path, prefill_chunk=16))
+    from tests.fixtures import Steps
+
+    engine.model = Steps(engine.model)  # type: ignore[assignment]
+    caches = engine.compute_prefix(list(range(3, 35)))
+    assert engine.model.lengths == [16, 16] and caches[0].offset == 32
+    engine.cache.close()
