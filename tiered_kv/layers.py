@@ -401,26 +401,30 @@ def encode(caches: Sequence[Any]) -> tuple[Arrays, dict[str, str]]:
     ``mx.eval`` them before they cross threads).
     """
     arrays: Arrays = {}
-
-    def walk(items: Sequence[Any], prefix: str) -> list[dict[str, Any]]:
-        tree: list[dict[str, Any]] = []
-        for i, c in enumerate(items):
-            path = f"{prefix}{i}"
-            if c is None:  # a checkpoint's placeholder for a layer served from the entry itself
-                tree.append({"cls": None})
-                continue
-            if type(c) is C.CacheList:
-                tree.append({"cls": "CacheList", "items": walk(c.caches, path + ".")})
-                continue
-            codec = codec_for(c)
-            a, m = codec.encode(c)
-            for k, x in a.items():
-                arrays[f"{path}.{k}"] = x
-            tree.append({"cls": type(c).__name__, "meta": m})
-        return tree
-
-    tree = walk(caches, "")
+    tree = _encode_items(caches, "", arrays)
     return arrays, {"layers": json.dumps(tree, separators=(",", ":"))}
+
+
+# encode / decode recurse through module functions, never a nested function that calls itself:
+# that closure is a reference cycle (function -> its cell -> function) holding the arrays, which
+# then outlive their last user until the next cyclic garbage collection (a whole reloaded entry)
+def _encode_items(items: Sequence[Any], prefix: str, arrays: Arrays) -> list[dict[str, Any]]:
+    """The metadata tree of ``items``; their arrays added to ``arrays``."""
+    tree: list[dict[str, Any]] = []
+    for i, c in enumerate(items):
+        path = f"{prefix}{i}"
+        if c is None:  # a checkpoint's placeholder for a layer served from the entry itself
+            tree.append({"cls": None})
+            continue
+        if type(c) is C.CacheList:
+            tree.append({"cls": "CacheList", "items": _encode_items(c.caches, path + ".", arrays)})
+            continue
+        codec = codec_for(c)
+        a, m = codec.encode(c)
+        for k, x in a.items():
+            arrays[f"{path}.{k}"] = x
+        tree.append({"cls": type(c).__name__, "meta": m})
+    return tree
 
 
 def decode(arrays: Arrays, metadata: dict[str, str]) -> list[Any]:
@@ -429,35 +433,35 @@ def decode(arrays: Arrays, metadata: dict[str, str]) -> list[Any]:
         tree = json.loads(metadata["layers"])
     except (KeyError, ValueError) as e:
         raise CorruptState(f"bad layer metadata: {e}") from None
+    return _decode_items(tree, "", arrays)
 
-    def build(items: list[dict[str, Any]], prefix: str) -> list[Any]:
-        out: list[Any] = []
-        for i, node in enumerate(items):
-            path = f"{prefix}{i}"
-            cls = node.get("cls")
-            if cls is None:
-                out.append(None)
-                continue
-            if cls == "CacheList":
-                out.append(C.CacheList(*build(node["items"], path + ".")))
-                continue
-            codec = CODECS.get(cls)
-            if codec is None:
-                raise UnsupportedCache(f"stored cache class {cls!r}")
-            mine = {
-                k[len(path) + 1 :]: v
-                for k, v in arrays.items()
-                if k.startswith(path + ".") and "." not in k[len(path) + 1 :].split(".", 1)[0]
-            }
-            try:
-                out.append(codec.decode(mine, node["meta"]))
-            except (KeyError, IndexError, TypeError, ValueError) as e:
-                if isinstance(e, CorruptState):
-                    raise
-                raise CorruptState(f"layer {path}: {e!r}") from None
-        return out
 
-    return build(tree, "")
+def _decode_items(items: list[dict[str, Any]], prefix: str, arrays: Arrays) -> list[Any]:
+    out: list[Any] = []
+    for i, node in enumerate(items):
+        path = f"{prefix}{i}"
+        cls = node.get("cls")
+        if cls is None:
+            out.append(None)
+            continue
+        if cls == "CacheList":
+            out.append(C.CacheList(*_decode_items(node["items"], path + ".", arrays)))
+            continue
+        codec = CODECS.get(cls)
+        if codec is None:
+            raise UnsupportedCache(f"stored cache class {cls!r}")
+        mine = {
+            k[len(path) + 1 :]: v
+            for k, v in arrays.items()
+            if k.startswith(path + ".") and "." not in k[len(path) + 1 :].split(".", 1)[0]
+        }
+        try:
+            out.append(codec.decode(mine, node["meta"]))
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            if isinstance(e, CorruptState):
+                raise
+            raise CorruptState(f"layer {path}: {e!r}") from None
+    return out
 
 
 def layout(caches: Sequence[Any]) -> str:

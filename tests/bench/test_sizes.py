@@ -15,3 +15,11 @@ def test_sweep_rows_and_table(tmp_path):
     text = sizes.table(rows)
     assert "reload cold" in text and "| 512 |" in text
     assert not list(tmp_path.iterdir())  # every scratch file removed
+
+
+def test_rounds_give_medians_every_entry_written_each_round(tmp_path):
+    (row,) = sizes.run("test", [512], tmp_path, reps=3)
+    assert row["reps"] == 3 and row["spills"] == 3 and row["drops"] == 0
+    assert len(row["load_warm_s_runs"]) == len(row["write_s_runs"]) == 3
+    assert row["write_s"] == sorted(row["write_s_runs"])[1]
+    assert "best of 3" in sizes.table([row])
