@@ -37,8 +37,9 @@ class BatchLoop:
         ends = Ends(engine)
         self.decode = Decoding(engine.model, ends)
         self.prefill = Prefilling(engine, ends, self.decode.start, self.decode.join)
+        decode = self.decode  # not ``self``: a lambda over the loop, kept by its own leasing, is a cycle
         self.leasing = Leasing(
-            engine, ends, self.prefill.seqs, lambda: self.decode.count > 0, self.prefill.share
+            engine, ends, self.prefill.seqs, lambda: decode.count > 0, self.prefill.share
         )
 
     # -- bookkeeping ------------------------------------------------------------------------

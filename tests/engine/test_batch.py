@@ -227,3 +227,24 @@ def test_held_prompts_do_not_ride_along_in_shared_forwards():
     held = {n for n, _ in events[first:text]}
     assert "short prefill" in held  # fewer tokens left than main prefilled: it goes on
     assert "long prefill" not in held
+
+
+def test_a_finished_loop_is_freed_without_the_cyclic_collector():
+    """Engine.generate makes a BatchLoop per call: when the last reference goes, the loop and its
+    parts go with it (a lambda over the loop, handed to its own leasing, made a cycle of every
+    part of every loop, freed only by the next cyclic garbage collection)."""
+    import gc
+
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=("hot",)))
+    gc.collect()
+    gc.disable()
+    try:
+        loop = BatchLoop(engine, max_batch=2)
+        sink = Sink()
+        loop.add(sink, tokens(53, 12), SamplingParams(max_tokens=3))
+        run_until(loop, lambda: sink.done)
+        loop.close()
+        del loop
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
