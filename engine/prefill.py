@@ -85,7 +85,7 @@ def fill(model: nn.Module, lease: Lease, chunk_size: int) -> None:
     start, with no logits (no last-token step): KV only, for a restore's computed head and the
     calibration. Its steps are the shapes of a long prefill's body steps; on CUDA the first
     forward of a new (step length, offset) compiles and allocates (1B shape: a 2048-token head fed
-    as 2047 + 1 tokens took 0.55 s the first time, where the whole step runs in ~0.03 s)."""
+    as 2047 + 1 tokens took 0.55 s the first time; a 4096-token head in whole steps, 0.03 s)."""
     rem, fed = lease.remaining, list[int]()
     for i in range(0, len(rem), chunk_size):
         _step(model, lease, fed, rem[i : i + chunk_size], [], None, len(rem))

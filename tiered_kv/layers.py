@@ -437,6 +437,7 @@ def decode(arrays: Arrays, metadata: dict[str, str]) -> list[Any]:
 
 
 def _decode_items(items: list[dict[str, Any]], prefix: str, arrays: Arrays) -> list[Any]:
+    """The caches of the metadata tree ``items``, from ``arrays``."""
     out: list[Any] = []
     for i, node in enumerate(items):
         path = f"{prefix}{i}"

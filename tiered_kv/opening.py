@@ -51,8 +51,9 @@ def open_cache(
     mlx_lm.models.cache.make_prompt_cache(model)``). ``compute`` (optional) prefills fresh caches;
     with it, disk hits are planned (load, recompute or both, by learned costs); without it they
     are always loaded. ``config.prefill_chunk`` is taken as ``compute``'s prefill step (the caller
-    resolves 0, auto, to the step it uses): a `both` computes whole steps. Raises :class:`CacheDirError` when the cold tier's directory cannot be
-    opened. The caller owns the result and must ``close()`` it (writes what memory holds to disk).
+    resolves 0, auto, to the step it uses): a `both` computes whole steps. Raises
+    :class:`CacheDirError` when the cold tier's directory cannot be opened. The caller owns the
+    result and must ``close()`` it (writes what memory holds to disk).
     """
     probe = make_cache()
     fp = fingerprint(config, model_identity, probe)

@@ -260,10 +260,10 @@ def resident_share(path: Path) -> float | None:
             return None
         try:
             pages = -(-size // mmap.PAGESIZE)
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+            vec = np.zeros(pages, dtype=np.uint8)  # not a ctypes array: a new type per size
+            if libc.mincore(ctypes.c_void_p(addr), size, ctypes.c_void_p(vec.ctypes.data)) != 0:
                 return None
-            return int(np.count_nonzero(np.ctypeslib.as_array(vec) & 1)) / pages
+            return int(np.count_nonzero(vec & 1)) / pages
         finally:
             libc.munmap(ctypes.c_void_p(addr), size)
     finally:

@@ -233,3 +233,26 @@ def test_destinations_of_another_layout_are_refused(tmp_path):
     strided = {k: np.empty((1, N - 300, HEADS, 64), np.uint8)[..., :32] for k in ("0.keys", "0.values")}
     with pytest.raises(ValueError):
         ranged.read_range(path, "fp", 300, N, into=strided)
+
+
+def test_the_page_cache_probe_leaves_no_garbage(tmp_path):
+    """One probe per restore plan: it makes no ctypes array type per file size (a type is a
+    reference cycle, left for the cyclic collector)."""
+    import ctypes
+    import gc
+
+    from tiered_kv.cold.ranged import resident_share
+
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 40_000)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        assert resident_share(p) is not None
+        gc.collect()
+        ours = [o for o in gc.garbage if isinstance(o, ctypes._SimpleCData | ctypes.Array)
+                or (isinstance(o, type) and issubclass(o, ctypes.Array))]  # fmt: skip
+        assert ours == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
