@@ -33,7 +33,7 @@ class BatchLoop:
     def __init__(self, engine: Any, max_batch: int = 8) -> None:
         self.engine, self.max_batch = engine, max_batch
         # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
-        self.prefill_budget = getattr(engine, "prefill_chunk", 0) or engine.config.prefill_chunk
+        self.prefill_budget = engine.config.prefill_chunk
         ends = Ends(engine)
         self.decode = Decoding(engine.model, ends)
         self.prefill = Prefilling(engine, ends, self.decode.start, self.decode.join)

@@ -49,7 +49,6 @@ class Engine:
         self.config = config
         self.model, self.tokenizer = load_model(self.model_dir)
         self.context_length = context_length(self.model_dir, self.tokenizer)
-        self.prefill_chunk = config.prefill_chunk
         # several requests' prompt chunks in one forward (engine/prefilling.py), when switched on
         # (TIERED_KV_SHARED_PREFILL; `auto`: on a GPU)
         gpu = mx.default_device().type == mx.gpu
@@ -60,6 +59,11 @@ class Engine:
         )  # fmt: skip
         self.fingerprint = self.cache.fingerprint
         self.restorer = self.cache.restorer  # issue 15: None without a cold tier
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens per prefill step (``config.prefill_chunk``, resolved at start)."""
+        return self.config.prefill_chunk
 
     def compute_prefix(self, ids: list[int]) -> list[Any]:
         """Fresh caches holding exactly ``ids`` (whole prefill steps, no logits: a restore's

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from engine.generate import Engine, SamplingParams
+from engine.generate import Engine, SamplingParams, default_prefill_chunk
+from tests.fixtures import Steps
 from tests.serving import serve
 from tiered_kv.config import Config
 
@@ -147,8 +148,6 @@ def test_admission_by_value_is_counted(tiny_model_dir, tmp_path):
 def test_the_engine_plans_with_its_own_prefill_step(tiny_model_dir, tmp_path):
     """TIERED_KV_PREFILL_CHUNK=0 (auto) is resolved once, by the Engine, and the restore plans get
     the step its prefills run (a `both` computes whole steps)."""
-    from engine.generate import default_prefill_chunk
-
     auto = Engine(tiny_model_dir, Config(cache_dir=tmp_path / "a"))
     assert auto.prefill_chunk == auto.config.prefill_chunk == default_prefill_chunk()
     assert auto.restorer.step == default_prefill_chunk()
@@ -160,8 +159,6 @@ def test_the_engine_plans_with_its_own_prefill_step(tiny_model_dir, tmp_path):
 
 def test_the_engines_computed_prefix_is_whole_steps(tiny_model_dir, tmp_path):
     engine = Engine(tiny_model_dir, Config(cache_dir=tmp_path, prefill_chunk=16))
-    from tests.fixtures import Steps
-
     engine.model = Steps(engine.model)  # type: ignore[assignment]
     caches = engine.compute_prefix(list(range(3, 35)))
     assert engine.model.lengths == [16, 16] and caches[0].offset == 32
