@@ -101,6 +101,19 @@ def _open(path: Path) -> int:
         raise
 
 
+def no_readahead(fd: int) -> None:
+    """Turn the kernel's readahead off for this open file (``POSIX_FADV_RANDOM``): the ranged
+    read asks for exactly the spans it needs, several threads at once, each span megabytes long.
+    With readahead on, those readers share one readahead state that sees no sequential stream,
+    and the kernel reads in small pieces: a cold read of the last 16 MiB of 64 tensors (8B, 32k
+    tokens, ``both`` at m = 24k) ran at 0.8-1.0 GB/s where ``dd`` reads 1.2-2.2 GB/s; without
+    readahead it runs at 1.9-2.1 GB/s. A hint only: where the OS has none, nothing changes."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except (OSError, AttributeError):
+        pass
+
+
 def _check_bounds(m: int, n: int, total: int) -> None:
     if not 0 <= m < n <= total:
         raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
@@ -124,6 +137,7 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
     t0 = time.perf_counter()
     fd = _open(path)
     try:
+        no_readahead(fd)
         header = store.read_header_fd(fd, fingerprint)
         chunk, total = header.chunk_bytes, header.n_tokens
         _check_bounds(m, n, total)

@@ -192,6 +192,32 @@ def test_a_range_of_a_tensor_is_one_contiguous_read(tmp_path, monkeypatch):
         assert b - a < (n - first) * per + 2 * 256  # and only its covering chunks
 
 
+def test_the_ranged_read_turns_readahead_off_before_it_reads(tmp_path, monkeypatch):
+    """Several readers of one descriptor, each reading megabyte spans: the kernel's readahead,
+    shared by them, read a cold 8B 32k tail at half the disk's speed. Every data read comes
+    after ``POSIX_FADV_RANDOM`` on its descriptor."""
+    path, _ = write(tmp_path)
+    events: list[tuple[str, int, int]] = []
+    real_advise, real_read = ranged.os.posix_fadvise, ranged.os.preadv
+
+    def advise(fd, offset, length, advice):
+        events.append(("advise", fd, advice))
+        return real_advise(fd, offset, length, advice)
+
+    def read(fd, bufs, offset, *flags):
+        events.append(("read", fd, offset))
+        return real_read(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(ranged.os, "posix_fadvise", advise)
+    monkeypatch.setattr(ranged.os, "preadv", read)
+    ranged.read_range(path, "fp", 300, N)
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    assert reads
+    for i in reads:
+        fd = events[i][1]
+        assert ("advise", fd, os.POSIX_FADV_RANDOM) in events[:i]
+
+
 def test_flipped_byte_is_caught_when_reading_into_destinations(tmp_path):
     path, _ = write(tmp_path)
     h = store.read_header(path, "fp")
