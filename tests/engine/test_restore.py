@@ -50,8 +50,8 @@ def throttle(engine: Engine, bytes_per_s: float) -> None:
         time.sleep((desc[1] if desc else 0) / bytes_per_s)
         return got
 
-    def slow_reader(*args):
-        rr = reader(*args)
+    def slow_reader(*args, **kw):
+        rr = reader(*args, **kw)
         time.sleep(rr.nbytes / bytes_per_s)
         return rr
 

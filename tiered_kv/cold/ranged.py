@@ -28,6 +28,7 @@ import functools
 import mmap
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,8 @@ def _check_bounds(m: int, n: int, total: int) -> None:
 
 
 def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
-               into: dict[str, np.ndarray] | None = None) -> RangeRead:  # fmt: skip
+               into: dict[str, np.ndarray] | None = None,
+               landed: Callable[[np.ndarray], None] | None = None) -> RangeRead:  # fmt: skip
     """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor, token-major.
 
     ``into`` (optional): per tensor, a writable C-contiguous uint8 array ``(1, n - m, heads, row
@@ -128,6 +130,10 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
     from :func:`layout`); the rows are read straight into it (one copy: kernel to destination) and
     it is what the result holds. Without it, arrays are allocated here. On any error the
     destinations hold unverified bytes and must not be used.
+
+    ``landed`` (optional) is called with each tensor's destination as soon as all its bytes are
+    read and verified, on the reader thread that read it (bytes only: it must not touch MLX) —
+    e.g. to start moving them to the GPU while the other tensors are still being read.
 
     Raises store.CorruptEntry (checksum, short file, a symlink), store.ForeignEntry,
     Unsplittable, FileNotFoundError, ValueError (range, or ``into`` of another layout). Files
@@ -161,7 +167,10 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
                 if (buf.shape != shape or buf.dtype != np.uint8 or not buf.flags.writeable
                         or not buf.flags.c_contiguous):  # fmt: skip
                     raise ValueError(f"destination of {name} is not contiguous writable uint8 {shape}")
-            return name, (t["dtype"], buf), span(name, t, buf, m)
+            got = span(name, t, buf, m)
+            if landed is not None:
+                landed(buf)
+            return name, (t["dtype"], buf), got
 
         tok = np.empty((1, n, 4), dtype=np.uint8)
         read = span("tokens", header.tensors["tokens"], tok, 0)

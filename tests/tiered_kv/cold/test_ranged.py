@@ -282,3 +282,25 @@ def test_the_page_cache_probe_leaves_no_garbage(tmp_path):
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+
+
+def test_each_destination_is_handed_on_once_its_bytes_are_verified(tmp_path):
+    """``landed``: called once per tensor with its destination, holding its verified rows (what a
+    GPU prefetch may start moving while other tensors are still read); a tensor that fails its
+    checksum is never handed on."""
+    path, keys = write(tmp_path)
+    m, n = 100, N
+    into = {k: np.zeros((1, n - m, HEADS, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
+    seen: list[tuple[int, np.ndarray]] = []
+    ranged.read_range(path, "fp", m, n, into=into,
+                      landed=lambda buf: seen.append((id(buf), buf.copy())))  # fmt: skip
+    assert sorted(i for i, _ in seen) == sorted(id(b) for b in into.values())
+    got = {i: b for i, b in seen}[id(into["0.keys"])]
+    np.testing.assert_array_equal(got.view(np.float32)[0].swapaxes(0, 1), keys[0, :, m:n])
+
+    h = store.read_header(path, "fp")
+    flip_byte(path, h.data_start + h.tensors["0.values"]["data_offsets"][0] + 300 * ROW)
+    seen.clear()
+    with pytest.raises(store.CorruptEntry):
+        ranged.read_range(path, "fp", m, n, into=into, landed=lambda b: seen.append((id(b), b)))
+    assert id(into["0.values"]) not in [i for i, _ in seen]

@@ -58,3 +58,24 @@ def test_tail_landing_views_are_the_whole_arrays():
     v = buffers.byte_views(tail, 3, 9)["k"]
     assert v.shape == (1, 6, 2, 16) and v.flags.c_contiguous
     assert buffers.landing() in ("full", "tail")
+
+
+def test_one_buffer_holds_every_array_apart_and_mlx_reads_what_was_written():
+    """``one_buffer`` (the tail landing): views of one allocation, each on its own pages; bytes
+    written into one array through its byte view are what MLX reads there, and nothing else."""
+    lay = {f"{i}.{kv}": ("BF16", (1, 5, 3, 4)) for i in range(3) for kv in ("keys", "values")}
+    got = buffers.allocate(lay, one_buffer=True)
+    assert set(got) == set(lay) and all(a.shape == (1, 5, 3, 4) for a in got.values())
+    views = buffers.byte_views(got, 0, 5)
+    starts = sorted(v.ctypes.data for v in views.values())
+    assert all(b - a >= 4096 for a, b in zip(starts, starts[1:], strict=False))  # apart
+    assert all(s % 4096 == starts[0] % 4096 for s in starts)
+    want = {k: mx.random.normal((1, 5, 3, 4)).astype(mx.bfloat16) for k in lay}
+    for k, v in views.items():
+        v[...] = np.array(want[k].view(mx.uint16)).view(np.uint8).reshape(v.shape)
+    del views
+    for k, a in got.items():
+        assert mx.array_equal(a, want[k]).item(), k
+    # the join's concatenation reads them as any array
+    both = mx.concatenate([got["0.keys"], got["2.values"]], axis=1)
+    assert mx.array_equal(both[:, 5:], want["2.values"]).item()

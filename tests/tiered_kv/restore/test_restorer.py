@@ -30,6 +30,9 @@ from tiered_kv.restore.restorer import Decision, Restorer, blocker_of
 from tiered_kv.tiered import HitInfo, Lease, TieredCache
 
 N = 600  # ranges start at any token (reads round out to whole checksum chunks)
+#: float32 logits of two prefill paths agree to 1e-4 on the CPU; a GPU's float32 matmuls (TF32 on
+#: CUDA) differ by up to ~2e-2 on these tiny random models (seen on the H200)
+TOL = 1e-4 if mx.default_device() == mx.cpu else 5e-2
 
 
 def llama_kv8():
@@ -119,10 +122,12 @@ def test_both_joins_at_any_m_plain_kv(plain, m, cut):
     ref_logits, ref_toks = greedy(
         plain.model, make_prompt_cache(plain.model), plain.ids[:n] + suffix
     )
-    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, ref_logits, rtol=TOL, atol=TOL)
     assert toks == ref_toks
 
 
+@pytest.mark.skipif(getattr(mx, "cuda", None) is not None and mx.cuda.is_available(),
+                    reason="mlx-cuda 0.32.4 has no quantized_matmul for these float32 shapes")
 @pytest.mark.parametrize("kind", ["tier kv_bits=8", "model QuantizedKVCache"])
 def test_both_joins_quantised_kv(tmp_path, kind):
     if kind == "tier kv_bits=8":
@@ -136,7 +141,7 @@ def test_both_joins_quantised_kv(tmp_path, kind):
         logits, toks = greedy(s.model, got.caches, suffix)
         # the stored entry is quantised: `both` must equal a load of it ...
         ref_logits, ref_toks = greedy(s.model, s.loaded(n), suffix)
-        np.testing.assert_allclose(logits, ref_logits, rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(logits, ref_logits, rtol=10 * TOL, atol=10 * TOL)
         assert toks == ref_toks
         # ... and stay near a cold prefill (quantisation error only)
         cold = feed(s.model, make_prompt_cache(s.model), s.ids[:n] + suffix)
@@ -158,7 +163,7 @@ def test_both_unavailable_falls_back_to_load_and_says_so(tmp_path, factory):
     fed = ids[: lease.hit.tokens]
     out = np.array(prefill(model, lease, fed, 64))
     ref = feed(model, make_prompt_cache(model), ids)
-    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(out, ref, rtol=10 * TOL, atol=10 * TOL)
     assert r.counters["restore_both"] == 0
     tc.close()
     s.cold.close()
@@ -174,7 +179,7 @@ def test_tiered_cache_serves_both_as_cold(plain, tmp_path):
     fed = ids[: lease.hit.tokens]
     out = np.array(prefill(plain.model, lease, fed, 64))
     np.testing.assert_allclose(out, feed(plain.model, make_prompt_cache(plain.model), ids),
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
+                               rtol=TOL, atol=TOL)  # fmt: skip
     tc.store(lease, fed)
     assert r.counters["restore_both"] == 1 and r.costs.obs["range"] and r.costs.obs["join"]
     tc.hot.entries.clear()
@@ -266,7 +271,7 @@ def test_the_read_lands_in_the_served_arrays_and_phases_are_recorded(plain):
         landed.extend(kw["into"].values())
         return ranged.read_range(*a, **kw)
 
-    r = plain.restorer("both", reader=reader)
+    r = plain.restorer("both", reader=reader, landing="full")
     hit = plain.cold.lookup(plain.ids)
     got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t"))
     assert got is not None and landed
@@ -293,6 +298,59 @@ def test_tail_landing_joins_the_same_as_full(plain, m):
         assert x.offset == y.offset == n
         assert mx.array_equal(x.keys[..., :n, :], y.keys[..., :n, :]).item()
         assert mx.array_equal(x.values[..., :n, :], y.values[..., :n, :]).item()
+
+
+class RecordingPrefetch:
+    """Where the CPU has no GPU to move memory to: records what the I/O thread hands to the
+    prefetcher (the real one, prefetch.DevicePrefetch, is run on CUDA by test_prefetch.py)."""
+
+    def __init__(self):
+        self.moved: list[np.ndarray] = []
+        self.bytes = 0
+        self.waited_after: list[int] = []
+
+    def to_device(self, buf):
+        self.moved.append(buf)
+        self.bytes += buf.nbytes
+
+    def wait(self):
+        self.waited_after.append(len(self.moved))
+
+
+def test_a_tail_landing_moves_each_verified_tensor_to_the_gpu_before_the_join(plain, monkeypatch):
+    """CUDA: each tail tensor is handed to the GPU prefetch by the I/O thread as soon as it is
+    verified, and the read returns only after the prefetches finished — the join then finds the
+    tail in GPU memory instead of migrating it page by page (0.1-0.29 s for 1.34 GB on the
+    H200). The served caches are the same."""
+    from tiered_kv.restore import prefetch
+
+    rec = RecordingPrefetch()
+    monkeypatch.setattr(prefetch, "open_device", lambda: rec)
+    n, m = N - 1, 256
+    r = plain.restorer(landing="tail")
+    hit = plain.cold.lookup(plain.ids)
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", n, m, 0.0, 0.0, "test"))
+    assert got is not None
+    layers_ = len(got.caches)
+    assert len(rec.moved) == 2 * layers_ and rec.waited_after == [2 * layers_]
+    assert r.stats()["restore_both_gpu_prefetch_bytes"] == rec.bytes == sum(b.nbytes for b in rec.moved)
+    ref = plain.both(m, n, landing="full")
+    for x, y in zip(ref.caches, got.caches, strict=True):
+        assert mx.array_equal(x.keys[..., :n, :], y.keys[..., :n, :]).item()
+    # a full landing (CPU, unified memory) has nothing to move
+    rec.moved.clear()
+    assert plain.restorer(landing="full").both(
+        plain.cold, hit, plain.ids, Decision("both", n, m, 0.0, 0.0, "test")) is not None
+    assert rec.moved == []
+
+
+def test_no_gpu_prefetch_where_there_is_no_cuda():
+    from tiered_kv.restore import prefetch
+
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        pytest.skip("CUDA present: test_prefetch.py covers it")
+    assert prefetch.open_device() is None
 
 
 def test_calibration_records_each_length_after_its_first_run():
