@@ -64,9 +64,10 @@ class DevicePrefetch:
                 self.bytes += buf.nbytes
 
     def wait(self) -> None:
-        """Until every prefetch asked for has finished (or failed: the memory stays valid)."""
-        if self._ok and (self._lib.cuCtxSetCurrent(self._context) or
-                         self._lib.cuStreamSynchronize(self._stream)):  # fmt: skip
+        """Until every prefetch issued has finished (also after a failure turned the prefetch
+        off: those issued before it may still run). A failed wait leaves the memory valid."""
+        if self._stream.value and (self._lib.cuCtxSetCurrent(self._context) or
+                                   self._lib.cuStreamSynchronize(self._stream)):  # fmt: skip
             with self._lock:
                 self._off("cuStreamSynchronize failed")
 
