@@ -79,6 +79,11 @@ ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4,
             "I64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # fmt: skip
 
 
+def nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of safetensors ``dtype`` and ``shape``."""
+    return int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype]
+
+
 class CorruptEntry(ValueError):
     """A short, truncated, bit-flipped or unparsable entry file."""
 
@@ -287,7 +292,7 @@ def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str,
     table: dict[str, Any] = {}
     off = 0
     for t, tm in zip(items, major, strict=True):
-        n = int(np.prod(t.shape, dtype=np.int64)) * ITEMSIZE[t.dtype]
+        n = nbytes(t.dtype, t.shape)
         assert n == t.data.nbytes, t.name
         shape = list(swapped(t.shape)) if tm else list(t.shape)
         table[t.name] = {"dtype": t.dtype, "shape": shape, "data_offsets": [off, off + n]}

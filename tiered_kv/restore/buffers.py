@@ -60,7 +60,7 @@ class _Blank:
     def __init__(self, layout: Layout) -> None:
         tensors, off = {}, 0
         for name, (dtype, shape) in layout.items():
-            nbytes = int(np.prod(shape, dtype=np.int64)) * store.ITEMSIZE[dtype]
+            nbytes = store.nbytes(dtype, shape)
             tensors[name] = {
                 "dtype": dtype,
                 "shape": list(shape),
@@ -125,7 +125,7 @@ def allocate(layout: Layout, one_buffer: bool = False) -> dict[str, mx.array]:
 def _views_of_one(layout: Layout) -> dict[str, mx.array]:
     spans, total = {}, 0
     for name, (dtype, shape) in layout.items():
-        nbytes = int(np.prod(shape, dtype=np.int64)) * store.ITEMSIZE[dtype]
+        nbytes = store.nbytes(dtype, shape)
         spans[name] = (total, nbytes)
         total += -(-nbytes // _ALIGN) * _ALIGN
     whole = allocate({"whole": ("U8", (total,))})["whole"]

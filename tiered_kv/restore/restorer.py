@@ -234,7 +234,7 @@ class Restorer:
         self.costs.observe_range(served, rr.seconds, self._warm.pop(hit.entry_id, None))
         if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
             return self._fell_back("file tokens differ from the prompt")
-        nbytes = sum(int(np.prod(shp)) * store.ITEMSIZE[dt] for dt, shp in lay.values())  # n tokens
+        nbytes = sum(store.nbytes(dt, shp) for dt, shp in lay.values())  # n tokens
         try:
             caches = self.join(computed, full, rr.metadata, m, n)
         except (layers.CorruptState, layers.UnsupportedCache, ranged.Unsplittable, KeyError) as e:
@@ -252,7 +252,7 @@ class Restorer:
         if self.landing == "tail" and not self._gpu_tried:
             self._gpu_tried = True
             self._gpu = prefetch.open_device()
-        return self._gpu if self.landing == "tail" else None
+        return self._gpu
 
     def _read(self, path: Path, fingerprint: str, m: int, n: int, views: dict[str, np.ndarray],
               gpu: prefetch.DevicePrefetch | None) -> ranged.RangeRead:  # fmt: skip
