@@ -35,7 +35,7 @@ from mlx_lm.models.cache import KVCache
 
 from bench.dd import drop_page_cache
 from tiered_kv import layers
-from tiered_kv.cold import ranged, store
+from tiered_kv.cold import landing, ranged, store
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.restore import buffers
 from tiered_kv.restore.costs import CostBook
@@ -109,7 +109,7 @@ def run(way: str, path: Path, computed: list[KVCache], m: int, n: int) -> dict[s
         t2 = time.perf_counter()
         caches = old_join(computed, rr, m, n)
     else:
-        full = buffers.allocate(buffers.shapes(ranged.layout(path, "fp", m, n), m, n, way))
+        full = landing.allocate(buffers.shapes(ranged.layout(path, "fp", m, n), m, n, way))
         views = buffers.byte_views(full, m, n)
         t1 = time.perf_counter()
         rr = ranged.read_range(path, "fp", m, n, into=views)

@@ -7,11 +7,14 @@ helpers (ports, server processes, tool schemas) live in ``tests/serving.py``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import queue
 import socket
 import stat
 import struct
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from mlx_lm.models import gemma3_text, llama, qwen3_next
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from tiered_kv import checkpoints, keys, layers
-from tiered_kv.cold import store
+from tiered_kv.cold import gpu, store
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.memory import MemoryProbe
@@ -338,3 +341,50 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class HostUpload:
+    """:class:`tiered_kv.cold.gpu.Upload`'s interface where the CPU has no GPU: slots are plain
+    buffers and a "copy" is a ``memmove`` into host memory, done at once. It drives the readers'
+    real staging path (whole chunks into a slot, verified there, the destination's part copied
+    out) on the CPU; the real upload is run on CUDA by ``tests/tiered_kv/cold/test_gpu.py``.
+    Records every copy (destination address, bytes) and the copies issued before each wait."""
+
+    def __init__(self, slot_bytes: int = 1 << 20, slots: int = 3, fail_after: int | None = None):
+        self.slot_bytes, self.bytes = slot_bytes, 0
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()  # taken as the real
+        for _ in range(slots):  # one's: a reader waits while every slot is in use
+            self._free.put(np.empty(slot_bytes, np.uint8))
+        self._lock = threading.Lock()
+        self.copies: list[tuple[int, int]] = []
+        self.waits: list[int] = []
+        self.fail_after = fail_after  # raise gpu.DeviceError at that copy
+
+    def batch(self) -> HostUpload:
+        return self
+
+    def slot(self) -> Any:
+        up = self
+
+        class _Slot:
+            def __enter__(self) -> Any:
+                self.arr = up._free.get()
+                self.buf = self.arr.data.cast("B")
+                return self
+
+            def copy(self, start: int, nbytes: int, dst: int) -> None:
+                with up._lock:
+                    if up.fail_after is not None and len(up.copies) >= up.fail_after:
+                        raise gpu.DeviceError("injected: cuMemcpyHtoDAsync_v2 returned 700")
+                    up.copies.append((dst, nbytes))
+                    up.bytes += nbytes
+                ctypes.memmove(dst, self.arr.ctypes.data + start, nbytes)
+
+            def __exit__(self, *exc: object) -> None:
+                up._free.put(self.arr)
+
+        return _Slot()
+
+    def wait(self) -> None:
+        with self._lock:
+            self.waits.append(len(self.copies))

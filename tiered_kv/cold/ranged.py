@@ -28,7 +28,6 @@ import functools
 import mmap
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 import xxhash
 
 from tiered_kv.cold import fsafe, store
+from tiered_kv.cold.gpu import Batch, Upload
 
 _HEX = 16
 
@@ -122,7 +122,7 @@ def _check_bounds(m: int, n: int, total: int) -> None:
 
 def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
                into: dict[str, np.ndarray] | None = None,
-               landed: Callable[[np.ndarray], None] | None = None) -> RangeRead:  # fmt: skip
+               gpu: Upload | None = None) -> RangeRead:  # fmt: skip
     """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor, token-major.
 
     ``into`` (optional): per tensor, a writable C-contiguous uint8 array ``(1, n - m, heads, row
@@ -131,9 +131,10 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
     it is what the result holds. Without it, arrays are allocated here. On any error the
     destinations hold unverified bytes and must not be used.
 
-    ``landed`` (optional) is called with each tensor's destination as soon as all its bytes are
-    read and verified, on the reader thread that read it (bytes only: it must not touch MLX) —
-    e.g. to start moving them to the GPU while the other tensors are still being read.
+    ``gpu`` (CUDA, with ``into``): the destinations are views of GPU (managed) memory that the
+    CPU never writes; each verified piece is staged in pinned memory and copied to its address
+    by the GPU (:mod:`gpu`), and the read returns once every copy has finished (on an error too).
+    Raises gpu.DeviceError when a copy failed.
 
     Raises store.CorruptEntry (checksum, short file, a symlink), store.ForeignEntry,
     Unsplittable, FileNotFoundError, ValueError (range, or ``into`` of another layout). Files
@@ -142,6 +143,7 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
     """
     t0 = time.perf_counter()
     fd = _open(path)
+    batch = gpu.batch() if gpu is not None and into is not None else None
     try:
         no_readahead(fd)
         header = store.read_header_fd(fd, fingerprint)
@@ -151,12 +153,13 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
         if into is not None and set(into) != set(tensors):
             raise ValueError("destinations differ from the entry's tensors")
 
-        def span(name: str, t: dict[str, Any], dst: np.ndarray, first: int) -> int:
+        def span(name: str, t: dict[str, Any], dst: np.ndarray, first: int,
+                 to: Batch | None = None) -> int:  # fmt: skip
             """Tokens from ``first`` of tensor ``name`` into ``dst`` (one contiguous span)."""
             base = header.data_start + int(t["data_offsets"][0])
             size = int(t["data_offsets"][1]) - int(t["data_offsets"][0])
             per = dst[0].nbytes // max(1, dst.shape[1])  # bytes of one token
-            return read_span(fd, base, size, first * per, dst, header.digests(name), chunk, name)
+            return read_span(fd, base, size, first * per, dst, header.digests(name), chunk, name, to)
 
         def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray], int]:
             shape = (1, n - m, int(t["shape"][2]), _row_bytes(t))
@@ -167,10 +170,7 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
                 if (buf.shape != shape or buf.dtype != np.uint8 or not buf.flags.writeable
                         or not buf.flags.c_contiguous):  # fmt: skip
                     raise ValueError(f"destination of {name} is not contiguous writable uint8 {shape}")
-            got = span(name, t, buf, m)
-            if landed is not None:
-                landed(buf)
-            return name, (t["dtype"], buf), got
+            return name, (t["dtype"], buf), span(name, t, buf, m, batch)
 
         tok = np.empty((1, n, 4), dtype=np.uint8)
         read = span("tokens", header.tensors["tokens"], tok, 0)
@@ -178,7 +178,11 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
         with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
             done = list(pool.map(lambda kv: one(*kv), tensors.items()))
     finally:
-        os.close(fd)
+        try:
+            if batch is not None:
+                batch.wait()  # nothing in flight into memory the caller may free
+        finally:
+            os.close(fd)
     out = {name: value for name, value, _ in done}
     read += sum(got for _, _, got in done)
     tokens = tok.reshape(-1).view("<i4").copy()
@@ -191,18 +195,24 @@ _IOV_MAX = 512
 
 
 def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, digests: str,
-              chunk: int, name: str) -> int:  # fmt: skip
+              chunk: int, name: str, gpu: Batch | None = None) -> int:  # fmt: skip
     """Fill ``dest`` (a writable contiguous uint8 array) with the bytes from ``first`` of the
     tensor of ``size`` bytes at file offset ``base``. The whole checksum chunks covering them are
     read, a few per ``preadv``, straight into ``dest`` (the chunk bytes before and after it land
     in scratch buffers), and each chunk is hashed over its pieces: a chunk that fails raises
-    CorruptEntry. Returns the bytes read."""
-    d = dest.data.cast("B")
-    end = first + len(d)
+    CorruptEntry. Returns the bytes read.
+
+    With ``gpu`` (``dest`` is a view of GPU memory: its address is all that is used) the chunks
+    are read into a pinned slot instead, hashed there, and the GPU copies the part that belongs
+    to ``dest`` — only verified bytes are sent. Raises gpu.DeviceError when a copy failed."""
+    end = first + dest.nbytes
     if end > size:
         raise store.CorruptEntry(f"short tensor {name}")
-    if not len(d):
+    if not dest.nbytes:
         return 0
+    if gpu is not None and chunk <= gpu.slot_bytes:
+        return _span_via(gpu, fd, base, size, first, dest.ctypes.data, end, digests, chunk, name)
+    d = dest.data.cast("B")
     c0, c1 = first // chunk, -(-end // chunk)
     read = 0
     for g0 in range(c0, c1, _GROUP_CHUNKS):
@@ -221,6 +231,66 @@ def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, diges
             if h.hexdigest() != digests[c * _HEX : (c + 1) * _HEX]:
                 raise store.CorruptEntry(f"range checksum mismatch in {name}")
     return read
+
+
+def _span_via(gpu: Batch, fd: int, base: int, size: int, first: int, dst: int, end: int,
+              digests: str, chunk: int, name: str) -> int:  # fmt: skip
+    """:func:`read_span`'s bytes ``[first, end)`` of a tensor to device address ``dst`` through
+    pinned slots: as many whole chunks per read as a slot holds, verified, then copied."""
+    c0, c1 = first // chunk, -(-end // chunk)
+    per = gpu.slot_bytes // chunk
+    read = 0
+    for g0 in range(c0, c1, per):
+        g1 = min(c1, g0 + per)
+        lo, hi = g0 * chunk, min(size, g1 * chunk)
+        with gpu.slot() as slot:
+            buf = slot.buf[: hi - lo]
+            _preadv_all(fd, [buf], base + lo)
+            for c in range(g0, g1):
+                a, b = c * chunk - lo, min(size, (c + 1) * chunk) - lo
+                if xxhash.xxh3_64_hexdigest(buf[a:b]) != digests[c * _HEX : (c + 1) * _HEX]:
+                    raise store.CorruptEntry(f"range checksum mismatch in {name}")
+            a, b = max(lo, first), min(hi, end)
+            slot.copy(a - lo, b - a, dst + (a - first))
+        read += hi - lo
+    return read
+
+
+def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
+                 gpu: Upload | None = None, workers: int = 4) -> int:  # fmt: skip
+    """Every tensor of the entry at ``path`` whole, verified chunk by chunk against ``header``
+    (checked already, e.g. by the index lookup): ``into`` maps each name to a writable contiguous
+    uint8 array of its bytes as stored; with ``gpu``, views of GPU memory the GPU copies into
+    (:func:`read_span`), waited for before this returns, on an error too. ``workers`` threads
+    read a tensor each. Returns the bytes read. Raises store.CorruptEntry (a checksum, a file
+    whose size changed since ``header``, a symlink), FileNotFoundError, OSError, gpu.DeviceError.
+    Files, bytes and numpy only: any thread."""
+    if set(into) != set(header.tensors):
+        raise ValueError("destinations differ from the entry's tensors")
+    fd = _open(path)
+    batch = gpu.batch() if gpu is not None else None
+    try:
+        no_readahead(fd)
+        if os.fstat(fd).st_size != header.data_start + header.data_len:
+            raise store.CorruptEntry("file size changed since its header was read")
+
+        def one(name: str) -> int:
+            start, stop = (int(x) for x in header.tensors[name]["data_offsets"])
+            dst = into[name]
+            if dst.nbytes != stop - start or not dst.flags.c_contiguous:
+                raise ValueError(f"destination of {name} does not hold its {stop - start} bytes")
+            return read_span(fd, header.data_start + start, stop - start, 0, dst,
+                             header.digests(name), header.chunk_bytes, name, batch)  # fmt: skip
+
+        order = sorted(header.tensors, key=lambda k: header.tensors[k]["data_offsets"][0])
+        with ThreadPoolExecutor(max(1, min(workers, len(order)))) as pool:
+            return sum(pool.map(one, order))
+    finally:
+        try:
+            if batch is not None:
+                batch.wait()
+        finally:
+            os.close(fd)
 
 
 def _pieces(lo: int, hi: int, first: int, d: memoryview) -> list[tuple[int, memoryview]]:

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tiered_kv import keys, layers
-from tiered_kv.cold import codec, store
+from tiered_kv.cold import codec, gpu, store
 from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
 from tiered_kv.cold.faults import Faults
@@ -364,6 +364,7 @@ class ColdTier:
         out["queue_bytes"] = self.writer.pending_bytes
         out["writer_idle"] = int(self.writer.idle)
         out["degraded_now"] = int(self.site.index is None or not self.site.writable)
+        out["gpu_upload_bytes"] = gpu.uploaded_bytes()  # loads and `both` reads (CUDA)
         return out
 
     def verify(self, fix: bool = False) -> VerifyReport:

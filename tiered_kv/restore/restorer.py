@@ -10,10 +10,9 @@ read has returned (:mod:`tiered_kv.restore.buffers` states this exception to the
 rule). They are token-major like the entry file (``(1, n, heads, ...)``, the read one contiguous
 run per layer); the join copies the computed ``[0, m)`` into them in place and serves their
 ``swapaxes`` view, ``(1, heads, n, ...)``: the read tail is copied once, kernel to final array.
-On CUDA the landing holds only the tail, each tensor of it moved to GPU memory by the I/O thread
-as soon as it is verified (:mod:`tiered_kv.restore.prefetch`), and the join concatenates on the
-GPU. The CostBook it feeds is saved at most every few seconds and at
-:meth:`close`.
+On CUDA the landing holds only the tail, which the I/O thread's readers stage in pinned memory and
+the GPU copies into it (:mod:`tiered_kv.cold.gpu`), and the join concatenates on the GPU. The
+CostBook it feeds is saved at most every few seconds and at :meth:`close`.
 """
 
 from __future__ import annotations
@@ -32,8 +31,9 @@ import mlx.core as mx
 import numpy as np
 
 from tiered_kv import layers
-from tiered_kv.cold import ranged, store
-from tiered_kv.restore import buffers, prefetch
+from tiered_kv.cold import gpu, ranged, store
+from tiered_kv.cold.landing import allocate
+from tiered_kv.restore import buffers
 from tiered_kv.restore.costs import CostBook
 from tiered_kv.restore.plan import KINDS, Hit, Mode, Plan, plan, worth_spilling
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 #: prefill(ids) → model caches holding exactly ``ids`` (engine thread)
 Compute = Callable[[list[int]], list[Any]]
-#: ``ranged.read_range``'s signature: (path, fingerprint, m, n, into=destinations[, landed=])
+#: ``ranged.read_range``'s signature: (path, fingerprint, m, n, into=destinations, gpu=upload or None)
 Reader = Callable[..., ranged.RangeRead]
 #: where a `both` spends its time (seconds), in order: landing arrays allocated, the head computed
 #: (I/O running beside it), waiting for the read after the compute, the join; and the read itself
@@ -116,10 +116,6 @@ class Restorer:
         #: where `both`'s read lands: "full" or "tail" arrays (buffers.landing(); "" → that)
         self.landing = landing or buffers.landing()
         self._pool: ThreadPoolExecutor | None = None
-        #: moves each verified tail tensor to the GPU while the head computes (CUDA's managed
-        #: memory; :mod:`prefetch`); opened at the first `both` that lands a tail, None elsewhere
-        self._gpu: prefetch.DevicePrefetch | None = None
-        self._gpu_tried = False
         self._warm: dict[str, float | None] = {}
         self._lock = threading.Lock()  # counters are read by metrics scrapes
         self.counters: dict[str, float] = {
@@ -129,7 +125,6 @@ class Restorer:
             "restore_actual_seconds": 0.0, "restore_last_predicted_seconds": 0.0,
             "restore_last_actual_seconds": 0.0,
             **{f"restore_both_{p}_seconds": 0.0 for p in PHASES},
-            "restore_both_gpu_prefetch_bytes": 0,
         }  # fmt: skip
         #: the phases of the last `both` (PHASES → seconds; empty before one ran)
         self.last_phases: dict[str, float] = {}
@@ -209,22 +204,22 @@ class Restorer:
         t0 = time.perf_counter()
         try:
             lay = ranged.layout(path, cold.fingerprint, m, n)
-            full = buffers.allocate(buffers.shapes(lay, m, n, self.landing),
-                                    one_buffer=self.landing == "tail")
+            full = allocate(buffers.shapes(lay, m, n, self.landing),
+                            one_buffer=self.landing == "tail")
             views = buffers.byte_views(full, m, n)
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")
         t_alloc = time.perf_counter()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="restore-io")
-        gpu = self._device()
-        future = self._pool.submit(self._read, path, cold.fingerprint, m, n, views, gpu)
+        up = gpu.shared() if self.landing == "tail" else None  # CUDA: copied in by the GPU
+        future = self._pool.submit(self.reader, path, cold.fingerprint, m, n, into=views, gpu=up)
         del views  # the I/O thread's now; `full` is not touched until the read returned
         computed = self.compute(np.asarray(prompt[:m]).tolist())
         t_head = time.perf_counter()
         try:
             rr = future.result()
-        except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError) as e:
+        except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError, gpu.DeviceError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")  # `full` (unverified) is dropped
         t_read = time.perf_counter()
         self.costs.observe_prefill(m, 0, t_head - t_alloc)
@@ -246,28 +241,6 @@ class Restorer:
                   "join": t_join - t_read, "read": rr.seconds}  # fmt: skip
         self._record(phases)
         return BothResult(caches, rr.tokens[:n].copy(), t_join - t0, rr.nbytes, phases)
-
-    def _device(self) -> prefetch.DevicePrefetch | None:
-        """The GPU prefetcher for a `tail` landing (engine thread; opened once)."""
-        if self.landing == "tail" and not self._gpu_tried:
-            self._gpu_tried = True
-            self._gpu = prefetch.open_device()
-        return self._gpu
-
-    def _read(self, path: Path, fingerprint: str, m: int, n: int, views: dict[str, np.ndarray],
-              gpu: prefetch.DevicePrefetch | None) -> ranged.RangeRead:  # fmt: skip
-        """The I/O thread's part of `both`: the ranged read into ``views``. With ``gpu``, each
-        tensor starts moving to the GPU as soon as it is verified, and the read returns once
-        every move has finished (so the join finds the tail in GPU memory)."""
-        if gpu is None:
-            return self.reader(path, fingerprint, m, n, into=views)
-        before = gpu.bytes
-        try:
-            return self.reader(path, fingerprint, m, n, into=views, landed=gpu.to_device)
-        finally:
-            gpu.wait()
-            with self._lock:
-                self.counters["restore_both_gpu_prefetch_bytes"] += gpu.bytes - before
 
     def join(self, computed: list[Any], full: dict[str, mx.array], metadata: dict[str, str],
              m: int, n: int) -> list[Any]:  # fmt: skip
@@ -325,9 +298,6 @@ class Restorer:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._gpu is not None:
-            self._gpu.close()
-            self._gpu = None
         self.costs.save(force=True)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
-from tests.fixtures import cold_tier, flip_byte, kv_cache
+from tests.fixtures import HostUpload, cold_tier, flip_byte, kv_cache
 from tiered_kv import layers
 from tiered_kv.cold import codec
 from tiered_kv.steps import drain
@@ -136,7 +136,8 @@ def test_a_whole_load_into_host_memory_reads_the_file_once(tmp_path, monkeypatch
     buffers beside mx.load (that copy halved warm reloads on a 2-core machine)."""
     from tiered_kv.cold import scan, store
 
-    assert codec.host_arrays()  # this test machine's device is the CPU
+    if not codec.host_arrays():
+        pytest.skip("the GPU's arrays are not host memory: the CUDA load is test_gpu.py's")
     path, header, caches = big_entry(tmp_path)
     read: list[int] = []
     real = scan.read_into
@@ -150,3 +151,44 @@ def test_a_whole_load_into_host_memory_reads_the_file_once(tmp_path, monkeypatch
     assert read == [] and mx.array_equal(got["0.keys"], caches[0].keys[..., :12_000, :]).item()
     drain(codec.load_steps(path, header, step_bytes=8 << 20))  # step-wise: the scan, as before
     assert sum(read) == store.data_end(header)
+
+
+@pytest.mark.parametrize("step_bytes", [None, 8 << 20], ids=["whole", "step-wise"])
+def test_a_cuda_load_reads_through_the_gpu_upload(tmp_path, monkeypatch, step_bytes):
+    """CUDA (``host=False`` with an upload): the arrays are allocated unwritten and every tensor
+    is read whole through pinned slots, verified there, copied in — no ``mx.load``, no scan;
+    step-wise, each ``next()`` returns while the read runs on its thread. (The CPU has no GPU:
+    :class:`HostUpload` stands in for the copy engine; the real one runs on the H200.)"""
+    from tiered_kv.cold import gpu, scan, store
+
+    path, header, caches = big_entry(tmp_path)
+    up = HostUpload(slot_bytes=16 << 20)
+    monkeypatch.setattr(gpu, "shared", lambda: up)
+    monkeypatch.setattr(scan, "read_into", lambda *a: pytest.fail("the scan read the file"))
+    got = drain(codec.load_steps(path, header, step_bytes, host=False))
+    assert up.bytes == store.data_end(header) and up.waits == [len(up.copies)]
+    for i in (0, 1):
+        assert mx.array_equal(got[f"{i}.keys"], caches[i].keys[..., :12_000, :]).item()
+        assert mx.array_equal(got[f"{i}.values"], caches[i].values[..., :12_000, :]).item()
+    assert codec.tokens_of(got).tolist() == list(range(12_000))
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_byte_fails_a_load_through_the_upload(tmp_path, monkeypatch, where):
+    from tiered_kv.cold import gpu, store
+
+    path, header, _ = big_entry(tmp_path)
+    monkeypatch.setattr(gpu, "shared", lambda: HostUpload(slot_bytes=16 << 20))
+    start, size = header.data_start, path.stat().st_size
+    flip_byte(path, {"first": start + 5, "middle": (start + size) // 2, "last": size - 1}[where])
+    with pytest.raises(store.CorruptEntry, match="checksum"):
+        drain(codec.load_steps(path, header, host=False))
+
+
+def test_a_failed_gpu_copy_falls_back_to_the_scan_and_blames_no_file(tmp_path, monkeypatch):
+    from tiered_kv.cold import gpu
+
+    path, header, caches = big_entry(tmp_path)
+    monkeypatch.setattr(gpu, "shared", lambda: HostUpload(slot_bytes=16 << 20, fail_after=2))
+    got = drain(codec.load_steps(path, header, host=False))
+    assert mx.array_equal(got["1.keys"], caches[1].keys[..., :12_000, :]).item()

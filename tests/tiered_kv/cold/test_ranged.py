@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from tests.fixtures import flip_byte
-from tiered_kv.cold import codec, ranged, store
+from tests.fixtures import HostUpload, flip_byte
+from tiered_kv.cold import codec, gpu, ranged, store
 from tiered_kv.cold.backend import FileBackend
 
 N, HEADS, DIM = 600, 2, 8
@@ -284,23 +284,94 @@ def test_the_page_cache_probe_leaves_no_garbage(tmp_path):
         gc.garbage.clear()
 
 
-def test_each_destination_is_handed_on_once_its_bytes_are_verified(tmp_path):
-    """``landed``: called once per tensor with its destination, holding its verified rows (what a
-    GPU prefetch may start moving while other tensors are still read); a tensor that fails its
-    checksum is never handed on."""
+@pytest.mark.parametrize("m", [0, 1, 100, 599])
+def test_a_read_through_the_gpu_upload_lands_the_same_rows(tmp_path, m):
+    """``gpu=`` (CUDA): whole chunks are read into a slot, verified there, and only the part that
+    belongs to each destination is copied to its address, every copy before the one wait. Slots
+    of 3 chunks (a slot holds ``slot_bytes // chunk`` chunks) cut each range into several groups."""
     path, keys = write(tmp_path)
-    m, n = 100, N
-    into = {k: np.zeros((1, n - m, HEADS, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
-    seen: list[tuple[int, np.ndarray]] = []
-    ranged.read_range(path, "fp", m, n, into=into,
-                      landed=lambda buf: seen.append((id(buf), buf.copy())))  # fmt: skip
-    assert sorted(i for i, _ in seen) == sorted(id(b) for b in into.values())
-    got = {i: b for i, b in seen}[id(into["0.keys"])]
-    np.testing.assert_array_equal(got.view(np.float32)[0].swapaxes(0, 1), keys[0, :, m:n])
+    n = N
+    host = {k: np.zeros((1, n - m, HEADS, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
+    dev = {k: np.zeros_like(v) for k, v in host.items()}
+    up = HostUpload(slot_bytes=3 * CHUNK + 17)
+    rr = ranged.read_range(path, "fp", m, n, into=dev, gpu=up)
+    ranged.read_range(path, "fp", m, n, into=host)
+    for k in host:
+        np.testing.assert_array_equal(dev[k], host[k])
+    np.testing.assert_array_equal(dev["0.keys"].view(np.float32)[0].swapaxes(0, 1), keys[0, :, m:n])
+    assert up.bytes == sum(v.nbytes for v in dev.values())  # each byte copied once
+    assert up.waits == [len(up.copies)]
+    assert len(up.copies) >= 2 * max(1, (n - m) * ROW // (3 * CHUNK))  # groups of 3 chunks
+    spans = [(v.ctypes.data, v.ctypes.data + v.nbytes) for v in dev.values()]
+    assert all(any(a <= d and d + b <= z for a, z in spans) for d, b in up.copies)
+    assert rr.tokens.tolist() == list(range(n))
 
+
+def test_a_chunk_that_fails_is_never_copied_and_the_copies_are_waited_for(tmp_path):
+    path, _ = write(tmp_path)
     h = store.read_header(path, "fp")
     flip_byte(path, h.data_start + h.tensors["0.values"]["data_offsets"][0] + 300 * ROW)
-    seen.clear()
+    dev = {k: np.zeros((1, N - 100, HEADS, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
+    up = HostUpload(slot_bytes=CHUNK)  # one chunk per slot
+    with pytest.raises(store.CorruptEntry, match="range checksum"):
+        ranged.read_range(path, "fp", 100, N, into=dev, gpu=up)
+    bad = dev["0.values"].ctypes.data + (300 - 100) * ROW  # the flipped byte's address
+    assert not any(d <= bad < d + b for d, b in up.copies)
+    assert up.waits == [len(up.copies)]  # waited for on the error path too
+
+
+def test_a_failed_copy_is_a_device_error_not_corruption(tmp_path):
+    path, _ = write(tmp_path)
+    dev = {k: np.zeros((1, N, HEADS, DIM * 4), np.uint8) for k in ("0.keys", "0.values")}
+    up = HostUpload(slot_bytes=CHUNK, fail_after=3)
+    with pytest.raises(gpu.DeviceError):
+        ranged.read_range(path, "fp", 0, N, into=dev, gpu=up)
+    assert up.waits == [3]
+
+
+def _tensor_bytes(h: store.Header) -> dict[str, np.ndarray]:
+    return {k: np.zeros(t["data_offsets"][1] - t["data_offsets"][0], np.uint8)
+            for k, t in h.tensors.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("through", ["host", "upload"])
+def test_read_tensors_reads_every_tensor_whole_and_verified(tmp_path, through):
+    """The whole-entry read of a CUDA load: every tensor (``tokens`` too) byte for byte what
+    ``mx.load`` builds from the same file, through the upload or straight into host memory."""
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    into = _tensor_bytes(h)
+    up = HostUpload(slot_bytes=4 * CHUNK) if through == "upload" else None
+    assert ranged.read_tensors(path, h, into, up) == h.data_len
+    want = mx.load(str(path))
+    assert isinstance(want, dict)
+    for k, v in into.items():
+        np.testing.assert_array_equal(v, np.array(want[k]).view(np.uint8).reshape(-1))
+    if up is not None:
+        assert up.bytes == h.data_len and up.waits == [len(up.copies)]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("through", ["host", "upload"])
+def test_read_tensors_catches_a_flipped_byte_anywhere(tmp_path, where, through):
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    offset = {"first": h.data_start, "middle": h.data_start + h.data_len // 2,
+              "last": h.data_start + h.data_len - 1}[where]  # fmt: skip
+    flip_byte(path, offset)
+    up = HostUpload(slot_bytes=2 * CHUNK) if through == "upload" else None
     with pytest.raises(store.CorruptEntry):
-        ranged.read_range(path, "fp", m, n, into=into, landed=lambda b: seen.append((id(b), b)))
-    assert id(into["0.values"]) not in [i for i, _ in seen]
+        ranged.read_tensors(path, h, _tensor_bytes(h), up)
+
+
+def test_read_tensors_refuses_a_file_that_changed_size_and_a_wrong_layout(tmp_path):
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    into = _tensor_bytes(h)
+    with pytest.raises(ValueError):
+        ranged.read_tensors(path, h, {"tokens": into["tokens"]})
+    with open(path, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(store.CorruptEntry, match="size"):
+        ranged.read_tensors(path, h, into)
+

@@ -1,0 +1,101 @@
+"""tiered_kv/cold/gpu.py on CUDA: bytes staged in pinned slots by other threads are copied into
+unwritten MLX arrays by the GPU and read back by MLX; a whole entry loads through it byte for byte
+as ``mx.load`` builds it. Needs CUDA (the CI machine has none: skipped there; run on the H200 with
+``pytest tests/tiered_kv/cold/test_gpu.py``)."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as C
+
+from tests.fixtures import flip_byte
+from tiered_kv.cold import codec, gpu, ranged, store
+from tiered_kv.cold.backend import FileBackend
+from tiered_kv.cold.landing import allocate
+from tiered_kv.steps import drain
+
+_cuda = getattr(mx, "cuda", None)
+pytestmark = pytest.mark.skipif(_cuda is None or not _cuda.is_available(), reason="needs CUDA")
+
+
+def test_slots_filled_on_other_threads_are_copied_into_mlx_arrays():
+    mx.eval(mx.ones((4,)) + 1)  # MLX's context is current on this (the engine) thread
+    up = gpu.shared()
+    assert up is not None
+    arrays = allocate({f"a{i}": ("U8", (3 * gpu.SLOT_BYTES + 5,)) for i in range(2)}, one_buffer=True)
+    want = {k: (np.arange(a.size, dtype=np.int64) * (7 + i) % 251).astype(np.uint8)
+            for i, (k, a) in enumerate(arrays.items())}  # fmt: skip
+    before = gpu.uploaded_bytes()
+    batch = up.batch()
+
+    def send(name: str) -> None:  # what a reader thread does: bytes and addresses only
+        dst = np.frombuffer(arrays[name], dtype=np.uint8).ctypes.data  # type: ignore[call-overload]
+        src = want[name]
+        for off in range(0, src.size, gpu.SLOT_BYTES - 3):
+            part = src[off : off + gpu.SLOT_BYTES - 3]
+            with batch.slot() as s:
+                s.buf[3 : 3 + part.size] = part.data
+                s.copy(3, part.size, dst + off)
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in arrays]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batch.wait()
+    assert gpu.uploaded_bytes() - before == sum(a.size for a in arrays.values())
+    for k, a in arrays.items():
+        assert np.array_equal(np.array(a + 0), want[k]), k  # read on the GPU, then back
+
+
+def entry(tmp_path, tokens=9000):
+    caches = []
+    for _ in range(3):
+        c = C.KVCache()
+        x = mx.random.normal((1, 8, tokens, 128)).astype(mx.bfloat16)
+        c.update_and_fetch(x, -x)
+        caches.append(c)
+    mx.eval([a for c in caches for a in (c.keys, c.values)])
+    job = codec.prepare(np.arange(tokens, dtype=np.int32), caches, None, "fp")
+    backend = FileBackend(tmp_path)
+    backend.put("e", store.encode(job.tokens, job.tensors, job.metadata))
+    path = backend.path("e")
+    return path, store.read_header(path, "fp"), caches
+
+
+def test_a_load_on_cuda_goes_through_the_upload_and_equals_the_caches(tmp_path):
+    path, header, caches = entry(tmp_path)
+    before = gpu.uploaded_bytes()
+    for step in (None, 8 << 20):
+        got = drain(codec.load_steps(path, header, step))
+        for i, c in enumerate(caches):
+            assert mx.array_equal(got[f"{i}.keys"], c.keys[..., :9000, :]).item()
+            assert mx.array_equal(got[f"{i}.values"], c.values[..., :9000, :]).item()
+        assert codec.tokens_of(got).tolist() == list(range(9000))
+    assert gpu.uploaded_bytes() - before == 2 * header.data_len
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_byte_fails_a_cuda_load(tmp_path, where):
+    path, header, _ = entry(tmp_path)
+    start, size = header.data_start, path.stat().st_size
+    flip_byte(path, {"first": start + 5, "middle": (start + size) // 2, "last": size - 1}[where])
+    with pytest.raises(store.CorruptEntry, match="checksum"):
+        drain(codec.load_steps(path, header))
+
+
+def test_a_ranged_read_through_the_upload_equals_the_host_read(tmp_path):
+    path, _, caches = entry(tmp_path)
+    m, n = 3000, 9000
+    lay = ranged.layout(path, "fp", m, n)
+    tail = allocate({k: (d, (1, n - m, *s[2:])) for k, (d, s) in lay.items()}, one_buffer=True)
+    views = {k: np.frombuffer(a, dtype=np.uint8).reshape(1, n - m, a.shape[2], -1)  # type: ignore[call-overload]
+             for k, a in tail.items()}  # fmt: skip
+    ranged.read_range(path, "fp", m, n, into=views, gpu=gpu.shared())
+    del views
+    for i, c in enumerate(caches):
+        assert mx.array_equal(mx.swapaxes(tail[f"{i}.keys"], 1, 2), c.keys[..., m:n, :]).item()

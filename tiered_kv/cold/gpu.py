@@ -1,0 +1,196 @@
+"""Verified file bytes into GPU memory on CUDA: pinned staging buffers and DMA copies.
+
+On CUDA every MLX array is managed memory (``cudaPointerGetAttributes`` says so for each array
+of mlx-cuda 0.32.4). A reader that writes file bytes into such an array from the CPU first
+touches its pages in host memory, at 2-3 GB/s, and the GPU then migrates them back. Here a
+reader thread reads a piece of the file into a pinned host buffer (a *slot*), checks its chunk
+digests there, and the GPU's copy engine moves it into the array (``cuMemcpyHtoDAsync``) while
+the thread reads the next piece into another slot. Measured on the H200 (1 GiB, xxh3 of every
+4 MiB chunk, 4 readers, ``scratch``-free figures in the README): page cache warm, 13.2 GB/s
+where the CPU-written array plus a ``cuMemPrefetchAsync`` ran at 5.3 GB/s and ``mx.load`` at
+4.1 GB/s; cold, all of them at the disk's 1.5-1.8 GB/s.
+
+It calls the CUDA driver library that MLX links (``libcuda.so.1``) through ctypes, in the
+context MLX made current on the engine thread. :func:`shared` opens one :class:`Upload` per
+process (its slots are pinned once and reused: ``SLOTS`` x ``SLOT_BYTES``, 128 MiB); it is None
+where there is no CUDA, no driver or no context, and after a driver call failed (logged once),
+and every reader then writes host memory as on the CPU. A failed call raises
+:class:`DeviceError`: the bytes did not reach the GPU, the file is not to blame.
+
+Threads: :func:`shared` is first called on the engine thread (it reads MLX's current context).
+:meth:`Upload.batch` and the :class:`Batch` methods run on any thread and touch bytes and device
+addresses only, never an MLX array; the caller waits for its batch (:meth:`Batch.wait`) before
+MLX uses (or frees) the arrays it was copying into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+#: bytes of one pinned staging buffer: whole checksum chunks of one read (store.CHUNK_BYTES is 4 MiB)
+SLOT_BYTES = 16 << 20
+#: staging buffers: two per reader thread of a ranged read (one filling, one being copied)
+SLOTS = 8
+_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit ordering with MLX's streams
+_NO_TIMING = 2  # CU_EVENT_DISABLE_TIMING
+
+
+class DeviceError(RuntimeError):
+    """A CUDA driver call failed: what was being copied did not reach the GPU."""
+
+
+class Staging:
+    """A slot being filled by one reader thread: ``buf`` to read into, :meth:`copy` to send."""
+
+    def __init__(self, up: Upload, slot: _Slot) -> None:
+        self._up, self._slot = up, slot
+        self.buf = slot.buf
+
+    def copy(self, start: int, nbytes: int, dst: int) -> None:
+        """Start copying ``buf[start:start + nbytes]`` to device address ``dst``; returns at once."""
+        up, s = self._up, self._slot
+        up._call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(dst),
+                 ctypes.c_void_p(s.base + start), ctypes.c_size_t(nbytes), s.stream)  # fmt: skip
+        up._call("cuEventRecord", s.event, s.stream)
+        with up._lock:
+            up.bytes += nbytes
+
+
+class _Slot:
+    """One pinned buffer with the stream its copies run on and an event after the last one."""
+
+    def __init__(self, up: Upload) -> None:
+        self.addr, self.stream, self.event = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        up._call("cuMemAllocHost_v2", ctypes.byref(self.addr), ctypes.c_size_t(SLOT_BYTES))
+        up._call("cuStreamCreate", ctypes.byref(self.stream), _NON_BLOCKING)
+        up._call("cuEventCreate", ctypes.byref(self.event), _NO_TIMING)
+        self.base = int(self.addr.value or 0)
+        self.buf = memoryview((ctypes.c_uint8 * SLOT_BYTES).from_address(self.base)).cast("B")
+
+
+class Upload:
+    """Pinned slots and their copies to one GPU; shared by every reader thread of a process."""
+
+    def __init__(self, lib: ctypes.CDLL, context: int, slots: int = SLOTS) -> None:
+        self._lib, self._context = lib, ctypes.c_void_p(context)
+        self._lock = threading.Lock()
+        self.ok = True
+        self.bytes = 0  # bytes copied to the GPU
+        self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        self._call("cuCtxSetCurrent", self._context)
+        for _ in range(slots):
+            self._free.put(_Slot(self))
+
+    def batch(self) -> Batch:
+        """The copies of one read, waited for together."""
+        return Batch(self)
+
+    def _call(self, name: str, *args: object) -> None:
+        err = getattr(self._lib, name)(*args)
+        if err:
+            with self._lock:
+                if self.ok:
+                    log.warning("GPU upload of cold KV turned off: %s returned %s", name, err)
+                self.ok = False
+            raise DeviceError(f"{name} returned CUDA error {err}")
+
+
+class Batch:
+    """Copies issued by one read (any of its threads); :meth:`wait` until all of them ran."""
+
+    slot_bytes = SLOT_BYTES
+
+    def __init__(self, up: Upload) -> None:
+        self._up = up
+        self._used: set[_Slot] = set()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[Staging]:
+        """A pinned buffer of ``SLOT_BYTES`` free to fill (its previous copy has finished);
+        :meth:`Staging.copy` from it before the block ends. Blocks while every slot is in use."""
+        up = self._up
+        s = up._free.get()
+        try:
+            up._call("cuCtxSetCurrent", up._context)  # per thread: readers are pool threads
+            up._call("cuEventSynchronize", s.event)
+            with self._lock:
+                self._used.add(s)
+            yield Staging(up, s)
+        finally:
+            up._free.put(s)
+
+    def wait(self) -> None:
+        """Until every copy of this batch has finished (with copies of later users of the same
+        slots: they only wait longer). Raises DeviceError."""
+        up = self._up
+        with self._lock:
+            used = list(self._used)
+        if used:
+            up._call("cuCtxSetCurrent", up._context)
+        for s in used:
+            up._call("cuStreamSynchronize", s.stream)
+
+
+_SHARED: list[Upload | None] = []
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> Upload | None:
+    """The process's upload to the GPU of MLX's current CUDA context (opened at the first call,
+    which must be on the engine thread), or None: no CUDA, driver or context, or turned off by a
+    failed call."""
+    with _SHARED_LOCK:
+        if not _SHARED:
+            _SHARED.append(_open())
+        up = _SHARED[0]
+    return up if up is not None and up.ok else None
+
+
+def uploaded_bytes() -> int:
+    """Bytes the process's upload has copied to the GPU (0 where there is none)."""
+    up = _SHARED[0] if _SHARED else None
+    return up.bytes if up is not None else 0
+
+
+def _open() -> Upload | None:
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name, args in _SIGNATURES.items():
+            getattr(lib, name).argtypes = args
+    except (OSError, AttributeError) as e:
+        log.info("no GPU upload of cold KV: %s", e)
+        return None
+    context = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(context)) or not context.value:
+        return None
+    try:
+        return Upload(lib, context.value)
+    except DeviceError:
+        return None
+
+
+_P = ctypes.c_void_p
+_SIGNATURES = {
+    "cuCtxGetCurrent": [ctypes.POINTER(_P)],
+    "cuCtxSetCurrent": [_P],
+    "cuMemAllocHost_v2": [ctypes.POINTER(_P), ctypes.c_size_t],
+    "cuStreamCreate": [ctypes.POINTER(_P), ctypes.c_uint],
+    "cuEventCreate": [ctypes.POINTER(_P), ctypes.c_uint],
+    "cuEventRecord": [_P, _P],
+    "cuEventSynchronize": [_P],
+    "cuStreamSynchronize": [_P],
+    "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, _P, ctypes.c_size_t, _P],
+}
