@@ -173,7 +173,8 @@ def run_smoke(model: Path, work: Path, prefix_words: int, max_tokens: int, peer:
             rows["ours"].append(t := complete(client, ours.base_url, name, prompts[2], max_tokens))
             if not (t.cached_tokens > 0 and t.tier == "cold"):
                 raise SmokeFailure(_fmt(t))
-            _line(step, True, _fmt(t))
+            up = _metric(client, ours.base_url, "tiered_kv_cache_cold_gpu_upload_bytes")
+            _line(step, True, _fmt(t) + (f", {up / 1e6:.0f} MB through the GPU upload" if up else ""))
             ours.stop()
             if peer:
                 step = "mlx_lm.server, same prompts"
@@ -194,6 +195,14 @@ def run_smoke(model: Path, work: Path, prefix_words: int, max_tokens: int, peer:
         ours.stop()
     _table(rows)
     return 0
+
+
+def _metric(client: httpx.Client, url: str, name: str) -> float:
+    """One gauge from the server's ``/metrics`` (0 when absent)."""
+    for line in client.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def _table(rows: dict[str, list[Timing]]) -> None:

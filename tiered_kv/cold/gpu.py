@@ -6,21 +6,21 @@ touches its pages in host memory, at 2-3 GB/s, and the GPU then migrates them ba
 reader thread reads a piece of the file into a pinned host buffer (a *slot*), checks its chunk
 digests there, and the GPU's copy engine moves it into the array (``cuMemcpyHtoDAsync``) while
 the thread reads the next piece into another slot. Measured on the H200 (1 GiB, xxh3 of every
-4 MiB chunk, 4 readers, ``scratch``-free figures in the README): page cache warm, 13.2 GB/s
+4 MiB chunk, 4 readers): page cache warm, 13.2 GB/s
 where the CPU-written array plus a ``cuMemPrefetchAsync`` ran at 5.3 GB/s and ``mx.load`` at
 4.1 GB/s; cold, all of them at the disk's 1.5-1.8 GB/s.
 
 It calls the CUDA driver library that MLX links (``libcuda.so.1``) through ctypes, in the
-context MLX made current on the engine thread. :func:`shared` opens one :class:`Upload` per
+context MLX uses (its device's primary context). :func:`shared` opens one :class:`Upload` per
 process (its slots are pinned once and reused: ``SLOTS`` x ``SLOT_BYTES``, 128 MiB); it is None
-where there is no CUDA, no driver or no context, and after a driver call failed (logged once),
-and every reader then writes host memory as on the CPU. A failed call raises
+where there is no CUDA, no driver or no context, and after a driver call failed (logged once):
+loads then take ``mx.load`` behind a verifying scan, and `both` readers write the landing from
+the CPU. A failed call raises
 :class:`DeviceError`: the bytes did not reach the GPU, the file is not to blame.
 
-Threads: :func:`shared` is first called on the engine thread (it reads MLX's current context).
-:meth:`Upload.batch` and the :class:`Batch` methods run on any thread and touch bytes and device
-addresses only, never an MLX array; the caller waits for its batch (:meth:`Batch.wait`) before
-MLX uses (or frees) the arrays it was copying into.
+Threads: :func:`shared`, :meth:`Upload.batch` and the :class:`Batch` methods run on any thread
+and touch bytes and device addresses only, never an MLX array; the caller waits for its batch
+(:meth:`Batch.wait`) before MLX uses (or frees) the arrays it was copying into.
 """
 
 from __future__ import annotations
@@ -146,9 +146,8 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared() -> Upload | None:
-    """The process's upload to the GPU of MLX's current CUDA context (opened at the first call,
-    which must be on the engine thread), or None: no CUDA, driver or context, or turned off by a
-    failed call."""
+    """The process's upload to the GPU of MLX's CUDA context (opened at the first call, from any
+    thread), or None: no CUDA, driver or context, or turned off by a failed call."""
     with _SHARED_LOCK:
         if not _SHARED:
             _SHARED.append(_open())
@@ -173,19 +172,37 @@ def _open() -> Upload | None:
     except (OSError, AttributeError) as e:
         log.info("no GPU upload of cold KV: %s", e)
         return None
-    context = ctypes.c_void_p()
-    if lib.cuCtxGetCurrent(ctypes.byref(context)) or not context.value:
+    context = _context(lib)
+    if context is None:
         return None
     try:
-        return Upload(lib, context.value)
+        return Upload(lib, context)
     except DeviceError:
         return None
+
+
+def _context(lib: ctypes.CDLL) -> int | None:
+    """MLX's CUDA context: the one current on this thread, else the primary context of MLX's
+    default device (MLX uses the runtime API, whose context is the device's primary one; a
+    thread that has not run MLX work yet has none current — the first load may come before)."""
+    context = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(context)) == 0 and context.value:
+        return int(context.value)
+    device = ctypes.c_int()
+    ordinal = getattr(mx.default_device(), "index", 0)  # MLX 0.32's Device does not expose it
+    if (lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(device), ordinal)
+            or lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) or not context.value):  # fmt: skip
+        return None
+    return int(context.value)
 
 
 _P = ctypes.c_void_p
 _SIGNATURES = {
     "cuCtxGetCurrent": [ctypes.POINTER(_P)],
     "cuCtxSetCurrent": [_P],
+    "cuInit": [ctypes.c_uint],
+    "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_P), ctypes.c_int],
     "cuMemAllocHost_v2": [ctypes.POINTER(_P), ctypes.c_size_t],
     "cuStreamCreate": [ctypes.POINTER(_P), ctypes.c_uint],
     "cuEventCreate": [ctypes.POINTER(_P), ctypes.c_uint],

@@ -99,3 +99,13 @@ def test_a_ranged_read_through_the_upload_equals_the_host_read(tmp_path):
     del views
     for i, c in enumerate(caches):
         assert mx.array_equal(mx.swapaxes(tail[f"{i}.keys"], 1, 2), c.keys[..., m:n, :]).item()
+
+
+def test_the_upload_opens_from_a_thread_that_never_ran_mlx():
+    """The first disk hit may be loaded on a thread with no CUDA context current yet (the
+    driver's contexts are per thread): the upload then takes MLX's device's primary context."""
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(gpu._open()))
+    t.start()
+    t.join()
+    assert isinstance(got[0], gpu.Upload)
