@@ -6,17 +6,17 @@ touches its pages in host memory, at 2-3 GB/s, and the GPU then migrates them ba
 reader thread reads a piece of the file into a pinned host buffer (a *slot*), checks its chunk
 digests there, and the GPU's copy engine moves it into the array (``cuMemcpyHtoDAsync``) while
 the thread reads the next piece into another slot. Measured on the H200 (1 GiB, xxh3 of every
-4 MiB chunk, 4 readers): page cache warm, 13.2 GB/s
-where the CPU-written array plus a ``cuMemPrefetchAsync`` ran at 5.3 GB/s and ``mx.load`` at
-4.1 GB/s; cold, all of them at the disk's 1.5-1.8 GB/s.
+4 MiB chunk, 4 readers): page cache warm, 13.2 GB/s where the CPU-written array plus a
+``cuMemPrefetchAsync`` ran at 5.3 GB/s and ``mx.load`` at 4.1 GB/s; cold, all of them at the
+disk's 1.5-1.8 GB/s.
 
 It calls the CUDA driver library that MLX links (``libcuda.so.1``) through ctypes, in the
 context MLX uses (its device's primary context). :func:`shared` opens one :class:`Upload` per
 process (its slots are pinned once and reused: ``SLOTS`` x ``SLOT_BYTES``, 128 MiB); it is None
 where there is no CUDA, no driver or no context, and after a driver call failed (logged once):
 loads then take ``mx.load`` behind a verifying scan, and `both` readers write the landing from
-the CPU. A failed call raises
-:class:`DeviceError`: the bytes did not reach the GPU, the file is not to blame.
+the CPU. A failed call raises :class:`DeviceError`: the bytes did not reach the GPU, the file is
+not to blame.
 
 Threads: :func:`shared`, :meth:`Upload.batch` and the :class:`Batch` methods run on any thread
 and touch bytes and device addresses only, never an MLX array; the caller waits for its batch

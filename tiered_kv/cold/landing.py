@@ -72,8 +72,8 @@ class _Blank:
 
 #: bytes of one allocation holding several arrays (:func:`allocate` ``one_buffer``)
 BUFFER_BYTES = 1 << 30
-#: alignment of each array inside one buffer (:func:`allocate` ``one_buffer``): a page, so a
-#: prefetch of one array moves none of its neighbour's pages
+#: alignment of each array inside one buffer (:func:`allocate` ``one_buffer``): a page, so each
+#: array's memory starts on a page of its own
 _ALIGN = 4096
 
 
@@ -82,12 +82,11 @@ def allocate(layout: Layout, one_buffer: bool = False) -> dict[str, mx.array]:
     contents (see the module doc). Engine thread. ValueError for a dtype MLX cannot hold.
 
     ``one_buffer``: the arrays are views of one allocation (one per :data:`BUFFER_BYTES`), each at
-    a page boundary. On CUDA each
-    array that ``mx.load`` makes costs ~0.2-0.3 ms, from MLX's buffer cache too: 64 arrays took
-    12-20 ms on the H200 where one buffer and its 64 views took 1 ms — a fixed cost of every
-    `both`, and at 8B 8k or 1B 8k a tenth of it. Only for arrays never updated in place (the
-    ``tail`` landing, which the join concatenates): a view's buffer is shared, so MLX would copy
-    the whole array to update it."""
+    a page boundary. On CUDA each array that ``mx.load`` makes costs ~0.2-0.3 ms, from MLX's
+    buffer cache too: 64 arrays took 12-20 ms on the H200 where one buffer and its 64 views took
+    1 ms — a fixed cost of every `both` and every CUDA load. Only for arrays never updated in
+    place (the ``tail`` landing, which the join concatenates; loaded caches, which their first
+    growth copies): a view's buffer is shared, so MLX would copy the whole array to update it."""
     if not layout:
         return {}
     for dtype, _ in layout.values():

@@ -21,6 +21,7 @@ are what the restore I/O thread runs, and never touch MLX.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -28,6 +29,7 @@ import functools
 import mmap
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,10 +144,7 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
     never touch MLX either).
     """
     t0 = time.perf_counter()
-    fd = _open(path)
-    batch = gpu.batch() if gpu is not None and into is not None else None
-    try:
-        no_readahead(fd)
+    with _reading(path, gpu if into is not None else None) as (fd, batch):
         header = store.read_header_fd(fd, fingerprint)
         chunk, total = header.chunk_bytes, header.n_tokens
         _check_bounds(m, n, total)
@@ -177,12 +176,6 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
         # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
         with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
             done = list(pool.map(lambda kv: one(*kv), tensors.items()))
-    finally:
-        try:
-            if batch is not None:
-                batch.wait()  # nothing in flight into memory the caller may free
-        finally:
-            os.close(fd)
     out = {name: value for name, value, _ in done}
     read += sum(got for _, _, got in done)
     tokens = tok.reshape(-1).view("<i4").copy()
@@ -246,10 +239,8 @@ def _span_via(gpu: Batch, fd: int, base: int, size: int, first: int, dst: int, e
         with gpu.slot() as slot:
             buf = slot.buf[: hi - lo]
             _preadv_all(fd, [buf], base + lo)
-            for c in range(g0, g1):
-                a, b = c * chunk - lo, min(size, (c + 1) * chunk) - lo
-                if xxhash.xxh3_64_hexdigest(buf[a:b]) != digests[c * _HEX : (c + 1) * _HEX]:
-                    raise store.CorruptEntry(f"range checksum mismatch in {name}")
+            if store.chunk_digests([buf], chunk) != digests[g0 * _HEX : g1 * _HEX]:
+                raise store.CorruptEntry(f"range checksum mismatch in {name}")
             a, b = max(lo, first), min(hi, end)
             slot.copy(a - lo, b - a, dst + (a - first))
         read += hi - lo
@@ -267,10 +258,7 @@ def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
     Files, bytes and numpy only: any thread."""
     if set(into) != set(header.tensors):
         raise ValueError("destinations differ from the entry's tensors")
-    fd = _open(path)
-    batch = gpu.batch() if gpu is not None else None
-    try:
-        no_readahead(fd)
+    with _reading(path, gpu) as (fd, batch):
         if os.fstat(fd).st_size != header.data_start + header.data_len:
             raise store.CorruptEntry("file size changed since its header was read")
 
@@ -285,6 +273,19 @@ def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
         order = sorted(header.tensors, key=lambda k: header.tensors[k]["data_offsets"][0])
         with ThreadPoolExecutor(max(1, min(workers, len(order)))) as pool:
             return sum(pool.map(one, order))
+
+
+@contextlib.contextmanager
+def _reading(path: Path, gpu: Upload | None) -> Iterator[tuple[int, Batch | None]]:
+    """A descriptor of ``path`` for positioned reads (never through a symlink, readahead off) and
+    the batch its GPU copies go in (None without ``gpu``). On leaving, every copy of the batch
+    has finished — on an error too: nothing stays in flight into memory the caller may free —
+    and the descriptor is closed."""
+    fd = _open(path)
+    batch = gpu.batch() if gpu is not None else None
+    try:
+        no_readahead(fd)
+        yield fd, batch
     finally:
         try:
             if batch is not None:
