@@ -5,8 +5,10 @@ to disk). Then, per page-cache state (``cold``: ``os.sync`` + ``posix_fadvise(DO
 file; ``warm``: the files read once) and per mode, a *restart* (a fresh TieredCache + cold tier +
 restorer over the same loaded model, reading the persisted costs) serves the prompt plus a 32-token
 suffix with ``TIERED_KV_RESTORE=mode``; TTFT is fetch + restore + suffix prefill + first token. The
-learned costs accumulate over the runs in that cache dir, as they would on a real machine (``auto``
-runs after the forced ways, so it knows what they measured).
+learned costs accumulate over the runs in that cache dir, as they would on a real machine. With
+``--repeats`` the restarts run in rounds (load, compute, both, auto, load, ...): a slow drift of the
+machine touches every mode alike, and ``auto`` runs after the forced ways of its round, so it knows
+what they measured.
 
     python -m bench.restore --model DIR --tokens 2048,8192
     python -m bench.restore --size 8b --tokens 8192,32768,65536,131072   # random bf16 8B shape
@@ -19,6 +21,7 @@ goes to stdout; no network, no hub.
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import sys
 import tempfile
@@ -95,6 +98,9 @@ class Bench:
         tc.restorer.close()
 
     def run(self, tokens: int, ids: list[int], mode: str) -> tuple[float, int, HitInfo]:
+        # a restart is a fresh process: nothing of the previous run may be freed during this one
+        gc.collect()
+        mx.clear_cache()
         tc = self.open(tokens, mode)
         try:
             return self.request(tc, ids)
@@ -155,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     # the read after the compute) → join; read = the I/O thread's time; suffix = the prefill after
     print(
         "| tokens | pages | mode | TTFT s | plan (m) | tier | predicted s | token "
-        "| alloc s | head s | read s | wait s | join s | suffix s |"
+        "| alloc s | head s | read s | wait s | join s | suffix s | runs s (in order) |"
     )
-    print("|---:|---|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
     summary = []
     for t in (int(x) for x in a.tokens.split(",")):
         rng = np.random.default_rng(t)
@@ -167,15 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         for state in pages:
             ttfts: dict[str, float] = {}
             first_tok = None
-            for mode in modes:
-                runs = []  # each a restart; the row is the median run's
-                for _ in range(a.repeats):
+            runs: dict[str, list] = {mode: [] for mode in modes}  # each a restart
+            for _ in range(a.repeats):  # in rounds: drift of the machine touches every mode alike
+                for mode in modes:
                     share = set_pages(root / f"t{t}", state)
                     ttft, tok, hit = bench.run(t, prompt, mode)
-                    runs.append((ttft, tok, hit, bench.phases, bench.suffix_s, share))
-                runs.sort(key=lambda r: r[0])
-                ttft, tok, hit, ph, suffix_s, share = runs[len(runs) // 2]
-                toks = {r[1] for r in runs}
+                    runs[mode].append((ttft, tok, hit, bench.phases, bench.suffix_s, share))
+            for mode in modes:  # the row is the median run's
+                rs = sorted(runs[mode], key=lambda r: r[0])
+                ttft, tok, hit, ph, suffix_s, share = rs[len(rs) // 2]
+                toks = {r[1] for r in rs}
                 tok = tok if len(toks) == 1 else -1  # a run that differs shows as DIFF
                 cols = " | ".join(f"{ph[k]:.3f}" if k in ph else "-"
                                   for k in ("alloc", "head", "read", "wait", "join"))  # fmt: skip
@@ -185,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                 plan = f"{d.kind} ({d.m})" if d else "-"
                 pred = f"{d.predicted_total_s:.3f}" if d and d.predicted_total_s else "-"
                 same = "=" if tok == first_tok else f"DIFF {tok}"
+                each = " ".join(f"{r[0]:.3f}" for r in runs[mode])
                 print(f"| {t} | {state} ({share if share is None else round(share, 2)}) | {mode} "
                       f"| {ttft:.3f} | {plan} | {hit.tier} | {pred} | {same} | {cols} "
-                      f"| {suffix_s:.3f} |", flush=True)  # fmt: skip
+                      f"| {suffix_s:.3f} | {each} |", flush=True)  # fmt: skip
             summary.append((t, state, ttfts))
     print("\n| tokens | pages | min(load, compute) s | both / min | auto / min | goals |")
     print("|---:|---|---:|---:|---:|---|")
