@@ -5,6 +5,7 @@ outside the range is never read, no symlink is followed."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
@@ -140,6 +141,37 @@ def test_probing_a_cold_file_does_not_warm_it(tmp_path):
     finally:
         os.close(fd)
     assert ranged.resident_share(path) == 1.0
+
+
+def test_a_large_file_is_probed_by_samples_that_estimate_its_share(tmp_path):
+    """The probe of a file over PROBE_WINDOWS × PROBE_PAGES pages samples evenly spaced windows
+    (every page cost ~16 ms a GB on the request path): half of it resident reads as about half,
+    the first and last windows see the file's two ends."""
+    size = 4 * ranged.PROBE_WINDOWS * ranged.PROBE_PAGES * mmap.PAGESIZE  # 4 pages a sampled one
+    path = tmp_path / "entry.bin"
+    path.write_bytes(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8))
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if (ranged.resident_share(path) or 0.0) > 0.02:
+            pytest.skip(f"the page cache of {tmp_path} cannot be dropped here")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # readahead off
+        os.pread(fd, mmap.PAGESIZE, 0)  # the first page
+        share = ranged.resident_share(path)
+        assert share is not None and 0.0 < share < 0.05
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
+        while os.read(fd, 8 << 20):
+            pass
+        os.posix_fadvise(fd, 0, size // 2, os.POSIX_FADV_DONTNEED)
+        share = ranged.resident_share(path)
+        assert share is not None and 0.45 <= share <= 0.55
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, mmap.PAGESIZE, size - mmap.PAGESIZE)  # the last page
+        share = ranged.resident_share(path)
+        assert share is not None and share > 0.0
+    finally:
+        os.close(fd)
 
 
 def test_rows_land_straight_in_destinations(tmp_path):
