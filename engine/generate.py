@@ -60,6 +60,12 @@ class Engine:
         self.fingerprint = self.cache.fingerprint
         self.restorer = self.cache.restorer  # issue 15: None without a cold tier
 
+    def warm_up(self) -> float:
+        """The first request's kernels loaded before serving (engine/warmup.py; engine thread)."""
+        from engine import warmup
+
+        return warmup.run(self.model, self.prefill_chunk)
+
     @property
     def prefill_chunk(self) -> int:
         """Tokens per prefill step (``config.prefill_chunk``, resolved at start)."""

@@ -226,6 +226,7 @@ class Worker:
         mx.set_default_stream(mx.new_stream(mx.default_device()))
         try:
             self.engine = self._make_engine()
+            self._warm_up()
         except BaseException as e:  # handed to start()'s caller: the CLI prints it in one line
             self._load_error = e
             return
@@ -265,6 +266,11 @@ class Worker:
             loop.add(job, job.prompt_ids, job.params, progress, job.enqueued)
             self.in_flight = loop.active
         return not self._closed
+
+    def _warm_up(self) -> None:
+        """TIERED_KV_WARMUP: the first request's kernels loaded before ``start`` returns."""
+        if getattr(self.engine.config, "warmup", False):
+            log.info("warm-up: kernels of the first request loaded in %.2fs", self.engine.warm_up())
 
     def _prefetch(self) -> None:
         """Warm start (TIERED_KV_PREFETCH): load recent disk entries into memory before serving;

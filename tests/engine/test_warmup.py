@@ -1,0 +1,68 @@
+"""engine/warmup.py and the Worker's use of it: the first request's shapes run once at start on a
+fresh cache; nothing is stored or learned; TIERED_KV_WARMUP=0 skips it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from engine import warmup
+from engine.generate import Engine
+from engine.loading import load_model
+from engine.worker import Worker
+from tiered_kv.config import Config
+
+
+class Recording:
+    """The real model, with the shape of every forward and the cache it ran on recorded."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.calls: list[tuple[tuple[int, ...], int, int]] = []
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        self.calls.append((tuple(x.shape), id(cache), cache[0].offset))
+        return self.model(x, cache=cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def test_run_forwards_a_step_an_odd_step_and_a_decode_step_on_one_fresh_cache(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir)
+    rec = Recording(model)
+    seconds = warmup.run(rec, 16)
+    assert seconds > 0
+    assert [c[0] for c in rec.calls] == [(1, 16), (1, warmup.ODD_TOKENS), (1, 1)]
+    assert len({c[1] for c in rec.calls}) == 1  # one cache, grown step by step
+    assert [c[2] for c in rec.calls] == [0, 16, 16 + warmup.ODD_TOKENS]
+
+
+def _worker(tiny_model_dir, tmp_path, on: bool) -> Worker:
+    cfg = Config(cache_dir=tmp_path, tiers=("hot", "cold"), prefill_chunk=16, warmup=on)
+    return Worker(lambda: Engine(tiny_model_dir, cfg))
+
+
+def test_the_worker_warms_up_before_start_returns_and_stores_nothing(tiny_model_dir, tmp_path, caplog):
+    worker = _worker(tiny_model_dir, tmp_path, True)
+    with caplog.at_level(logging.INFO, logger="engine.worker"):
+        worker.start()
+    try:
+        assert any("warm-up" in r.message for r in caplog.records)
+        engine = worker.engine
+        assert not engine.cache.hot.entries  # nothing stored in memory
+        assert engine.cache.cold is not None and engine.cache.cold.stats()["entries"] == 0
+        assert sum(len(v) for v in engine.restorer.costs.obs.values()) == 0  # nothing learned
+    finally:
+        worker.close()
+    assert not list(tmp_path.rglob("*.safetensors"))  # and nothing written at close
+
+
+def test_warmup_off_skips_it(tiny_model_dir, tmp_path, caplog):
+    worker = _worker(tiny_model_dir, tmp_path, False)
+    with caplog.at_level(logging.INFO, logger="engine.worker"):
+        worker.start()
+    worker.close()
+    assert not any("warm-up" in r.message for r in caplog.records)
