@@ -53,6 +53,8 @@ class Engine:
         # (TIERED_KV_SHARED_PREFILL; `auto`: on a GPU)
         gpu = mx.default_device().type == mx.gpu
         self.share_prefill = {"on": True, "off": False}.get(config.shared_prefill, gpu)
+        # the first request's kernels loaded at start (TIERED_KV_WARMUP; `auto`: on a GPU)
+        self.warmup = {"on": True, "off": False}.get(config.warmup, gpu)
         self.cache = tiered_kv.open_cache(
             config, model_identity(self.model_dir), lambda: make_prompt_cache(self.model),
             self.compute_prefix,

@@ -269,7 +269,7 @@ class Worker:
 
     def _warm_up(self) -> None:
         """TIERED_KV_WARMUP: the first request's kernels loaded before ``start`` returns."""
-        if getattr(self.engine.config, "warmup", False):
+        if getattr(self.engine, "warmup", False):
             log.info("warm-up: kernels of the first request loaded in %.2fs", self.engine.warm_up())
 
     def _prefetch(self) -> None:

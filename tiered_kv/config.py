@@ -154,8 +154,9 @@ class Config:
     restore: str = "auto"
     #: TIERED_KV_WARMUP — at start, run one prefill step, a short odd-length step and a decode step
     #: through the model (uncached) so that the first request after a restart does not load or
-    #: compile kernels (engine/warmup.py: ~0.4 s of it on the H200)
-    warmup: bool = True
+    #: compile kernels: `on`, `off`, or `auto` (on a GPU only: ~0.4 s of the first request on the
+    #: H200; a CPU has no such first-call cost, and a 512-token step costs seconds at start there)
+    warmup: str = "auto"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
@@ -284,7 +285,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_MAX_QUEUE": ("max_queue", _nonneg_int, "an integer ≥ 0"),
     "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
     "TIERED_KV_SHARED_PREFILL": ("shared_prefill", _switch, '"auto", "on" or "off"'),
-    "TIERED_KV_WARMUP": ("warmup", _bool, "1/0, true/false, yes/no, on/off"),
+    "TIERED_KV_WARMUP": ("warmup", _switch, '"auto", "on" or "off"'),
 }
 _SECRET = {"TIERED_KV_SHARED"}  # never echoed in an error message
 PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'

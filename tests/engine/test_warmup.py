@@ -1,5 +1,5 @@
 """engine/warmup.py and the Worker's use of it: the first request's shapes run once at start on a
-fresh cache; nothing is stored or learned; TIERED_KV_WARMUP=0 skips it."""
+fresh cache; nothing is stored or learned; TIERED_KV_WARMUP=off (and `auto` on the CPU) skips it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import mlx.core as mx
+import pytest
 
 from engine import warmup
 from engine.generate import Engine
@@ -40,13 +41,13 @@ def test_run_forwards_a_step_an_odd_step_and_a_decode_step_on_one_fresh_cache(ti
     assert [c[2] for c in rec.calls] == [0, 16, 16 + warmup.ODD_TOKENS]
 
 
-def _worker(tiny_model_dir, tmp_path, on: bool) -> Worker:
-    cfg = Config(cache_dir=tmp_path, tiers=("hot", "cold"), prefill_chunk=16, warmup=on)
+def _worker(tiny_model_dir, tmp_path, warmup: str) -> Worker:
+    cfg = Config(cache_dir=tmp_path, tiers=("hot", "cold"), prefill_chunk=16, warmup=warmup)
     return Worker(lambda: Engine(tiny_model_dir, cfg))
 
 
 def test_the_worker_warms_up_before_start_returns_and_stores_nothing(tiny_model_dir, tmp_path, caplog):
-    worker = _worker(tiny_model_dir, tmp_path, True)
+    worker = _worker(tiny_model_dir, tmp_path, "on")
     with caplog.at_level(logging.INFO, logger="engine.worker"):
         worker.start()
     try:
@@ -60,8 +61,12 @@ def test_the_worker_warms_up_before_start_returns_and_stores_nothing(tiny_model_
     assert not list(tmp_path.rglob("*.safetensors"))  # and nothing written at close
 
 
-def test_warmup_off_skips_it(tiny_model_dir, tmp_path, caplog):
-    worker = _worker(tiny_model_dir, tmp_path, False)
+@pytest.mark.parametrize("setting", ["off", "auto"])
+def test_warmup_off_and_auto_on_the_cpu_skip_it(tiny_model_dir, tmp_path, caplog, setting):
+    """`auto` warms up on a GPU only: a CPU has no first-call kernel cost to move."""
+    if setting == "auto" and mx.default_device() != mx.cpu:
+        pytest.skip("auto warms up on a GPU")
+    worker = _worker(tiny_model_dir, tmp_path, setting)
     with caplog.at_level(logging.INFO, logger="engine.worker"):
         worker.start()
     worker.close()
