@@ -268,9 +268,18 @@ class Worker:
         return not self._closed
 
     def _warm_up(self) -> None:
-        """TIERED_KV_WARMUP: the first request's kernels loaded before ``start`` returns."""
-        if getattr(self.engine, "warmup", False):
-            log.info("warm-up: kernels of the first request loaded in %.2fs", self.engine.warm_up())
+        """TIERED_KV_WARMUP: the first request's kernels loaded before ``start`` returns. A warm-up
+        that fails (e.g. no memory for a whole prefill step) is logged and the server serves: it
+        only moves a cost that the first request would otherwise pay."""
+        if not getattr(self.engine, "warmup", False):
+            return
+        try:
+            seconds = self.engine.warm_up()
+        except Exception as e:
+            mx.clear_cache()
+            log.warning("warm-up failed, serving without it: %s: %s", type(e).__name__, e)
+            return
+        log.info("warm-up: kernels of the first request loaded in %.2fs", seconds)
 
     def _prefetch(self) -> None:
         """Warm start (TIERED_KV_PREFETCH): load recent disk entries into memory before serving;

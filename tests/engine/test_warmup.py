@@ -3,6 +3,7 @@ fresh cache; nothing is stored or learned; TIERED_KV_WARMUP=off (and `auto` on t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -10,7 +11,8 @@ import mlx.core as mx
 import pytest
 
 from engine import warmup
-from engine.generate import Engine
+from engine.events import END
+from engine.generate import Engine, SamplingParams
 from engine.loading import load_model
 from engine.worker import Worker
 from tiered_kv.config import Config
@@ -71,3 +73,32 @@ def test_warmup_off_and_auto_on_the_cpu_skip_it(tiny_model_dir, tmp_path, caplog
         worker.start()
     worker.close()
     assert not any("warm-up" in r.message for r in caplog.records)
+
+
+def test_a_failed_warm_up_is_logged_and_the_worker_serves(tiny_model_dir, tmp_path, caplog, monkeypatch):
+    """A warm-up only moves the first request's kernel loads: when it fails (here: the step
+    raises, as an out-of-memory would) the server must still start and answer."""
+
+    def no_memory(self):
+        raise RuntimeError("[metal::malloc] Attempting to allocate more than the maximum")
+
+    monkeypatch.setattr(Engine, "warm_up", no_memory)
+    worker = _worker(tiny_model_dir, tmp_path, "on")
+    with caplog.at_level(logging.WARNING, logger="engine.worker"):
+        worker.start()
+    try:
+        assert any("warm-up failed" in r.message for r in caplog.records)
+        ids = worker.engine.encode_text("still serving after a failed warm-up")
+
+        async def main():
+            job = worker.submit(ids, SamplingParams(max_tokens=2))
+            out = []
+            while (item := await job.get(30)) is not END:
+                assert item is not None, "worker stalled"
+                out.append(item)
+            return out
+
+        events = asyncio.run(main())
+        assert events[-1].finish_reason == "length"
+    finally:
+        worker.close()
