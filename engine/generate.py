@@ -19,6 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import tiered_kv
+from engine import warmup
 from engine.batch import BatchLoop
 from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
 from engine.loading import context_length, load_model
@@ -64,8 +65,6 @@ class Engine:
 
     def warm_up(self) -> float:
         """The first request's kernels loaded before serving (engine/warmup.py; engine thread)."""
-        from engine import warmup
-
         return warmup.run(self.model, self.prefill_chunk)
 
     @property

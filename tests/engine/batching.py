@@ -32,6 +32,15 @@ class IdText:
         return ""
 
 
+async def drain(job: Any) -> list[Event]:
+    """Every event of a Worker job until its end (a 30 s silence fails: the worker stalled)."""
+    out = []
+    while (item := await job.get(30)) is not END:
+        assert item is not None, "worker stalled"
+        out.append(item)
+    return out
+
+
 class Recorded:
     """The real model, with the shape (rows, tokens) of every forward it runs recorded."""
 

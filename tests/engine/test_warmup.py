@@ -11,26 +11,24 @@ import mlx.core as mx
 import pytest
 
 from engine import warmup
-from engine.events import END
 from engine.generate import Engine, SamplingParams
 from engine.loading import load_model
 from engine.worker import Worker
+from tests.engine.batching import Recorded, drain
 from tiered_kv.config import Config
 
 
-class Recording:
-    """The real model, with the shape of every forward and the cache it ran on recorded."""
+class Recording(Recorded):
+    """:class:`Recorded`, with the cache each forward ran on and its length before it."""
 
     def __init__(self, model: Any) -> None:
-        self.model = model
-        self.calls: list[tuple[tuple[int, ...], int, int]] = []
+        super().__init__(model)
+        self.caches: list[tuple[int, int]] = []
 
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        self.calls.append((tuple(x.shape), id(cache), cache[0].offset))
-        return self.model(x, cache=cache)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
+    def __call__(self, inputs: Any, *a: Any, **kw: Any) -> Any:
+        cache = kw["cache"]
+        self.caches.append((id(cache), cache[0].offset))
+        return super().__call__(inputs, *a, **kw)
 
 
 def test_run_forwards_a_step_an_odd_step_and_a_decode_step_on_one_fresh_cache(tiny_model_dir):
@@ -38,9 +36,9 @@ def test_run_forwards_a_step_an_odd_step_and_a_decode_step_on_one_fresh_cache(ti
     rec = Recording(model)
     seconds = warmup.run(rec, 16)
     assert seconds > 0
-    assert [c[0] for c in rec.calls] == [(1, 16), (1, warmup.ODD_TOKENS), (1, 1)]
-    assert len({c[1] for c in rec.calls}) == 1  # one cache, grown step by step
-    assert [c[2] for c in rec.calls] == [0, 16, 16 + warmup.ODD_TOKENS]
+    assert rec.shapes == [(1, 16), (1, warmup.ODD_TOKENS), (1, 1)]
+    assert len({c[0] for c in rec.caches}) == 1  # one cache, grown step by step
+    assert [c[1] for c in rec.caches] == [0, 16, 16 + warmup.ODD_TOKENS]
 
 
 def _worker(tiny_model_dir, tmp_path, warmup: str) -> Worker:
@@ -91,12 +89,7 @@ def test_a_failed_warm_up_is_logged_and_the_worker_serves(tiny_model_dir, tmp_pa
         ids = worker.engine.encode_text("still serving after a failed warm-up")
 
         async def main():
-            job = worker.submit(ids, SamplingParams(max_tokens=2))
-            out = []
-            while (item := await job.get(30)) is not END:
-                assert item is not None, "worker stalled"
-                out.append(item)
-            return out
+            return await drain(worker.submit(ids, SamplingParams(max_tokens=2)))
 
         events = asyncio.run(main())
         assert events[-1].finish_reason == "length"

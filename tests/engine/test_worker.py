@@ -12,6 +12,7 @@ from engine.events import END, Chunk, Hit
 from engine.generate import Engine, SamplingParams
 from engine.inflight import SHORT_PREFILL
 from engine.worker import QueueFull, Worker
+from tests.engine.batching import drain
 from tiered_kv.config import Config
 
 
@@ -20,14 +21,6 @@ def make_engine(tiny_model_dir, tmp_path):
     return lambda: Engine(
         tiny_model_dir, Config(cache_dir=tmp_path, tiers=("hot",), prefill_chunk=16)
     )
-
-
-async def drain(job) -> list:
-    out = []
-    while (item := await job.get(30)) is not END:
-        assert item is not None, "worker stalled"
-        out.append(item)
-    return out
 
 
 def test_hit_first_shared_prompt_and_progress(make_engine, caplog):
