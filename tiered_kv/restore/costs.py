@@ -108,14 +108,17 @@ def corrections(outcomes: list[list[float]]) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
-def fastest_per_bucket(obs: list[list[float]]) -> list[list[float]]:
-    """The fastest prefill of each size bucket: what the machine can do. A slower one of the same
-    shape was slowed by something else (first-call kernel compiles, a loaded machine), and would
-    make the plan overestimate compute — on a GPU that chose `both` where compute was 2x faster."""
+def fastest_per_bucket(kind: str, obs: list[list[float]]) -> list[list[float]]:
+    """The fastest observation of each size bucket (seconds per token, per byte): what the machine
+    can do. A slower one of the same shape was slowed by something else — first-call costs
+    (kernel compiles, a process's first allocations), a loaded machine — and would teach a slow
+    machine: a prefill so on a GPU chose `both` where compute was 2x faster, a process's first
+    warm load (0.30 s against 0.045 s after) chose `both` where the load was faster."""
+    size, seconds = 0, (2 if kind == "prefill" else 1)  # [k, c, s] / [bytes, s, warm share]
     best: dict[tuple[int, ...], list[float]] = {}
     for o in obs:
-        key = _bucket("prefill", o)
-        if key not in best or o[2] / o[0] < best[key][2] / best[key][0]:
+        key = _bucket(kind, o)
+        if key not in best or o[seconds] / o[size] < best[key][seconds] / best[key][size]:
             best[key] = o
     return list(best.values())
 
@@ -206,13 +209,16 @@ class CostBook:
     # -- fitting -----------------------------------------------------------------------------
     def _refit(self) -> None:
         def reads(kind: str, warm: bool) -> ReadCost | None:
-            rows = [r[:2] for r in self.obs[kind] if (r[2] >= WARM) == warm]
-            return fit_read(rows)
+            rows = [r for r in self.obs[kind] if (r[2] >= WARM) == warm]
+            if warm:  # a copy out of the page cache: the machine's speed, as a prefill's
+                rows = fastest_per_bucket(kind, rows)
+            # a cold read's speed is the disk's, which varies with what else reads it: all of them
+            return fit_read([r[:2] for r in rows])
 
         join = [r for r in self.obs["join"]]
         join_bw = sum(r[0] for r in join) / sum(r[1] for r in join) if join else None
         self._learned = Learned(
-            prefill=fit_prefill(fastest_per_bucket(self.obs["prefill"])),
+            prefill=fit_prefill(fastest_per_bucket("prefill", self.obs["prefill"])),
             load_cold=reads("load", False),
             load_warm=reads("load", True),
             range_cold=reads("range", False),

@@ -39,6 +39,22 @@ def test_a_slowed_prefill_does_not_make_the_plan_overestimate_compute():
     assert got.seconds(32768) == pytest.approx(true.seconds(32768), rel=0.05)
 
 
+def test_a_slowed_warm_load_does_not_make_the_plan_overestimate_loads():
+    """A process's first warm load pays first-call costs (H200, 1B 8k: 0.30 s, then 0.045 s); the
+    fastest warm load of a size is the machine's copy speed. Cold loads are the disk's, which
+    varies: all of them are fitted."""
+    book = CostBook(None, "fp")
+    size = 268_000_000
+    book.observe_load(size, 0.30, warm=1.0)  # the first, slowed
+    book.observe_load(size + 4096, 0.045, warm=1.0)  # the same size later
+    warm = book.learned.load_warm
+    assert warm is not None and warm.seconds(size) == pytest.approx(0.045, rel=0.05)
+    book.observe_load(size, 0.30, warm=0.0)
+    book.observe_load(size, 0.10, warm=0.0)
+    cold = book.learned.load_cold
+    assert cold is not None and 0.11 < cold.seconds(size) < 0.30  # both fitted, not the best alone
+
+
 def test_outcomes_become_a_correction_per_way_and_persist(tmp_path):
     path = CostBook.file_for(tmp_path)
     book = CostBook(path, "fp")
