@@ -229,7 +229,7 @@ def _load_uploading(path: Path, header: store.Header, up: gpu.Upload,
     try:
         arrays = allocate(layout, one_buffer=True)
     except ValueError as e:
-        raise store.CorruptEntry(f"tensor dtype: {e}") from None
+        raise store.CorruptEntry(f"tensor layout: {e}") from None
     dests = {n: np.frombuffer(a, dtype=np.uint8) for n, a in arrays.items()}  # type: ignore[call-overload]
     if step_bytes is None:
         ranged.read_tensors(path, header, dests, up)

@@ -72,6 +72,8 @@ class _Blank:
 
 #: bytes of one allocation holding several arrays (:func:`allocate` ``one_buffer``)
 BUFFER_BYTES = 1 << 30
+#: MLX's shapes are 32-bit signed: no dimension reaches this
+_MAX_DIM = 1 << 31
 #: alignment of each array inside one buffer (:func:`allocate` ``one_buffer``): a page, so each
 #: array's memory starts on a page of its own
 _ALIGN = 4096
@@ -89,9 +91,11 @@ def allocate(layout: Layout, one_buffer: bool = False) -> dict[str, mx.array]:
     growth copies): a view's buffer is shared, so MLX would copy the whole array to update it."""
     if not layout:
         return {}
-    for dtype, _ in layout.values():
+    for dtype, shape in layout.values():
         if dtype not in MX_DTYPES:
             raise ValueError(f"dtype {dtype}")
+        if any(not 0 <= d < _MAX_DIM for d in shape):
+            raise ValueError(f"shape {tuple(shape)}: MLX's dimensions are 32-bit")
     if one_buffer and len(layout) > 1:
         return _views_of_few(layout)
     try:
@@ -106,14 +110,18 @@ def allocate(layout: Layout, one_buffer: bool = False) -> dict[str, mx.array]:
 
 
 def _views_of_few(layout: Layout) -> dict[str, mx.array]:
-    """``layout`` as views of as few allocations as :data:`BUFFER_BYTES` allows (an array larger
-    than it gets one of its own): MLX's shapes are 32-bit, and one buffer of a long 8B entry
-    (4 GiB at 32k tokens) is an array it cannot make."""
+    """``layout`` as views of as few allocations as :data:`BUFFER_BYTES` allows; an array larger
+    than that is allocated alone, in its own shape. MLX's shapes are 32-bit: one buffer of a long
+    8B entry (4 GiB at 32k tokens), or one tensor over 2 GiB as a run of bytes, is an array it
+    cannot make."""
     out: dict[str, mx.array] = {}
     group: dict[str, tuple[str, tuple[int, ...]]] = {}
     size = 0
     for name, (dtype, shape) in layout.items():
         nbytes = -(-store.nbytes(dtype, shape) // _ALIGN) * _ALIGN
+        if nbytes > BUFFER_BYTES:  # its own array, of its own shape (as one U8 run it may not fit)
+            out.update(allocate({name: (dtype, shape)}))
+            continue
         if group and size + nbytes > BUFFER_BYTES:
             out.update(_views_of_one(group, size))
             group, size = {}, 0

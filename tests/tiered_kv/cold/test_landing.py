@@ -22,6 +22,10 @@ def test_allocate_gives_evaluated_arrays_of_the_layout():
 def test_bad_layouts_are_value_errors():
     with pytest.raises(ValueError):
         allocate({"x": ("Q4", (1, 1, 2, 2))})
+    for shape in ((1, 1 << 31), (1, -2)):  # a header MLX cannot shape: refused, not OverflowError
+        for one in (False, True):
+            with pytest.raises(ValueError, match="shape"):
+                allocate({"x": ("U8", shape), "y": ("U8", (1,))}, one_buffer=one)
     assert allocate({}) == {}
 
 
@@ -68,3 +72,12 @@ def test_a_real_layout_over_4_gib_allocates():
     lay = {f"{i}.keys": ("BF16", (1, 32768, 8, 128)) for i in range(72)}  # 8B-shaped, 32k tokens
     got = allocate(lay, one_buffer=True)
     assert len(got) == 72 and got["71.keys"].shape == (1, 32768, 8, 128)
+
+
+def test_one_array_over_2_gib_gets_an_allocation_of_its_own():
+    """A single tensor over 2^31 bytes (32 KV heads x 128 x bf16 at 256k tokens, say) cannot be a
+    U8 run of one buffer; it was an OverflowError, and now is an array of its own shape."""
+    lay = {"0.keys": ("BF16", (1, 1, 3, 1 << 29)), "0.values": ("BF16", (1, 2, 3, 4))}
+    got = allocate(lay, one_buffer=True)
+    assert got["0.keys"].shape == (1, 1, 3, 1 << 29) and got["0.keys"].dtype == mx.bfloat16
+    assert got["0.values"].shape == (1, 2, 3, 4)
