@@ -152,10 +152,12 @@ class Config:
     #: by this machine's measured costs), or forced `load`, `compute`, `both` (benchmarks; `both`
     #: falls back where layers cannot be split)
     restore: str = "auto"
-    #: TIERED_KV_WARMUP — at start, run one prefill step, a short odd-length step and a decode step
+    #: TIERED_KV_WARMUP — at start, run one prefill step, a short odd-length step, a decode step
+    #: and a short step onto the cache cut to its length (as a hit continues a stored entry)
     #: through the model (uncached) so that the first request after a restart does not load or
     #: compile kernels: `on`, `off`, or `auto` (on a GPU only: ~0.4 s of the first request on the
-    #: H200; a CPU has no such first-call cost, and a 512-token step costs seconds at start there)
+    #: H200, and ~0.1 s of the first hot hit; a CPU has no such first-call cost, and a 512-token
+    #: step costs seconds at start there)
     warmup: str = "auto"
 
     @classmethod

@@ -23,22 +23,31 @@ class Recording(Recorded):
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
-        self.caches: list[tuple[int, int]] = []
+        self.caches: list[tuple[int, int, int]] = []  # (cache id, offset, buffer length)
 
     def __call__(self, inputs: Any, *a: Any, **kw: Any) -> Any:
         cache = kw["cache"]
-        self.caches.append((id(cache), cache[0].offset))
+        held = cache[0].keys.shape[2] if cache[0].keys is not None else 0
+        self.caches.append((id(cache), cache[0].offset, held))
         return super().__call__(inputs, *a, **kw)
 
 
-def test_run_forwards_a_step_an_odd_step_and_a_decode_step_on_one_fresh_cache(tiny_model_dir):
+def test_run_forwards_a_step_an_odd_step_a_decode_step_and_a_suffix_on_one_fresh_cache(
+    tiny_model_dir,
+):
+    """The last step continues the cache as a stored entry comes back: arrays of exactly its
+    length (a fresh prefill's buffers are whole 256-token steps), as decode's extract and a disk
+    load hand it over."""
     model, _ = load_model(tiny_model_dir)
     rec = Recording(model)
     seconds = warmup.run(rec, 16)
     assert seconds > 0
-    assert rec.shapes == [(1, 16), (1, warmup.ODD_TOKENS), (1, 1)]
+    odd = warmup.ODD_TOKENS
+    assert rec.shapes == [(1, 16), (1, odd), (1, 1), (1, odd)]
     assert len({c[0] for c in rec.caches}) == 1  # one cache, grown step by step
-    assert [c[1] for c in rec.caches] == [0, 16, 16 + warmup.ODD_TOKENS]
+    assert [c[1] for c in rec.caches] == [0, 16, 16 + odd, 17 + odd]
+    assert rec.caches[2][2] == 256  # the fresh prefill's whole step
+    assert rec.caches[3][2] == 17 + odd  # handed back at its length
 
 
 def _worker(tiny_model_dir, tmp_path, warmup: str) -> Worker:
