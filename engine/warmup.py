@@ -43,7 +43,8 @@ def _as_stored(cache: list[Any]) -> None:
     hands them to the next request (decode's ``extract``, a disk load). A cache grown by a fresh
     prefill holds buffers of whole 256-token steps; one continued from an entry grows from its
     exact length, and on the H200 the first step onto such a buffer cost ~0.15 s more the first
-    time in a process (cuDNN's attention for other strides): the first hot hit after a start.
+    time in a process (other kernels: cuDNN's attention for other strides, we believe), paid by
+    the first hot hit after a start.
     Other layer kinds are left as they are."""
     for layer in cache:
         if type(layer) is KVCache and layer.keys is not None:
