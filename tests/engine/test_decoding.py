@@ -1,11 +1,14 @@
 """engine/decoding.py: which caches decode in the batched group; a seeded request samples the same
-tokens whatever else decodes beside it.
+tokens whatever else decodes beside it; a request decoding alone gives attention no mask, rows of
+different lengths keep theirs.
 
 Real tiny mlx-lm models (helpers: tests/engine/batching.py).
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
+from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.batch import BatchLoop
@@ -37,3 +40,51 @@ def test_seeded_sampling_same_in_a_batch():
     loop.add(sinks[2], PROMPTS[2], SamplingParams(max_tokens=10, temperature=0.7, seed=9))
     run_until(loop, lambda: all(s.done for s in sinks))
     assert sinks[1].ids == solo.ids
+
+
+def _decode_masks(monkeypatch, engine: ModelEngine) -> list:
+    """The mask of every one-token attention call the engine's model makes from now on."""
+    masks: list = []
+    inner = llama.scaled_dot_product_attention
+
+    def spy(queries, keys, values, cache, scale, mask, **kw):
+        if queries.shape[2] == 1:
+            masks.append(mask)
+        return inner(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
+    return masks
+
+
+def test_a_request_decoding_alone_gives_attention_no_mask(monkeypatch):
+    """mlx-lm's BatchKVCache builds an array mask for every decode step, and attention with one
+    runs a slower kernel (H200: 0.7-0.8x of mlx-lm's generate_step); a lone row has no padding to
+    mask. The tokens are those of mlx-lm's own generate_step."""
+    from mlx_lm.generate import generate_step
+
+    model = make_llama(seed=4)
+    engine = ModelEngine(model, Config(tiers=()))
+    masks = _decode_masks(monkeypatch, engine)
+    loop, sink = BatchLoop(engine, max_batch=1), Sink()
+    loop.add(sink, PROMPTS[0], SamplingParams(max_tokens=12))
+    run_until(loop, lambda: sink.done)
+    assert len(masks) >= 11 * 2  # every decode step, every layer
+    assert all(m is None for m in masks), {type(m) for m in masks}
+    cache = make_prompt_cache(model)
+    want = [int(t) for t, _ in generate_step(mx.array(PROMPTS[0]), model, max_tokens=12,
+                                             prompt_cache=cache)]  # fmt: skip
+    assert sink.ids == want
+
+
+def test_rows_of_different_lengths_keep_their_mask(monkeypatch):
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=()))
+    masks = _decode_masks(monkeypatch, engine)
+    loop = BatchLoop(engine, max_batch=8)
+    loop.prefill_budget = 64
+    sinks = [Sink() for _ in range(2)]
+    loop.add(sinks[0], PROMPTS[0], SamplingParams(max_tokens=4))
+    loop.add(sinks[1], PROMPTS[2], SamplingParams(max_tokens=12))
+    run_until(loop, lambda: all(s.done for s in sinks))
+    arrays = [m for m in masks if isinstance(m, mx.array)]
+    assert arrays and all(m.shape[0] == 2 for m in arrays)  # the two rows, padded
+    assert masks[-1] is None  # the longer one, alone again after the other left
