@@ -7,8 +7,9 @@ rounds that alternate three ways, so that a machine's drift falls on all of them
 * **generate_step**: mlx-lm's loop over a plain ``KVCache`` (the peer's single-request decode);
 * **engine**: ``Engine.generate`` (a miss: the prompt is prefilled, then the batch loop decodes
   it through mlx-lm's ``GenerationBatch`` over :class:`engine.decoding.DecodeKVCache`);
-* **engine, mlx-lm's mask**: the same with mlx-lm's ``BatchKVCache``, whose every decode step
-  hands attention an array mask (the engine before ``DecodeKVCache``).
+* **engine, mlx-lm's BatchKVCache**: the same with mlx-lm's own batch cache, which hands every
+  decode step's attention an array mask and keeps a merged cache's buffers at lengths of no
+  whole step (the engine before ``DecodeKVCache``).
 
 Decode tok/s is tokens after the first over the time from the first to the last (the engine's:
 its usage's ``decode_seconds``). Everything MLX on the calling thread.
@@ -32,7 +33,7 @@ from engine.events import SamplingParams
 from engine.generate import Engine
 from tiered_kv.config import Config
 
-WAYS = ("generate_step", "engine", "engine, mlx-lm's mask")
+WAYS = ("generate_step", "engine", "engine, mlx-lm's BatchKVCache")
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -55,7 +56,7 @@ def _engine(engine: Engine, prompt: list[int], tokens: int) -> float:
     return (usage.completion_tokens - 1) / usage.decode_seconds
 
 
-def _mlx_mask(engine: Engine, prompt: list[int], tokens: int) -> float:
+def _mlx_batch_cache(engine: Engine, prompt: list[int], tokens: int) -> float:
     merge = decoding.merge
     decoding.merge = lambda layer: layer[0].merge(layer)  # mlx-lm's own BatchKVCache
     try:
@@ -67,7 +68,7 @@ def _mlx_mask(engine: Engine, prompt: list[int], tokens: int) -> float:
 RUN: dict[str, Callable[[Engine, list[int], int], float]] = {
     WAYS[0]: _generate_step,
     WAYS[1]: _engine,
-    WAYS[2]: _mlx_mask,
+    WAYS[2]: _mlx_batch_cache,
 }
 
 

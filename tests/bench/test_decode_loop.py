@@ -11,7 +11,7 @@ def test_every_way_decodes_every_round_and_prints(tiny_model_dir, capsys):
     merge = decoding.merge
     decode_loop.main(["--model", str(tiny_model_dir), "--context", "40", "--tokens", "9",
                       "--rounds", "2"])  # fmt: skip
-    assert decoding.merge is merge  # the mlx-lm-mask way puts the engine's merge back
+    assert decoding.merge is merge  # the mlx-lm BatchKVCache way puts the engine's merge back
     text = capsys.readouterr().out
     for way in decode_loop.WAYS:
         row = next(line for line in text.splitlines() if line.startswith(f"| {way} |"))

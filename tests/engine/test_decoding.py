@@ -88,3 +88,28 @@ def test_rows_of_different_lengths_keep_their_mask(monkeypatch):
     arrays = [m for m in masks if isinstance(m, mx.array)]
     assert arrays and all(m.shape[0] == 2 for m in arrays)  # the two rows, padded
     assert masks[-1] is None  # the longer one, alone again after the other left
+
+
+def test_a_merged_cache_grows_in_whole_steps():
+    """merge copies the rows into buffers of exactly their length; mlx-lm's growth then adds
+    whole steps to that length (37 + 256 = 293 rows, for ever misaligned: a slower attention
+    on the H200). Ours rounds the buffer up to whole steps, and keeps every row."""
+    from mlx_lm.models.cache import KVCache
+
+    from engine.decoding import DecodeKVCache, merge
+
+    kv = KVCache()
+    rows = mx.random.normal((1, 2, 37, 8))
+    kv.update_and_fetch(rows, rows + 1)
+    batch = merge([kv])
+    assert batch.keys.shape[2] == 37
+    assert isinstance(batch, DecodeKVCache)
+    sizes, added = [], []
+    for i in range(300):
+        new = mx.full((1, 2, 1, 8), float(i))
+        added.append(new)
+        k, v = batch.update_and_fetch(new, new + 1)
+        sizes.append(int(batch.keys.shape[2]))
+    assert all(s % DecodeKVCache.step == 0 for s in sizes), sorted(set(sizes))
+    want = mx.concatenate([rows, *added], axis=2)
+    assert k.shape[2] == 337 and mx.array_equal(k, want) and mx.array_equal(v, want + 1)
