@@ -31,7 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine import decoding
 from engine.events import SamplingParams
 from engine.generate import Engine
-from tiered_kv.config import Config
+from tiered_kv import Config
 
 WAYS = ("generate_step", "engine", "engine, mlx-lm's BatchKVCache")
 
