@@ -28,16 +28,13 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from bench import step_shapes
 from engine import decoding
 from engine.events import SamplingParams
 from engine.generate import Engine
 from tiered_kv import Config
 
 WAYS = ("generate_step", "engine", "engine, mlx-lm's BatchKVCache")
-
-
-def _prompt(n: int, salt: int) -> list[int]:
-    return [(i * 7919 + salt) % 4000 + 3 for i in range(n)]
 
 
 def _generate_step(engine: Engine, prompt: list[int], tokens: int) -> float:
@@ -81,7 +78,8 @@ def measure(model_dir: Path, context: int, tokens: int, rounds: int) -> dict[str
     try:
         for r in range(rounds):
             for k, way in enumerate(WAYS):
-                out[way].append(RUN[way](engine, _prompt(context, r * len(WAYS) + k), tokens))
+                ids = step_shapes.prompt(context, r * len(WAYS) + k)
+                out[way].append(RUN[way](engine, ids, tokens))
     finally:
         engine.close()
     return out

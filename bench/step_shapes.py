@@ -31,13 +31,15 @@ from engine.loading import load_model
 STEP = 2048  # the context's build step (the GPU's prefill step)
 
 
-def _ids(n: int, salt: int) -> mx.array:
-    return mx.array([[(i * 7919 + salt) % 4000 + 3 for i in range(n)]])
+def prompt(n: int, salt: int) -> list[int]:
+    """``n`` token ids of a synthetic prompt (ids 3..4002, ``salt`` shifts them): the benches'
+    prompts for random-weight models (also :mod:`bench.decode_loop`)."""
+    return [(i * 7919 + salt) % 4000 + 3 for i in range(n)]
 
 
 def _forward(model: Any, cache: list[Any], n: int, salt: int) -> float:
     t0 = time.perf_counter()
-    mx.eval(model(_ids(n, salt), cache=cache))
+    mx.eval(model(mx.array([prompt(n, salt)]), cache=cache))
     return time.perf_counter() - t0
 
 

@@ -2,8 +2,9 @@
 
 Decode uses mlx-lm's ``GenerationBatch`` (``mx.async_eval`` pipelining, join by ``extend``, leave
 by ``filter``) over caches merged with mlx-lm's ``BatchKVCache`` (as :class:`DecodeKVCache`) /
-``BatchRotatingKVCache`` / ``ArraysCache.merge`` and split back with ``extract``. Caches without a batched form (quantised KV,
-chunked or concatenating KV) decode in a group of their own, stepped in the same loop.
+``BatchRotatingKVCache`` / ``ArraysCache.merge`` and split back with ``extract``. Caches without a
+batched form (quantised KV, chunked or concatenating KV) decode in a group of their own, stepped in
+the same loop.
 
 Ownership: the thread that owns MLX (the batch loop's).
 """

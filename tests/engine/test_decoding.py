@@ -8,11 +8,12 @@ Real tiny mlx-lm models (helpers: tests/engine/batching.py).
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.batch import BatchLoop
-from engine.decoding import batchable
+from engine.decoding import DecodeKVCache, batchable, merge
 from engine.events import SamplingParams
 from tests.engine.batching import PROMPTS, ModelEngine, Sink, run_until
 from tests.fixtures import QuantizedLlama, gemma, make_llama, qwen_next
@@ -42,8 +43,8 @@ def test_seeded_sampling_same_in_a_batch():
     assert sinks[1].ids == solo.ids
 
 
-def _decode_masks(monkeypatch, engine: ModelEngine) -> list:
-    """The mask of every one-token attention call the engine's model makes from now on."""
+def _decode_masks(monkeypatch) -> list:
+    """The mask of every one-token attention call a llama model makes from now on."""
     masks: list = []
     inner = llama.scaled_dot_product_attention
 
@@ -58,13 +59,11 @@ def _decode_masks(monkeypatch, engine: ModelEngine) -> list:
 
 def test_a_request_decoding_alone_gives_attention_no_mask(monkeypatch):
     """mlx-lm's BatchKVCache builds an array mask for every decode step, and attention with one
-    runs a slower kernel (H200: 0.7-0.8x of mlx-lm's generate_step); a lone row has no padding to
-    mask. The tokens are those of mlx-lm's own generate_step."""
-    from mlx_lm.generate import generate_step
-
+    runs a slower kernel (H200: 0.63-0.81x of mlx-lm's generate_step); a lone row has no padding
+    to mask. The tokens are those of mlx-lm's own generate_step."""
     model = make_llama(seed=4)
     engine = ModelEngine(model, Config(tiers=()))
-    masks = _decode_masks(monkeypatch, engine)
+    masks = _decode_masks(monkeypatch)
     loop, sink = BatchLoop(engine, max_batch=1), Sink()
     loop.add(sink, PROMPTS[0], SamplingParams(max_tokens=12))
     run_until(loop, lambda: sink.done)
@@ -78,7 +77,7 @@ def test_a_request_decoding_alone_gives_attention_no_mask(monkeypatch):
 
 def test_rows_of_different_lengths_keep_their_mask(monkeypatch):
     engine = ModelEngine(make_llama(seed=4), Config(tiers=()))
-    masks = _decode_masks(monkeypatch, engine)
+    masks = _decode_masks(monkeypatch)
     loop = BatchLoop(engine, max_batch=8)
     loop.prefill_budget = 64
     sinks = [Sink() for _ in range(2)]
@@ -94,10 +93,6 @@ def test_a_merged_cache_grows_in_whole_steps():
     """merge copies the rows into buffers of exactly their length; mlx-lm's growth then adds
     whole steps to that length (37 + 256 = 293 rows, for ever misaligned: a slower attention
     on the H200). Ours rounds the buffer up to whole steps, and keeps every row."""
-    from mlx_lm.models.cache import KVCache
-
-    from engine.decoding import DecodeKVCache, merge
-
     kv = KVCache()
     rows = mx.random.normal((1, 2, 37, 8))
     kv.update_and_fetch(rows, rows + 1)
