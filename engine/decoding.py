@@ -45,7 +45,10 @@ class DecodeKVCache(C.BatchKVCache):
       length it finds, so a batch merged at 32767 tokens decoded in buffers of 33023, 33279...
       rows for ever; on the H200 (8B shape, 32k context) attention over those took a step
       12.7-14.0 ms against 5.6-6.3 ms over buffers of whole steps. The growth copies the buffer
-      anyway (mlx-lm's too); here it rounds up.
+      anyway (mlx-lm's too); here it rounds up. A row leaving (``filter`` shifts the buffer
+      left by the smallest padding) leaves it cut back to its rows, so the next step's growth
+      makes it whole steps again (``extend`` pads to the larger buffer: whole steps already,
+      or a merge's exact length, which the next step outgrows).
 
     With both, the engine's single-request decode on the H200 went from 0.45-0.62x of mlx-lm's
     ``generate_step`` to 0.86-1.01x (8B / 1B shapes, 8k / 32k contexts: ``bench.decode_loop``,
@@ -65,6 +68,17 @@ class DecodeKVCache(C.BatchKVCache):
                 size += self.step
             self.keys, self.values = _grown(buf_k, prev, size), _grown(buf_v, prev, size)
         return super().update_and_fetch(keys, values)  # room now: written in place
+
+    def filter(self, batch_indices: Any) -> None:
+        super().filter(batch_indices)  # shifts the rows left by the smallest padding
+        self._cut_to_rows()
+
+    def _cut_to_rows(self) -> None:
+        """A buffer that is not whole steps any more is cut back to the rows it holds (a view):
+        the next step grows it to whole steps, one copy of those rows."""
+        if self.keys is not None and self.values is not None and self.keys.shape[2] % self.step:
+            self.keys = self.keys[..., : self._idx, :]
+            self.values = self.values[..., : self._idx, :]
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         if N == 1 and not return_array and kwargs.get("window_size") is None:

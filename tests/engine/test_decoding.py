@@ -108,3 +108,30 @@ def test_a_merged_cache_grows_in_whole_steps():
     assert all(s % DecodeKVCache.step == 0 for s in sizes), sorted(set(sizes))
     want = mx.concatenate([rows, *added], axis=2)
     assert k.shape[2] == 337 and mx.array_equal(k, want) and mx.array_equal(v, want + 1)
+
+
+def test_a_row_leaving_leaves_whole_step_buffers():
+    """``filter`` (a row leaves) shifts the buffer left by the smallest padding: a buffer that is
+    not whole steps, decoded over until its next growth (up to 255 steps; the request whose
+    partner finished decodes alone over a 731-row buffer here). Ours decodes the next step over
+    whole steps, every row kept."""
+
+    def cache(n: int, fill: float) -> KVCache:
+        kv = KVCache()
+        x = mx.full((1, 2, n, 8), fill)
+        kv.update_and_fetch(x, x + 1)
+        return kv
+
+    def step(batch: DecodeKVCache, value: float) -> tuple[mx.array, mx.array]:
+        new = mx.full((batch.offset.size, 2, 1, 8), value)
+        return batch.update_and_fetch(new, new + 1)
+
+    batch = merge([cache(300, 1.0), cache(263, 2.0)])  # the second row left-padded by 37
+    step(batch, 3.0)
+    assert batch.keys.shape[2] % DecodeKVCache.step == 0
+    batch.filter([1])  # the long row leaves: the short one's 37 rows of padding go
+    k, v = step(batch, 4.0)
+    assert batch.keys.shape[2] % DecodeKVCache.step == 0, batch.keys.shape
+    want = mx.concatenate([mx.full((1, 2, 263, 8), 2.0), mx.full((1, 2, 1, 8), 3.0),
+                           mx.full((1, 2, 1, 8), 4.0)], axis=2)  # fmt: skip
+    assert mx.array_equal(k, want) and mx.array_equal(v, want + 1)
