@@ -115,11 +115,14 @@ def _every_turn(by: dict) -> dict:
     pairs = [(o, p) for o, p in (("b", "d"), ("c", "e")) if o in by and p in by]
     if not pairs:
         return _goal(name, None, "scenario missing")
-    worse, worst, count = [], 0.0, 0
+    worse, unlike, worst, count = [], [], 0.0, 0
     for o, p in pairs:
         for t, m in by[o].items():
             if t == 0 or t not in by[p]:
                 continue  # the title request is a different prompt; both sides are cold
+            if _held(m) != _held(by[p][t]):  # one side's TTFT includes its whole decode
+                unlike.append(f"{o}{t}")
+                continue
             count += 1
             r = m["ttft_s"] / max(by[p][t]["ttft_s"], 1e-9)
             worst = max(worst, r)
@@ -128,7 +131,19 @@ def _every_turn(by: dict) -> dict:
     detail = f"{count - len(worse)}/{count} turns; worst ours/peer = {worst:.2f}"
     if _prompts_differ(by):
         detail += " (NOT comparable: the peer's chat template rendered a different prompt)"
+    if unlike:
+        detail += (
+            f"; {len(unlike)} turns left out, output held on one side only (its TTFT is the"
+            f" whole completion's): {', '.join(unlike[:8])}"
+        )
+    if not count:
+        return _goal(name, None, detail)
     return _goal(name, not worse, detail + (f" ({', '.join(worse[:8])})" if worse else ""))
+
+
+def _held(m: dict) -> bool:
+    """The whole completion arrived in one event (a parser held it back): TTFT includes decode."""
+    return m["completion_tokens"] > 1 and m.get("output_events", 2) <= 1 and not m["error"]
 
 
 def _micro_goals(micro: dict) -> list[dict]:
@@ -266,11 +281,7 @@ def _summary(results: dict, by: dict, scen: list[str]) -> str:
         mean = _mean_ttft(by, s, later)
         tps = [m["decode_tps"] for m in by[s].values() if m["decode_tps"] > 0]
         starts = info.get("start_seconds") or []
-        held = sum(
-            1
-            for m in by[s].values()
-            if m["completion_tokens"] > 1 and m.get("output_events", 2) <= 1 and not m["error"]
-        )
+        held = sum(1 for m in by[s].values() if _held(m))
         lines.append(
             f"| {s}: {SCENARIO_TITLES[s]} | {'' if mean is None else f'{mean * 1e3:.0f}'} | "
             f"{statistics.fmean(tps) if tps else 0:.1f} | {info.get('peak_rss_bytes', 0) / 2**20:.0f} | "

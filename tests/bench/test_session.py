@@ -148,3 +148,21 @@ def test_report_marks_missing_scenarios_na(tmp_path):
     status = {g["goal"]: g["status"] for g in report.goals(res)}
     assert status["after restart: ours ≥ 20× faster TTFT than cold"] == "n/a"
     assert status["reload ≥ 80 % of dd"] == "n/a"
+
+
+def test_report_leaves_out_turns_held_on_one_side_only(tmp_path):
+    """A turn whose output one server held back (a tool-call parser, whitespace before a possible
+    marker) arrives in one event: its TTFT is the whole completion's, not comparable with a peer
+    that streamed (the default bench's b vs d read 1.5x on hot turns for that alone)."""
+    res = _fake_results()
+    for m in res["measurements"]:
+        m["output_events"] = 1 if m["scenario"] in "bc" else 16
+        if m["scenario"] == "b" and m["turn"] == 3:
+            m["ttft_s"] = 1.1  # its whole decode: slower than the peer's first token
+    goal = {g["goal"]: g for g in report.goals(res)}["ours ≤ peer TTFT on every turn (b vs d, c vs e)"]
+    assert goal["status"] == "n/a" and "6 turns left out" in goal["detail"], goal
+    for m in res["measurements"]:
+        if m["scenario"] == "d" and m["turn"] == 3:
+            m["output_events"] = 1  # held on both sides: compared
+    goal = {g["goal"]: g for g in report.goals(res)}["ours ≤ peer TTFT on every turn (b vs d, c vs e)"]
+    assert goal["status"] == "MISS" and "0/1 turns" in goal["detail"], goal
