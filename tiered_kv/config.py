@@ -79,7 +79,9 @@ class Config:
     #: (Metal: recommended working set; CUDA: total; CPU: memory limit / RAM)
     memory_threshold: float = 0.85
     #: TIERED_KV_MIN_CONTINUATION_TOKENS — a hit this long that covers the whole stored entry and
-    #: ≥ half the prompt continues the entry (taken over, replaced); other hits share it read-only
+    #: ≥ half the prompt continues the entry (taken over, replaced); so does one that covers the
+    #: whole prompt that made the entry (its generated answer re-rendered by the client); other
+    #: hits share it read-only
     min_continuation_tokens: int = 1000
     #: TIERED_KV_CHECKPOINT_TOKENS — recurrent / sliding-window models: checkpoint spacing during
     #: prefill (16–8192); a checkpoint is also taken at each end-of-message token and at the

@@ -46,6 +46,9 @@ class Entry:
     checkpoints: dict[int, list[Any]] = field(default_factory=dict)
     checkpoint_bytes: int = 0
     persisted: bool = False  # an identical copy is (being) written to the cold tier
+    #: the first ``prompt_tokens`` ids were its request's prompt, the rest that request generated
+    #: (None: all of them, or not known — an entry loaded from disk, a running request's prefix)
+    prompt_tokens: int | None = None
     id: int = field(default_factory=lambda: next(_ids))
     last_used: int = 0
 

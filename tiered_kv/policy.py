@@ -35,19 +35,26 @@ def servable(
     return checkpoints.nearest(positions, n)
 
 
-def is_continuation(hit_tokens: int, prompt_len: int, min_tokens: int, entry_len: int) -> bool:
-    """A hit that covers the whole stored entry, at least ``min_tokens`` long and at least half
-    of the prompt.
+def is_continuation(
+    hit_tokens: int, prompt_len: int, min_tokens: int, entry_len: int, entry_prompt: int | None = None
+) -> bool:
+    """A hit that covers the whole stored entry — or at least the whole prompt that made it
+    (``entry_prompt``, of its ``entry_len`` ids; the rest its request generated) — at least
+    ``min_tokens`` long and at least half of the prompt.
 
-    Then the request continues the stored entry: the entry is handed over (no copy) and the
-    longer result replaces it instead of duplicating it. Other hits (a shared system prompt of
-    another conversation, a title request, a branch) share the entry read-only and store a new
-    one: handing such an entry over would cut it back and take it away from the requests that
-    run beside this one or come after it.
+    Then the request continues the stored entry: the entry is handed over (no copy; cut back to
+    the hit when the hit ends inside its generated ids) and the longer result replaces it instead
+    of duplicating it. The generated ids it loses serve only a prompt that resends them verbatim,
+    and this one did not: agent clients send the answer back re-rendered (reasoning dropped, tool
+    calls as their JSON). Other hits (a shared system prompt of another conversation, a title
+    request, a branch inside the prompt, the same prompt again) share the entry read-only and
+    store a new one: handing such an entry over would cut it back and take it away from the
+    requests that run beside this one or come after it.
     """
+    covered = entry_len if entry_prompt is None else min(entry_prompt, entry_len)
     return (
         hit_tokens > 0
-        and hit_tokens == entry_len
+        and covered <= hit_tokens <= entry_len
         and hit_tokens >= min_tokens
         and 2 * hit_tokens >= prompt_len
     )

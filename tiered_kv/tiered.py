@@ -87,6 +87,8 @@ class Lease:
     #: adds one at each checkpoint position it prefills past, store() keeps them with the entry.
     checkpoints: dict[int, list[Any]] = field(default_factory=dict, repr=False)
     needs_checkpoints: bool = False
+    #: the prompt's length (``fetch``'s): ids past it in ``store`` are the request's generated ones
+    prompt_tokens: int | None = None
 
 
 @dataclass
@@ -155,7 +157,9 @@ class TieredCache:
                 self.counters[f"hit_tokens_{lease.hit.tier}"] += lease.hit.tokens
                 return lease
         hit = HitInfo(restore=decision)
-        return Lease(self.make_cache(), prompt.tolist(), hit, None, {}, self.needs_checkpoints)
+        return Lease(
+            self.make_cache(), prompt.tolist(), hit, None, {}, self.needs_checkpoints, len(prompt)
+        )
 
     def peek(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens the hot tier could serve now: a scheduling estimate (no lease, no copy,
@@ -264,7 +268,9 @@ class TieredCache:
             return None
         direct = entry.trimmable or n == total  # no checkpoint needed to serve n
         if direct and (
-            policy.is_continuation(n, len(prompt), self.config.min_continuation_tokens, total)
+            policy.is_continuation(
+                n, len(prompt), self.config.min_continuation_tokens, total, entry.prompt_tokens
+            )
             or not self.config.hot_enabled
         ):
             # Hand the entry over: the caller writes into its buffers; the result replaces it.
@@ -284,7 +290,9 @@ class TieredCache:
                 self.hot.insert(entry)  # a reloaded cold entry stays in memory for the next turn
         hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes, cand.restore)
         inherited = checkpoints.inherit(entry.checkpoints, n, caches, self.needs_checkpoints)
-        return Lease(caches, prompt[n:].tolist(), hit, taken, inherited, self.needs_checkpoints)
+        return Lease(
+            caches, prompt[n:].tolist(), hit, taken, inherited, self.needs_checkpoints, len(prompt)
+        )
 
     # -- store -----------------------------------------------------------------------------
     def store(self, lease: Lease, token_ids: Sequence[int]) -> None:
@@ -314,7 +322,9 @@ class TieredCache:
         self.counters["stores"] += 1
         if self.config.kv_bits:
             caches = layers.quantize(caches, self.config.kv_bits, self.config.kv_group_size)
-        entry = new_entry(ids, caches, checkpoints.upto(lease.checkpoints, len(ids)))
+        entry = new_entry(
+            ids, caches, checkpoints.upto(lease.checkpoints, len(ids)), prompt=lease.prompt_tokens
+        )
         if not self.config.hot_enabled:
             self._persist(entry)
             return
@@ -418,8 +428,10 @@ def new_entry(
     caches: list[Any],
     ckpts: dict[int, list[Any]] | None = None,
     persisted: bool = False,
+    prompt: int | None = None,
 ) -> Entry:
-    """An Entry with its derived facts (byte size, trimmability) computed once."""
+    """An Entry with its derived facts (byte size, trimmability) computed once; ``prompt``: how
+    many of ``ids`` were the request's prompt (None: all)."""
     ckpts = ckpts or {}
     ck_bytes = checkpoints.total_bytes(ckpts)
     return Entry(
@@ -430,15 +442,21 @@ def new_entry(
         checkpoints=ckpts,
         checkpoint_bytes=ck_bytes,
         persisted=persisted,
+        prompt_tokens=None if prompt is None else min(prompt, len(ids)),
     )
 
 
 def _supersedes(new: Entry, other: Entry) -> bool:
     """A stored entry whose ids are a prefix of the new entry's is redundant when the new entry
-    serves every request it served (checkpoints.serves_all)."""
+    serves every request it served (checkpoints.serves_all). So is one whose whole prompt the
+    new entry's request resent, where both can be cut back to any length: the new entry serves
+    every prefix of that prompt, and the ids the old one generated past it serve only a prompt
+    that resends them verbatim — which the next turn did not (``policy.is_continuation``)."""
     n = len(other.tokens)
-    if n > len(new.tokens) or common_prefix(other.tokens, new.tokens) != n:
-        return False
-    return checkpoints.serves_all(
-        len(new.tokens), new.checkpoints, new.trimmable, n, other.checkpoints
-    )
+    common = common_prefix(other.tokens, new.tokens)
+    if common == n:
+        return checkpoints.serves_all(
+            len(new.tokens), new.checkpoints, new.trimmable, n, other.checkpoints
+        )
+    prompt = n if other.prompt_tokens is None else other.prompt_tokens
+    return other.trimmable and new.trimmable and common >= prompt

@@ -22,6 +22,16 @@ def test_continuation_needs_the_whole_entry():
     assert is_continuation(5000, 5100, 1000, 5000)
 
 
+def test_continuation_of_an_entry_whose_prompt_was_resent_whole():
+    """The next turn of an agent resends the entry's whole prompt and diverges inside what the
+    model generated (its answer re-rendered): that continues the entry too; a hit short of the
+    entry's prompt (a shared system prompt, a regenerate) does not."""
+    assert is_continuation(4100, 4600, 1000, 4500, entry_prompt=4000)
+    assert is_continuation(4000, 4600, 1000, 4500, entry_prompt=4000)
+    assert not is_continuation(3999, 4600, 1000, 4500, entry_prompt=4000)
+    assert not is_continuation(4100, 9000, 1000, 4500, entry_prompt=4000)  # under half the prompt
+
+
 def test_lru_victims_budget_and_memory():
     items = [Item(1, 100, 5), Item(2, 100, 1), Item(3, 100, 9)]
     assert lru_victims(items, 300) == []

@@ -78,6 +78,47 @@ def test_continuation_updates_in_place(small_model):
     np.testing.assert_allclose(logits, cold_logits(small_model, turn3), **TOL)
 
 
+def test_a_turn_resending_the_whole_prompt_takes_the_entry_over(small_model):
+    """Agent clients send the model's answer back re-rendered (reasoning dropped, tool calls as
+    their JSON), so the next turn resends the previous prompt whole and diverges inside what the
+    model generated. That turn continues the entry all the same: taken over, cut back to the
+    common prefix and written in place, and the result replaces it (before: shared read-only,
+    a copy of the whole KV, and both entries kept: the session's KV twice, then three times...)."""
+    tc = hot_only(small_model, min_continuation_tokens=8)
+    p, gen = tokens(8, 40), tokens(9, 6)
+    store_turn(tc, small_model, p, gen)
+    for turn, answer in enumerate(([7, 7, 3], [5, 4]), start=2):
+        (old,) = tc.hot.entries.values()
+        assert old.prompt_tokens is not None and old.prompt_tokens < len(old.tokens)
+        nxt = old.tokens[: old.prompt_tokens].tolist() + answer + tokens(10 + turn, 12)
+        lease = tc.fetch(nxt)
+        assert lease.taken is old and len(tc.hot) == 0, turn
+        assert lease.hit.tokens >= old.prompt_tokens
+        logits = feed(small_model, lease.caches, lease.remaining)
+        np.testing.assert_allclose(logits, cold_logits(small_model, nxt), **TOL)
+        answered = tokens(20 + turn, 4)  # what the model generates: the next turn drops it
+        feed(small_model, lease.caches, answered)
+        tc.store(lease, nxt + answered)
+        (entry,) = tc.hot.entries.values()
+        assert list(entry.tokens) == nxt + answered and entry.prompt_tokens == len(nxt)
+
+
+def test_an_entry_whose_prompt_another_resent_is_superseded(small_model):
+    """A request that shared an entry read-only (the prompt resent exactly: a regenerate; or a
+    prompt more than twice the entry) and resent its whole prompt stores an entry that serves
+    everything the old one served but the old answer: the old one goes (no spill)."""
+    tc = hot_only(small_model, min_continuation_tokens=8)
+    p = tokens(8, 40)
+    store_turn(tc, small_model, p, tokens(9, 6))
+    _, hit = store_turn(tc, small_model, p, tokens(10, 6))  # regenerate: the same prompt
+    assert hit == len(p) - 1
+    (entry,) = tc.hot.entries.values()
+    assert list(entry.tokens) == p + tokens(10, 6) and tc.hot.stats.replaced == 1
+    other = p[:30] + tokens(11, 20)  # a branch inside the prompt: both stay
+    store_turn(tc, small_model, other)
+    assert len(tc.hot) == 2
+
+
 def test_interleaved_other_prefix_keeps_main_entry(small_model):
     tc = hot_only(small_model, min_continuation_tokens=16)
     main = tokens(13, 60)
