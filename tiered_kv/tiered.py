@@ -45,8 +45,14 @@ class ColdStore(Protocol):
 
     def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> Any: ...
     def load(self, hit: Any) -> Any: ...
-    def spill(self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None) -> None: ...
-    def persist(self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None) -> None: ...
+    def spill(
+        self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None,
+        prompt_tokens: int | None = None,
+    ) -> None: ...
+    def persist(
+        self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None,
+        prompt_tokens: int | None = None,
+    ) -> None: ...
     def recent(self, limit_entries: int, limit_bytes: int) -> list[Any]: ...
     def flush(self, timeout: float | None = None) -> Any: ...
     def begin_close(self) -> None: ...
@@ -225,8 +231,8 @@ class TieredCache:
             got = self.cold.load(hit)
         if got is None:
             return None  # corrupt or vanished: the cold tier quarantined it and counted
-        caches, ids, ckpts = got
-        entry = new_entry(ids, caches, ckpts, persisted=True)
+        caches, ids, ckpts = got.caches, got.tokens, got.checkpoints
+        entry = new_entry(ids, caches, ckpts, persisted=True, prompt=got.prompt_tokens)
         seconds = time.perf_counter() - t0
         common = common_prefix(entry.tokens, prompt)
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
@@ -253,8 +259,8 @@ class TieredCache:
         got = self.cold.adopt(fetched.data, fetched.tokens)
         if got is None:
             return None
-        caches, ids, ckpts = got
-        entry = new_entry(ids, caches, ckpts, persisted=True)
+        caches, ids, ckpts = got.caches, got.tokens, got.checkpoints
+        entry = new_entry(ids, caches, ckpts, persisted=True, prompt=got.prompt_tokens)
         seconds = time.perf_counter() - t0
         return _Candidate(entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes)
 
@@ -355,7 +361,9 @@ class TieredCache:
 
     def _persist(self, entry: Entry) -> None:
         if self.cold is not None:
-            self.cold.persist(entry.tokens, entry.caches, self._disk_checkpoints(entry))
+            self.cold.persist(
+                entry.tokens, entry.caches, self._disk_checkpoints(entry), entry.prompt_tokens
+            )
             entry.persisted = True
 
     def _spill(self, entry: Entry) -> None:
@@ -364,7 +372,9 @@ class TieredCache:
             r = self.restorer  # issue 15: admission by value (counted by the restorer)
             if r is not None and not r.admit(len(entry.tokens), entry.nbytes):
                 return
-            self.cold.spill(entry.tokens, entry.caches, self._disk_checkpoints(entry))
+            self.cold.spill(
+                entry.tokens, entry.caches, self._disk_checkpoints(entry), entry.prompt_tokens
+            )
             entry.persisted = True
 
     def _disk_checkpoints(self, entry: Entry) -> dict[int, list[Any]]:
@@ -385,8 +395,8 @@ class TieredCache:
         for hit in reversed(self.cold.recent(limit_entries, limit_bytes)):
             got = self.cold.load(hit)
             if got is not None:
-                caches, ids, ckpts = got
-                self.hot.insert(new_entry(ids, caches, ckpts, persisted=True))
+                caches, ids, ckpts = got.caches, got.tokens, got.checkpoints
+                self.hot.insert(new_entry(ids, caches, ckpts, True, got.prompt_tokens))
                 loaded += 1
         return loaded
 

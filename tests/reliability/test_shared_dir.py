@@ -73,7 +73,7 @@ WORKER = textwrap.dedent(
                 misses += 1
                 continue
             loads += 1
-            caches, tokens, _ = got
+            caches, tokens = got.caches, got.tokens
             keys_ = np.array(caches[0].keys[0, 0, : len(tokens), 0])
             if not (np.array_equal(keys_, np.asarray(tokens, np.float32))
                     and list(tokens[: hit.tokens]) == ids[: hit.tokens]):

@@ -226,6 +226,27 @@ def test_restart_hits_disk_and_prefetch_fills_memory(small_model, tmp_path):
     c.close()
 
 
+def test_an_entry_reloaded_after_a_restart_knows_its_prompt(small_model, tmp_path):
+    """An entry file keeps how many of its ids were the prompt (metadata ``prompt_tokens``), so
+    the first turn after a restart, which re-renders the last answer, continues the reloaded
+    entry — taken over, one entry in memory — instead of sharing it and keeping both (before:
+    a reloaded entry's prompt was all of its ids)."""
+    a = open_tc(small_model, tmp_path, min_continuation_tokens=8)
+    p = tokens(56, 60)
+    store_turn(a, small_model, p, tokens(57, 6))
+    a.close()  # graceful: spilled
+    b = open_tc(small_model, tmp_path, min_continuation_tokens=8)
+    nxt = p + [7, 7, 3] + tokens(58, 12)
+    lease = b.fetch(nxt)
+    assert lease.hit.tier == "cold" and lease.hit.tokens >= len(p)
+    assert lease.taken is not None and lease.taken.prompt_tokens == len(p)
+    logits = feed(small_model, lease.caches, lease.remaining)
+    np.testing.assert_allclose(logits, cold_logits(small_model, nxt), **TOL)
+    b.store(lease, nxt)
+    assert len(b.hot) == 1
+    b.close()
+
+
 def test_cold_only_mode_persists_every_turn(small_model, tmp_path):
     tc = open_tc(small_model, tmp_path, tiers=("cold",))
     p = tokens(54, 40)

@@ -64,6 +64,8 @@ class Loaded(NamedTuple):
     tokens: np.ndarray
     #: position → snapshot of the non-positional layers (recurrent / sliding window) there
     checkpoints: dict[int, list]
+    #: how many of ``tokens`` were the request's prompt (None: all, or not known)
+    prompt_tokens: int | None = None
 
 
 class ColdTier:
@@ -174,7 +176,7 @@ class ColdTier:
         now = time.time()
         self._touched[rec.entry_id] = now  # seen by recent() before the queued touch commits
         self.writer.submit(lambda: self._touch(rec.entry_id, now), 0, droppable=False)
-        return Loaded(caches, tokens, checkpoints)
+        return Loaded(caches, tokens, checkpoints, codec.prompt_of(header.metadata, len(tokens)))
 
     def describe(self, hit: ColdHit) -> tuple[Path, int] | None:
         """(entry file path, file bytes) of a hit, or None when its record is gone or the index
@@ -267,21 +269,30 @@ class ColdTier:
 
     # -- request thread: hand over to the writer ----------------------------------------------
     def spill(
-        self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None = None
+        self,
+        token_ids: np.ndarray,
+        caches: list,
+        checkpoints: dict[int, list] | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """Queue the entry for writing and return at once. Never dropped for its size; the oldest
         waiting spill is dropped when the queue passes ``spill_queue_bytes`` (logged, counted).
-        Entries shorter than one block are not stored."""
-        job = self._prepare(token_ids, caches, checkpoints)
+        Entries shorter than one block are not stored. ``prompt_tokens``: how many of the ids
+        were the request's prompt (kept with the entry; None: all)."""
+        job = self._prepare(token_ids, caches, checkpoints, prompt_tokens)
         if job is not None:
             self.writer.submit(lambda: self._write(job), job.nbytes)
 
     def persist(
-        self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None = None
+        self,
+        token_ids: np.ndarray,
+        caches: list,
+        checkpoints: dict[int, list] | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """Write-through: returns once the file and its index record are durable, the write
         failed (counted, logged), or a stalled disk made it late (it completes later)."""
-        job = self._prepare(token_ids, caches, checkpoints)
+        job = self._prepare(token_ids, caches, checkpoints, prompt_tokens)
         if job is None:
             return
         try:
@@ -293,14 +304,18 @@ class ColdTier:
             self.faults.drop(job.nbytes, "closed")
 
     def _prepare(
-        self, token_ids: np.ndarray, caches: list, checkpoints: dict[int, list] | None
+        self,
+        token_ids: np.ndarray,
+        caches: list,
+        checkpoints: dict[int, list] | None,
+        prompt_tokens: int | None = None,
     ) -> Prepared | None:
         tokens = keys.as_int32(token_ids)
         if len(tokens) < self.block_tokens:
             self.faults.count("skipped")
             return None
         try:
-            return codec.prepare(tokens, caches, checkpoints, self.fingerprint)
+            return codec.prepare(tokens, caches, checkpoints, self.fingerprint, prompt_tokens)
         except layers.UnsupportedCache as e:
             self.faults.once("unsupported", "cold tier does not store this cache: %s", e)
             self.faults.count("skipped")
@@ -331,7 +346,7 @@ class ColdTier:
         if len(ids) >= self.block_tokens:
             job = Raw(ids, data)
             self.writer.submit(lambda: self._write(job), job.nbytes)
-        return Loaded(caches, ids, checkpoints)
+        return Loaded(caches, ids, checkpoints, codec.prompt_of(header.metadata, len(ids)))
 
     def _write(self, job: Prepared | Raw) -> None:
         self.writes.write(job)

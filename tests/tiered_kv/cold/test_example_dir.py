@@ -33,7 +33,9 @@ def test_example_verifies_clean_and_loads(tmp_path):
         ids = tier.index.tokens(rec.entry_id)
         hit = tier.lookup(ids)
         assert hit is not None and hit.tokens == len(ids)
-        caches, tokens, checkpoints = tier.load(hit)  # type: ignore[misc]
+        got = tier.load(hit)
+        assert got is not None
+        caches, tokens, checkpoints = got.caches, got.tokens, got.checkpoints
         assert np.array_equal(tokens, ids) and checkpoints == {}
         assert [c.offset for c in caches] == [len(ids)] * 2
     tier.close()

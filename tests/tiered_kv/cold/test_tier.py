@@ -52,7 +52,9 @@ def test_generation_after_disk_reload_equals_cold_prefill(tmp_path):
     tier.flush()
     hit = tier.lookup(prompt)
     assert hit is not None and hit.tokens == 30
-    loaded, _, _ = tier.load(hit)  # type: ignore[misc]
+    got = tier.load(hit)
+    assert got is not None
+    loaded = got.caches
     warm = _greedy(model, loaded, prompt[30:], 8)
     cold = _greedy(model, make_prompt_cache(model), prompt, 8)
     assert warm == cold
@@ -79,6 +81,34 @@ def test_partial_block_extends_the_hit_and_continuation_supersedes(tmp_path):
     hit = tier.lookup(list(range(13)) + [5])
     assert hit is not None and hit.tokens == 13 and hit.entry_tokens == 14
     tier.close()
+
+
+def test_an_entry_keeps_how_many_of_its_ids_were_the_prompt(tmp_path):
+    """``prompt_tokens`` goes into the file's metadata and comes back with the load (the hot
+    tier's continuation of a re-rendered turn needs it after a restart); an entry written
+    without it, or all prompt, loads with None."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(12), [kv_cache(12)], prompt_tokens=9)
+    tier.persist(np.arange(12) + 100, [kv_cache(12)])
+    tier.persist(np.arange(12) + 200, [kv_cache(12)], prompt_tokens=12)
+    got = {}
+    for first in (0, 100, 200):
+        hit = tier.lookup(list(range(first, first + 12)))
+        assert hit is not None
+        loaded = tier.load(hit)
+        assert loaded is not None
+        got[first] = loaded.prompt_tokens
+    assert got == {0: 9, 100: None, 200: None}
+    tier.close()
+
+
+def test_a_prompt_length_that_is_not_one_is_not_believed():
+    from tiered_kv.cold.codec import prompt_of
+
+    assert prompt_of({"prompt_tokens": "9"}, 12) == 9
+    for raw in ("0", "12", "13", "-1", "9.5", " 9", "abc", "", "1" * 40, "٣"):
+        assert prompt_of({"prompt_tokens": raw}, 12) is None, raw
+    assert prompt_of({}, 12) is None
 
 
 @pytest.mark.parametrize("damage", ["truncate", "header_flip", "data_flip", "version", "random"])
@@ -209,6 +239,8 @@ def test_restart_after_sigkill_finds_the_entry(tmp_path):
     tier = cold_tier(tmp_path)
     hit = tier.lookup(list(range(8)) + [1])
     assert hit is not None and hit.tokens == 8
-    caches, ids, _ = tier.load(hit)  # type: ignore[misc]
+    got = tier.load(hit)
+    assert got is not None
+    caches = got.caches
     assert mx.array_equal(caches[0].keys, mx.arange(64, dtype=mx.float32).reshape(1, 2, 8, 4))
     tier.close()

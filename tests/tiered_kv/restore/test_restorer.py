@@ -96,7 +96,7 @@ class Setup:
         return got
 
     def loaded(self, n):
-        caches, _, _ = self.cold.load(self.cold.lookup(self.ids))  # type: ignore[misc]
+        caches = self.cold.load(self.cold.lookup(self.ids)).caches
         from tiered_kv import layers
 
         return layers.view(caches, n, N)
