@@ -52,6 +52,11 @@ class Entry:
     id: int = field(default_factory=lambda: next(_ids))
     last_used: int = 0
 
+    @property
+    def prompt_len(self) -> int:
+        """How many of the ids were the prompt (all of them where ``prompt_tokens`` is None)."""
+        return len(self.tokens) if self.prompt_tokens is None else self.prompt_tokens
+
 
 @dataclass
 class HotStats:

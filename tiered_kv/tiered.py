@@ -231,8 +231,7 @@ class TieredCache:
             got = self.cold.load(hit)
         if got is None:
             return None  # corrupt or vanished: the cold tier quarantined it and counted
-        caches, ids, ckpts = got.caches, got.tokens, got.checkpoints
-        entry = new_entry(ids, caches, ckpts, persisted=True, prompt=got.prompt_tokens)
+        entry = _loaded_entry(got)
         seconds = time.perf_counter() - t0
         common = common_prefix(entry.tokens, prompt)
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
@@ -259,8 +258,7 @@ class TieredCache:
         got = self.cold.adopt(fetched.data, fetched.tokens)
         if got is None:
             return None
-        caches, ids, ckpts = got.caches, got.tokens, got.checkpoints
-        entry = new_entry(ids, caches, ckpts, persisted=True, prompt=got.prompt_tokens)
+        entry = _loaded_entry(got)
         seconds = time.perf_counter() - t0
         return _Candidate(entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes)
 
@@ -275,7 +273,7 @@ class TieredCache:
         direct = entry.trimmable or n == total  # no checkpoint needed to serve n
         if direct and (
             policy.is_continuation(
-                n, len(prompt), self.config.min_continuation_tokens, total, entry.prompt_tokens
+                n, len(prompt), self.config.min_continuation_tokens, total, entry.prompt_len
             )
             or not self.config.hot_enabled
         ):
@@ -329,7 +327,7 @@ class TieredCache:
         if self.config.kv_bits:
             caches = layers.quantize(caches, self.config.kv_bits, self.config.kv_group_size)
         entry = new_entry(
-            ids, caches, checkpoints.upto(lease.checkpoints, len(ids)), prompt=lease.prompt_tokens
+            ids, caches, checkpoints.upto(lease.checkpoints, len(ids)), prompt_tokens=lease.prompt_tokens
         )
         if not self.config.hot_enabled:
             self._persist(entry)
@@ -395,8 +393,7 @@ class TieredCache:
         for hit in reversed(self.cold.recent(limit_entries, limit_bytes)):
             got = self.cold.load(hit)
             if got is not None:
-                caches, ids, ckpts = got.caches, got.tokens, got.checkpoints
-                self.hot.insert(new_entry(ids, caches, ckpts, True, got.prompt_tokens))
+                self.hot.insert(_loaded_entry(got))
                 loaded += 1
         return loaded
 
@@ -438,10 +435,10 @@ def new_entry(
     caches: list[Any],
     ckpts: dict[int, list[Any]] | None = None,
     persisted: bool = False,
-    prompt: int | None = None,
+    prompt_tokens: int | None = None,
 ) -> Entry:
-    """An Entry with its derived facts (byte size, trimmability) computed once; ``prompt``: how
-    many of ``ids`` were the request's prompt (None: all)."""
+    """An Entry with its derived facts (byte size, trimmability) computed once;
+    ``prompt_tokens``: how many of ``ids`` were the request's prompt (None: all)."""
     ckpts = ckpts or {}
     ck_bytes = checkpoints.total_bytes(ckpts)
     return Entry(
@@ -452,7 +449,15 @@ def new_entry(
         checkpoints=ckpts,
         checkpoint_bytes=ck_bytes,
         persisted=persisted,
-        prompt_tokens=None if prompt is None else min(prompt, len(ids)),
+        prompt_tokens=None if prompt_tokens is None else min(prompt_tokens, len(ids)),
+    )
+
+
+def _loaded_entry(got: Any) -> Entry:
+    """The entry of an entry loaded from the cold tier or adopted from the shared tier (a
+    ``cold.tier.Loaded``): already on disk."""
+    return new_entry(
+        got.tokens, got.caches, got.checkpoints, persisted=True, prompt_tokens=got.prompt_tokens
     )
 
 
@@ -468,5 +473,4 @@ def _supersedes(new: Entry, other: Entry) -> bool:
         return checkpoints.serves_all(
             len(new.tokens), new.checkpoints, new.trimmable, n, other.checkpoints
         )
-    prompt = n if other.prompt_tokens is None else other.prompt_tokens
-    return other.trimmable and new.trimmable and common >= prompt
+    return other.trimmable and new.trimmable and common >= other.prompt_len
