@@ -2,6 +2,7 @@
 
 Rules (one place each):
 * :func:`is_continuation` — when a hit makes the request a continuation of the stored entry.
+* :func:`prompt_resent` — when a new entry makes a stored one that diverges from it redundant.
 * :func:`servable_tokens` — a full hit still recomputes the last prompt token (its logits are needed).
 * :func:`servable` — what a stored entry can serve (the checkpoint rules are :mod:`checkpoints`').
 * :func:`lru_victims` — least recently used first until the byte budget and the memory threshold hold.
@@ -58,6 +59,15 @@ def is_continuation(
         and hit_tokens >= min_tokens
         and 2 * hit_tokens >= prompt_len
     )
+
+
+def prompt_resent(common_prefix: int, entry_prompt: int, trimmable: bool) -> bool:
+    """A stored entry whose whole prompt (``entry_prompt`` ids) a new entry's request resent
+    (``common_prefix`` ids in common) is redundant, where both can be cut back to any length
+    (``trimmable``): the new entry serves every prefix of that prompt, and the ids the old one
+    generated past it serve only a prompt that resends them verbatim — which the next turn did
+    not (:func:`is_continuation`). The hot tier drops such an entry, the cold tier its file."""
+    return trimmable and common_prefix >= entry_prompt
 
 
 @dataclass(frozen=True)

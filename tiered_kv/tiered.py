@@ -473,4 +473,4 @@ def _supersedes(new: Entry, other: Entry) -> bool:
         return checkpoints.serves_all(
             len(new.tokens), new.checkpoints, new.trimmable, n, other.checkpoints
         )
-    return other.trimmable and new.trimmable and common >= other.prompt_len
+    return policy.prompt_resent(common, other.prompt_len, other.trimmable and new.trimmable)

@@ -1,4 +1,4 @@
-from tiered_kv.policy import Item, is_continuation, lru_victims, servable_tokens
+from tiered_kv.policy import Item, is_continuation, lru_victims, prompt_resent, servable_tokens
 
 
 def test_full_hit_still_recomputes_last_token():
@@ -47,3 +47,10 @@ def test_checkpoints_within_keeps_the_latest():
     assert checkpoints_within(sizes, 25) == [48, 64]
     assert checkpoints_within(sizes, 100) == [16, 32, 48, 64]
     assert checkpoints_within(sizes, 5) == []
+
+
+def test_an_entry_whose_whole_prompt_was_resent_is_redundant_where_both_cut_back():
+    assert prompt_resent(120, 100, True)  # the next turn: prompt resent, answer re-rendered
+    assert prompt_resent(100, 100, True)
+    assert not prompt_resent(99, 100, True)  # a branch inside the prompt
+    assert not prompt_resent(120, 100, False)  # an untrimmable layer: the old length is not served

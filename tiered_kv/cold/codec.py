@@ -63,7 +63,7 @@ def prepare(
     prompt_tokens: int | None = None,
 ) -> Prepared:
     """Encode and evaluate (request thread). ``prompt_tokens``: how many of ``tokens`` were the
-    request's prompt (metadata ``prompt_tokens``, absent when all were: :func:`prompt_of`).
+    request's prompt (metadata ``prompt_tokens``, absent when all were: :func:`store.prompt_of`).
     Raises layers.UnsupportedCache."""
     arrays, meta = layers.encode(caches)
     ckpts = ckpts or {}
@@ -290,18 +290,6 @@ def decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list,
     }
     caches = layers.decode(main, metadata)
     return caches, checkpoints.decode(arrays, metadata.get("checkpoints"))
-
-
-def prompt_of(metadata: dict[str, str], n: int) -> int | None:
-    """How many of an entry's ``n`` ids were its request's prompt; None: all of them, or not
-    known (files written before the key, an entry adopted from elsewhere without it). The value
-    is covered by the header's checks like the rest of the metadata; one that is not a length
-    inside the entry is not believed (None)."""
-    raw = metadata.get("prompt_tokens")
-    if raw is None or not (raw.isascii() and raw.isdigit()) or len(raw) > 10:
-        return None
-    value = int(raw)
-    return value if 0 < value < n else None
 
 
 def tokens_of(arrays: dict[str, Any]) -> np.ndarray:

@@ -4,8 +4,12 @@
 
     meta(key TEXT PRIMARY KEY, value TEXT)        JSON values: "meta" → {"schema", "seed",
                                                   "block_tokens"}; a mismatch clears the index
-    entries(id TEXT PRIMARY KEY, file, n_tokens, nbytes, created, last_used, tokens BLOB)
-                                                  tokens: the ids as int32 LE (exact comparison)
+    entries(id TEXT PRIMARY KEY, file, n_tokens, nbytes, created, last_used, tokens BLOB,
+            prompt_tokens, prompt_key)            tokens: the ids as int32 LE (exact comparison);
+                                                  prompt_tokens: how many were the prompt (NULL:
+                                                  all, or not known); prompt_key: the chained key
+                                                  of the prompt's last full block (signed, NULL:
+                                                  none or not known), indexed
     blocks(hash INTEGER, entry TEXT, depth INTEGER, last INTEGER)
                                                   one row per full block of an entry: its chained
                                                   key (as signed 64-bit), 1-based depth, 1 on the
@@ -41,7 +45,8 @@ _DDL = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS entries(
     id TEXT PRIMARY KEY, file TEXT NOT NULL, n_tokens INTEGER NOT NULL, nbytes INTEGER NOT NULL,
-    created REAL NOT NULL, last_used REAL NOT NULL, tokens BLOB NOT NULL);
+    created REAL NOT NULL, last_used REAL NOT NULL, tokens BLOB NOT NULL,
+    prompt_tokens INTEGER, prompt_key INTEGER);
 CREATE TABLE IF NOT EXISTS blocks(hash INTEGER NOT NULL, entry TEXT NOT NULL,
     depth INTEGER NOT NULL, last INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS blocks_hash ON blocks(hash);
@@ -49,6 +54,10 @@ CREATE INDEX IF NOT EXISTS blocks_last ON blocks(hash) WHERE last=1;
 CREATE INDEX IF NOT EXISTS blocks_entry ON blocks(entry);
 """
 _COLS = "id, file, n_tokens, nbytes, created, last_used"
+#: added after schema 2's first release: an index made before gets them (NULL) when opened for
+#: writing; both versions read and write the same file (older ones leave them NULL)
+_ADDED = (("prompt_tokens", "INTEGER"), ("prompt_key", "INTEGER"))
+_PROMPT_INDEX = "CREATE INDEX IF NOT EXISTS entries_prompt ON entries(prompt_key) WHERE prompt_key IS NOT NULL"
 
 
 class IndexUnreadable(RuntimeError):
@@ -70,6 +79,11 @@ class Record:
     #: the entry's chained block keys — carried by records being *added* only; records read
     #: back from the index leave it empty (the keys live in the ``blocks`` table)
     blocks: tuple[int, ...] = ()
+    #: how many of its ids were the prompt (None: all, or not known)
+    prompt_tokens: int | None = None
+    #: the key of the prompt's last full block (:func:`keys.prompt_key`) — carried by records
+    #: being added only, like ``blocks``
+    prompt_key: int | None = None
 
 
 def check_private(path: Path, follow: bool = False) -> None:
@@ -118,6 +132,9 @@ class Index:
             conn = self._conn()
             if not readonly:
                 conn.executescript(_DDL)
+                self._add_columns(conn)
+            self._prompts = self._has_prompt(conn)  # False: a read-only index made before them
+            self._read = _COLS + (", prompt_tokens" if self._prompts else ", NULL")
             self._meta = self._read_meta()
         except sqlite3.Error as e:
             self.close()
@@ -141,6 +158,20 @@ class Index:
             with self._lock:
                 self._conns.append(conn)
         return conn
+
+    @staticmethod
+    def _has_prompt(conn: sqlite3.Connection) -> bool:
+        return any(r[1] == "prompt_tokens" for r in conn.execute("PRAGMA table_info(entries)"))
+
+    def _add_columns(self, conn: sqlite3.Connection) -> None:
+        """Give an index made before :data:`_ADDED` those columns (one transaction: two
+        processes opening it at once add them once)."""
+        with self._tx() as c:
+            have = {r[1] for r in c.execute("PRAGMA table_info(entries)")}
+            for name, kind in _ADDED:
+                if name not in have:
+                    c.execute(f"ALTER TABLE entries ADD COLUMN {name} {kind}")
+            c.execute(_PROMPT_INDEX)
 
     def _read_meta(self) -> dict | None:
         try:
@@ -171,8 +202,8 @@ class Index:
 
     # -- reads (any thread) ------------------------------------------------------------------
     def records(self) -> list[Record]:
-        rows = self._conn().execute(f"SELECT {_COLS} FROM entries").fetchall()
-        return [Record(*r) for r in rows]
+        rows = self._conn().execute(f"SELECT {self._read} FROM entries").fetchall()
+        return [_record(r) for r in rows]
 
     def summary(self) -> tuple[int, int]:
         """(entries, bytes) — one query."""
@@ -180,8 +211,8 @@ class Index:
         return int(n), int(b)
 
     def get(self, entry_id: str) -> Record | None:
-        row = self._conn().execute(f"SELECT {_COLS} FROM entries WHERE id=?", (entry_id,)).fetchone()
-        return None if row is None else Record(*row)
+        row = self._conn().execute(f"SELECT {self._read} FROM entries WHERE id=?", (entry_id,)).fetchone()
+        return None if row is None else _record(row)
 
     def tokens(self, entry_id: str) -> np.ndarray | None:
         row = self._conn().execute("SELECT tokens FROM entries WHERE id=?", (entry_id,)).fetchone()
@@ -219,21 +250,25 @@ class Index:
                 if len(seen) == _MAX_CANDIDATES:
                     return
 
-    def prefixes_of(self, keys: Sequence[int]) -> list[Record]:
-        """Records whose full blocks are a prefix of ``keys``: their last block is
-        ``keys[depth - 1]`` at their own block count (exact token check is the caller's)."""
-        out: dict[str, Record] = {}
+    def covered_by(self, keys: Sequence[int]) -> list[Record]:
+        """Records a new entry with block keys ``keys`` may supersede: those whose full blocks
+        are a prefix of ``keys`` (their last block is ``keys[depth - 1]`` at their own block
+        count), and those whose prompt's full blocks are (their ``prompt_key`` is in ``keys``).
+        The exact token check is the caller's."""
+        found: set[str] = set()
         conn = self._conn()
         for i in range(0, len(keys), _PARAMS):
             part = [_signed(k) for k in keys[i : i + _PARAMS]]
-            q = ("SELECT entry, depth, hash FROM blocks WHERE last=1 AND hash IN "
-                 f"({','.join('?' * len(part))})")  # fmt: skip
+            marks = ",".join("?" * len(part))
+            q = f"SELECT entry, depth, hash FROM blocks WHERE last=1 AND hash IN ({marks})"
             for eid, depth, h in conn.execute(q, part).fetchall():
-                if depth <= len(keys) and _signed(keys[depth - 1]) == h and eid not in out:
-                    rec = self.get(eid)
-                    if rec is not None:
-                        out[eid] = rec
-        return list(out.values())
+                if depth <= len(keys) and _signed(keys[depth - 1]) == h:
+                    found.add(eid)
+            if self._prompts:
+                q = f"SELECT id FROM entries WHERE prompt_key IN ({marks})"
+                found.update(eid for (eid,) in conn.execute(q, part).fetchall())
+        out = [self.get(eid) for eid in sorted(found)]
+        return [r for r in out if r is not None]
 
     # -- mutations ---------------------------------------------------------------------------
     def claim_meta(self, meta: dict) -> bool:
@@ -300,22 +335,23 @@ class Index:
 
     @staticmethod
     def _insert(c: sqlite3.Connection, rec: Record, tokens: bytes) -> None:
-        c.execute(f"INSERT INTO entries({_COLS}, tokens) VALUES(?,?,?,?,?,?,?)",
+        pkey = None if rec.prompt_key is None else _signed(rec.prompt_key)
+        c.execute(f"INSERT INTO entries({_COLS}, tokens, prompt_tokens, prompt_key) "
+                  "VALUES(?,?,?,?,?,?,?,?,?)",
                   (rec.entry_id, rec.file, rec.n_tokens, rec.nbytes, rec.created, rec.last_used,
-                   tokens))  # fmt: skip
+                   tokens, rec.prompt_tokens, pkey))  # fmt: skip
         n = len(rec.blocks)
         c.executemany("INSERT INTO blocks VALUES(?,?,?,?)",
                       [(_signed(h), rec.entry_id, d, int(d == n))
                        for d, h in enumerate(rec.blocks, 1)])  # fmt: skip
 
-    @staticmethod
-    def _delete(c: sqlite3.Connection, ids: list[str]) -> list[Record]:
+    def _delete(self, c: sqlite3.Connection, ids: list[str]) -> list[Record]:
         gone: list[Record] = []
         for eid in ids:
-            row = c.execute(f"SELECT {_COLS} FROM entries WHERE id=?", (eid,)).fetchone()
+            row = c.execute(f"SELECT {self._read} FROM entries WHERE id=?", (eid,)).fetchone()
             if row is None:
                 continue
-            gone.append(Record(*row))
+            gone.append(_record(row))
             c.execute("DELETE FROM entries WHERE id=?", (eid,))
             c.execute("DELETE FROM blocks WHERE entry=?", (eid,))
         return gone
@@ -339,6 +375,12 @@ class _Tx:
                 self.conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+
+
+def _record(row: Sequence) -> Record:
+    """A record read back: the six :data:`_COLS`, then prompt_tokens."""
+    eid, file, n_tokens, nbytes, created, last_used, prompt_tokens = row
+    return Record(eid, file, n_tokens, nbytes, created, last_used, prompt_tokens=prompt_tokens)
 
 
 def _loads(text: str) -> object:

@@ -29,7 +29,7 @@ from tiered_kv import keys
 from tiered_kv.cold import fsafe, store, usage
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.faults import Faults, kind_of
-from tiered_kv.cold.index import DB, Index, IndexUnreadable, UnsafeCacheDir, check_private
+from tiered_kv.cold.index import DB, SCHEMA, Index, IndexUnreadable, UnsafeCacheDir, check_private
 from tiered_kv.cold.verify import reconcile
 from tiered_kv.config import Config
 
@@ -54,7 +54,7 @@ class Site:
 
     @property
     def meta(self) -> dict:
-        return {"schema": 2, "seed": self.seed, "block_tokens": self.block_tokens}
+        return {"schema": SCHEMA, "seed": self.seed, "block_tokens": self.block_tokens}
 
     # -- opening -------------------------------------------------------------------------------
     def open(self) -> None:

@@ -569,3 +569,15 @@ def parse_buffer(buf: memoryview, fingerprint: str | None = None) -> Header:
 def tensor_bytes(buf: memoryview, header: Header, name: str) -> memoryview:
     start, stop = header.tensors[name]["data_offsets"]
     return buf[header.data_start + start : header.data_start + stop]
+
+
+def prompt_of(metadata: dict[str, str], n: int) -> int | None:
+    """How many of an entry's ``n`` ids were its request's prompt; None: all of them, or not
+    known (files written before the key, an entry adopted from elsewhere without it). The value
+    is covered by the header's checks like the rest of the metadata; one that is not a length
+    inside the entry is not believed (None)."""
+    raw = metadata.get("prompt_tokens")
+    if raw is None or not (raw.isascii() and raw.isdigit()) or len(raw) > 10:
+        return None
+    value = int(raw)
+    return value if 0 < value < n else None

@@ -176,7 +176,7 @@ class ColdTier:
         now = time.time()
         self._touched[rec.entry_id] = now  # seen by recent() before the queued touch commits
         self.writer.submit(lambda: self._touch(rec.entry_id, now), 0, droppable=False)
-        return Loaded(caches, tokens, checkpoints, codec.prompt_of(header.metadata, len(tokens)))
+        return Loaded(caches, tokens, checkpoints, store.prompt_of(header.metadata, len(tokens)))
 
     def describe(self, hit: ColdHit) -> tuple[Path, int] | None:
         """(entry file path, file bytes) of a hit, or None when its record is gone or the index
@@ -346,7 +346,7 @@ class ColdTier:
         if len(ids) >= self.block_tokens:
             job = Raw(ids, data)
             self.writer.submit(lambda: self._write(job), job.nbytes)
-        return Loaded(caches, ids, checkpoints, codec.prompt_of(header.metadata, len(ids)))
+        return Loaded(caches, ids, checkpoints, store.prompt_of(header.metadata, len(ids)))
 
     def _write(self, job: Prepared | Raw) -> None:
         self.writes.write(job)

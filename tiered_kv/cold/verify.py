@@ -100,7 +100,9 @@ def record_from_file(
     st = path.stat()
     created = float(header.metadata.get("created", st.st_mtime))
     blocks = tuple(keys.block_hashes(tokens, block_tokens, seed))
-    rec = Record(path.stem, path.name, len(tokens), st.st_size, created, st.st_mtime, blocks)
+    prompt = store.prompt_of(header.metadata, len(tokens))
+    rec = Record(path.stem, path.name, len(tokens), st.st_size, created, st.st_mtime, blocks,
+                 prompt, keys.prompt_key(blocks, prompt, block_tokens))  # fmt: skip
     return rec, tokens.tobytes()
 
 

@@ -19,11 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from tiered_kv import keys, policy
 from tiered_kv.cold import store
 from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
 from tiered_kv.cold.index import Index, IndexUnreadable, Record
 from tiered_kv.cold.site import Site
+from tiered_kv.prefix import common_prefix
 from tiered_kv.shared.publisher import map_file  # [shared tier, issue 17]
 
 
@@ -83,11 +85,13 @@ class WritePath:
         try:
             now = time.time()
             blocks = tuple(site.block_hashes(job.tokens))
-            rec = Record(key, site.backend.path(key).name, len(job.tokens), nbytes, now, now, blocks)
+            prompt = None if isinstance(job, Raw) else store.prompt_of(job.metadata, len(job.tokens))
+            rec = Record(key, site.backend.path(key).name, len(job.tokens), nbytes, now, now, blocks,
+                         prompt, keys.prompt_key(blocks, prompt, site.block_tokens))  # fmt: skip
             older = []
             if not isinstance(job, Raw):  # [shared tier] an adopted entry supersedes nothing
-                older = [r.entry_id for r in index.prefixes_of(list(blocks))
-                         if self._is_prefix(index, r, job)]  # fmt: skip
+                older = [r.entry_id for r in index.covered_by(list(blocks))
+                         if self._supersedes(index, r, job)]  # fmt: skip
             gone = index.add(rec, job.tokens.tobytes(), remove=older)
         except BaseException:
             site.backend.delete(key)  # published but never committed
@@ -100,13 +104,19 @@ class WritePath:
             self.published(lambda: map_file(path), job.tokens, nbytes)
 
     @staticmethod
-    def _is_prefix(index: Index, r: Record, job: Prepared) -> bool:
+    def _supersedes(index: Index, r: Record, job: Prepared) -> bool:
+        """The stored ``r`` is redundant beside the new entry: its ids are a prefix of the new
+        one's and the new one serves that length, or the new one resent its whole prompt
+        (:func:`policy.prompt_resent`; the new entry cut back to any length means the old one
+        can be too: one fingerprint, one model, the same layers)."""
         stored = index.tokens(r.entry_id)
-        if stored is None or not 0 < len(stored) <= len(job.tokens):
+        if stored is None or len(stored) == 0:
             return False
-        if job.serves is not None and len(stored) not in job.serves:
-            return False  # the new entry could not serve the old one's length
-        return bool(np.array_equal(stored, job.tokens[: len(stored)]))
+        common = common_prefix(stored, job.tokens)
+        if common == len(stored):
+            return job.serves is None or len(stored) in job.serves
+        prompt = len(stored) if r.prompt_tokens is None else r.prompt_tokens
+        return policy.prompt_resent(common, prompt, job.serves is None)
 
     def touch(self, entry_id: str, when: float) -> None:
         index = self.site.index

@@ -122,7 +122,7 @@ def test_lookup_queries_find_the_deepest_newest_entry_and_prefixes(tmp_path):
     add("other", base[:4] + [7] * 12, 3)
     probe = keys.block_hashes(base + [1, 2, 3, 4], 4, seed)
     assert list(index.candidates(probe))[0] == ("long", 4)
-    assert {r.entry_id for r in index.prefixes_of(probe)} == {"short", "long"}
+    assert {r.entry_id for r in index.covered_by(probe)} == {"short", "long"}
     assert index.summary() == (3, 3)
     gone = index.remove(["long"])
     assert [r.entry_id for r in gone] == ["long"] and index.get("long") is None
@@ -141,3 +141,55 @@ def test_symlinked_index_file_is_never_followed(tmp_path):
     os.symlink(target, db)
     make_tier(root).close()
     assert target.read_bytes() == b"precious" and not db.is_symlink()
+
+
+def _index_before_prompt_columns(path: Path) -> None:
+    """An index as schema 2 first made it: no prompt_tokens / prompt_key columns."""
+    path.mkdir(mode=0o700)
+    con = sqlite3.connect(path / "cache.db")
+    con.executescript("""
+CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE entries(id TEXT PRIMARY KEY, file TEXT NOT NULL, n_tokens INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL, created REAL NOT NULL, last_used REAL NOT NULL, tokens BLOB NOT NULL);
+CREATE TABLE blocks(hash INTEGER NOT NULL, entry TEXT NOT NULL, depth INTEGER NOT NULL,
+    last INTEGER NOT NULL);
+INSERT INTO entries VALUES('old', 'old.safetensors', 8, 1, 1, 1, zeroblob(32));
+""")
+    con.commit()
+    con.close()
+    os.chmod(path / "cache.db", 0o600)
+
+
+def test_an_index_made_before_the_prompt_columns_reads_and_gains_them(tmp_path):
+    """Read-only it reads as before (prompt not known); opened for writing it gains the columns
+    (NULL for the old rows) and finds entries by their prompt's last block."""
+    _index_before_prompt_columns(tmp_path / "index")
+    ro = Index(tmp_path / "index", readonly=True)
+    assert [(r.entry_id, r.prompt_tokens) for r in ro.records()] == [("old", None)]
+    assert ro.covered_by([1, 2, 3]) == []
+    ro.close()
+    index = Index(tmp_path / "index")
+    assert index.get("old") is not None and index.get("old").prompt_tokens is None
+    toks = list(range(100, 120))
+    blocks = tuple(keys.block_hashes(toks, 4, "s:4"))
+    pkey = keys.prompt_key(blocks, 13, 4)
+    assert pkey == blocks[2]
+    index.add(Record("new", "new.safetensors", 20, 1, 2, 2, blocks, 13, pkey), b"\0" * 80)
+    assert index.get("new").prompt_tokens == 13
+    resent = keys.block_hashes(toks[:12] + [5] * 8, 4, "s:4")  # diverges after the prompt's blocks
+    assert [r.entry_id for r in index.covered_by(resent)] == ["new"]
+    assert index.covered_by(keys.block_hashes(toks[:8] + [5] * 12, 4, "s:4")) == []
+    index.close()
+    again = Index(tmp_path / "index")  # a second open adds nothing twice
+    assert {r.entry_id for r in again.records()} == {"old", "new"}
+    again.close()
+
+
+def test_prompt_key_is_the_last_full_block_inside_the_prompt():
+    blocks = [keys.BlockHash(k) for k in (11, 22, 33)]
+    assert keys.prompt_key(blocks, None, 4) == 33  # every id was prompt
+    assert keys.prompt_key(blocks, 9, 4) == 22
+    assert keys.prompt_key(blocks, 8, 4) == 22
+    assert keys.prompt_key(blocks, 3, 4) is None  # shorter than a block
+    assert keys.prompt_key(blocks, 40, 4) == 33
+    assert keys.prompt_key([], None, 4) is None

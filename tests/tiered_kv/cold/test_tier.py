@@ -103,7 +103,7 @@ def test_an_entry_keeps_how_many_of_its_ids_were_the_prompt(tmp_path):
 
 
 def test_a_prompt_length_that_is_not_one_is_not_believed():
-    from tiered_kv.cold.codec import prompt_of
+    from tiered_kv.cold.store import prompt_of
 
     assert prompt_of({"prompt_tokens": "9"}, 12) == 9
     for raw in ("0", "12", "13", "-1", "9.5", " 9", "abc", "", "1" * 40, "٣"):
