@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from engine import chat
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 256
 #: deepest JSON nesting a request may have (OpenAI bodies need < 20; tool schemas a few more)
@@ -115,6 +117,16 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    # mlx-lm's filters and logits processors, named and bounded as mlx_lm.server / OpenAI do
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=0.0, ge=0.0)
+    repetition_context_size: int = Field(default=20, ge=1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_context_size: int = Field(default=20, ge=1)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_context_size: int = Field(default=20, ge=1)
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -129,6 +141,26 @@ class _Sampling(_Request):
         if v != 1:
             raise ValueError("only n=1 is supported")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, x in (v or {}).items():
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids (got {k[:32]!r})")
+            if not -100.0 <= x <= 100.0:
+                raise ValueError("logit_bias values must be between -100 and 100")
+        return v
+
+    def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; a 400 naming an id the model does not have."""
+        pairs = tuple((int(k), float(x)) for k, x in (self.logit_bias or {}).items())
+        for tok, _ in pairs:
+            if tok >= vocab_size:
+                raise ApiError(400, f"logit_bias: token id {tok} is not below the model's "
+                               f"vocabulary size {vocab_size}", param="logit_bias",
+                               code="invalid_value")  # fmt: skip
+        return pairs
 
     @field_validator("stop")
     @classmethod
@@ -153,6 +185,24 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    #: extra chat-template variables (mlx_lm.server's field): ``{"enable_thinking": false}``
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: OpenAI's reasoning effort, handed to the template as ``reasoning_effort`` (gpt-oss reads it)
+    reasoning_effort: str | None = Field(default=None, max_length=32)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_args(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if v is None else chat.template_args(v)
+
+    def template_args(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The template's extra variables: the server's ``defaults``, then ``reasoning_effort``,
+        then ``chat_template_kwargs``."""
+        out = dict(defaults)
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        out.update(self.chat_template_kwargs or {})
+        return out
 
     @field_validator("max_completion_tokens")
     @classmethod

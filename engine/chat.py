@@ -92,10 +92,37 @@ def normalise_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
 # --- rendering ------------------------------------------------------------------------------------
 
 
+#: ``apply_chat_template``'s own parameters and the template's ``messages`` / ``tools``: template
+#: arguments (a request's ``chat_template_kwargs``, the server's ``TIERED_KV_CHAT_TEMPLATE_ARGS``)
+#: may not take these names
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def template_args(args: Any) -> dict[str, Any]:
+    """Extra variables for the chat template (``enable_thinking``, ``reasoning_effort``, …), as
+    mlx_lm.server takes them: a JSON object whose names are identifiers that are not
+    :data:`RESERVED_TEMPLATE_ARGS`. ValueError saying which name is refused."""
+    if not isinstance(args, dict):
+        raise ValueError("template arguments must be a JSON object")
+    for name in args:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"template argument names are identifiers (got {str(name)[:40]!r})")
+        if name in RESERVED_TEMPLATE_ARGS:
+            raise ValueError(f"{name!r} is the template's own parameter, not an argument")
+    return dict(args)
+
+
 def _apply(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    extra: dict[str, Any] | None = None,
 ) -> str:
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+    kwargs: dict[str, Any] = {**(extra or {}), "tokenize": False, "add_generation_prompt": True}
     if tools:
         kwargs["tools"] = tools
     return str(tokenizer.apply_chat_template(messages, **kwargs))
@@ -152,10 +179,14 @@ def hermes_messages(
 
 
 def render_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> str:
-    """Messages (+ tools) → the prompt text, ending with the assistant generation prompt."""
+    """Messages (+ tools) → the prompt text, ending with the assistant generation prompt.
+    ``extra``: template arguments (:func:`template_args`)."""
     msgs = normalise_messages(messages)
     if template_supports_tools(tokenizer):
-        return _apply(tokenizer, msgs, tools or None)
-    return _apply(tokenizer, hermes_messages(msgs, tools), None)
+        return _apply(tokenizer, msgs, tools or None, extra)
+    return _apply(tokenizer, hermes_messages(msgs, tools), None, extra)

@@ -163,6 +163,7 @@ class Decoding:
         """Sample ``seq``'s first token from its prefill's logits (a prefill of its own), then
         join a decode group (or finish, when that token ends the request)."""
         assert seq.lease is not None
+        logits = sampling.process(seq.processors, seq.fed, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         sampled = (seq.sampler or sampling.greedy)(logprobs[None])
         tok = int(sampled.astype(mx.int32)[0].item())  # type: ignore[arg-type]
@@ -205,7 +206,7 @@ class Decoding:
             [s.fed for s in seqs],  # GenerationBatch appends each token it feeds: ``fed`` stays exact
             [s.sampler for s in seqs],
             sampling.greedy,
-            [()] * len(seqs),
+            [s.processors for s in seqs],
             [StopSequences() for _ in seqs],
             [NO_LIMIT] * len(seqs),
         )

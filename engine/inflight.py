@@ -75,6 +75,7 @@ class Seq:
     steps: Generator[None, None, mx.array] | None = None  # its own prefill (caches not batchable)
     text: Any = None  # engine.textout.TextStream
     sampler: sampling.Sampler | None = None
+    processors: list[sampling.Processor] = field(default_factory=list)  # its logits processors
     hit: Hit = Hit()
     t_prefill: float = 0.0
     t_first: float = 0.0

@@ -150,6 +150,7 @@ class Leasing:
             seq.prefill_from = info.tokens
             seq.text = self.engine.text_stream(seq.params)
             seq.sampler = sampling.for_request(seq.params)
+            seq.processors = sampling.processors(seq.params)
             if not prefill_batch.batchable(seq.lease):  # else its chunks go in shared forwards
                 seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
         except Exception as e:

@@ -73,6 +73,18 @@ def context_length(model_dir: Path, tokenizer: Any) -> int:
     return int(limit) if 0 < limit < 10**7 else 32768
 
 
+def vocab_size(model_dir: Path, tokenizer: Any) -> int:
+    """Width of the model's logits: token ids a request may name (``logit_bias``) are below it."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    for conf in (config, config.get("text_config")):
+        if isinstance(conf, dict) and isinstance(conf.get("vocab_size"), int) and conf["vocab_size"] > 0:
+            return int(conf["vocab_size"])
+    try:
+        return len(tokenizer.get_vocab())
+    except Exception:  # a tokenizer without get_vocab: no id can be checked, none is accepted
+        return 0
+
+
 #: when a tokenizer does not list its vocabulary: a generous characters-per-token ceiling
 FALLBACK_TOKEN_CHARS = 256
 #: normalisers may compose characters (NFKC: "e" + U+0301 -> "é"): room for that in the bound

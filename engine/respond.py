@@ -115,19 +115,34 @@ class ChatOutput(_Base):
 
 
 def chat_prompt(
-    tokenizer: Any, encode: Encode, req: ChatRequest, model: str, check_chars: CheckChars
+    tokenizer: Any,
+    encode: Encode,
+    req: ChatRequest,
+    model: str,
+    check_chars: CheckChars,
+    template_defaults: dict[str, Any] | None = None,
 ) -> tuple[list[int], ChatOutput]:
     """The chat template's prompt (plus a forced tool call's opener) as ids, and its Output (the
-    output formats come from the model's tokenizer)."""
+    output formats come from the model's tokenizer). ``template_defaults``: the server's extra
+    template variables (a request's own override them)."""
     tools = req.tool_dicts()
     fmt = output.OutputFormat.of(tokenizer, hermes=not chat.template_supports_tools(tokenizer))
     parse = bool(tools) and req.tool_choice != "none"
     prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
+    extra = req.template_args(template_defaults or {})
     try:
-        text = chat.render_chat(tokenizer, req.message_dicts(), tools)
+        text = chat.render_chat(tokenizer, req.message_dicts(), tools, extra)
     except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
         raise ApiError(
             400, f"the model's chat template rejected the messages: {e}", param="messages"
+        ) from None
+    except (TypeError, ValueError) as e:
+        if not (req.chat_template_kwargs or req.reasoning_effort):
+            raise
+        # a value of the request's own template arguments the template cannot use
+        raise ApiError(
+            400, f"the model's chat template rejected chat_template_kwargs: {e}",
+            param="chat_template_kwargs",
         ) from None
     reasoning = fmt.opens_reasoning(text) and not prefix
     parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
@@ -146,10 +161,25 @@ def completion_prompt(
     return ids, CompletionOutput(model, req.include_usage)
 
 
-def sampling(req: Any, prompt_tokens: int, context_length: int) -> SamplingParams:
+def sampling(req: Any, prompt_tokens: int, context_length: int, vocab_size: int) -> SamplingParams:
     """The engine's sampling parameters; ``max_tokens`` clamped to what the context leaves."""
     max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length)
-    return SamplingParams(max_tokens, req.temperature, req.top_p, req.seed, req.stop_tuple())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=req.stop_tuple(),
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        repetition_context_size=req.repetition_context_size,
+        presence_penalty=req.presence_penalty,
+        presence_context_size=req.presence_context_size,
+        frequency_penalty=req.frequency_penalty,
+        frequency_context_size=req.frequency_context_size,
+        logit_bias=req.bias(vocab_size),
+    )
 
 
 def hit_headers(first: Any) -> dict[str, str]:

@@ -1,9 +1,12 @@
-"""Per-request samplers for a batch: ``logprobs (B, V) -> token ids (B,)``, on the engine thread.
+"""Per-request samplers and logits processors for a batch, on the engine thread.
 
-Greedy requests get ``None`` (the batch's shared argmax: one call for all of them). mlx-lm's own
-``make_sampler`` draws from MLX's global random state, which every request in a batch shares, so a
-request with a ``seed`` gets its own key instead: the same seed gives the same tokens whatever
-else runs in the batch.
+A sampler maps ``logprobs (B, V) -> token ids (B,)``. Greedy requests get ``None`` (the batch's
+shared argmax: one call for all of them). The filters are mlx-lm's (``make_sampler``: top-p,
+min-p, top-k, in its order), and so are the logits processors (``make_logits_processors``: logit
+bias, repetition / presence / frequency penalties over the last tokens), as mlx_lm.server applies
+them. mlx-lm's sampler draws from MLX's global random state, which every request in a batch
+shares, so a request with a ``seed`` gets its own key instead: the same seed gives the same tokens
+whatever else runs in the batch.
 """
 
 from __future__ import annotations
@@ -11,11 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
 
 from engine.events import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
+Processor = Callable[[mx.array, mx.array], mx.array]  # (token ids so far, logits (1, V)) -> logits
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -27,15 +37,42 @@ def for_request(p: SamplingParams) -> Sampler | None:
     if p.temperature == 0:
         return None
     if p.seed is None:
-        return make_sampler(temp=p.temperature, top_p=p.top_p)
+        return make_sampler(temp=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
     key = mx.random.key(p.seed)
-    inv_temp, top_p = 1.0 / p.temperature, p.top_p
+    inv_temp = 1.0 / p.temperature
 
     def seeded(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, sub = mx.random.split(key)
-        if 0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
+        if 0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return seeded
+
+
+def processors(p: SamplingParams) -> list[Processor]:
+    """The request's logits processors, applied to its logits before sampling (empty: none)."""
+    return make_logits_processors(
+        dict(p.logit_bias) or None,
+        p.repetition_penalty or None,
+        p.repetition_context_size,
+        p.presence_penalty or None,
+        p.presence_context_size,
+        p.frequency_penalty or None,
+        p.frequency_context_size,
+    )
+
+
+def process(procs: list[Processor], tokens: list[int], logits: mx.array) -> mx.array:
+    """``logits`` (V,) of the request that has fed ``tokens`` through its processors."""
+    if not procs:
+        return logits
+    context, out = mx.array(tokens), logits[None]
+    for proc in procs:
+        out = proc(context, out)
+    return out[0]

@@ -11,6 +11,7 @@ exception becomes an OpenAI-shaped error body here, never a traceback to the cli
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -21,13 +22,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, respond, sse
+from engine import api, chat, respond, sse
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.http_edge import Auth, ShutdownGuard, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import QueueFull, Worker
-from tiered_kv import Config
+from tiered_kv import Config, ConfigError
 
 log = logging.getLogger(__name__)
 #: request bodies parsed / prompts tokenised at once (thread pool): each holds memory
@@ -52,6 +53,11 @@ class Server:
         self.created = api.now()
         self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {}, worker)
         self._max_token_chars = 0  # from the tokenizer, once the engine is loaded
+        try:  # TIERED_KV_CHAT_TEMPLATE_ARGS: a JSON object (Config); its names checked here
+            raw = json.loads(config.chat_template_args or "{}")
+            self.template_defaults = chat.template_args(raw)
+        except ValueError as e:
+            raise ConfigError(f"TIERED_KV_CHAT_TEMPLATE_ARGS: {e}") from None
         self._tokenizing = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
 
     @property
@@ -93,7 +99,9 @@ class Server:
                 body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
                 req = await self._off_loop(api.parse_body, body, schema)
                 ids, out = await self._off_loop(prepare, req)
-                params = respond.sampling(req, len(ids), self.engine.context_length)
+                params = respond.sampling(
+                    req, len(ids), self.engine.context_length, self.engine.vocab_size
+                )
                 job = self.worker.submit(ids, params, endpoint, arrival)
             except QueueFull as e:
                 raise ApiError(
@@ -122,8 +130,9 @@ class Server:
             self._check_chars(req.content_chars(), "messages")  # before rendering it
             tok = self.engine.tokenizer
             return respond.chat_prompt(
-                tok, self.engine.encode_text, req, self.model_id, self._check_chars
-            )
+                tok, self.engine.encode_text, req, self.model_id, self._check_chars,
+                self.template_defaults,
+            )  # fmt: skip
 
         return await self._serve(request, "chat", ChatRequest, prepare)
 

@@ -6,6 +6,7 @@ A bad value raises :class:`ConfigError` whose message names the variable and the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -161,6 +162,11 @@ class Config:
     #: H200, and ~0.1 s of the first hot hit; a CPU has no such first-call cost, and a 512-token
     #: step costs seconds at start there)
     warmup: str = "auto"
+    #: TIERED_KV_CHAT_TEMPLATE_ARGS — a JSON object of extra chat-template variables for every
+    #: request, e.g. `{"enable_thinking": false}` (as mlx_lm.server's `--chat-template-args`); a
+    #: request's `reasoning_effort` and `chat_template_kwargs` override them
+    #: Default: empty (none)
+    chat_template_args: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
@@ -249,6 +255,16 @@ def redis_url(text: str) -> str:
     return t
 
 
+def _json_object(text: str) -> str:
+    """A JSON object (empty text: none), returned as compact JSON. ValueError otherwise."""
+    if not text.strip():
+        return ""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(text)
+    return json.dumps(value, separators=(",", ":"))
+
+
 def _path(text: str) -> Path:
     if not text.strip():
         raise ValueError(text)
@@ -290,6 +306,9 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
     "TIERED_KV_SHARED_PREFILL": ("shared_prefill", _switch, '"auto", "on" or "off"'),
     "TIERED_KV_WARMUP": ("warmup", _switch, '"auto", "on" or "off"'),
+    "TIERED_KV_CHAT_TEMPLATE_ARGS": (
+        "chat_template_args", _json_object, 'a JSON object such as {"enable_thinking": false}'
+    ),
 }
 _SECRET = {"TIERED_KV_SHARED"}  # never echoed in an error message
 PREFETCH_FORM = 'an entry count such as "4" or a size such as "2GiB" (0 = off)'

@@ -84,6 +84,22 @@ def test_opencode_style_request_accepted():
             "tool_choice",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_k": -1}, "top_k"),
+        ({"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}, "min_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": -1}, "repetition_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "repetition_context_size": 0}, "repetition_context_size"),
+        ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"dog": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"3": 101}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": [3]}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
+         "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "think"},
+         "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "x" * 40},
+         "reasoning_effort"),
     ],
 )
 def test_bad_chat_requests(body, param):
@@ -216,3 +232,30 @@ def test_char_bound_before_tokenising():
     with pytest.raises(ApiError) as e:
         api.check_chars(641, 64, 10, "prompt")
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+
+
+def test_sampling_fields_reach_the_engine_and_a_bias_names_a_real_token():
+    """mlx_lm.server's sampling fields (top_k, min_p, the penalties, logit_bias) reach the engine's
+    parameters (they were dropped); a bias on an id past the vocabulary is a 400, not an index
+    past the logits."""
+    from engine.respond import sampling
+
+    body = {"messages": [{"role": "user", "content": "x"}], "top_k": 20, "min_p": 0.05,
+            "repetition_penalty": 1.1, "repetition_context_size": 64, "presence_penalty": 1.5,
+            "frequency_penalty": -0.5, "frequency_context_size": 32, "logit_bias": {"7": -100}}
+    p = sampling(parse(body), 10, 4096, 100)
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.repetition_context_size) == (20, 0.05, 1.1, 64)
+    assert (p.presence_penalty, p.frequency_penalty, p.frequency_context_size) == (1.5, -0.5, 32)
+    assert p.logit_bias == ((7, -100.0),) and p.presence_context_size == 20
+    body["logit_bias"] = {"100": 5}
+    with pytest.raises(ApiError) as e:
+        sampling(parse(body), 10, 4096, 100)
+    assert e.value.status == 400 and e.value.param == "logit_bias"
+
+
+def test_template_arguments_layer_server_then_effort_then_request():
+    req = parse({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low",
+                 "chat_template_kwargs": {"enable_thinking": True}})  # fmt: skip
+    defaults = {"enable_thinking": False, "reasoning_effort": "high", "other": 1}
+    assert req.template_args(defaults) == {"enable_thinking": True, "reasoning_effort": "low", "other": 1}
+    assert parse({"messages": [{"role": "user", "content": "x"}]}).template_args({}) == {}

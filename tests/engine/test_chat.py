@@ -158,3 +158,28 @@ def test_prefix_stable_smollm2(smollm2_dir):
     msg = {"role": "assistant", "content": "", "tool_calls": calls}
     expect, second = _turn_prefix(tok, msgs, emitted, msg, TOOLS)
     assert second[: len(expect)] == expect
+
+
+# --- template arguments ---------------------------------------------------------------------------
+
+
+def test_template_arguments_reach_the_template(family_dirs):
+    """Qwen3's template closes an empty think block when ``enable_thinking`` is false (what clients
+    send as ``chat_template_kwargs`` to turn reasoning off); it was never passed before."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(family_dirs["qwen3"])
+    msgs = [{"role": "user", "content": "hi"}]
+    on = chat.render_chat(tok, msgs)
+    off = chat.render_chat(tok, msgs, None, {"enable_thinking": False})
+    assert off == on + "<think>\n\n</think>\n\n"
+    fmt = OutputFormat.of(tok)
+    assert not fmt.opens_reasoning(off)
+
+
+@pytest.mark.parametrize("args", [[1], {"messages": []}, {"add_generation_prompt": False},
+                                  {"tokenize": True}, {"not an identifier": 1}, {"tools": []}])  # fmt: skip
+def test_template_arguments_never_replace_the_templates_own(args):
+    with pytest.raises(ValueError):
+        chat.template_args(args)
+    assert chat.template_args({"enable_thinking": False}) == {"enable_thinking": False}

@@ -135,3 +135,36 @@ def test_a_row_leaving_leaves_whole_step_buffers():
     want = mx.concatenate([mx.full((1, 2, 263, 8), 2.0), mx.full((1, 2, 1, 8), 3.0),
                            mx.full((1, 2, 1, 8), 4.0)], axis=2)  # fmt: skip
     assert mx.array_equal(k, want) and mx.array_equal(v, want + 1)
+
+
+def test_logits_processors_apply_to_their_own_row_as_in_mlx_lm():
+    """Repetition / presence / frequency penalties and logit bias (mlx_lm.server's request
+    fields) shape each request's tokens as mlx-lm's generate_step does with the same processors,
+    from the first token on, whatever else decodes in the batch; a request without them is
+    unchanged beside them. Before, the engine ignored them."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model = make_llama(seed=4)
+    engine = ModelEngine(model, Config(tiers=()))
+    penalised = SamplingParams(max_tokens=12, repetition_penalty=1.5, presence_penalty=0.8,
+                               frequency_penalty=0.5, frequency_context_size=8)  # fmt: skip
+    biased = SamplingParams(max_tokens=6, logit_bias=((7, 100.0),))
+    plain = SamplingParams(max_tokens=12)
+    sinks = [Sink() for _ in range(3)]
+    loop = BatchLoop(engine)
+    loop.add(sinks[0], PROMPTS[0], penalised)
+    loop.add(sinks[1], PROMPTS[1], biased)
+    loop.add(sinks[2], PROMPTS[2], plain)
+    run_until(loop, lambda: all(s.done for s in sinks))
+
+    def mlx_lm(prompt, n, **kw):
+        procs = make_logits_processors(**kw)
+        steps = generate_step(mx.array(prompt), model, max_tokens=n,
+                              prompt_cache=make_prompt_cache(model), logits_processors=procs)
+        return [int(t) for t, _ in steps]  # fmt: skip
+
+    want = mlx_lm(PROMPTS[0], 12, repetition_penalty=1.5, presence_penalty=0.8,
+                  frequency_penalty=0.5, frequency_context_size=8)  # fmt: skip
+    assert sinks[0].ids == want and want != mlx_lm(PROMPTS[0], 12)
+    assert sinks[1].ids == [7] * 6
+    assert sinks[2].ids == mlx_lm(PROMPTS[2], 12)

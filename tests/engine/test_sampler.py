@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine.events import SamplingParams
-from engine.sampler import for_request, greedy
+from engine.sampler import for_request, greedy, process, processors
 
 
 def logprobs(seed: int) -> mx.array:
@@ -30,3 +30,25 @@ def test_same_seed_same_ids_whatever_runs_between():
         mx.random.categorical(logprobs(99))  # another request's draw from the global state
         second.append(b(logprobs(i)).tolist())
     assert first == second
+
+
+def test_top_k_and_min_p_filter_the_draw_seeded_or_not():
+    """top_k 1 (and min_p 1: only the likeliest survives) leave the argmax whatever the
+    temperature; mlx-lm's filters, in its order. Before, both were ignored."""
+    lp = logprobs(3)
+    for params in (SamplingParams(temperature=2.0, top_k=1),
+                   SamplingParams(temperature=2.0, top_k=1, seed=5),
+                   SamplingParams(temperature=2.0, min_p=1.0),
+                   SamplingParams(temperature=2.0, min_p=1.0, seed=5)):  # fmt: skip
+        s = for_request(params)
+        assert s is not None
+        assert [s(lp).tolist() for _ in range(8)] == [greedy(lp).tolist()] * 8, params
+
+
+def test_processors_are_mlx_lms_and_none_by_default():
+    assert processors(SamplingParams()) == []
+    procs = processors(SamplingParams(logit_bias=((3, 50.0),), repetition_penalty=1.2))
+    assert len(procs) == 2
+    logits = mx.zeros((50,))
+    out = process(procs, [1, 2, 3], logits)
+    assert int(mx.argmax(out)) == 3 and out.shape == (50,)

@@ -247,6 +247,23 @@ def test_completions(live):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_sampling_fields_over_http(live, tiny_model_dir):
+    """logit_bias (and the other mlx_lm.server sampling fields) reach the model: a +100 bias on
+    one token makes every completion token that one; an id past the vocabulary is a 400."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    word = tok.encode(" cache", add_special_tokens=False)[0]
+    r = live.client.completions.create(
+        model="tiny", prompt="the cache holds the prompt", max_tokens=4, temperature=0,
+        logit_bias={str(word): 100}, extra_body={"top_k": 5, "repetition_penalty": 1.2},
+    )  # fmt: skip
+    assert r.choices[0].text == tok.decode([word] * 4) and r.usage.completion_tokens == 4
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "logit_bias": {"10000000": 5}}
+    bad = httpx.post(live.url + "/v1/completions", json=body, headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
+
+
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 12}
 
 
@@ -480,6 +497,36 @@ def test_reasoning_and_tool_call_stream(family_server):
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_template_kwargs_reach_the_template(family_dirs, tmp_path):
+    """Qwen3 with thinking off (the server's TIERED_KV_CHAT_TEMPLATE_ARGS, or a request's
+    chat_template_kwargs, which wins): the prompt gains the closed think block's tokens. Both
+    were ignored before; a name the template owns is a 400."""
+    config = hot_config(tmp_path, chat_template_args='{"enable_thinking": false}')
+    engine = lambda: Scripted(Engine(family_dirs["qwen3"], config), ["Hi."])  # noqa: E731
+    with serve(engine, config) as live:
+
+        def prompt_tokens(**extra) -> int:
+            r = live.client.chat.completions.create(model="t", messages=USER, extra_body=extra)
+            assert r.choices[0].message.content == "Hi."
+            return r.usage.prompt_tokens
+
+        off = prompt_tokens()
+        on = prompt_tokens(chat_template_kwargs={"enable_thinking": True})
+        assert off > on and prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == off
+        body = {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}}
+        bad = httpx.post(live.url + "/v1/chat/completions", json=body, headers=AUTH)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_server_template_args_naming_the_templates_own_are_refused(tmp_path):
+    from engine.server import create_app
+    from tiered_kv import ConfigError
+
+    config = hot_config(tmp_path, chat_template_args='{"tokenize": true}')
+    with pytest.raises(ConfigError, match="TIERED_KV_CHAT_TEMPLATE_ARGS"):
+        create_app(lambda: None, config)
 
 
 def test_qwen3_coder_xml_calls_both_ways(family_server):

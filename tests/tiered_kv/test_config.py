@@ -58,6 +58,8 @@ def test_values_from_env(tmp_path):
         ("TIERED_KV_MAX_BATCH", "0"),
         ("TIERED_KV_MAX_QUEUE", "-1"),
         ("TIERED_KV_TYPO", "1"),
+        ("TIERED_KV_CHAT_TEMPLATE_ARGS", "enable_thinking=false"),
+        ("TIERED_KV_CHAT_TEMPLATE_ARGS", "[1]"),
     ],
 )
 def test_bad_value_names_the_variable(name, value):
@@ -111,3 +113,9 @@ def test_shared_prefill_switch():
     assert from_env({"TIERED_KV_SHARED_PREFILL": " OFF "}).shared_prefill == "off"
     with pytest.raises(ConfigError, match="TIERED_KV_SHARED_PREFILL"):
         from_env({"TIERED_KV_SHARED_PREFILL": "maybe"})
+
+
+def test_chat_template_args_are_a_json_object():
+    assert Config().chat_template_args == ""
+    got = from_env({"TIERED_KV_CHAT_TEMPLATE_ARGS": ' { "enable_thinking" : false } '})
+    assert got.chat_template_args == '{"enable_thinking":false}'
