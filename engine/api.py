@@ -189,6 +189,17 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     #: OpenAI's reasoning effort, handed to the template as ``reasoning_effort`` (gpt-oss reads it)
     reasoning_effort: str | None = Field(default=None, max_length=32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprob_count(self) -> int:
+        """-1: no log-probabilities; else how many alternatives each token lists."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                               code="invalid_value")  # fmt: skip
+            return -1
+        return self.top_logprobs or 0
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -252,6 +263,11 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
+    #: the legacy completions' form: the count of alternatives per token (0-5), absent: none
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    def logprob_count(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -457,6 +473,35 @@ def completion_response(
     body = completion_chunk(rid, now(), model, text, finish)
     body["usage"] = usage_dict(usage)
     return body
+
+
+#: a token's text, log-probability and the likeliest tokens' (text, log-probability) at its place
+LogprobEntry = tuple[str, float, list[tuple[str, float]]]
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def one(text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]}
+                        for t, lp, top in entries]}  # fmt: skip
+
+
+def completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
+    """The legacy completions' ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset),
+    the first token at character ``offset`` of the completion."""
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": [t for t, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }
 
 
 def models_response(model_id: str, created: int) -> dict[str, Any]:

@@ -168,7 +168,7 @@ class Decoding:
         sampled = (seq.sampler or sampling.greedy)(logprobs[None])
         tok = int(sampled.astype(mx.int32)[0].item())  # type: ignore[arg-type]
         seq.t_first = time.perf_counter() - seq.started
-        reason = seq.on_token(tok)
+        reason = seq.on_token(tok, logprobs)
         if reason is not None:
             self.ends.finish(seq, reason, seq.lease.caches)
             return
@@ -243,7 +243,7 @@ class Decoding:
         for i, (seq, r) in enumerate(zip(group.seqs, responses, strict=True)):
             if not seq.t_first:  # joined with its last prompt token: this is its first token
                 seq.t_first = time.perf_counter() - seq.started
-            reason = seq.on_token(int(r.token))
+            reason = seq.on_token(int(r.token), r.logprobs)
             if reason is not None:
                 done.append(i)
                 reasons.append(reason)

@@ -29,6 +29,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     frequency_context_size: int = 20
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    #: -1: no log-probabilities; n >= 0: each token's, with the n likeliest tokens' at its place
+    logprobs: int = -1
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,17 @@ class Chunk:
     token: int | None
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the last chunk
     usage: Usage | None = None
+    logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability (after the request's logits processors) and the
+    likeliest tokens' at its place, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -100,14 +100,17 @@ class Seq:
         """Prompt tokens its own prefill computes (those its cache hit did not serve)."""
         return len(self.prompt_ids) - self.prefill_from
 
-    def on_token(self, tok: int) -> str | None:
-        """Emit the text ``tok`` brings; the finish reason when the request ends with it."""
+    def on_token(self, tok: int, logprobs: Any = None) -> str | None:
+        """Emit the text ``tok`` brings (and its log-probability, from its row's ``logprobs``,
+        when the request asked); the finish reason when the request ends with it."""
         assert self.text is not None
         text, reason = self.text.add(tok)
         self.sampled += 1
         self.shown = self.shown or bool(text)
         if tok not in getattr(self.text, "eos", ()):  # an end-of-sequence token is no output
-            self.sink.emit(Chunk(text, tok))
+            n = self.params.logprobs
+            lp = sampling.token_logprob(logprobs, tok, n) if n >= 0 and logprobs is not None else None
+            self.sink.emit(Chunk(text, tok, logprob=lp))
         if reason is None and self.sink.cancelled():
             reason = "cancelled"
         return reason

@@ -19,7 +19,7 @@ from jinja2 import TemplateError
 
 from engine import api, chat, output
 from engine.api import ApiError, ChatRequest, CompletionRequest
-from engine.events import Chunk, Hit, SamplingParams, Usage
+from engine.events import Chunk, Hit, SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,49 @@ class Output(Protocol):
     def body(self) -> dict[str, Any]: ...
 
 
+class _Logprobs:
+    """A request's token log-probabilities as they come: every one (the body), and those not yet
+    sent (the next streamed chunk)."""
+
+    def __init__(self, token_text: Callable[[int], str]) -> None:
+        self.token_text = token_text
+        self.all: list[api.LogprobEntry] = []
+        self.pending: list[api.LogprobEntry] = []
+        self.sent_chars = 0  # characters of the tokens already sent (completions' text_offset)
+
+    def add(self, lp: TokenLogprob | None) -> None:
+        if lp is not None:
+            text = self.token_text
+            entry = (text(lp.token), lp.logprob, [(text(t), v) for t, v in lp.top])
+            self.all.append(entry)
+            self.pending.append(entry)
+
+    def attach(self, chunks: list[dict[str, Any]], shape: Callable[..., dict[str, Any]]) -> None:
+        """The pending entries onto the first of ``chunks`` that has a choice."""
+        for c in chunks:
+            if self.pending and c["choices"]:
+                c["choices"][0]["logprobs"] = shape(self.pending)
+                self.sent_chars += sum(len(t) for t, _, _ in self.pending)
+                self.pending = []
+                return
+
+
+def token_text(tokenizer: Any) -> Callable[[int], str]:
+    return lambda tok: str(tokenizer.decode([tok]))
+
+
 class _Base:
     obj = ""
 
-    def __init__(self, model: str, include_usage: bool, rid: str) -> None:
+    def __init__(
+        self, model: str, include_usage: bool, rid: str, token_text: Callable[[int], str] | None
+    ) -> None:
         self.rid, self.created, self.model = rid, api.now(), model
         self.include_usage = include_usage
         self.text: list[str] = []
         self.finish: str | None = None
         self.usage: Usage | None = None
+        self.logprobs = None if token_text is None else _Logprobs(token_text)
 
     def start(self) -> list[dict[str, Any]]:
         return []
@@ -57,8 +91,10 @@ class _Base:
 class CompletionOutput(_Base):
     obj = "text_completion"
 
-    def __init__(self, model: str, include_usage: bool = False) -> None:
-        super().__init__(model, include_usage, api.new_id("cmpl"))
+    def __init__(
+        self, model: str, include_usage: bool = False, token_text: Callable[[int], str] | None = None
+    ) -> None:
+        super().__init__(model, include_usage, api.new_id("cmpl"), token_text)
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         self.text.append(chunk.text)
@@ -66,15 +102,22 @@ class CompletionOutput(_Base):
         out = []
         if chunk.text or finish:
             out.append(api.completion_chunk(self.rid, self.created, self.model, chunk.text, finish))
+        if self.logprobs is not None:
+            self.logprobs.add(chunk.logprob)
+            lp = self.logprobs
+            lp.attach(out, lambda entries: api.completion_logprobs(entries, lp.sent_chars))
         if chunk.finish_reason is not None:
             self.finish, self.usage = finish, chunk.usage
             out += self._usage_chunk()
         return out
 
     def body(self) -> dict[str, Any]:
-        return api.completion_response(
+        body = api.completion_response(
             self.rid, self.model, "".join(self.text), self.finish, self.usage
         )
+        if self.logprobs is not None:
+            body["choices"][0]["logprobs"] = api.completion_logprobs(self.logprobs.all, 0)
+        return body
 
 
 class ChatOutput(_Base):
@@ -83,8 +126,14 @@ class ChatOutput(_Base):
 
     obj = "chat.completion.chunk"
 
-    def __init__(self, model: str, include_usage: bool, parser: output.ChatOutput) -> None:
-        super().__init__(model, include_usage, api.new_id("chatcmpl"))
+    def __init__(
+        self,
+        model: str,
+        include_usage: bool,
+        parser: output.ChatOutput,
+        token_text: Callable[[int], str] | None = None,
+    ) -> None:
+        super().__init__(model, include_usage, api.new_id("chatcmpl"), token_text)
         self.parser = parser
 
     def _delta(self, d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -95,20 +144,26 @@ class ChatOutput(_Base):
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         out = [self._delta(d) for d in self.parser.feed(chunk.text).sse_deltas()]
-        if chunk.finish_reason is None:
-            return out
-        tail, self.finish = self.parser.finish(chunk.finish_reason)
-        out += [self._delta(d) for d in tail.sse_deltas()]
-        self.usage = chunk.usage
-        out.append(self._delta({}, self.finish))
-        return out + self._usage_chunk()
+        if self.logprobs is not None:
+            self.logprobs.add(chunk.logprob)
+        if chunk.finish_reason is not None:
+            tail, self.finish = self.parser.finish(chunk.finish_reason)
+            out += [self._delta(d) for d in tail.sse_deltas()]
+            self.usage = chunk.usage
+            out.append(self._delta({}, self.finish))
+        if self.logprobs is not None:  # with the next chunk sent (text may be held back)
+            self.logprobs.attach(out, api.chat_logprobs)
+        return out + (self._usage_chunk() if chunk.finish_reason is not None else [])
 
     def body(self) -> dict[str, Any]:
         res = self.parser.result
         calls = [{k: v for k, v in c.items() if k != "index"} for c in res.tool_calls]
-        return api.chat_response(
+        body = api.chat_response(
             self.rid, self.model, res.content, calls, self.finish, self.usage, res.reasoning
         )
+        if self.logprobs is not None:
+            body["choices"][0]["logprobs"] = api.chat_logprobs(self.logprobs.all)
+        return body
 
 
 # --- requests → prompt ids ---------------------------------------------------------------------
@@ -148,17 +203,24 @@ def chat_prompt(
     parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")
-    return encode(text + prefix), ChatOutput(model, req.include_usage, parser)
+    texts = token_text(tokenizer) if req.logprob_count() >= 0 else None
+    return encode(text + prefix), ChatOutput(model, req.include_usage, parser, texts)
 
 
 def completion_prompt(
-    encode: Encode, req: CompletionRequest, model: str, check_chars: CheckChars
+    encode: Encode,
+    req: CompletionRequest,
+    model: str,
+    check_chars: CheckChars,
+    tokenizer: Any = None,
 ) -> tuple[list[int], CompletionOutput]:
+    """The prompt's ids and its Output (``tokenizer``: to name tokens in ``logprobs``)."""
     check_chars(len(req.prompt_text()), "prompt")
     ids = encode(req.prompt_text())
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
-    return ids, CompletionOutput(model, req.include_usage)
+    texts = token_text(tokenizer) if tokenizer is not None and req.logprob_count() >= 0 else None
+    return ids, CompletionOutput(model, req.include_usage, texts)
 
 
 def sampling(req: Any, prompt_tokens: int, context_length: int, vocab_size: int) -> SamplingParams:
@@ -179,6 +241,7 @@ def sampling(req: Any, prompt_tokens: int, context_length: int, vocab_size: int)
         frequency_penalty=req.frequency_penalty,
         frequency_context_size=req.frequency_context_size,
         logit_bias=req.bias(vocab_size),
+        logprobs=req.logprob_count(),
     )
 
 

@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from engine.events import SamplingParams
+from engine.events import SamplingParams, TokenLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]  # (token ids so far, logits (1, V)) -> logits
@@ -66,6 +66,19 @@ def processors(p: SamplingParams) -> list[Processor]:
         p.frequency_penalty or None,
         p.frequency_context_size,
     )
+
+
+def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry of a row's ``logprobs`` (V,), with the ``top`` likeliest tokens'."""
+    top = min(top, int(logprobs.shape[-1]))
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        idx = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        ids: list[int] = idx.tolist()  # type: ignore[assignment]
+        values: list[float] = logprobs[idx].astype(mx.float32).tolist()  # type: ignore[assignment]
+        best = tuple(sorted(zip(ids, values, strict=True), key=lambda p: -p[1]))
+    value: float = logprobs[token].astype(mx.float32).item()  # type: ignore[assignment]
+    return TokenLogprob(token, value, best)
 
 
 def process(procs: list[Processor], tokens: list[int], logits: mx.array) -> mx.array:

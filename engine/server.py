@@ -139,8 +139,9 @@ class Server:
     async def completions(self, request: Request) -> Response:
         def prepare(req: CompletionRequest) -> tuple[list[int], respond.Output]:
             return respond.completion_prompt(
-                self.engine.encode_text, req, self.model_id, self._check_chars
-            )
+                self.engine.encode_text, req, self.model_id, self._check_chars,
+                self.engine.tokenizer,
+            )  # fmt: skip
 
         return await self._serve(request, "completions", CompletionRequest, prepare)
 

@@ -100,6 +100,8 @@ def test_opencode_style_request_accepted():
          "chat_template_kwargs"),
         ({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "x" * 40},
          "reasoning_effort"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+         "top_logprobs"),
     ],
 )
 def test_bad_chat_requests(body, param):
@@ -259,3 +261,16 @@ def test_template_arguments_layer_server_then_effort_then_request():
     defaults = {"enable_thinking": False, "reasoning_effort": "high", "other": 1}
     assert req.template_args(defaults) == {"enable_thinking": True, "reasoning_effort": "low", "other": 1}
     assert parse({"messages": [{"role": "user", "content": "x"}]}).template_args({}) == {}
+
+
+def test_logprob_counts():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse(chat).logprob_count() == -1
+    assert parse({**chat, "logprobs": True}).logprob_count() == 0
+    assert parse({**chat, "logprobs": True, "top_logprobs": 5}).logprob_count() == 5
+    with pytest.raises(ApiError) as e:
+        parse({**chat, "top_logprobs": 2}).logprob_count()
+    assert e.value.status == 400 and e.value.param == "top_logprobs"
+    assert parse({"prompt": "x", "logprobs": 2}, CompletionRequest).logprob_count() == 2
+    assert parse({"prompt": "x"}, CompletionRequest).logprob_count() == -1
+    assert error_of({"prompt": "x", "logprobs": 6}, CompletionRequest).param == "logprobs"

@@ -168,3 +168,25 @@ def test_logits_processors_apply_to_their_own_row_as_in_mlx_lm():
     assert sinks[0].ids == want and want != mlx_lm(PROMPTS[0], 12)
     assert sinks[1].ids == [7] * 6
     assert sinks[2].ids == mlx_lm(PROMPTS[2], 12)
+
+
+def test_log_probabilities_are_mlx_lms_for_each_token():
+    """A request that asks for log-probabilities gets each sampled token's (and its n likeliest
+    alternatives'), equal to what mlx-lm's generate_step gives at that step, first token included,
+    in a batch beside a request that did not ask."""
+    model = make_llama(seed=4)
+    engine = ModelEngine(model, Config(tiers=()))
+    asks, other = Sink(), Sink()
+    loop = BatchLoop(engine)
+    loop.add(asks, PROMPTS[0], SamplingParams(max_tokens=8, logprobs=3))
+    loop.add(other, PROMPTS[1], SamplingParams(max_tokens=8))
+    run_until(loop, lambda: asks.done and other.done)
+    steps = list(generate_step(mx.array(PROMPTS[0]), model, max_tokens=8,
+                               prompt_cache=make_prompt_cache(model)))  # fmt: skip
+    got = [c.logprob for c in asks.chunks if c.token is not None]
+    assert [g.token for g in got] == [int(t) for t, _ in steps] == asks.ids
+    for g, (tok, lps) in zip(got, steps, strict=True):
+        assert abs(g.logprob - lps[int(tok)].item()) < 1e-4
+        assert len(g.top) == 3 and g.top[0][0] == g.token  # greedy: the likeliest
+        assert g.top[0][1] >= g.top[1][1] >= g.top[2][1]
+    assert all(c.logprob is None for c in other.chunks)

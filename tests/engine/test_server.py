@@ -264,6 +264,29 @@ def test_sampling_fields_over_http(live, tiny_model_dir):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
 
 
+def test_logprobs_over_http(live):
+    """OpenAI's logprobs shapes: chat (every token, with top_logprobs alternatives; streamed
+    chunks carry the same entries, in order) and legacy completions (tokens whose text is the
+    completion). Before, they were null whatever was asked."""
+    ask = {"model": "tiny", "messages": USER, "max_tokens": 6, "temperature": 0}
+    r = live.client.chat.completions.create(**ask, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
+               for e in content)  # fmt: skip
+    streamed = [e for c in live.client.chat.completions.create(**ask, logprobs=True, top_logprobs=2,
+                                                                stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in content]
+    assert live.client.chat.completions.create(**ask).choices[0].logprobs is None
+    c = live.client.completions.create(model="tiny", prompt="the cache holds", max_tokens=5,
+                                       temperature=0, logprobs=1)  # fmt: skip
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset[0] == 0 and all(len(t) == 1 for t in lp.top_logprobs)
+
+
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 12}
 
 
