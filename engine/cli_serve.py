@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from tiered_kv import ConfigError
+
 log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -76,8 +78,14 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.generate import CacheDirError, Engine
     from engine.loading import looks_like_hub_id
-    from engine.server import batch_limits, create_app
+    from engine.server import batch_limits, create_app, template_defaults
     from engine.worker import Worker
+
+    try:
+        template_defaults(config)  # before the model loads
+    except ConfigError as e:
+        print(f"tiered-kv serve: {e}", file=sys.stderr)
+        return 2
 
     log.info(
         "loading %s (tiers: %s, cache dir %s)",

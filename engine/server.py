@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 TOKENIZE_CONCURRENCY = 2
 
 
+def template_defaults(config: Config) -> dict[str, Any]:
+    """The server's chat-template variables (``TIERED_KV_CHAT_TEMPLATE_ARGS``: a JSON object by
+    the Config; its names checked here). Raises ConfigError naming the variable."""
+    try:
+        return chat.template_args(json.loads(config.chat_template_args or "{}"))
+    except ValueError as e:
+        raise ConfigError(f"TIERED_KV_CHAT_TEMPLATE_ARGS: {e}") from None
+
+
 class Server:
     """Routes bound to one worker (which owns the engine) + metrics."""
 
@@ -53,11 +62,7 @@ class Server:
         self.created = api.now()
         self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {}, worker)
         self._max_token_chars = 0  # from the tokenizer, once the engine is loaded
-        try:  # TIERED_KV_CHAT_TEMPLATE_ARGS: a JSON object (Config); its names checked here
-            raw = json.loads(config.chat_template_args or "{}")
-            self.template_defaults = chat.template_args(raw)
-        except ValueError as e:
-            raise ConfigError(f"TIERED_KV_CHAT_TEMPLATE_ARGS: {e}") from None
+        self.template_defaults = template_defaults(config)
         self._tokenizing = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
 
     @property

@@ -36,6 +36,7 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_SHARED_PREFILL": ["yes", "1"],
     "TIERED_KV_COLD_DEADLINE": ["0", "-1", "soon", "nan"],
     "TIERED_KV_SHUTDOWN_SECONDS": ["0", "1e9", "forever"],
+    "TIERED_KV_CHAT_TEMPLATE_ARGS": ["[1]", "{nope", '"thinking"'],
 }
 SIZE_BAD = ["-1", "12XB", "1.5.5GB", "GB", "inf"]
 
@@ -98,6 +99,18 @@ def test_bad_value_exits_nonzero_with_one_line_naming_it(tiny_model_dir, tmp_pat
             bad.append((name, value, cmd, rc, err[-300:]))
     assert not bad, bad
     print(f"config: {len(jobs)} bad-value runs")
+
+
+def test_template_args_naming_the_templates_own_stop_serve_before_the_model_loads(
+    tiny_model_dir, tmp_path
+):
+    env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"), TIERED_KV_MODELS_DIR=str(tmp_path),
+                    TIERED_KV_CHAT_TEMPLATE_ARGS='{"add_generation_prompt": false}')  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tiny_model_dir),
+                        "--port", "9"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "TIERED_KV_CHAT_TEMPLATE_ARGS" in lines[0] and "add_generation_prompt" in lines[0]
 
 
 def test_cache_dir_that_is_a_file(tiny_model_dir, tmp_path):

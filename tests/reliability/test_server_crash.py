@@ -122,7 +122,7 @@ def test_damaged_files_and_index_between_restarts(server_factory, reference, tmp
     kv = tmp_path / "kv"
     env = {"TIERED_KV_DIR": str(kv), "TIERED_KV_HOT_BYTES": "1", "TIERED_KV_BLOCK_TOKENS": "16"}
     s = server_factory("a", **env)
-    for p in PROMPTS[:6]:
+    for p in PROMPTS[:9]:  # three conversations: a file each (a turn's file supersedes the last)
         assert s.complete(p)["choices"][0]["text"] == reference[p]
     s.stop()
     files = sorted(kv.glob("*/*.safetensors"))
@@ -132,7 +132,7 @@ def test_damaged_files_and_index_between_restarts(server_factory, reference, tmp
     (db,) = kv.glob("*/index/cache.db")
     db.write_bytes(random.Random(5).randbytes(8192))  # garbage index: rebuilt from the files
     s = server_factory("b", **env)
-    for p in PROMPTS[:6]:
+    for p in PROMPTS[:9]:
         assert s.complete(p)["choices"][0]["text"] == reference[p]
     quarantined = s.metrics()["tiered_kv_cache_cold_quarantined"]
     s.stop()
