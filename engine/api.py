@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine import chat
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-DEFAULT_MAX_TOKENS = 256
 #: deepest JSON nesting a request may have (OpenAI bodies need < 20; tool schemas a few more)
 MAX_JSON_DEPTH = 64
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit (what mx.random.seed takes)
@@ -353,8 +352,11 @@ def check_chars(n_chars: int, context_length: int, max_token_chars: int, param: 
         )
 
 
-def check_length(prompt_tokens: int, requested_max: int | None, context_length: int) -> int:
-    """Max new tokens for a prompt: the request's (default 256), capped by what the context leaves.
+def check_length(
+    prompt_tokens: int, requested_max: int | None, context_length: int, default: int = 0
+) -> int:
+    """Max new tokens for a prompt: the request's (else the server's ``default``; 0: no bound of
+    its own), capped by what the context leaves.
 
     A prompt that fills the context is a 400 ``context_length_exceeded``.
     """
@@ -367,7 +369,7 @@ def check_length(prompt_tokens: int, requested_max: int | None, context_length: 
             param="messages",
             code="context_length_exceeded",
         )
-    return min(requested_max or DEFAULT_MAX_TOKENS, room)
+    return min(requested_max or default or room, room)
 
 
 # --- responses ------------------------------------------------------------------------------------

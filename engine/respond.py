@@ -223,9 +223,12 @@ def completion_prompt(
     return ids, CompletionOutput(model, req.include_usage, texts)
 
 
-def sampling(req: Any, prompt_tokens: int, context_length: int, vocab_size: int) -> SamplingParams:
-    """The engine's sampling parameters; ``max_tokens`` clamped to what the context leaves."""
-    max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length)
+def sampling(
+    req: Any, prompt_tokens: int, context_length: int, vocab_size: int, default_max: int = 0
+) -> SamplingParams:
+    """The engine's sampling parameters; ``max_tokens`` (the server's ``default_max`` where the
+    request names none; 0: no bound of its own) clamped to what the context leaves."""
+    max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length, default_max)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=req.temperature,

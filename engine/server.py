@@ -105,8 +105,9 @@ class Server:
                 req = await self._off_loop(api.parse_body, body, schema)
                 ids, out = await self._off_loop(prepare, req)
                 params = respond.sampling(
-                    req, len(ids), self.engine.context_length, self.engine.vocab_size
-                )
+                    req, len(ids), self.engine.context_length, self.engine.vocab_size,
+                    self.config.max_tokens,
+                )  # fmt: skip
                 job = self.worker.submit(ids, params, endpoint, arrival)
             except QueueFull as e:
                 raise ApiError(

@@ -162,6 +162,10 @@ class Config:
     #: H200, and ~0.1 s of the first hot hit; a CPU has no such first-call cost, and a 512-token
     #: step costs seconds at start there)
     warmup: str = "auto"
+    #: TIERED_KV_MAX_TOKENS — new tokens for a request that names no `max_tokens`: `0` is all that
+    #: the model's context leaves (as OpenAI, vLLM and llama.cpp do; mlx_lm.server stops at 512).
+    #: A request's own `max_tokens` is capped only by the context
+    max_tokens: int = 0
     #: TIERED_KV_CHAT_TEMPLATE_ARGS — a JSON object of extra chat-template variables for every
     #: request, e.g. `{"enable_thinking": false}` (as mlx_lm.server's `--chat-template-args`); a
     #: request's `reasoning_effort` and `chat_template_kwargs` override them
@@ -306,6 +310,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
     "TIERED_KV_SHARED_PREFILL": ("shared_prefill", _switch, '"auto", "on" or "off"'),
     "TIERED_KV_WARMUP": ("warmup", _switch, '"auto", "on" or "off"'),
+    "TIERED_KV_MAX_TOKENS": ("max_tokens", _nonneg_int, "an integer ≥ 0 (0: all the context leaves)"),
     "TIERED_KV_CHAT_TEMPLATE_ARGS": (
         "chat_template_args", _json_object, 'a JSON object such as {"enable_thinking": false}'
     ),

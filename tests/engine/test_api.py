@@ -122,11 +122,12 @@ def test_completion_prompt_forms():
 
 
 def test_check_length():
-    assert (
-        api.check_length(10, None, 100) == api.DEFAULT_MAX_TOKENS
-        if api.DEFAULT_MAX_TOKENS < 90
-        else 90
-    )
+    """No max_tokens: all the context leaves (it was 256, cutting long answers and tool calls of
+    clients that send none), or the server's default; a request's own, capped by the context."""
+    assert api.check_length(10, None, 100) == 90
+    assert api.check_length(10, None, 100, default=20) == 20
+    assert api.check_length(10, None, 25, default=20) == 15
+    assert api.check_length(10, 50, 100, default=20) == 50
     assert api.check_length(10, 5, 100) == 5
     assert api.check_length(90, 50, 100) == 10
     with pytest.raises(ApiError) as e:

@@ -264,6 +264,28 @@ def test_sampling_fields_over_http(live, tiny_model_dir):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
 
 
+def test_no_max_tokens_runs_to_the_end_of_the_context(tiny_model_dir, tmp_path):
+    """A request without max_tokens generates until the model stops or the context is full (it
+    stopped at 256 tokens: a client that sends none got long answers and tool calls cut); the
+    server's TIERED_KV_MAX_TOKENS bounds it where set."""
+
+    def small_context(config):
+        def make():
+            engine = Engine(tiny_model_dir, config)
+            engine.context_length = 400
+            return engine
+
+        return make
+
+    for cap, want in ((0, None), (40, 40)):
+        config = hot_config(tmp_path / str(cap), max_tokens=cap)
+        with serve(small_context(config), config) as s:
+            r = s.client.completions.create(model="tiny", prompt="the cache", temperature=0)
+            room = 400 - r.usage.prompt_tokens
+            assert r.choices[0].finish_reason == "length"
+            assert r.usage.completion_tokens == (want or room) and room > 256
+
+
 def test_logprobs_over_http(live):
     """OpenAI's logprobs shapes: chat (every token, with top_logprobs alternatives; streamed
     chunks carry the same entries, in order) and legacy completions (tokens whose text is the

@@ -37,6 +37,7 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_COLD_DEADLINE": ["0", "-1", "soon", "nan"],
     "TIERED_KV_SHUTDOWN_SECONDS": ["0", "1e9", "forever"],
     "TIERED_KV_CHAT_TEMPLATE_ARGS": ["[1]", "{nope", '"thinking"'],
+    "TIERED_KV_MAX_TOKENS": ["-1", "lots", "1.5"],
 }
 SIZE_BAD = ["-1", "12XB", "1.5.5GB", "GB", "inf"]
 

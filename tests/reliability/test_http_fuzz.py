@@ -80,7 +80,8 @@ completion_bodies = st.fixed_dictionaries(
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     d = tmp_path_factory.mktemp("fuzz")
     env = clean_env(TIERED_KV_DIR=str(d / "kv"), TIERED_KV_MODELS_DIR=str(d / "m"),
-                    TIERED_KV_MAX_BODY_BYTES="64KiB", TIERED_KV_BLOCK_TOKENS="16")  # fmt: skip
+                    TIERED_KV_MAX_BODY_BYTES="64KiB", TIERED_KV_BLOCK_TOKENS="16",
+                    TIERED_KV_MAX_TOKENS="8")  # fmt: skip  (a case without max_tokens stays short)
     s = Server(tiny_model_dir, env, d / "log", args=("--body-timeout", "2")).start()
     yield s
     s.kill()
