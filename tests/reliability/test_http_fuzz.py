@@ -66,13 +66,32 @@ common = {
     "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | json_values,
     "seed": st.integers(-5, 2**70) | json_values,
     "n": st.integers(-1, 3) | json_values,
+    "top_k": small_int | json_values,
+    "min_p": st.floats(-1, 2, allow_nan=False, allow_infinity=False) | json_values,
+    "repetition_penalty": st.floats(-1, 3, allow_nan=False, allow_infinity=False) | json_values,
+    "repetition_context_size": small_int | json_values,
+    "presence_penalty": st.floats(-3, 3, allow_nan=False, allow_infinity=False) | json_values,
+    "frequency_penalty": st.floats(-3, 3, allow_nan=False, allow_infinity=False) | json_values,
+    # token ids in and past the vocabulary, and keys that are no ids
+    "logit_bias": st.dictionaries(st.sampled_from(["0", "1", "7", "99999999", "-1", "x", "1e3"]),
+                                  st.floats(-200, 200, allow_nan=False) | json_values,
+                                  max_size=3) | json_values,  # fmt: skip
 }
+template_args = st.dictionaries(
+    st.sampled_from(["enable_thinking", "reasoning_effort", "tokenize", "messages", "x y", ""]),
+    json_values,
+    max_size=2,
+)
 chat_bodies = st.fixed_dictionaries(
     {"messages": st.lists(message, max_size=4) | json_values, "max_tokens": small_int},
-    optional={**common, "tools": json_values, "tool_choice": json_values},
+    optional={**common, "tools": json_values, "tool_choice": json_values,
+              "logprobs": st.booleans() | json_values, "top_logprobs": small_int | json_values,
+              "chat_template_kwargs": template_args | json_values,
+              "reasoning_effort": st.text(max_size=40) | json_values},  # fmt: skip
 )
 completion_bodies = st.fixed_dictionaries(
-    {"prompt": st.text(max_size=80) | json_values, "max_tokens": small_int}, optional=common
+    {"prompt": st.text(max_size=80) | json_values, "max_tokens": small_int},
+    optional={**common, "logprobs": small_int | json_values},
 )
 
 
