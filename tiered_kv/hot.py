@@ -55,7 +55,7 @@ class Entry:
     @property
     def prompt_len(self) -> int:
         """How many of the ids were the prompt (all of them where ``prompt_tokens`` is None)."""
-        return len(self.tokens) if self.prompt_tokens is None else self.prompt_tokens
+        return policy.entry_prompt_len(len(self.tokens), self.prompt_tokens)
 
 
 @dataclass

@@ -79,11 +79,9 @@ def block_hashes(
     return out
 
 
-def prompt_key(
-    blocks: Sequence[BlockHash], prompt_tokens: int | None, block_tokens: int
-) -> BlockHash | None:
-    """The key of the last full block inside an entry's prompt (``prompt_tokens`` None: every id
-    was prompt), of the entry's chained ``blocks``: a new entry whose keys hold it resent that
-    much of the prompt. None when the prompt is shorter than one block."""
-    depth = len(blocks) if prompt_tokens is None else min(prompt_tokens // block_tokens, len(blocks))
+def prompt_key(blocks: Sequence[BlockHash], prompt_len: int, block_tokens: int) -> BlockHash | None:
+    """The key of the last full block inside an entry's prompt (its first ``prompt_len`` ids), of
+    the entry's chained ``blocks``: a new entry whose keys hold it resent that much of the
+    prompt. None when the prompt is shorter than one block."""
+    depth = min(prompt_len // block_tokens, len(blocks))
     return blocks[depth - 1] if depth > 0 else None

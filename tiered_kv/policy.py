@@ -2,6 +2,7 @@
 
 Rules (one place each):
 * :func:`is_continuation` — when a hit makes the request a continuation of the stored entry.
+* :func:`entry_prompt_len` — how many of an entry's ids were its prompt (all, where not recorded).
 * :func:`prompt_resent` — when a new entry makes a stored one that diverges from it redundant.
 * :func:`servable_tokens` — a full hit still recomputes the last prompt token (its logits are needed).
 * :func:`servable` — what a stored entry can serve (the checkpoint rules are :mod:`checkpoints`').
@@ -36,6 +37,13 @@ def servable(
     return checkpoints.nearest(positions, n)
 
 
+def entry_prompt_len(n_ids: int, prompt_tokens: int | None) -> int:
+    """How many of an entry's ``n_ids`` ids were its request's prompt: ``prompt_tokens``, or all
+    of them where that is None (not recorded: entries and files from before it was, adopted
+    ones)."""
+    return n_ids if prompt_tokens is None else prompt_tokens
+
+
 def is_continuation(
     hit_tokens: int, prompt_len: int, min_tokens: int, entry_len: int, entry_prompt: int | None = None
 ) -> bool:
@@ -52,7 +60,7 @@ def is_continuation(
     store a new one: handing such an entry over would cut it back and take it away from the
     requests that run beside this one or come after it.
     """
-    covered = entry_len if entry_prompt is None else min(entry_prompt, entry_len)
+    covered = min(entry_prompt_len(entry_len, entry_prompt), entry_len)
     return (
         hit_tokens > 0
         and covered <= hit_tokens <= entry_len

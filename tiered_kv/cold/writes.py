@@ -86,8 +86,9 @@ class WritePath:
             now = time.time()
             blocks = tuple(site.block_hashes(job.tokens))
             prompt = None if isinstance(job, Raw) else store.prompt_of(job.metadata, len(job.tokens))
+            pkey = keys.prompt_key(blocks, policy.entry_prompt_len(len(job.tokens), prompt), site.block_tokens)
             rec = Record(key, site.backend.path(key).name, len(job.tokens), nbytes, now, now, blocks,
-                         prompt, keys.prompt_key(blocks, prompt, site.block_tokens))  # fmt: skip
+                         prompt, pkey)  # fmt: skip
             older = []
             if not isinstance(job, Raw):  # [shared tier] an adopted entry supersedes nothing
                 older = [r.entry_id for r in index.covered_by(list(blocks))
@@ -115,7 +116,7 @@ class WritePath:
         common = common_prefix(stored, job.tokens)
         if common == len(stored):
             return job.serves is None or len(stored) in job.serves
-        prompt = len(stored) if r.prompt_tokens is None else r.prompt_tokens
+        prompt = policy.entry_prompt_len(len(stored), r.prompt_tokens)
         return policy.prompt_resent(common, prompt, job.serves is None)
 
     def touch(self, entry_id: str, when: float) -> None:

@@ -187,9 +187,9 @@ def test_an_index_made_before_the_prompt_columns_reads_and_gains_them(tmp_path):
 
 def test_prompt_key_is_the_last_full_block_inside_the_prompt():
     blocks = [keys.BlockHash(k) for k in (11, 22, 33)]
-    assert keys.prompt_key(blocks, None, 4) == 33  # every id was prompt
+    assert keys.prompt_key(blocks, 12, 4) == 33  # every id was prompt
     assert keys.prompt_key(blocks, 9, 4) == 22
     assert keys.prompt_key(blocks, 8, 4) == 22
     assert keys.prompt_key(blocks, 3, 4) is None  # shorter than a block
     assert keys.prompt_key(blocks, 40, 4) == 33
-    assert keys.prompt_key([], None, 4) is None
+    assert keys.prompt_key([], 3, 4) is None
