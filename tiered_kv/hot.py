@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from tiered_kv import checkpoints, policy
 from tiered_kv.memory import MemoryProbe
-from tiered_kv.prefix import TokenArray, common_prefix
+from tiered_kv.prefix import TokenArray, common_prefix, entry_prompt_len
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
@@ -55,7 +55,7 @@ class Entry:
     @property
     def prompt_len(self) -> int:
         """How many of the ids were the prompt (all of them where ``prompt_tokens`` is None)."""
-        return policy.entry_prompt_len(len(self.tokens), self.prompt_tokens)
+        return entry_prompt_len(len(self.tokens), self.prompt_tokens)
 
 
 @dataclass

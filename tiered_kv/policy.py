@@ -2,7 +2,6 @@
 
 Rules (one place each):
 * :func:`is_continuation` — when a hit makes the request a continuation of the stored entry.
-* :func:`entry_prompt_len` — how many of an entry's ids were its prompt (all, where not recorded).
 * :func:`prompt_resent` — when a new entry makes a stored one that diverges from it redundant.
 * :func:`servable_tokens` — a full hit still recomputes the last prompt token (its logits are needed).
 * :func:`servable` — what a stored entry can serve (the checkpoint rules are :mod:`checkpoints`').
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 from tiered_kv import checkpoints
 from tiered_kv.checkpoints import within as checkpoints_within  # noqa: F401  (its old home)
+from tiered_kv.prefix import entry_prompt_len
 
 
 def servable_tokens(common_prefix: int, prompt_len: int) -> int:
@@ -35,13 +35,6 @@ def servable(
     if trimmable or n == entry_len:
         return n
     return checkpoints.nearest(positions, n)
-
-
-def entry_prompt_len(n_ids: int, prompt_tokens: int | None) -> int:
-    """How many of an entry's ``n_ids`` ids were its request's prompt: ``prompt_tokens``, or all
-    of them where that is None (not recorded: entries and files from before it was, adopted
-    ones)."""
-    return n_ids if prompt_tokens is None else prompt_tokens
 
 
 def is_continuation(

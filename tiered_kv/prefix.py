@@ -1,4 +1,5 @@
-"""Longest common token prefix, vectorised (numpy): cheap for hundreds of 32k-token entries."""
+"""Longest common token prefix, vectorised (numpy): cheap for hundreds of 32k-token entries; how
+much of an entry's ids was its prompt (numpy only: the disk tier's tools import it without MLX)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ from collections.abc import Sequence
 import numpy as np
 
 TokenArray = np.ndarray  # 1-D int32
+
+
+def entry_prompt_len(n_ids: int, prompt_tokens: int | None) -> int:
+    """How many of an entry's ``n_ids`` ids were its request's prompt: ``prompt_tokens``, or all
+    of them where that is None (not recorded: entries and files from before it was, adopted
+    ones)."""
+    return n_ids if prompt_tokens is None else prompt_tokens
 
 
 def as_tokens(ids: Sequence[int] | np.ndarray) -> TokenArray:

@@ -54,9 +54,3 @@ def test_an_entry_whose_whole_prompt_was_resent_is_redundant_where_both_cut_back
     assert prompt_resent(100, 100, True)
     assert not prompt_resent(99, 100, True)  # a branch inside the prompt
     assert not prompt_resent(120, 100, False)  # an untrimmable layer: the old length is not served
-
-
-def test_prompt_len_is_all_ids_where_not_recorded():
-    from tiered_kv.policy import entry_prompt_len
-
-    assert entry_prompt_len(30, None) == 30 and entry_prompt_len(30, 20) == 20

@@ -11,3 +11,9 @@ def test_common_prefix_is_exact():
     assert common_prefix(a, keys.as_int32([1, 2, 9])) == 2
     assert common_prefix(a, keys.as_int32([1, 2])) == 2
     assert common_prefix(a, keys.as_int32([])) == 0
+
+
+def test_prompt_len_is_all_ids_where_not_recorded():
+    from tiered_kv.prefix import entry_prompt_len
+
+    assert entry_prompt_len(30, None) == 30 and entry_prompt_len(30, 20) == 20

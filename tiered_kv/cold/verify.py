@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiered_kv import keys, policy
+from tiered_kv import keys
 from tiered_kv.cold import fsafe, scan, store
 from tiered_kv.cold.index import Index, Record
+from tiered_kv.prefix import entry_prompt_len
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def record_from_file(
     created = float(header.metadata.get("created", st.st_mtime))
     blocks = tuple(keys.block_hashes(tokens, block_tokens, seed))
     prompt = store.prompt_of(header.metadata, len(tokens))
-    pkey = keys.prompt_key(blocks, policy.entry_prompt_len(len(tokens), prompt), block_tokens)
+    pkey = keys.prompt_key(blocks, entry_prompt_len(len(tokens), prompt), block_tokens)
     rec = Record(path.stem, path.name, len(tokens), st.st_size, created, st.st_mtime, blocks,
                  prompt, pkey)  # fmt: skip
     return rec, tokens.tobytes()

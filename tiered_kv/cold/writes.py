@@ -25,7 +25,7 @@ from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
 from tiered_kv.cold.index import Index, IndexUnreadable, Record
 from tiered_kv.cold.site import Site
-from tiered_kv.prefix import common_prefix
+from tiered_kv.prefix import common_prefix, entry_prompt_len
 from tiered_kv.shared.publisher import map_file  # [shared tier, issue 17]
 
 
@@ -86,7 +86,7 @@ class WritePath:
             now = time.time()
             blocks = tuple(site.block_hashes(job.tokens))
             prompt = None if isinstance(job, Raw) else store.prompt_of(job.metadata, len(job.tokens))
-            pkey = keys.prompt_key(blocks, policy.entry_prompt_len(len(job.tokens), prompt), site.block_tokens)
+            pkey = keys.prompt_key(blocks, entry_prompt_len(len(job.tokens), prompt), site.block_tokens)
             rec = Record(key, site.backend.path(key).name, len(job.tokens), nbytes, now, now, blocks,
                          prompt, pkey)  # fmt: skip
             older = []
@@ -116,7 +116,7 @@ class WritePath:
         common = common_prefix(stored, job.tokens)
         if common == len(stored):
             return job.serves is None or len(stored) in job.serves
-        prompt = policy.entry_prompt_len(len(stored), r.prompt_tokens)
+        prompt = entry_prompt_len(len(stored), r.prompt_tokens)
         return policy.prompt_resent(common, prompt, job.serves is None)
 
     def touch(self, entry_id: str, when: float) -> None:
