@@ -95,6 +95,50 @@ class DecodeKVCache(C.BatchKVCache):
         return self._padded
 
 
+class DecodeRotatingKVCache(C.BatchRotatingKVCache):
+    """mlx-lm's ``BatchRotatingKVCache`` (a sliding-window layer's batched cache) whose decode
+    step gives attention no mask while no row is left-padded, as :class:`DecodeKVCache`'s does;
+    the tokens are the same (greedy output equals mlx-lm's ``generate_step``, which passes no
+    mask there either).
+
+    mlx-lm's builds an array mask for every step (a roll of it once the window is full). For one
+    query over a window no smaller than the buffer, with no row padded, every entry of that mask
+    is true. Left padding only shrinks while rows decode (the window rotates it away), so "no row
+    padded", looked at once (one sync) after rows joined or left, holds until they join or leave
+    again."""
+
+    _padded: bool | None = None  # None: not looked at since rows last joined or left
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> Any:
+        if N == 1 and not return_array and (window_size or self.max_size) >= self.max_size:
+            if self._padded is None:
+                self._padded = bool(mx.any(self.left_padding > 0).item())
+            if not self._padded:
+                return None
+        return super().make_mask(N, window_size=window_size, return_array=return_array)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[2] != 1:  # mlx-lm's concatenating update may roll padding back in
+            self._padded = None
+        return super().update_and_fetch(keys, values)
+
+    def prepare(self, **kwargs: Any) -> None:
+        self._padded = None
+        super().prepare(**kwargs)
+
+    def finalize(self) -> None:
+        self._padded = None
+        super().finalize()
+
+    def filter(self, batch_indices: Any) -> None:
+        self._padded = None
+        super().filter(batch_indices)
+
+    def extend(self, other: Any) -> None:
+        self._padded = None
+        super().extend(other)
+
+
 def _grown(x: mx.array, rows: int, size: int) -> mx.array:
     """The first ``rows`` rows of buffer ``x`` (axis 2) in a buffer of ``size`` rows."""
     b, h, _, d = x.shape
@@ -103,9 +147,12 @@ def _grown(x: mx.array, rows: int, size: int) -> mx.array:
 
 def merge(layer: list[Any]) -> Any:
     """One layer's caches of the rows as one batched cache: plain KV as :class:`DecodeKVCache`,
-    every other class by its own mlx-lm ``merge``."""
+    sliding-window KV as :class:`DecodeRotatingKVCache`, every other class by its own mlx-lm
+    ``merge``."""
     if all(type(c) is C.KVCache for c in layer):
         return DecodeKVCache.merge(layer)
+    if all(type(c) is C.RotatingKVCache for c in layer):
+        return DecodeRotatingKVCache.merge(layer)
     return layer[0].merge(layer)
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from engine.batch import BatchLoop
-from engine.decoding import DecodeKVCache, batchable, merge
+from engine.decoding import DecodeKVCache, DecodeRotatingKVCache, batchable, merge
 from engine.events import SamplingParams
 from tests.engine.batching import PROMPTS, ModelEngine, Sink, run_until
 from tests.fixtures import QuantizedLlama, gemma, make_llama, qwen_next
@@ -43,17 +43,17 @@ def test_seeded_sampling_same_in_a_batch():
     assert sinks[1].ids == solo.ids
 
 
-def _decode_masks(monkeypatch) -> list:
-    """The mask of every one-token attention call a llama model makes from now on."""
+def _decode_masks(monkeypatch, module=llama) -> list:
+    """The mask of every one-token attention call a ``module`` model makes from now on."""
     masks: list = []
-    inner = llama.scaled_dot_product_attention
+    inner = module.scaled_dot_product_attention
 
     def spy(queries, keys, values, cache, scale, mask, **kw):
         if queries.shape[2] == 1:
             masks.append(mask)
         return inner(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
 
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(module, "scaled_dot_product_attention", spy)
     return masks
 
 
@@ -73,6 +73,49 @@ def test_a_request_decoding_alone_gives_attention_no_mask(monkeypatch):
     want = [int(t) for t, _ in generate_step(mx.array(PROMPTS[0]), model, max_tokens=12,
                                              prompt_cache=cache)]  # fmt: skip
     assert sink.ids == want
+
+
+def test_a_request_decoding_alone_on_a_sliding_window_model_gives_attention_no_mask(monkeypatch):
+    """mlx-lm's BatchRotatingKVCache builds an array mask (rolled once the window is full) for
+    every decode step of a sliding-window layer, all true for a lone row; mlx-lm's own
+    generate_step passes none. The prompt (33 tokens) and the decode outgrow the window (16):
+    the window rotates. The tokens are generate_step's."""
+    model = gemma()
+    engine = ModelEngine(model, Config(tiers=()))
+    masks = _decode_masks(monkeypatch, gemma3_text)
+    loop, sink = BatchLoop(engine, max_batch=1), Sink()
+    loop.add(sink, PROMPTS[0], SamplingParams(max_tokens=24))
+    run_until(loop, lambda: sink.done)
+    assert len(masks) >= 23 * 4  # every decode step, every layer (two of them sliding)
+    assert all(m is None for m in masks), {type(m) for m in masks}
+    cache = make_prompt_cache(model)
+    want = [int(t) for t, _ in generate_step(mx.array(PROMPTS[0]), model, max_tokens=24,
+                                             prompt_cache=cache)]  # fmt: skip
+    assert sink.ids == want
+
+
+def test_a_padded_sliding_window_row_keeps_its_mask_until_rows_change():
+    """Left padding only shrinks while rows decode: "no row padded" holds until rows join or
+    leave, and a padded batch gets mlx-lm's mask (the same array)."""
+
+    def rotating(n: int) -> RotatingKVCache:
+        kv = RotatingKVCache(max_size=16)
+        x = mx.random.normal((1, 2, n, 8))
+        kv.update_and_fetch(x, x + 1)
+        return kv
+
+    lone = merge([rotating(20)])
+    assert isinstance(lone, DecodeRotatingKVCache)
+    assert lone.make_mask(1, window_size=16) is None
+    assert isinstance(lone.make_mask(1, window_size=8), mx.array)  # a narrower window: masked
+    pair = merge([rotating(20), rotating(9)])  # the second row left-padded by 7
+    want = BatchRotatingKVCache.make_mask(pair, 1, window_size=16)
+    got = pair.make_mask(1, window_size=16)
+    assert isinstance(got, mx.array) and mx.array_equal(got, want)
+    pair.filter([0])  # the padded row leaves
+    assert pair.make_mask(1, window_size=16) is None
+    pair.extend(merge([rotating(9)]))  # a shorter one joins: padded again
+    assert isinstance(pair.make_mask(1, window_size=16), mx.array)
 
 
 def test_rows_of_different_lengths_keep_their_mask(monkeypatch):
