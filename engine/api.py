@@ -7,11 +7,12 @@ accept (and ignore) unknown fields, as agent clients send many provider-specific
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -477,32 +478,52 @@ def completion_response(
     return body
 
 
-#: a token's text, log-probability and the likeliest tokens' (text, log-probability) at its place
-LogprobEntry = tuple[str, float, list[tuple[str, float]]]
+class Piece(NamedTuple):
+    """A generated token as logprobs name it: its text (``bytes:\\xNN…`` for a part of a
+    character) and the bytes it adds to the completion."""
+
+    text: str
+    raw: bytes
+
+
+#: a token, its log-probability and the likeliest tokens (and theirs) at its place
+LogprobEntry = tuple[Piece, float, list[tuple[Piece, float]]]
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
     """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
 
-    def one(text: str, lp: float) -> dict[str, Any]:
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    def one(p: Piece, lp: float) -> dict[str, Any]:
+        return {"token": p.text, "logprob": lp, "bytes": list(p.raw)}
 
     return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]}
                         for t, lp, top in entries]}  # fmt: skip
 
 
-def completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
+class TextOffsets:
+    """Character offsets of tokens in a completion's text, fed the tokens' bytes in order: a
+    token that ends inside a character starts where that character does (the text counts an
+    undecodable byte as one U+FFFD, as the completion's text does)."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of the token with bytes ``raw``; moves past it."""
+        at = self.chars
+        self.chars += len(self._utf8.decode(raw))
+        return at
+
+
+def completion_logprobs(entries: list[LogprobEntry], offsets: TextOffsets) -> dict[str, Any]:
     """The legacy completions' ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset),
-    the first token at character ``offset`` of the completion."""
-    offsets = []
-    for t, _, _ in entries:
-        offsets.append(offset)
-        offset += len(t)
+    the first token at ``offsets``' place (moved past these tokens)."""
     return {
-        "tokens": [t for t, _, _ in entries],
+        "tokens": [t.text for t, _, _ in entries],
         "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [dict(top) for _, _, top in entries],
-        "text_offset": offsets,
+        "top_logprobs": [{p.text: v for p, v in top} for _, _, top in entries],
+        "text_offset": [offsets.advance(t.raw) for t, _, _ in entries],
     }
 
 

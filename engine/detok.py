@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx_lm import tokenizer_utils as tu
+
 
 class IncrementalDecoder:
     """Feed ids one at a time; get the new text each brings (held back while a UTF-8 sequence
@@ -42,3 +44,48 @@ class IncrementalDecoder:
         now = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return now[len(before) :]
+
+
+class TokenBytes:
+    """The bytes a generated token adds to the text (OpenAI's logprobs ``token`` and ``bytes``).
+
+    ``tokenizer.decode([id])`` alone loses what a token means in context: a SentencePiece piece
+    (``▁world``) decodes without its space, and a token holding part of a UTF-8 character (byte
+    fallback ``<0xE2>``, or a byte-level BPE token that splits an emoji) decodes to U+FFFD. The
+    bytes come from the token map of the tokenizer's mlx-lm streaming detokenizer (SentencePiece:
+    ``▁`` is a space and ``<0xNN>`` a byte; byte-level BPE: GPT-2's byte alphabet); a tokenizer
+    with neither falls back to decoding the id alone. As ``decode`` strips one leading space from
+    a SentencePiece sequence (and so the completion's text), the first token of a completion
+    loses it here too: its tokens concatenate to its text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        detok: Any = getattr(tokenizer, "detokenizer", None)
+        self._spm = isinstance(detok, tu.SPMStreamingDetokenizer)
+        self._bpe = isinstance(detok, tu.BPEStreamingDetokenizer)
+        self._map = detok.tokenmap if self._spm or self._bpe else []
+        self._trim = self._spm and bool(getattr(detok, "trim_space", False))
+
+    def __call__(self, token: int, first: bool = False) -> bytes:
+        if not (self._spm or self._bpe):
+            return str(self._tokenizer.decode([token])).encode("utf-8")
+        if not 0 <= token < len(self._map):  # a padded vocabulary's id: no text
+            return b""
+        piece = self._map[token]
+        if self._spm:
+            raw = piece.replace(_SPM_SPACE, b" ")
+            return raw[1:] if first and self._trim and raw.startswith(b" ") else raw
+        table = tu._byte_decoder()  # GPT-2's byte alphabet (mlx-lm's own table)
+        return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece)
+
+
+_SPM_SPACE = "\u2581".encode()
+
+
+def piece_text(raw: bytes) -> str:
+    """A token's text for OpenAI's logprobs: its bytes as UTF-8, or, for a part of a character,
+    ``bytes:`` and the bytes escaped (``bytes:\\xe2\\x9c``), as OpenAI writes such tokens."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 
 from engine import api, chat, output
 from engine.api import ApiError, ChatRequest, CompletionRequest
+from engine.detok import TokenBytes, piece_text
 from engine.events import Chunk, Hit, SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,21 @@ class _Logprobs:
     """A request's token log-probabilities as they come: every one (the body), and those not yet
     sent (the next streamed chunk)."""
 
-    def __init__(self, token_text: Callable[[int], str]) -> None:
-        self.token_text = token_text
+    def __init__(self, token_bytes: TokenBytes) -> None:
+        self.token_bytes = token_bytes
         self.all: list[api.LogprobEntry] = []
         self.pending: list[api.LogprobEntry] = []
-        self.sent_chars = 0  # characters of the tokens already sent (completions' text_offset)
+        self.sent = api.TextOffsets()  # where the next token starts in the completion's text
 
     def add(self, lp: TokenLogprob | None) -> None:
         if lp is not None:
-            text = self.token_text
-            entry = (text(lp.token), lp.logprob, [(text(t), v) for t, v in lp.top])
+            first = not self.all
+
+            def piece(token: int) -> api.Piece:
+                raw = self.token_bytes(token, first)
+                return api.Piece(piece_text(raw), raw)
+
+            entry = (piece(lp.token), lp.logprob, [(piece(t), v) for t, v in lp.top])
             self.all.append(entry)
             self.pending.append(entry)
 
@@ -57,27 +63,22 @@ class _Logprobs:
         for c in chunks:
             if self.pending and c["choices"]:
                 c["choices"][0]["logprobs"] = shape(self.pending)
-                self.sent_chars += sum(len(t) for t, _, _ in self.pending)
                 self.pending = []
                 return
-
-
-def token_text(tokenizer: Any) -> Callable[[int], str]:
-    return lambda tok: str(tokenizer.decode([tok]))
 
 
 class _Base:
     obj = ""
 
     def __init__(
-        self, model: str, include_usage: bool, rid: str, token_text: Callable[[int], str] | None
+        self, model: str, include_usage: bool, rid: str, token_bytes: TokenBytes | None
     ) -> None:
         self.rid, self.created, self.model = rid, api.now(), model
         self.include_usage = include_usage
         self.text: list[str] = []
         self.finish: str | None = None
         self.usage: Usage | None = None
-        self.logprobs = None if token_text is None else _Logprobs(token_text)
+        self.logprobs = None if token_bytes is None else _Logprobs(token_bytes)
 
     def start(self) -> list[dict[str, Any]]:
         return []
@@ -92,9 +93,9 @@ class CompletionOutput(_Base):
     obj = "text_completion"
 
     def __init__(
-        self, model: str, include_usage: bool = False, token_text: Callable[[int], str] | None = None
+        self, model: str, include_usage: bool = False, token_bytes: TokenBytes | None = None
     ) -> None:
-        super().__init__(model, include_usage, api.new_id("cmpl"), token_text)
+        super().__init__(model, include_usage, api.new_id("cmpl"), token_bytes)
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         self.text.append(chunk.text)
@@ -105,7 +106,7 @@ class CompletionOutput(_Base):
         if self.logprobs is not None:
             self.logprobs.add(chunk.logprob)
             lp = self.logprobs
-            lp.attach(out, lambda entries: api.completion_logprobs(entries, lp.sent_chars))
+            lp.attach(out, lambda entries: api.completion_logprobs(entries, lp.sent))
         if chunk.finish_reason is not None:
             self.finish, self.usage = finish, chunk.usage
             out += self._usage_chunk()
@@ -116,7 +117,9 @@ class CompletionOutput(_Base):
             self.rid, self.model, "".join(self.text), self.finish, self.usage
         )
         if self.logprobs is not None:
-            body["choices"][0]["logprobs"] = api.completion_logprobs(self.logprobs.all, 0)
+            body["choices"][0]["logprobs"] = api.completion_logprobs(
+                self.logprobs.all, api.TextOffsets()
+            )
         return body
 
 
@@ -131,9 +134,9 @@ class ChatOutput(_Base):
         model: str,
         include_usage: bool,
         parser: output.ChatOutput,
-        token_text: Callable[[int], str] | None = None,
+        token_bytes: TokenBytes | None = None,
     ) -> None:
-        super().__init__(model, include_usage, api.new_id("chatcmpl"), token_text)
+        super().__init__(model, include_usage, api.new_id("chatcmpl"), token_bytes)
         self.parser = parser
 
     def _delta(self, d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -196,14 +199,15 @@ def chat_prompt(
             raise
         # a value of the request's own template arguments the template cannot use
         raise ApiError(
-            400, f"the model's chat template rejected chat_template_kwargs: {e}",
+            400,
+            f"the model's chat template rejected chat_template_kwargs: {e}",
             param="chat_template_kwargs",
         ) from None
     reasoning = fmt.opens_reasoning(text) and not prefix
     parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")
-    texts = token_text(tokenizer) if req.logprob_count() >= 0 else None
+    texts = TokenBytes(tokenizer) if req.logprob_count() >= 0 else None
     return encode(text + prefix), ChatOutput(model, req.include_usage, parser, texts)
 
 
@@ -219,7 +223,7 @@ def completion_prompt(
     ids = encode(req.prompt_text())
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
-    texts = token_text(tokenizer) if tokenizer is not None and req.logprob_count() >= 0 else None
+    texts = TokenBytes(tokenizer) if tokenizer is not None and req.logprob_count() >= 0 else None
     return ids, CompletionOutput(model, req.include_usage, texts)
 
 

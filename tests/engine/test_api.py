@@ -275,3 +275,19 @@ def test_logprob_counts():
     assert parse({"prompt": "x", "logprobs": 2}, CompletionRequest).logprob_count() == 2
     assert parse({"prompt": "x"}, CompletionRequest).logprob_count() == -1
     assert error_of({"prompt": "x", "logprobs": 6}, CompletionRequest).param == "logprobs"
+
+
+def test_completion_logprobs_offsets_count_characters_of_the_text():
+    """text_offset counts characters of the completion's text: a token holding part of a
+    character adds nothing until the character is whole (it was each token text's length, and
+    a part's text is ``bytes:\\x..``)."""
+    check = "✓".encode()
+    pieces = [api.Piece(" a", b" a"), api.Piece("bytes:\\xe2\\x9c", check[:2]),
+              api.Piece("bytes:\\x93", check[2:]), api.Piece("é!", "é!".encode())]  # fmt: skip
+    entries = [(p, -0.5, [(p, -0.5)]) for p in pieces]
+    offsets = api.TextOffsets()
+    first = api.completion_logprobs(entries[:2], offsets)  # streamed: two chunks, one offsets
+    second = api.completion_logprobs(entries[2:], offsets)
+    assert first["text_offset"] + second["text_offset"] == [0, 2, 2, 3]
+    assert first["tokens"] == [" a", "bytes:\\xe2\\x9c"]
+    assert api.chat_logprobs(entries[1:2])["content"][0]["bytes"] == [0xE2, 0x9C]

@@ -307,6 +307,10 @@ def test_logprobs_over_http(live):
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert lp.text_offset[0] == 0 and all(len(t) == 1 for t in lp.top_logprobs)
+    raw = b"".join(bytes(e.bytes) for e in content)  # what each token adds: the content's bytes
+    assert raw.decode("utf-8", "replace") == r.choices[0].message.content
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(5)]
 
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 12}
