@@ -120,6 +120,8 @@ class _Sampling(_Request):
     # mlx-lm's filters and logits processors, named and bounded as mlx_lm.server / OpenAI do
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=0.5)  # mlx-lm's apply_xtc's bound
     repetition_penalty: float = Field(default=0.0, ge=0.0)
     repetition_context_size: int = Field(default=20, ge=1)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -21,6 +21,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
+    #: XTC ("exclude top choices"): with this probability per token, every token likelier than
+    #: the least likely one above the threshold is cut; ``xtc_keep`` are never cut (0: off)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_keep: tuple[int, ...] = ()
     #: logits processors (mlx-lm's ``make_logits_processors``): 0 / None is off
     repetition_penalty: float = 0.0
     repetition_context_size: int = 20

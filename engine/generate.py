@@ -22,7 +22,7 @@ import tiered_kv
 from engine import warmup
 from engine.batch import BatchLoop
 from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
-from engine.loading import context_length, load_model, vocab_size
+from engine.loading import context_length, load_model, vocab_size, xtc_keep
 from engine.prefill import Progress, checkpoint_positions, fill, prefill, prefill_steps
 from engine.textout import TextStream
 from tiered_kv import CacheDirError, Config, HitInfo, Lease, model_identity
@@ -51,6 +51,7 @@ class Engine:
         self.model, self.tokenizer = load_model(self.model_dir)
         self.context_length = context_length(self.model_dir, self.tokenizer)
         self.vocab_size = vocab_size(self.model_dir, self.tokenizer)
+        self.xtc_keep = xtc_keep(self.tokenizer)
         # several requests' prompt chunks in one forward (engine/prefilling.py), when switched on
         # (TIERED_KV_SHARED_PREFILL; `auto`: on a GPU)
         gpu = mx.default_device().type == mx.gpu

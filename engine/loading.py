@@ -85,6 +85,12 @@ def vocab_size(model_dir: Path, tokenizer: Any) -> int:
         return 0
 
 
+def xtc_keep(tokenizer: Any) -> tuple[int, ...]:
+    """Tokens XTC sampling never cuts: a newline's and the end-of-sequence tokens, as
+    mlx_lm.server keeps them."""
+    return tuple(dict.fromkeys([*tokenizer.encode("\n"), *tokenizer.eos_token_ids]))
+
+
 #: when a tokenizer does not list its vocabulary: a generous characters-per-token ceiling
 FALLBACK_TOKEN_CHARS = 256
 #: normalisers may compose characters (NFKC: "e" + U+0301 -> "é"): room for that in the bound

@@ -228,10 +228,16 @@ def completion_prompt(
 
 
 def sampling(
-    req: Any, prompt_tokens: int, context_length: int, vocab_size: int, default_max: int = 0
+    req: Any,
+    prompt_tokens: int,
+    context_length: int,
+    vocab_size: int,
+    default_max: int = 0,
+    xtc_keep: tuple[int, ...] = (),
 ) -> SamplingParams:
     """The engine's sampling parameters; ``max_tokens`` (the server's ``default_max`` where the
-    request names none; 0: no bound of its own) clamped to what the context leaves."""
+    request names none; 0: no bound of its own) clamped to what the context leaves; ``xtc_keep``:
+    the model's tokens XTC never cuts."""
     max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length, default_max)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -241,6 +247,9 @@ def sampling(
         stop=req.stop_tuple(),
         top_k=req.top_k,
         min_p=req.min_p,
+        xtc_probability=req.xtc_probability,
+        xtc_threshold=req.xtc_threshold,
+        xtc_keep=xtc_keep,
         repetition_penalty=req.repetition_penalty,
         repetition_context_size=req.repetition_context_size,
         presence_penalty=req.presence_penalty,

@@ -2,7 +2,7 @@
 
 A sampler maps ``logprobs (B, V) -> token ids (B,)``. Greedy requests get ``None`` (the batch's
 shared argmax: one call for all of them). The filters are mlx-lm's (``make_sampler``: top-p,
-min-p, top-k, in its order), and so are the logits processors (``make_logits_processors``: logit
+min-p, XTC, top-k, in its order), and so are the logits processors (``make_logits_processors``: logit
 bias, repetition / presence / frequency penalties over the last tokens), as mlx_lm.server applies
 them. mlx-lm's sampler draws from MLX's global random state, which every request in a batch
 shares, so a request with a ``seed`` gets its own key instead: the same seed gives the same tokens
@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
+    apply_xtc,
     make_logits_processors,
     make_sampler,
 )
@@ -37,7 +38,11 @@ def for_request(p: SamplingParams) -> Sampler | None:
     if p.temperature == 0:
         return None
     if p.seed is None:
-        return make_sampler(temp=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
+        return make_sampler(
+            temp=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k,
+            xtc_probability=p.xtc_probability, xtc_threshold=p.xtc_threshold,
+            xtc_special_tokens=list(p.xtc_keep),
+        )  # fmt: skip
     key = mx.random.key(p.seed)
     inv_temp = 1.0 / p.temperature
 
@@ -48,6 +53,10 @@ def for_request(p: SamplingParams) -> Sampler | None:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p != 0.0:
             logprobs = apply_min_p(logprobs, p.min_p)
+        if p.xtc_probability > 0.0:  # mlx-lm's cut (probability 1), taken on the request's draw
+            key, draw = mx.random.split(key)
+            cut = apply_xtc(logprobs, 1.0, p.xtc_threshold, list(p.xtc_keep))
+            logprobs = mx.where(mx.random.uniform(key=draw) < p.xtc_probability, cut, logprobs)
         if p.top_k > 0:
             logprobs = apply_top_k(logprobs, p.top_k)
         return mx.random.categorical(logprobs * inv_temp, key=sub)

@@ -106,7 +106,7 @@ class Server:
                 ids, out = await self._off_loop(prepare, req)
                 params = respond.sampling(
                     req, len(ids), self.engine.context_length, self.engine.vocab_size,
-                    self.config.max_tokens,
+                    self.config.max_tokens, self.engine.xtc_keep,
                 )  # fmt: skip
                 job = self.worker.submit(ids, params, endpoint, arrival)
             except QueueFull as e:

@@ -86,6 +86,8 @@ def test_opencode_style_request_accepted():
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "top_k": -1}, "top_k"),
         ({"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}, "min_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "xtc_probability": 1.5}, "xtc_probability"),
+        ({"messages": [{"role": "user", "content": "x"}], "xtc_threshold": 0.6}, "xtc_threshold"),
         ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": -1}, "repetition_penalty"),
         ({"messages": [{"role": "user", "content": "x"}], "repetition_context_size": 0}, "repetition_context_size"),
         ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
@@ -245,8 +247,10 @@ def test_sampling_fields_reach_the_engine_and_a_bias_names_a_real_token():
 
     body = {"messages": [{"role": "user", "content": "x"}], "top_k": 20, "min_p": 0.05,
             "repetition_penalty": 1.1, "repetition_context_size": 64, "presence_penalty": 1.5,
-            "frequency_penalty": -0.5, "frequency_context_size": 32, "logit_bias": {"7": -100}}
-    p = sampling(parse(body), 10, 4096, 100)
+            "frequency_penalty": -0.5, "frequency_context_size": 32, "logit_bias": {"7": -100},
+            "xtc_probability": 0.5, "xtc_threshold": 0.2}
+    p = sampling(parse(body), 10, 4096, 100, xtc_keep=(2, 9))
+    assert (p.xtc_probability, p.xtc_threshold, p.xtc_keep) == (0.5, 0.2, (2, 9))
     assert (p.top_k, p.min_p, p.repetition_penalty, p.repetition_context_size) == (20, 0.05, 1.1, 64)
     assert (p.presence_penalty, p.frequency_penalty, p.frequency_context_size) == (1.5, -0.5, 32)
     assert p.logit_bias == ((7, -100.0),) and p.presence_context_size == 20

@@ -45,6 +45,25 @@ def test_top_k_and_min_p_filter_the_draw_seeded_or_not():
         assert [s(lp).tolist() for _ in range(8)] == [greedy(lp).tolist()] * 8, params
 
 
+def test_xtc_cuts_the_top_choices_but_the_kept_tokens_seeded_or_not():
+    """XTC at probability 1 cuts every token likelier than the least likely one above the
+    threshold: the draw comes from the rest, or a kept token (a newline, the end of sequence).
+    Before, xtc_probability and xtc_threshold were ignored."""
+    probs = mx.array([[0.5, 0.3, 0.15, 0.05]])
+    lp = mx.log(probs)
+    for seed in (None, 5):
+        s = for_request(SamplingParams(temperature=1.0, seed=seed, xtc_probability=1.0,
+                                       xtc_threshold=0.1))  # fmt: skip
+        assert s is not None
+        assert {int(s(lp).item()) for _ in range(40)} <= {2, 3}, seed  # 0 and 1 cut
+        kept = for_request(SamplingParams(temperature=1.0, seed=seed, xtc_probability=1.0,
+                                          xtc_threshold=0.1, xtc_keep=(0,)))  # fmt: skip
+        assert kept is not None
+        assert 0 in {int(kept(lp).item()) for _ in range(60)}, seed
+        never = for_request(SamplingParams(temperature=0.01, seed=seed, xtc_probability=0.0))
+        assert never is not None and int(never(lp).item()) == 0
+
+
 def test_processors_are_mlx_lms_and_none_by_default():
     assert processors(SamplingParams()) == []
     procs = processors(SamplingParams(logit_bias=((3, 50.0),), repetition_penalty=1.2))

@@ -68,6 +68,8 @@ common = {
     "n": st.integers(-1, 3) | json_values,
     "top_k": small_int | json_values,
     "min_p": st.floats(-1, 2, allow_nan=False, allow_infinity=False) | json_values,
+    "xtc_probability": st.floats(-1, 2, allow_nan=False, allow_infinity=False) | json_values,
+    "xtc_threshold": st.floats(-1, 1, allow_nan=False, allow_infinity=False) | json_values,
     "repetition_penalty": st.floats(-1, 3, allow_nan=False, allow_infinity=False) | json_values,
     "repetition_context_size": small_int | json_values,
     "presence_penalty": st.floats(-3, 3, allow_nan=False, allow_infinity=False) | json_values,
