@@ -1,6 +1,6 @@
 """`tiered-kv model …`: build the tiny random model, fetch + convert SmolLM2.
 
-    tiered-kv model tiny [OUT_DIR] [--size test|test-llama3|bench|1b|8b] [--seed N]
+    tiered-kv model tiny [OUT_DIR] [--size test|test-llama3|bench|1b|8b|gemma3-test|gemma3-1b|gemma3-4b] [--seed N]
     tiered-kv model fetch smollm2 [OUT_DIR] [--keep-4bit]
     tiered-kv model fetch templates [OUT_DIR]     (model families' chat templates, for tests/benchmarks)
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from engine.blas import blas_status
-from engine.models.tiny import SIZES
+from engine.models.tiny import ALL_SIZES
 
 log = logging.getLogger(__name__)
 FETCHABLE = ("smollm2", "templates")
@@ -71,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tiny", help="deterministic random-weight llama + locally trained tokenizer"
     )
     tiny.add_argument("out_dir", nargs="?", type=Path, help="default: $MODELS_DIR/tiny-SIZE")
-    tiny.add_argument("--size", choices=tuple(SIZES), default="test")
+    tiny.add_argument("--size", choices=ALL_SIZES, default="test")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_tiny)
 

@@ -10,7 +10,8 @@ head_dim 64, float32) is slow enough on a CPU that skipping a cached prefix is m
 ``test`` with Llama 3's RoPE scaling, whose frequencies mlx-lm keeps as a lazy array made at load time: a
 model that fails when evaluated on a thread other than the one that loaded it (as every GPU request did).
 ``1b`` / ``8b`` are Llama-3.2-1B / Llama-3.1-8B shapes in bfloat16 (KV 32 / 128 KiB per token) for GPU
-benchmarks; their random weights are drawn with MLX (fast on a GPU), not NumPy.
+benchmarks; their random weights are drawn with MLX (fast on a GPU), not NumPy. ``gemma3-*`` are
+gemma3_text models (sliding-window layers) with the same tokenizer (:data:`GEMMA3`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,22 @@ _EXTRA: dict[str, dict] = {
            "max_position_embeddings": 131072},
 }  # fmt: skip
 _MLX_WEIGHTS = ("1b", "8b")  # too large for NumPy's generator: drawn with MLX in bfloat16
+
+#: gemma3_text shapes: sliding-window layers (mlx-lm's RotatingKVCache) with one global layer in
+#: six; weights drawn by mlx-lm's own gemma3_text classes (MLX, seeded). ``gemma3-test`` is tiny
+#: (float32, window 16); the others are Gemma-3-1B / 4B shapes in bfloat16, for GPU benchmarks.
+GEMMA3: dict[str, dict[str, Any]] = {
+    "gemma3-test": dict(hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+                        num_attention_heads=4, head_dim=16, num_key_value_heads=2,
+                        sliding_window=16, query_pre_attn_scalar=16, torch_dtype="float32"),
+    "gemma3-1b": dict(hidden_size=1152, num_hidden_layers=26, intermediate_size=6912,
+                      num_attention_heads=4, head_dim=256, num_key_value_heads=1,
+                      sliding_window=512, query_pre_attn_scalar=256, torch_dtype="bfloat16"),
+    "gemma3-4b": dict(hidden_size=2560, num_hidden_layers=34, intermediate_size=10240,
+                      num_attention_heads=8, head_dim=256, num_key_value_heads=4,
+                      sliding_window=1024, query_pre_attn_scalar=256, torch_dtype="bfloat16"),
+}  # fmt: skip
+ALL_SIZES = (*SIZES, *GEMMA3)
 
 
 class TinyModelError(ValueError):
@@ -305,6 +322,39 @@ def _save_mlx_weights(path: Path, shape: Shape, vocab_size: int, seed: int) -> N
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
 
 
+def gemma3_config(size: str, vocab_size: int) -> dict:
+    """config.json contents for mlx-lm's gemma3_text model of ``size``."""
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        **GEMMA3[size],
+        "vocab_size": vocab_size,
+        "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+    }
+
+
+def _save_gemma3_weights(path: Path, config: dict, seed: int) -> None:
+    """Random weights made by mlx-lm's gemma3_text ``Model`` itself (its own initialisation,
+    seeded), in the config's dtype, linear layers halved so activations stay finite."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(seed)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16 if config["torch_dtype"] == "bfloat16" else mx.float32)
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    weights = {k: v * 0.5 if v.ndim == 2 else v for k, v in params}
+    mx.eval(weights)
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+
+
 # --- directory ----------------------------------------------------------------------------------------
 
 
@@ -319,14 +369,19 @@ def build(out_dir: Path, size: str = "test", seed: int = 0) -> Path:
     never leaves a half-written model. Raises :class:`TinyModelError` for an unknown size or an
     unusable ``out_dir``.
     """
-    if size not in SIZES:
-        raise TinyModelError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if size not in ALL_SIZES:
+        raise TinyModelError(f"unknown size {size!r}; choose one of {', '.join(ALL_SIZES)}")
 
     def write(tmp: Path) -> None:
         tok = train_tokenizer()
         vocab = tok.get_vocab_size()
         tok.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
+        if size in GEMMA3:
+            config = gemma3_config(size, vocab)
+            _write_json(tmp / "config.json", config)
+            _save_gemma3_weights(tmp / "model.safetensors", config, seed)
+            return
         config = {**model_config(SIZES[size], vocab), **_EXTRA.get(size, {})}
         _write_json(tmp / "config.json", config)
         if size in _MLX_WEIGHTS:

@@ -109,3 +109,36 @@ def test_bench_size_shape(tiny_bench_dir: Path) -> None:
     config = json.loads((tiny_bench_dir / "config.json").read_text())
     assert config["num_hidden_layers"] >= 8 and config["head_dim"] == 64
     assert config["num_key_value_heads"] >= 2 and config["torch_dtype"] == "float32"
+
+
+def test_gemma3_size_is_a_sliding_window_model_the_engine_decodes_as_mlx_lm(tmp_path: Path) -> None:
+    """``gemma3-test``: mlx-lm's gemma3_text with sliding-window layers (one global in six),
+    deterministic per seed; the engine's greedy tokens over a prompt longer than the window are
+    mlx-lm's own ``generate_step``'s."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    from engine.events import SamplingParams
+    from engine.generate import Engine
+    from tiered_kv import Config
+
+    out = tiny.build(tmp_path / "g", size="gemma3-test", seed=0)
+    again = tiny.build(tmp_path / "g2", size="gemma3-test", seed=0)
+    assert (out / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    engine = Engine(out, Config(tiers=(), warmup="off"))
+    try:
+        kinds = [type(c) for c in make_prompt_cache(engine.model)]
+        assert kinds.count(KVCache) == 1 and kinds.count(RotatingKVCache) == 5
+        ids = engine.tokenizer.encode("the cache holds the prompt of the world " * 6)
+        assert len(ids) > 16  # past the window
+        got = [
+            c.token
+            for c in engine.generate(ids, SamplingParams(max_tokens=12))
+            if c.token is not None
+        ]
+        cache = make_prompt_cache(engine.model)
+        want = [int(t) for t, _ in generate_step(mx.array(ids), engine.model, max_tokens=12,
+                                                 prompt_cache=cache)]  # fmt: skip
+        assert got == want[: len(got)] and got
+    finally:
+        engine.close()
