@@ -69,9 +69,9 @@ class TokenBytes:
     def __call__(self, token: int, first: bool = False) -> bytes:
         if not (self._spm or self._bpe):
             return str(self._tokenizer.decode([token])).encode("utf-8")
-        if not 0 <= token < len(self._map):  # a padded vocabulary's id: no text
+        piece = self._map[token] if 0 <= token < len(self._map) else None
+        if piece is None:  # a padded vocabulary's id, or one the tokenizer does not name
             return b""
-        piece = self._map[token]
         if self._spm:
             raw = piece.replace(_SPM_SPACE, b" ")
             return raw[1:] if first and self._trim and raw.startswith(b" ") else raw

@@ -87,3 +87,8 @@ def _not_utf8(raw: bytes) -> bool:
 def test_piece_text_escapes_a_part_of_a_character():
     assert piece_text(" café".encode()) == " café"
     assert piece_text("✓".encode()[:2]) == "bytes:\\xe2\\x9c"
+
+
+def test_an_id_the_tokenizer_does_not_name_adds_no_bytes(tokenizer):
+    token_bytes = TokenBytes(tokenizer)
+    assert token_bytes(10**7) == b"" and token_bytes(-1) == b""
