@@ -32,7 +32,23 @@ BATCHABLE = (C.KVCache, C.RotatingKVCache, C.ArraysCache)
 FIRST_TEXT_TOKENS = 4
 
 
-class DecodeKVCache(C.BatchKVCache):
+class _PaddingSeen:
+    """Whether any row of a batched cache is left-padded, looked at once (one sync) per
+    ``left_padding`` array: mlx-lm makes a new one whenever rows join or leave (merge, extend,
+    filter, prepare, finalize, a state set), so a lone row's decode steps do not sync."""
+
+    left_padding: mx.array
+    _seen: mx.array | None = None  # the left_padding array last looked at
+    _padded = True
+
+    def _any_padding(self) -> bool:
+        lp = self.left_padding
+        if lp is not self._seen:
+            self._seen, self._padded = lp, bool(mx.any(lp > 0).item())
+        return self._padded
+
+
+class DecodeKVCache(_PaddingSeen, C.BatchKVCache):
     """mlx-lm's ``BatchKVCache`` with two changes to how a decode step's attention sees it; the
     tokens are the same (greedy output equals mlx-lm's ``generate_step``), the speed is not.
 
@@ -56,8 +72,6 @@ class DecodeKVCache(C.BatchKVCache):
 
     keys: mx.array | None  # mlx-lm's buffers (None until the first rows)
     values: mx.array | None
-    _seen: mx.array | None = None  # the left_padding array last looked at
-    _padded = True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, n = self._idx, int(keys.shape[2])
@@ -86,16 +100,8 @@ class DecodeKVCache(C.BatchKVCache):
                 return None
         return super().make_mask(N, return_array=return_array, **kwargs)
 
-    def _any_padding(self) -> bool:
-        # left_padding is a new array whenever rows join or leave (merge, extend, filter):
-        # looked at once each time, not every step
-        lp = self.left_padding
-        if lp is not self._seen:
-            self._seen, self._padded = lp, bool(mx.any(lp != 0).item())
-        return self._padded
 
-
-class DecodeRotatingKVCache(C.BatchRotatingKVCache):
+class DecodeRotatingKVCache(_PaddingSeen, C.BatchRotatingKVCache):
     """mlx-lm's ``BatchRotatingKVCache`` (a sliding-window layer's batched cache) whose decode
     step gives attention no mask while no row is left-padded, as :class:`DecodeKVCache`'s does;
     the tokens are the same (greedy output equals mlx-lm's ``generate_step``, which passes no
@@ -103,40 +109,22 @@ class DecodeRotatingKVCache(C.BatchRotatingKVCache):
 
     mlx-lm's builds an array mask for every step (a roll of it once the window is full). For one
     query over a window no smaller than the buffer, with no row padded, every entry of that mask
-    is true. Left padding only shrinks while rows decode (the window rotates it away), so "no row
-    padded", looked at once (one sync) after rows joined or left, holds until they join or leave
-    again."""
-
-    _padded: bool | None = None  # None: not looked at since rows last joined or left
+    is true. Once the window rotates, each one-token step makes a new ``left_padding`` (lowered
+    by one): what was seen of the last one still holds (padding only shrinks), so it is carried
+    over rather than looked at again."""
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> Any:
         if N == 1 and not return_array and (window_size or self.max_size) >= self.max_size:
-            if self._padded is None:
-                self._padded = bool(mx.any(self.left_padding > 0).item())
-            if not self._padded:
+            if not self._any_padding():
                 return None
         return super().make_mask(N, window_size=window_size, return_array=return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if keys.shape[2] != 1:  # mlx-lm's concatenating update may roll padding back in
-            self._padded = None
-        return super().update_and_fetch(keys, values)
-
-    def prepare(self, **kwargs: Any) -> None:
-        self._padded = None
-        super().prepare(**kwargs)
-
-    def finalize(self) -> None:
-        self._padded = None
-        super().finalize()
-
-    def filter(self, batch_indices: Any) -> None:
-        self._padded = None
-        super().filter(batch_indices)
-
-    def extend(self, other: Any) -> None:
-        self._padded = None
-        super().extend(other)
+        carried = keys.shape[2] == 1 and self._seen is self.left_padding
+        out = super().update_and_fetch(keys, values)
+        if carried:  # a one-token step only lowers left padding
+            self._seen = self.left_padding
+        return out
 
 
 def _grown(x: mx.array, rows: int, size: int) -> mx.array:
