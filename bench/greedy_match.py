@@ -40,7 +40,7 @@ def _generate_step(step: int | None) -> Callable[[Engine, list[int], int], Steps
         out = []
         for t, lp in generate_step(mx.array(prompt), engine.model, max_tokens=tokens,
                                    prompt_cache=cache, **kw):  # fmt: skip
-            top = mx.argsort(-lp)[:TOP].tolist()
+            top: list[int] = mx.argsort(-lp)[:TOP].tolist()  # type: ignore[assignment]
             out.append((int(t), {i: float(lp[i]) for i in top}))
         return out
 
@@ -68,10 +68,10 @@ def compare(ref: Steps, got: Steps) -> dict[str, Any]:
     """Tokens equal to ``ref``'s, the first that differs (None), and the largest |log-probability
     difference| over ``got``'s top tokens at the positions up to it (ids outside the reference's
     top at that position are skipped)."""
-    first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a[0] != b[0]), None)
+    first = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a[0] != b[0]), None)
     upto = len(got) if first is None else first + 1
     diffs = [abs(lp - ref[i][1][t]) for i in range(upto) for t, lp in got[i][1].items() if t in ref[i][1]]
-    return {"equal": sum(a[0] == b[0] for a, b in zip(ref, got)), "first": first,
+    return {"equal": sum(a[0] == b[0] for a, b in zip(ref, got, strict=True)), "first": first,
             "max_diff": max(diffs, default=0.0)}  # fmt: skip
 
 
