@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import uvicorn
 
 from engine.server import create_app
@@ -63,6 +62,10 @@ class Live:
     """A running server: ``url``, ``client`` (openai), ``app``."""
 
     def __init__(self, app, port: int):
+        # imported here, not at the top: the engine tests that start no server then run where the
+        # openai package is absent (the GPU device's wheels)
+        import openai
+
         self.app, self.url = app, f"http://127.0.0.1:{port}"
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="sekret", max_retries=0)
 
