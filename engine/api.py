@@ -294,6 +294,11 @@ def parse_body(raw: bytes, model: type[_Request]) -> Any:
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     check_json(data)
+    return validate(data, model)
+
+
+def validate(data: dict[str, Any], model: type[_Request]) -> Any:
+    """A JSON object → a validated request model, or ApiError(400) naming the offending field."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

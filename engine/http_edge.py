@@ -15,15 +15,18 @@ from engine.api import ApiError
 
 
 class Auth:
-    """ASGI middleware: ``Authorization: Bearer <api_key>`` on every path except /health."""
+    """ASGI middleware: ``Authorization: Bearer <api_key>`` (or Anthropic's ``x-api-key: <api_key>``)
+    on every path except /health."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.key and scope["path"] != "/health":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
             token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+            token = token or headers.get(b"x-api-key", b"").strip()
             if not hmac.compare_digest(token, self.key):
                 body = api.error_body("invalid or missing API key", code="invalid_api_key")
                 await JSONResponse(body, status_code=401)(scope, receive, send)

@@ -29,11 +29,16 @@ CheckChars = Callable[[int, str], None]  # (characters, param): a 400 when they 
 
 
 class Output(Protocol):
-    """One request's OpenAI view of the engine's chunks."""
+    """One request's API view of the engine's chunks (OpenAI's here, Anthropic's in
+    ``engine/messages.py``): the streamed objects (``named_events``: each sent as an SSE event
+    named by its ``type``, with no ``[DONE]`` after them), the whole body, a mid-stream error."""
 
-    def start(self) -> list[dict[str, Any]]: ...
+    named_events: bool
+
+    def start(self, hit: Hit | None = None) -> list[dict[str, Any]]: ...
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]: ...
     def body(self) -> dict[str, Any]: ...
+    def error(self, e: Exception) -> dict[str, Any]: ...
 
 
 class _Logprobs:
@@ -69,6 +74,7 @@ class _Logprobs:
 
 class _Base:
     obj = ""
+    named_events = False
 
     def __init__(
         self, model: str, include_usage: bool, rid: str, token_bytes: TokenBytes | None
@@ -80,8 +86,11 @@ class _Base:
         self.usage: Usage | None = None
         self.logprobs = None if token_bytes is None else _Logprobs(token_bytes)
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self, hit: Hit | None = None) -> list[dict[str, Any]]:
         return []
+
+    def error(self, e: Exception) -> dict[str, Any]:
+        return error_chunk(e)
 
     def _usage_chunk(self) -> list[dict[str, Any]]:
         if self.usage is None or not self.include_usage:
@@ -142,7 +151,7 @@ class ChatOutput(_Base):
     def _delta(self, d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return api.chat_chunk(self.rid, self.created, self.model, d, finish)
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self, hit: Hit | None = None) -> list[dict[str, Any]]:
         return [self._delta({"role": "assistant", "content": ""})]
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:

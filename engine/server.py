@@ -1,11 +1,13 @@
-"""OpenAI-compatible HTTP transport (FastAPI): bytes → request → worker → SSE or JSON.
+"""OpenAI-compatible (and Anthropic Messages) HTTP transport (FastAPI): bytes → request → worker →
+SSE or JSON.
 
 Transport only. Handlers run on the asyncio loop and never touch MLX; rendering and tokenizing run
 in the thread pool, generation on the :class:`engine.worker.Worker` thread (continuous batching).
 Schemas live in ``engine/api.py``; prompts, tool calls, finish reasons and usage in
 ``engine/respond.py``; the events a job yields in ``engine/events.py``; the SSE pump and the
 non-streaming collector both endpoints share in ``engine/sse.py``. This is the HTTP edge: any
-exception becomes an OpenAI-shaped error body here, never a traceback to the client.
+exception becomes an OpenAI-shaped (on ``/v1/messages``, Anthropic-shaped) error body here, never a
+traceback to the client.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, chat, respond, sse
+from engine import api, chat, messages, respond, sse
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.http_edge import Auth, ShutdownGuard, read_body
 from engine.loading import max_token_chars
@@ -74,12 +77,15 @@ class Server:
     def model_id(self) -> str:
         return self._model_id or str(self.engine.model_dir.name)
 
-    def _error(self, endpoint: str, e: Exception) -> JSONResponse:
+    def _error(self, endpoint: str, e: Exception, anthropic: bool = False) -> JSONResponse:
         if isinstance(e, ApiError):
             self.metrics.request(endpoint, e.status)
-            return JSONResponse(e.body(), status_code=e.status)
+            body = messages.error_body(e) if anthropic else e.body()
+            return JSONResponse(body, status_code=e.status)
         log.exception("internal error on %s", endpoint)
         self.metrics.request(endpoint, 500)
+        if anthropic:
+            return JSONResponse(messages.error_body(e), status_code=500)
         return JSONResponse(api.error_body(f"internal error: {e}", "server_error"), status_code=500)
 
     def _check_chars(self, n_chars: int, param: str) -> None:
@@ -93,16 +99,21 @@ class Server:
             return await run_in_threadpool(fn, *args)
 
     async def _serve(
-        self, request: Request, endpoint: str, schema: type, prepare: Callable[[Any], Any]
+        self,
+        request: Request,
+        endpoint: str,
+        parse: Callable[[bytes], Any],
+        prepare: Callable[[Any], Any],
+        anthropic: bool = False,
     ) -> Response:
-        """Both endpoints: parse, prepare (thread pool), queue, then stream or collect."""
+        """Every generating endpoint: parse, prepare (thread pool), queue, then stream or collect."""
         try:
             # from the first byte: a title's small body is read, parsed and tokenised before
             # the main request's large one is read; an idle engine waits for it with the others
             arrival = self.worker.arrive()
             try:
                 body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
-                req = await self._off_loop(api.parse_body, body, schema)
+                req = await self._off_loop(parse, body)
                 ids, out = await self._off_loop(prepare, req)
                 params = respond.sampling(
                     req, len(ids), self.engine.context_length, self.engine.vocab_size,
@@ -129,18 +140,38 @@ class Server:
             self.metrics.request(endpoint, 200)
             return JSONResponse(result, headers=headers)
         except Exception as e:
-            return self._error(endpoint, e)
+            return self._error(endpoint, e, anthropic)
+
+    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], respond.ChatOutput]:
+        self._check_chars(req.content_chars(), "messages")  # before rendering it
+        return respond.chat_prompt(
+            self.engine.tokenizer, self.engine.encode_text, req, self.model_id,
+            self._check_chars, self.template_defaults,
+        )  # fmt: skip
 
     async def chat_completions(self, request: Request) -> Response:
-        def prepare(req: ChatRequest) -> tuple[list[int], respond.Output]:
-            self._check_chars(req.content_chars(), "messages")  # before rendering it
-            tok = self.engine.tokenizer
-            return respond.chat_prompt(
-                tok, self.engine.encode_text, req, self.model_id, self._check_chars,
-                self.template_defaults,
-            )  # fmt: skip
+        parse = partial(api.parse_body, model=ChatRequest)
+        return await self._serve(request, "chat", parse, self._chat_prompt)
 
-        return await self._serve(request, "chat", ChatRequest, prepare)
+    async def anthropic_messages(self, request: Request) -> Response:
+        """Anthropic's Messages API over the chat path (``engine/messages.py``)."""
+
+        def prepare(req: ChatRequest) -> tuple[list[int], messages.MessagesOutput]:
+            ids, chat_out = self._chat_prompt(req)
+            return ids, messages.MessagesOutput(self.model_id, chat_out.parser, len(ids))
+
+        return await self._serve(request, "messages", messages.parse, prepare, anthropic=True)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the rendered prompt's length."""
+        try:
+            body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
+            req = await self._off_loop(messages.parse, body)
+            ids, _ = await self._off_loop(self._chat_prompt, req)
+        except Exception as e:
+            return self._error("count_tokens", e, anthropic=True)
+        self.metrics.request("count_tokens", 200)
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def completions(self, request: Request) -> Response:
         def prepare(req: CompletionRequest) -> tuple[list[int], respond.Output]:
@@ -149,7 +180,8 @@ class Server:
                 self.engine.tokenizer,
             )  # fmt: skip
 
-        return await self._serve(request, "completions", CompletionRequest, prepare)
+        parse = partial(api.parse_body, model=CompletionRequest)
+        return await self._serve(request, "completions", parse, prepare)
 
     async def models(self, request: Request) -> Response:
         self.metrics.request("models", 200)
@@ -195,6 +227,8 @@ def create_app(
     app.state.server = server
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/messages", server.anthropic_messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])

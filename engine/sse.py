@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from engine import respond
-from engine.events import END, Chunk, Event, Failed, Usage
+from engine.events import END, Chunk, Event, Failed, Hit, Usage
 from engine.worker import Job
 
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -21,8 +21,10 @@ KEEPALIVE, DONE = b": keep-alive\n\n", b"data: [DONE]\n\n"
 OnUsage = Callable[[Usage | None], None]
 
 
-def encode(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+def encode(obj: dict[str, Any], named: bool = False) -> bytes:
+    """One SSE event: OpenAI's are data alone, Anthropic's named by the object's ``type``."""
+    data = b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"event: " + str(obj["type"]).encode() + b"\n" + data if named else data
 
 
 async def events(job: Job, keepalive: float) -> AsyncIterator[Event | None]:
@@ -34,24 +36,26 @@ async def events(job: Job, keepalive: float) -> AsyncIterator[Event | None]:
 async def pump(
     job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage
 ) -> AsyncIterator[bytes]:
-    """Streaming: ``out``'s chunks, keep-alives, a mid-stream error object, then [DONE]."""
+    """Streaming: ``out``'s chunks, keep-alives, a mid-stream error object, then (OpenAI) [DONE]."""
+    named = out.named_events
     try:
-        for obj in out.start():
-            yield encode(obj)
+        for obj in out.start(first if isinstance(first, Hit) else None):
+            yield encode(obj, named)
         ev = first
         while ev is not END:
             if ev is None:
                 yield KEEPALIVE
             elif isinstance(ev, Failed):
-                yield encode(respond.error_chunk(ev.error))
+                yield encode(out.error(ev.error), named)
                 break
             elif isinstance(ev, Chunk):
                 for obj in out.feed(ev):
-                    yield encode(obj)
+                    yield encode(obj, named)
                 if ev.usage is not None:
                     on_usage(ev.usage)
             ev = await anext(rest, END)
-        yield DONE
+        if not named:
+            yield DONE
     finally:
         job.cancel.set()  # no-op after the end; stops the request if the client went away
 

@@ -20,12 +20,15 @@ from typing import Any
 import httpx
 import uvicorn
 
+from engine.events import SamplingParams
+from engine.generate import Engine
 from engine.server import create_app
 from tests.fixtures import free_port
 from tiered_kv.config import Config
 
 __all__ = [
-    "AUTH", "TOOLS", "USER", "Live", "clean_env", "free_port", "hot_config", "serve", "start", "stop"
+    "AUTH", "TOOLS", "USER", "Live", "ScriptText", "Scripted", "clean_env", "free_port", "hot_config",
+    "serve", "start", "stop",
 ]  # fmt: skip
 
 # One tool, as agents send it: a city (required) and an optional day count.
@@ -53,6 +56,42 @@ USER = [{"role": "user", "content": "what is the weather in paris and in london 
 def hot_config(tmp: Path, **kw) -> Config:
     """The hot tier alone, small continuation threshold and prefill chunks (a tiny model's scale)."""
     return Config(cache_dir=tmp, tiers=("hot",), min_continuation_tokens=16, prefill_chunk=16, **kw)
+
+
+# --- a scripted engine: the real one, saying given text --------------------------------------------
+
+
+class ScriptText:
+    """A TextStream that ignores the sampled ids and says ``script`` (then stops)."""
+
+    def __init__(self, script: list[str]):
+        self.script, self.completion = list(script), 0
+
+    def add(self, tok: int) -> tuple[str, str | None]:
+        if not self.script:
+            return "", "stop"
+        self.completion += 1
+        piece = self.script.pop(0)
+        return piece, (None if self.script else "stop")
+
+    def tail(self) -> str:
+        return ""
+
+
+class Scripted:
+    """The real engine (model, cache, batch loop), except that its text is ``script`` (the random tiny
+    model never writes a tool call) and its request setup before the prefill sleeps ``delay`` seconds
+    (on the engine thread, as a slow prefill would)."""
+
+    def __init__(self, engine: Engine, script: list[str], delay: float = 0.0):
+        self._engine, self.script, self.delay = engine, script, delay
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def text_stream(self, params: SamplingParams) -> ScriptText:
+        time.sleep(self.delay)
+        return ScriptText(self.script)
 
 
 # --- in process: uvicorn in a thread ---------------------------------------------------------------

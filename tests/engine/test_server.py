@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.generate import Engine, SamplingParams
-from tests.serving import AUTH, TOOLS, USER, hot_config, serve
+from engine.generate import Engine
+from tests.serving import AUTH, TOOLS, USER, Scripted, hot_config, serve
 from tiered_kv.config import Config
 
 TOOL_TEXT = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -25,39 +25,6 @@ def fresh(tiny_model_dir, tmp_path):
     config = hot_config(tmp_path)
     with serve(lambda: Engine(tiny_model_dir, config), config) as s:
         yield s
-
-
-class _ScriptText:
-    """A TextStream that ignores the sampled ids and says ``script`` (then stops)."""
-
-    def __init__(self, script: list[str]):
-        self.script, self.completion = list(script), 0
-
-    def add(self, tok: int) -> tuple[str, str | None]:
-        if not self.script:
-            return "", "stop"
-        self.completion += 1
-        piece = self.script.pop(0)
-        return piece, (None if self.script else "stop")
-
-    def tail(self) -> str:
-        return ""
-
-
-class Scripted:
-    """The real engine (model, cache, batch loop), except that its text is ``script`` (the random tiny
-    model never writes a tool call) and its request setup before the prefill sleeps ``delay`` seconds
-    (on the engine thread, as a slow prefill would)."""
-
-    def __init__(self, engine: Engine, script: list[str], delay: float = 0.0):
-        self._engine, self.script, self.delay = engine, script, delay
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def text_stream(self, params: SamplingParams) -> _ScriptText:
-        time.sleep(self.delay)
-        return _ScriptText(self.script)
 
 
 # --- chat -----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Every HTTP endpoint fuzzed over real HTTP (hypothesis): no crash, no 5xx for a client error,
-OpenAI-shaped error bodies; oversize bodies and clients that trickle their body are bounded."""
+OpenAI-shaped error bodies (Anthropic-shaped on /v1/messages); oversize bodies and clients that
+trickle their body are bounded."""
 
 from __future__ import annotations
 
@@ -96,6 +97,30 @@ completion_bodies = st.fixed_dictionaries(
     optional={**common, "logprobs": small_int | json_values},
 )
 
+# Anthropic's Messages API: typed content blocks, tools with input_schema, its tool_choice and thinking
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "x", 3])},
+    optional={"text": json_values, "id": json_values, "name": st.sampled_from(["get_weather", ""]) | json_values,
+              "input": json_values, "tool_use_id": json_values, "content": json_values,
+              "is_error": json_values, "thinking": json_values},
+)  # fmt: skip
+anthropic_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool", 3]),
+     "content": st.text(max_size=40) | st.lists(block, max_size=3) | json_values}
+)  # fmt: skip
+messages_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(anthropic_message, max_size=4) | json_values, "max_tokens": small_int},
+    optional={"model": json_values, "system": st.text(max_size=20) | st.lists(block, max_size=2) | json_values,
+              "tools": st.lists(st.fixed_dictionaries({"name": json_values, "input_schema": json_values}),
+                                max_size=2) | json_values,
+              "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                                                   optional={"name": json_values}) | json_values,
+              "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "x"])})
+              | json_values,
+              "output_config": json_values, "stop_sequences": json_values, "stream": st.booleans() | json_values,
+              "temperature": common["temperature"], "top_k": common["top_k"]},
+)  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
@@ -111,7 +136,10 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def check(r: httpx.Response, server: Server) -> None:
     assert r.status_code < 500, (r.status_code, r.text[:500], server.tail(2000))
     if r.status_code >= 400:
-        err = r.json()["error"]
+        body = r.json()
+        if r.request.method == "POST" and r.request.url.path.startswith("/v1/messages") and r.status_code != 401:
+            assert body["type"] == "error", body  # Anthropic's shape
+        err = body["error"]
         assert isinstance(err["message"], str) and err["type"]
     assert server.proc is not None and server.proc.poll() is None, server.tail()
 
@@ -140,9 +168,17 @@ def test_fuzz_completions(live, body):
 
 
 @SETTINGS
+@given(body=messages_bodies)
+def test_fuzz_messages(live, body):
+    check(post(live, "/v1/messages", body), live)
+    if isinstance(body, dict):
+        check(post(live, "/v1/messages/count_tokens", {**body, "stream": False}), live)
+
+
+@SETTINGS
 @given(raw=st.binary(max_size=300) | st.text(max_size=200).map(str.encode))
 def test_fuzz_raw_bodies(live, raw):
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"):
         check(post(live, path, raw), live)
 
 
@@ -150,7 +186,7 @@ def test_fuzz_raw_bodies(live, raw):
 @given(
     method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
     path=st.sampled_from(
-        ["/v1/models", "/health", "/metrics", "/v1/chat/completions", "/v1/x", "/"]
+        ["/v1/models", "/health", "/metrics", "/v1/chat/completions", "/v1/messages", "/v1/x", "/"]
     )
     | st.text(alphabet="abcdefghij/._-%0123456789", max_size=30).map(lambda p: "/" + p),
 )

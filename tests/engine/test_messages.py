@@ -1,0 +1,256 @@
+# mypy: disable-error-code="arg-type,union-attr,index,attr-defined"
+# (the anthropic client types messages and blocks as TypedDicts / unions; tests pass plain dicts)
+"""engine/messages.py: Anthropic Messages requests become the chat requests the server serves, the
+chat parser's output becomes content blocks and named events; over real HTTP with the official
+``anthropic`` client (plain text and the cache on the tiny model; tool calls and thinking scripted)."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from engine import messages, output
+from engine.api import ApiError
+from engine.events import Chunk, Hit, Usage
+from engine.generate import Engine
+from tests.serving import AUTH, Scripted, hot_config, serve
+
+TOOLS = [{"name": "get_weather", "description": "Weather of a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}]  # fmt: skip
+USER = [{"role": "user", "content": "what is the weather in paris and in london today?"}]
+GREEDY = {"temperature": 0}  # the API has dropped sampling fields; the server still takes them
+TOOL_TEXT = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _req(**kw) -> messages.MessagesRequest:
+    return messages.MessagesRequest.model_validate({"max_tokens": 16, "messages": USER, **kw})
+
+
+# --- requests → chat requests -------------------------------------------------------------------
+
+
+def test_a_tool_conversation_becomes_the_chat_messages_agents_send():
+    req = _req(
+        system=[{"type": "text", "text": "You are terse."},
+                {"type": "text", "text": "Use tools.", "cache_control": {"type": "ephemeral"}}],
+        messages=USER + [
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Paris first.", "signature": "x"},
+                {"type": "text", "text": "Looking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+                {"type": "text", "text": "and london?"}]},
+        ],
+        tools=TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        stop_sequences=["END"], top_k=5, temperature=0.5, thinking={"type": "disabled"},
+        output_config={"effort": "low"},
+    )  # fmt: skip
+    chat = messages.to_chat(req)
+    got = chat.message_dicts()
+    assert got[0] == {"role": "system", "content": "You are terse.\n\nUse tools."}
+    assert got[1] == {"role": "user", "content": USER[0]["content"]}
+    assert got[2]["role"] == "assistant" and got[2]["content"] == "Looking."
+    assert got[2]["reasoning_content"] == "Paris first."
+    assert got[2]["tool_calls"] == [{"id": "toolu_1", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]  # fmt: skip
+    assert got[3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"}
+    assert got[4] == {"role": "user", "content": "and london?"}
+    assert len(got) == 5
+    tool = chat.tool_dicts()[0]["function"]
+    assert tool["name"] == "get_weather" and tool["parameters"] == TOOLS[0]["input_schema"]
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.stop_tuple() == ("END",) and chat.top_k == 5 and chat.temperature == 0.5
+    assert chat.chat_template_kwargs == {"enable_thinking": False} and chat.requested_max() == 16
+    assert chat.reasoning_effort == "low"
+
+
+def test_a_system_turn_among_the_messages_stays_where_it_is():
+    """Claude Code (2.1.332) sends its environment as a system turn after the first user turn."""
+    env = [{"type": "text", "text": "# Environment\n - Platform: linux"}]
+    chat = messages.to_chat(_req(system="S", messages=USER + [{"role": "system", "content": env}]))
+    assert [m["role"] for m in chat.message_dicts()] == ["system", "user", "system"]
+    assert chat.message_dicts()[-1]["content"] == env[0]["text"]
+
+
+def test_tool_choice_by_name_and_an_error_result():
+    chat = messages.to_chat(_req(
+        tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"},
+        messages=USER + [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "no such city",
+                                          "is_error": True}]},
+        ],
+    ))  # fmt: skip
+    assert chat.forced_tool() == "get_weather"
+    assert chat.message_dicts()[-1] == {"role": "tool", "tool_call_id": "t", "content": "Error: no such city"}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"messages": [{"role": "tool", "content": "hi"}]},
+        {"messages": USER + [{"role": "system", "content": [{"type": "tool_use", "name": "x", "input": {}}]}]},
+        {"messages": USER, "tool_choice": {"type": "sometimes"}},
+        {"messages": USER, "tool_choice": {"type": "tool"}},
+        {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {}}]}]},
+        {"messages": USER, "tools": [{"description": "no name"}]},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": USER, "max_tokens": 0},
+        {"messages": USER, "temperature": 1.5},
+        {"messages": []},
+    ],
+)
+def test_client_mistakes_are_400s(body):
+    with pytest.raises(ApiError) as e:
+        messages.parse(json.dumps(body).encode())
+    assert e.value.status == 400
+    assert messages.error_body(e.value)["error"]["type"] == "invalid_request_error"
+
+
+# --- chat output → content blocks and events ----------------------------------------------------
+
+
+def _usage(completion: int = 3) -> Usage:
+    return Usage(prompt_tokens=40, completion_tokens=completion, cached_tokens=30, cache_tier="hot",
+                 ttft_seconds=0.1, prefill_seconds=0.1, decode_seconds=0.1, load_seconds=0.0)  # fmt: skip
+
+
+def _run(pieces: list[str], reason: str = "stop", think: bool = False) -> tuple[messages.MessagesOutput, list]:
+    fmt = output.OutputFormat(think=("<think>", "</think>") if think else None)
+    out = messages.MessagesOutput("m", output.ChatOutput(fmt, TOOLS, True), 40)
+    events = out.start(Hit(tokens=30, tier="hot"))
+    for i, p in enumerate(pieces):
+        last = i == len(pieces) - 1
+        events += out.feed(Chunk(p, 1, reason if last else None, _usage() if last else None))
+    return out, events
+
+
+def test_a_tool_call_streams_as_a_text_block_then_a_tool_use_block():
+    out, events = _run([TOOL_TEXT[:20], TOOL_TEXT[20:40], TOOL_TEXT[40:]])
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert events[0]["message"]["usage"]["cache_read_input_tokens"] == 30
+    assert events[0]["message"]["usage"]["input_tokens"] == 10
+    starts = [e for e in events if e["type"] == "content_block_start"]
+    assert [(s["index"], s["content_block"]["type"]) for s in starts] == [(0, "text"), (1, "tool_use")]
+    assert starts[1]["content_block"]["input"] == {} and starts[1]["content_block"]["name"] == "get_weather"
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "text_delta")  # fmt: skip
+    args = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
+            and e["delta"]["type"] == "input_json_delta"]  # fmt: skip
+    assert text == "Let me look." and [json.loads(a) for a in args] == [{"city": "Paris"}]
+    stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert stops == [0, 1]  # each block stopped once, text before the call starts
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    assert events[-2]["usage"] == {"input_tokens": 10, "cache_creation_input_tokens": 0,
+                                   "cache_read_input_tokens": 30, "output_tokens": 3, "cache_tier": "hot"}  # fmt: skip
+    body = out.body()
+    assert body["content"] == [{"type": "text", "text": "Let me look."},
+                               {"type": "tool_use", "id": starts[1]["content_block"]["id"],
+                                "name": "get_weather", "input": {"city": "Paris"}}]  # fmt: skip
+    assert body["stop_reason"] == "tool_use" and body["usage"]["output_tokens"] == 3
+
+
+def test_thinking_then_text_and_a_length_stop():
+    out, events = _run(["<think>\nParis", ", so sunny.\n</think>\n\nIt is", " sunny."], reason="length", think=True)
+    assert out.body()["content"] == [{"type": "thinking", "thinking": "Paris, so sunny.", "signature": ""},
+                                     {"type": "text", "text": "It is sunny."}]  # fmt: skip
+    assert out.body()["stop_reason"] == "max_tokens"
+    deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+    assert deltas == ["thinking_delta", "thinking_delta", "text_delta", "text_delta"]
+
+
+# --- over HTTP, with the anthropic client -------------------------------------------------------
+
+
+@pytest.fixture()
+def client(tiny_model_dir, tmp_path):
+    config = hot_config(tmp_path)
+    with serve(lambda: Engine(tiny_model_dir, config), config) as s:
+        yield anthropic.Anthropic(base_url=s.url, api_key="sekret", max_retries=0), s
+
+
+def test_messages_and_the_cache_over_http(client):
+    c, _ = client
+    first = c.messages.create(model="tiny", max_tokens=8, messages=USER, extra_body=GREEDY)
+    assert first.type == "message" and first.role == "assistant"
+    assert first.stop_reason in ("end_turn", "max_tokens") and first.usage.output_tokens <= 8
+    assert first.usage.cache_read_input_tokens == 0 and first.usage.input_tokens > 10
+    history = USER + [{"role": "assistant", "content": first.content},
+                      {"role": "user", "content": "and tomorrow?"}]  # fmt: skip
+    second = c.messages.create(model="tiny", max_tokens=4, messages=history, extra_body=GREEDY)
+    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens
+    # streamed: the events assemble into the same kind of message, and the cache says so
+    with c.messages.stream(model="tiny", max_tokens=4, messages=history, extra_body=GREEDY) as s:
+        texts = list(s.text_stream)
+        final = s.get_final_message()
+    assert "".join(texts) == "".join(b.text for b in final.content if b.type == "text")
+    assert final.content[0].text == second.content[0].text  # greedy: the same words
+    assert final.usage.cache_read_input_tokens >= second.usage.input_tokens + second.usage.cache_read_input_tokens - 1
+    assert final.usage.output_tokens == second.usage.output_tokens
+    count = c.messages.count_tokens(model="tiny", messages=history)
+    assert count.input_tokens == second.usage.input_tokens + second.usage.cache_read_input_tokens
+
+
+def test_errors_are_anthropic_shaped(client):
+    c, live = client
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model="tiny", max_tokens=8, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                      "data": "AAAA"}}]}])  # fmt: skip
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    r = httpx.post(live.url + "/v1/messages", content=b"{nope")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture()
+def scripted(tiny_model_dir, tmp_path):
+    config = hot_config(tmp_path)
+    with serve(lambda: Scripted(Engine(tiny_model_dir, config), []), config) as s:
+        yield anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0), s.app.state.server.engine
+
+
+def test_a_tool_call_round_trip(scripted):
+    c, engine = scripted
+    engine.script = [TOOL_TEXT[:20], TOOL_TEXT[20:33], TOOL_TEXT[33:]]
+    with c.messages.stream(model="t", max_tokens=64, messages=USER, tools=TOOLS) as s:
+        events = [e.type for e in s]
+        msg = s.get_final_message()
+    assert events.count("content_block_start") == 2 and events[-1] == "message_stop"
+    assert msg.stop_reason == "tool_use" and msg.content[0].text == "Let me look."
+    use = msg.content[1]
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+    # the client answers with a tool_result: the next turn renders and runs
+    engine.script = ["It is ", "sunny."]
+    history = USER + [{"role": "assistant", "content": msg.content},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                    "content": "sunny, 21C"}]}]  # fmt: skip
+    again = c.messages.create(model="t", max_tokens=64, messages=history, tools=TOOLS)
+    assert again.content[0].text == "It is sunny." and again.stop_reason == "end_turn"
+    assert again.usage.cache_read_input_tokens > 0
+
+
+def test_thinking_of_a_reasoning_model(family_dirs, tmp_path):
+    script = ["<think>\nParis, so ", "the weather tool.\n</th", "ink>\n\n<tool_call>\n",
+              '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']  # fmt: skip
+    config = hot_config(tmp_path)
+    with serve(lambda: Scripted(Engine(family_dirs["qwen3"], config), script), config) as live:
+        c = anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0)
+        msg = c.messages.create(model="t", max_tokens=64, messages=USER, tools=TOOLS)
+    assert [b.type for b in msg.content] == ["thinking", "tool_use"]
+    assert msg.content[0].thinking == "Paris, so the weather tool." and msg.content[1].input == {"city": "Paris"}
+
+
+def test_the_api_key_as_x_api_key(guarded):
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(guarded.url + "/v1/messages", json=body).status_code == 401
+    assert httpx.post(guarded.url + "/v1/messages", json=body, headers={"x-api-key": "wrong"}).status_code == 401
+    ok = httpx.post(guarded.url + "/v1/messages", json=body, headers={"x-api-key": "sekret"})
+    assert ok.status_code == 200 and ok.json()["type"] == "message"
+    assert httpx.post(guarded.url + "/v1/messages", json=body, headers=AUTH).status_code == 200
