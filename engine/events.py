@@ -67,6 +67,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the last chunk
     usage: Usage | None = None
     logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
+    stop_sequence: str | None = None  # on the last chunk: the stop string that ended the text
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,8 @@ class Ends:
     def finish(self, seq: Seq, reason: str, caches: list[Any] | None) -> None:
         """Last chunk (held-back text + usage), then store the request's cache as its entry."""
         tail = seq.text.tail() if seq.text is not None else ""
-        seq.sink.emit(Chunk(tail, None, reason, seq.usage(time.perf_counter())))
+        stop = getattr(seq.text, "stopped_by", None)
+        seq.sink.emit(Chunk(tail, None, reason, seq.usage(time.perf_counter()), stop_sequence=stop))
         self.store(seq, caches)
         seq.sink.emit(END)
 

@@ -218,6 +218,7 @@ class MessagesOutput:
         self.blocks: list[dict[str, Any]] = []  # the body's content, as streamed
         self._open: str | None = None  # the open block's kind ("thinking" / "text"), streaming
         self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
         self.usage: Usage | None = None
 
     def start(self, hit: Hit | None = None) -> list[dict[str, Any]]:
@@ -235,10 +236,14 @@ class MessagesOutput:
             out += self._delta(tail)
             out += self._close()
             self.usage = chunk.usage
-            calls = any(b["type"] == "tool_use" for b in self.blocks)
-            self.stop_reason = "tool_use" if calls else STOP_REASONS.get(chunk.finish_reason, "end_turn")
+            if any(b["type"] == "tool_use" for b in self.blocks):
+                self.stop_reason = "tool_use"
+            elif chunk.stop_sequence is not None:
+                self.stop_reason, self.stop_sequence = "stop_sequence", chunk.stop_sequence
+            else:
+                self.stop_reason = STOP_REASONS.get(chunk.finish_reason, "end_turn")
             out.append({"type": "message_delta",
-                        "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
+                        "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
                         "usage": self._usage()})  # fmt: skip
             out.append({"type": "message_stop"})
         return out
@@ -246,7 +251,7 @@ class MessagesOutput:
     def body(self) -> dict[str, Any]:
         return {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
-            "content": self.blocks, "stop_reason": self.stop_reason, "stop_sequence": None,
+            "content": self.blocks, "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
             "usage": self._usage(),
         }  # fmt: skip
 

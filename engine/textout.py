@@ -23,7 +23,7 @@ class TextStream:
         self.completion = 0  # tokens that became text (an end-of-sequence token does not)
         self.text = ""
         self.sent = 0  # chars of self.text already emitted
-        self.stopped_by_string = False
+        self.stopped_by: str | None = None  # the stop string that ended the text
         self._hold = max((len(s) - 1 for s in params.stop), default=0)
 
     def add(self, tok: int) -> tuple[str, str | None]:
@@ -32,11 +32,11 @@ class TextStream:
             return "", "stop"
         self.completion += 1
         self.text += self.detok.add(tok)
-        cut = self._stop_at()
-        if cut is not None:
+        found = self._stop_at()
+        if found is not None:
+            cut, self.stopped_by = found
             out = self.text[self.sent : cut]
-            self.sent = len(self.text)
-            self.stopped_by_string = True  # nothing after the stop string is ever sent
+            self.sent = len(self.text)  # nothing after the stop string is ever sent
             return out, "stop"
         upto = max(self.sent, len(self.text) - self._hold)
         out = self.text[self.sent : upto]
@@ -45,17 +45,14 @@ class TextStream:
 
     def tail(self) -> str:
         """Held-back text at the end (none after a stop string)."""
-        if self.stopped_by_string:
+        if self.stopped_by is not None:
             return ""
         self.text += self.detok.flush()
         out = self.text[self.sent :]
         self.sent = len(self.text)
         return out
 
-    def _stop_at(self) -> int | None:
-        cuts = [
-            i
-            for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.p.stop if s)
-            if i >= 0
-        ]
-        return min(cuts) if cuts else None
+    def _stop_at(self) -> tuple[int, str] | None:
+        """Where the first stop string in the text starts, and which one it is."""
+        cuts = [(self.text.find(s, max(0, self.sent - len(s))), s) for s in self.p.stop if s]
+        return min(((i, s) for i, s in cuts if i >= 0), default=None)

@@ -121,13 +121,15 @@ def _usage(completion: int = 3) -> Usage:
                  ttft_seconds=0.1, prefill_seconds=0.1, decode_seconds=0.1, load_seconds=0.0)  # fmt: skip
 
 
-def _run(pieces: list[str], reason: str = "stop", think: bool = False) -> tuple[messages.MessagesOutput, list]:
+def _run(pieces: list[str], reason: str = "stop", think: bool = False,
+         stop: str | None = None) -> tuple[messages.MessagesOutput, list]:  # fmt: skip
     fmt = output.OutputFormat(think=("<think>", "</think>") if think else None)
     out = messages.MessagesOutput("m", output.ChatOutput(fmt, TOOLS, True), 40)
     events = out.start(Hit(tokens=30, tier="hot"))
     for i, p in enumerate(pieces):
         last = i == len(pieces) - 1
-        events += out.feed(Chunk(p, 1, reason if last else None, _usage() if last else None))
+        events += out.feed(Chunk(p, 1, reason if last else None, _usage() if last else None,
+                                 stop_sequence=stop if last else None))  # fmt: skip
     return out, events
 
 
@@ -166,6 +168,14 @@ def test_thinking_then_text_and_a_length_stop():
     assert deltas == ["thinking_delta", "thinking_delta", "text_delta", "text_delta"]
 
 
+def test_a_stop_string_is_the_stop_sequence():
+    out, events = _run(["It is ", "sunny"], stop="\n\n")
+    assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"}
+    assert out.body()["stop_reason"] == "stop_sequence" and out.body()["stop_sequence"] == "\n\n"
+    out, _ = _run(["It is ", "sunny"])
+    assert out.body()["stop_reason"] == "end_turn" and out.body()["stop_sequence"] is None
+
+
 # --- over HTTP, with the anthropic client -------------------------------------------------------
 
 
@@ -196,6 +206,14 @@ def test_messages_and_the_cache_over_http(client):
     assert final.usage.output_tokens == second.usage.output_tokens
     count = c.messages.count_tokens(model="tiny", messages=history)
     assert count.input_tokens == second.usage.input_tokens + second.usage.cache_read_input_tokens
+    # a stop sequence from the greedy text itself: the text ends before it, and it is named
+    said = first.content[0].text
+    assert len(said) >= 4, said
+    stop = said[len(said) // 2 :]
+    cut = c.messages.create(model="tiny", max_tokens=8, messages=USER, extra_body=GREEDY,
+                            stop_sequences=[stop])  # fmt: skip
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert "".join(b.text for b in cut.content) == said[: said.index(stop)]
 
 
 def test_errors_are_anthropic_shaped(client):

@@ -36,6 +36,14 @@ def test_no_stop_gives_the_decoded_text(tok):
 def test_stop_string_cuts_before_it_and_nothing_after_is_sent(tok):
     sent, finish, out = stream_all(tok, "count one two three four", stop=("three",))
     assert (sent, finish) == ("count one two ", "stop") and out.tail() == ""
+    assert out.stopped_by == "three"  # which one (Anthropic's stop_sequence names it)
+
+
+def test_the_stop_string_that_ended_the_text_is_named(tok):
+    _, _, out = stream_all(tok, "count one two three four", stop=("four", "two three", "three"))
+    assert out.stopped_by == "two three"  # complete with "three", and it starts first
+    _, _, out = stream_all(tok, "the quick brown fox", stop=("zebra",))
+    assert out.stopped_by is None
 
 
 def test_text_that_may_start_a_stop_string_is_held_back(tok):
