@@ -30,6 +30,7 @@ from engine.events import Chunk, Hit, Usage
 #: engine finish reason → Anthropic's ``stop_reason`` (a called tool wins, as OpenAI's "tool_calls")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
 _UNSUPPORTED = ("image", "document", "search_result", "container_upload")
+BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # output.Items channel → block
 
 
 class MessagesRequest(api._Request):
@@ -216,7 +217,7 @@ class MessagesOutput:
         self.id, self.model, self.parser = api.new_id("msg"), model, parser
         self.prompt_tokens = prompt_tokens
         self.blocks: list[dict[str, Any]] = []  # the body's content, as streamed
-        self._open: str | None = None  # the open block's kind ("thinking" / "text"), streaming
+        self.items = output.Items()  # which block is open, streaming
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
@@ -266,42 +267,42 @@ class MessagesOutput:
         return usage_dict(u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cache_tier)
 
     def _delta(self, d: output.Delta) -> list[dict[str, Any]]:
+        return self._render(self.items.steps(d))
+
+    def _close(self) -> list[dict[str, Any]]:
+        return self._render(self.items.close())
+
+    def _render(self, steps: list[tuple[str, str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for kind, text in (("thinking", d.reasoning), ("text", d.content)):
-            if not text:
-                continue
-            if self._open != kind:
-                out += self._close()
+        for step, channel, value in steps:
+            kind = BLOCK[channel]
+            index = len(self.blocks) - 1
+            if step == "open":
                 block: dict[str, Any] = {"type": kind, kind: ""}
                 if kind == "thinking":
                     block["signature"] = ""
                 out.append(self._start_block(block))
-                self._open = kind
-            self.blocks[-1][kind] += text
-            out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
-                        "delta": {"type": f"{kind}_delta", kind: text}})  # fmt: skip
-        for call in d.tool_calls:
-            out += self._close()
-            fn = call["function"]
-            block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
-            out.append(self._start_block(block))
-            block["input"] = _input(fn["arguments"])
-            out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
-                        "delta": {"type": "input_json_delta",
-                                  "partial_json": json.dumps(block["input"], ensure_ascii=False)}})  # fmt: skip
-            out.append({"type": "content_block_stop", "index": len(self.blocks) - 1})
+            elif step == "text":
+                self.blocks[-1][kind] += value
+                out.append({"type": "content_block_delta", "index": index,
+                            "delta": {"type": f"{kind}_delta", kind: value}})  # fmt: skip
+            elif step == "close":
+                out.append({"type": "content_block_stop", "index": index})
+            else:  # a whole call: its block opens, takes its input and stops at once
+                fn = value["function"]
+                block = {"type": "tool_use", "id": value["id"], "name": fn["name"], "input": {}}
+                out.append(self._start_block(block))
+                block["input"] = _input(fn["arguments"])
+                partial = json.dumps(block["input"], ensure_ascii=False)
+                out.append({"type": "content_block_delta", "index": index + 1,
+                            "delta": {"type": "input_json_delta", "partial_json": partial}})  # fmt: skip
+                out.append({"type": "content_block_stop", "index": index + 1})
         return out
 
     def _start_block(self, block: dict[str, Any]) -> dict[str, Any]:
         self.blocks.append(block)
         return {"type": "content_block_start", "index": len(self.blocks) - 1,
                 "content_block": dict(block)}  # fmt: skip
-
-    def _close(self) -> list[dict[str, Any]]:
-        if self._open is None:
-            return []
-        self._open = None
-        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

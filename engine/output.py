@@ -136,6 +136,38 @@ class Delta:
         return out
 
 
+class Items:
+    """A request's deltas as the items of APIs that stream typed output items (Anthropic's content
+    blocks, OpenAI's Responses output items): a run of reasoning or of content is one item, open
+    while the same channel goes on; each tool call is an item of its own, whole. :meth:`steps`
+    gives ``("open", channel, None)``, ``("text", channel, text)``, ``("close", channel, None)`` and
+    ``("call", "tool", call)`` in order; :meth:`close` ends the open item at the finish."""
+
+    def __init__(self) -> None:
+        self.open: str | None = None  # "reasoning" / "content"
+
+    def steps(self, d: Delta) -> list[tuple[str, str, Any]]:
+        out: list[tuple[str, str, Any]] = []
+        for channel, text in (("reasoning", d.reasoning), ("content", d.content)):
+            if not text:
+                continue
+            if self.open != channel:
+                out += self.close()
+                out.append(("open", channel, None))
+                self.open = channel
+            out.append(("text", channel, text))
+        for call in d.tool_calls:
+            out += self.close()
+            out.append(("call", "tool", call))
+        return out
+
+    def close(self) -> list[tuple[str, str, Any]]:
+        if self.open is None:
+            return []
+        channel, self.open = self.open, None
+        return [("close", channel, None)]
+
+
 class ChatOutput:
     """One request's output parser. ``feed(text) -> Delta``; ``finish(engine_reason) -> (Delta,
     finish_reason)``; ``result`` accumulates everything shown (the non-streamed message)."""

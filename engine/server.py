@@ -1,5 +1,5 @@
-"""OpenAI-compatible (and Anthropic Messages) HTTP transport (FastAPI): bytes → request → worker →
-SSE or JSON.
+"""OpenAI-compatible (chat, completions, Responses; and Anthropic Messages) HTTP transport (FastAPI):
+bytes → request → worker → SSE or JSON.
 
 Transport only. Handlers run on the asyncio loop and never touch MLX; rendering and tokenizing run
 in the thread pool, generation on the :class:`engine.worker.Worker` thread (continuous batching).
@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, chat, messages, respond, sse
+from engine import api, chat, messages, respond, responses, sse
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.http_edge import Auth, ShutdownGuard, read_body
 from engine.loading import max_token_chars
@@ -162,6 +162,15 @@ class Server:
 
         return await self._serve(request, "messages", messages.parse, prepare, anthropic=True)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API over the chat path (``engine/responses.py``): Codex's wire API."""
+
+        def prepare(req: responses.ResponsesChat) -> tuple[list[int], responses.ResponsesOutput]:
+            ids, chat_out = self._chat_prompt(req)
+            return ids, responses.ResponsesOutput(self.model_id, chat_out.parser, len(ids), req)
+
+        return await self._serve(request, "responses", responses.parse, prepare)
+
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's ``/v1/messages/count_tokens``: the rendered prompt's length."""
         try:
@@ -227,6 +236,7 @@ def create_app(
     app.state.server = server
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/responses", server.responses, methods=["POST"])
     app.add_api_route("/v1/messages", server.anthropic_messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])

@@ -1,5 +1,5 @@
 """Every HTTP endpoint fuzzed over real HTTP (hypothesis): no crash, no 5xx for a client error,
-OpenAI-shaped error bodies (Anthropic-shaped on /v1/messages); oversize bodies and clients that
+OpenAI-shaped error bodies (Anthropic-shaped on /v1/messages; /v1/responses included); oversize bodies and clients that
 trickle their body are bounded."""
 
 from __future__ import annotations
@@ -121,6 +121,26 @@ messages_bodies = st.fixed_dictionaries(
               "temperature": common["temperature"], "top_k": common["top_k"]},
 )  # fmt: skip
 
+# OpenAI's Responses API: typed input items, flat / namespaced / hosted tools
+response_item = st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])},
+    optional={"role": roles, "content": content | st.lists(block, max_size=2), "call_id": json_values,
+              "name": st.sampled_from(["get_weather", ""]) | json_values, "arguments": json_values,
+              "output": json_values, "summary": json_values},
+)  # fmt: skip
+responses_bodies = st.fixed_dictionaries(
+    {"input": st.text(max_size=40) | st.lists(response_item, max_size=4) | json_values,
+     "max_output_tokens": small_int},
+    optional={"instructions": json_values, "model": json_values, "stream": st.booleans() | json_values,
+              "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "namespace", "web_search"]),
+                                                       "name": json_values}, optional={"tools": json_values,
+                                                                                      "parameters": json_values}),
+                                max_size=2) | json_values,
+              "tool_choice": st.sampled_from(["auto", "none", "required", "x"]) | json_values,
+              "reasoning": json_values, "previous_response_id": json_values,
+              "temperature": common["temperature"], "top_p": common["top_p"]},
+)  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
@@ -176,9 +196,16 @@ def test_fuzz_messages(live, body):
 
 
 @SETTINGS
+@given(body=responses_bodies)
+def test_fuzz_responses(live, body):
+    check(post(live, "/v1/responses", body), live)
+
+
+@SETTINGS
 @given(raw=st.binary(max_size=300) | st.text(max_size=200).map(str.encode))
 def test_fuzz_raw_bodies(live, raw):
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                 "/v1/messages/count_tokens"):
         check(post(live, path, raw), live)
 
 
