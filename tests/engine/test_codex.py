@@ -1,0 +1,101 @@
+"""The real Codex CLI (npm ``@openai/codex``, installed by scripts/setup.sh into ``.tools/codex``)
+against `tiered-kv serve` over OpenAI's Responses API (Codex's only wire API for a custom
+provider): two turns, a server restart, one more turn.
+
+Codex runs non-interactively (``codex exec``, then ``codex exec resume --last``) in a temp project,
+with CODEX_HOME in the temp dir holding a ``config.toml`` whose provider is the server. Its whole
+default prompt and tools are ~19k tokens of the tiny model's tokenizer (more than SmolLM2's 8k
+context), so the model is the random-weight tiny one (32k context). Codex sends no output limit;
+the server's ``TIERED_KV_MAX_TOKENS=32`` ends each answer at 32 tokens, which the Responses API
+reports as ``response.incomplete`` (reason ``max_output_tokens``) and Codex as an error of the turn:
+that line in its output shows it read our whole stream. Checked besides: every request a 200, each
+after the first hits memory, the first after the restart loads from disk. The server's log lines
+give the table (``pytest -s``, and every failure).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.engine.test_opencode import LINE, requests, table
+from tests.serving import clean_env, free_port, start, stop
+
+ROOT = Path(__file__).resolve().parents[2]
+CODEX = ROOT / ".tools" / "codex" / "node_modules" / ".bin" / "codex"
+ACCESS = '"POST /v1/responses HTTP/1.1" '
+MAIN_MIN_PROMPT = 10000  # Codex's turns: its instructions and tools alone
+INCOMPLETE = "Incomplete response returned, reason: max_output_tokens"
+
+
+def codex_env(home: Path, port: int) -> dict[str, str]:
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True)
+    (codex_home / "config.toml").write_text(
+        'model = "tiny-test"\nmodel_provider = "tkv"\n\n[model_providers.tkv]\nname = "tiered-kv"\n'
+        f'base_url = "http://127.0.0.1:{port}/v1"\nwire_api = "responses"\n'
+    )
+    env = {k: v for k, v in clean_env().items() if not k.startswith(("OPENAI_", "CODEX_"))}
+    env.update(HOME=str(home), CODEX_HOME=str(codex_home), OPENAI_API_KEY="unused")
+    return env
+
+
+def ask(project: Path, env: dict[str, str], message: str, cont: bool) -> str:
+    argv = [str(CODEX), "exec", "--skip-git-repo-check", *(["resume", "--last"] if cont else []), message]
+    r = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=1200,
+                       stdin=subprocess.DEVNULL)  # fmt: skip
+    return r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_codex_turns_restart_turn(tiny_model_dir, tmp_path):
+    if not CODEX.exists():
+        msg = f"{CODEX} missing: run scripts/setup.sh (npm install of @openai/codex)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    home.mkdir()
+    (project / "hello.py").write_text("print('hello from tiered-kv')\n")
+    port, log = free_port(), tmp_path / "server.log"
+    server_env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"), TIERED_KV_MAX_TOKENS="32")
+    env = codex_env(home, port)
+    rows: list[tuple[str, int, int, str, float, int]] = []
+    said: list[str] = []
+
+    def turn(label: str, message: str, cont: bool) -> None:
+        seen = len(requests(log))
+        said.append(ask(project, env, message, cont))
+        rows.extend((label, *r) for r in requests(log)[seen:])
+
+    proc = start(tiny_model_dir, server_env, port, log)
+    try:
+        turn("1", "What does hello.py print?", cont=False)
+        turn("2", "Say goodbye.", cont=True)
+    finally:
+        stop(proc, log)
+    proc = start(tiny_model_dir, server_env, port, log)
+    try:
+        turn("3 (after restart)", "One more: what is 2 + 2?", cont=True)
+    finally:
+        stop(proc, log)
+
+    report = table(rows)
+    print("\n" + report)
+    text = log.read_text()
+    statuses = [int(line.split(ACCESS)[1][:3]) for line in text.splitlines() if ACCESS in line]
+    assert statuses and all(s == 200 for s in statuses), f"{statuses}\n{report}"
+    assert len(statuses) == len(LINE.findall(text)), report  # each request generated
+    for out in said:  # Codex read each stream to its end (the length stop, named)
+        assert INCOMPLETE in out, out[-3000:]
+    main = [r for r in rows if r[1] >= MAIN_MIN_PROMPT]
+    assert [r[0] for r in main] == ["1", "2", "3 (after restart)"], report
+    assert main[0][2] == 0 and main[0][3] == "none", report
+    assert main[1][3] == "hot" and main[2][3] == "cold", report
+    for row in main[1:]:
+        assert row[2] >= row[1] - 1000, f"request of turn {row[0]} missed most of its prompt\n{report}"
+    (tmp_path / "codex_table.md").write_text(report + "\n")
