@@ -26,30 +26,18 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/tiered-kv model fetch smollm2
 .venv/bin/tiered-kv model fetch templates
-OPENCODE_VERSION=1.18.33
-if [ "$(.tools/opencode/node_modules/.bin/opencode --version 2>/dev/null || true)" != "$OPENCODE_VERSION" ]; then
-  if ! command -v npm >/dev/null; then
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nodejs npm
+# npm_tool DIR BIN PACKAGE@VERSION VERSION_LINE: the pinned agent client into .tools/DIR, unless
+# `.tools/DIR/node_modules/.bin/BIN --version` already prints VERSION_LINE
+npm_tool() {
+  if [ "$(".tools/$1/node_modules/.bin/$2" --version 2>/dev/null || true)" != "$4" ]; then
+    if ! command -v npm >/dev/null; then
+      $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nodejs npm
+    fi
+    mkdir -p ".tools/$1"
+    npm install --prefix ".tools/$1" --no-audit --no-fund --loglevel=error "$3"
+    ".tools/$1/node_modules/.bin/$2" --version
   fi
-  mkdir -p .tools/opencode
-  npm install --prefix .tools/opencode --no-audit --no-fund --loglevel=error "opencode-ai@$OPENCODE_VERSION"
-  .tools/opencode/node_modules/.bin/opencode --version
-fi
-CLAUDE_CODE_VERSION=2.1.332
-if [ "$(.tools/claude-code/node_modules/.bin/claude --version 2>/dev/null || true)" != "$CLAUDE_CODE_VERSION (Claude Code)" ]; then
-  if ! command -v npm >/dev/null; then
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nodejs npm
-  fi
-  mkdir -p .tools/claude-code
-  npm install --prefix .tools/claude-code --no-audit --no-fund --loglevel=error "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
-  .tools/claude-code/node_modules/.bin/claude --version
-fi
-CODEX_VERSION=0.171.0
-if [ "$(.tools/codex/node_modules/.bin/codex --version 2>/dev/null || true)" != "codex-cli $CODEX_VERSION" ]; then
-  if ! command -v npm >/dev/null; then
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nodejs npm
-  fi
-  mkdir -p .tools/codex
-  npm install --prefix .tools/codex --no-audit --no-fund --loglevel=error "@openai/codex@$CODEX_VERSION"
-  .tools/codex/node_modules/.bin/codex --version
-fi
+}
+npm_tool opencode opencode opencode-ai@1.18.33 "1.18.33"
+npm_tool claude-code claude @anthropic-ai/claude-code@2.1.332 "2.1.332 (Claude Code)"
+npm_tool codex codex @openai/codex@0.171.0 "codex-cli 0.171.0"

@@ -7,6 +7,7 @@ The library-side helpers (models, caches, tiers, :func:`free_port`) are in ``tes
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,8 +28,8 @@ from tests.fixtures import free_port
 from tiered_kv.config import Config
 
 __all__ = [
-    "AUTH", "TOOLS", "USER", "Live", "ScriptText", "Scripted", "clean_env", "free_port", "hot_config",
-    "serve", "start", "stop",
+    "AUTH", "TOOLS", "USER", "Live", "ScriptText", "Scripted", "agent_session", "client_at", "clean_env",
+    "free_port", "hot_config", "serve", "start", "statuses", "stop",
 ]  # fmt: skip
 
 # One tool, as agents send it: a city (required) and an optional day count.
@@ -169,3 +170,66 @@ def stop(proc: subprocess.Popen, log: Path) -> None:
     # uvicorn re-raises the signal after its graceful shutdown, so the exit status is "killed by SIGTERM"
     assert rc in (0, -signal.SIGTERM), log.read_text()
     assert "Application shutdown complete" in log.read_text()
+
+
+# --- a real agent client's session over `tiered-kv serve` ------------------------------------------
+
+#: the server's line per generation (engine/metrics.py)
+GENERATION = re.compile(
+    r"generation: prompt (\d+) tokens, cached (\d+) \(tier (\w+)\), ttft ([\d.]+)s, completion (\d+)"
+)
+Row = tuple[str, int, int, str, float, int]  # turn, prompt, cached, tier, TTFT s, completion
+
+
+def client_at(path: Path, what: str) -> None:
+    """Skip (fail under CI) when the npm client ``path`` that setup.sh installs is missing."""
+    import pytest
+
+    if not path.exists():
+        msg = f"{path} missing: run scripts/setup.sh (npm install of {what})"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def generations(log: Path) -> list[tuple[int, int, str, float, int]]:
+    return [(int(m[1]), int(m[2]), m[3], float(m[4]), int(m[5])) for m in GENERATION.finditer(log.read_text())]
+
+
+def statuses(log: Path, route: str) -> list[int]:
+    """HTTP statuses of the POSTs to ``route`` in the server's access log."""
+    return [int(s) for s in re.findall(rf'"POST {re.escape(route)}(?:\?\S*)? HTTP/1.1" (\d+)', log.read_text())]
+
+
+def agent_session(
+    model: Path, server_env: dict[str, str], port: int, log: Path, ask: Callable[[str, bool], Any],
+    messages: list[str], after_restart: str,
+) -> tuple[list[Row], list[Any], str]:  # fmt: skip
+    """``messages`` as the turns of one session (``ask(message, continue)``: the client's own
+    command), a graceful restart of the server, then ``after_restart`` continuing it. Returns a row
+    per generation the server logged (labelled with its turn), what each ``ask`` returned, and the
+    rows as a markdown table."""
+    rows: list[Row] = []
+    answers: list[Any] = []
+
+    def turn(label: str, message: str, cont: bool) -> None:
+        seen = len(generations(log))
+        answers.append(ask(message, cont))
+        rows.extend((label, *r) for r in generations(log)[seen:])
+
+    proc = start(model, server_env, port, log)
+    try:
+        for i, message in enumerate(messages):
+            turn(str(i + 1), message, i > 0)
+    finally:
+        stop(proc, log)
+    proc = start(model, server_env, port, log)
+    try:
+        turn(f"{len(messages) + 1} (after restart)", after_restart, True)
+    finally:
+        stop(proc, log)
+    table = ["| turn | request | prompt tokens | cached tokens | tier | TTFT s | completion |",
+             "|---|---|---:|---:|---|---:|---:|"]  # fmt: skip
+    for n, (label, p, c, tier, ttft, comp) in enumerate(rows):
+        table.append(f"| {label} | {n + 1} | {p} | {c} | {tier} | {ttft:.2f} | {comp} |")
+    return rows, answers, "\n".join(table)

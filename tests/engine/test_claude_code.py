@@ -15,18 +15,15 @@ restart loads from disk). The server's log lines give the table (``pytest -s``, 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.engine.test_opencode import LINE, requests, table
-from tests.serving import clean_env, free_port, start, stop
+from tests.serving import GENERATION, agent_session, clean_env, client_at, free_port, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
 CLAUDE = ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"
-ACCESS = '"POST /v1/messages?beta=true HTTP/1.1" '
 MAIN_MIN_PROMPT = 10000  # Claude Code's agent turns: its system prompt and tools alone
 
 
@@ -59,11 +56,7 @@ def ask(project: Path, env: dict[str, str], message: str, cont: bool) -> dict:
 
 @pytest.mark.slow
 def test_claude_code_turns_restart_turn(tiny_model_dir, tmp_path):
-    if not CLAUDE.exists():
-        msg = f"{CLAUDE} missing: run scripts/setup.sh (npm install of @anthropic-ai/claude-code)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+    client_at(CLAUDE, "@anthropic-ai/claude-code")
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     home.mkdir()
@@ -71,32 +64,14 @@ def test_claude_code_turns_restart_turn(tiny_model_dir, tmp_path):
     port, log = free_port(), tmp_path / "server.log"
     server_env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"))
     env = claude_env(home, port)
-    rows: list[tuple[str, int, int, str, float, int]] = []
-    results: list[dict] = []
-
-    def turn(label: str, message: str, cont: bool) -> None:
-        seen = len(requests(log))
-        results.append(ask(project, env, message, cont))
-        rows.extend((label, *r) for r in requests(log)[seen:])
-
-    proc = start(tiny_model_dir, server_env, port, log)
-    try:
-        turn("1", "What does hello.py print?", cont=False)
-        turn("2", "Say goodbye.", cont=True)
-    finally:
-        stop(proc, log)
-    proc = start(tiny_model_dir, server_env, port, log)
-    try:
-        turn("3 (after restart)", "One more: what is 2 + 2?", cont=True)
-    finally:
-        stop(proc, log)
-
-    report = table(rows)
+    rows, results, report = agent_session(
+        tiny_model_dir, server_env, port, log, lambda message, cont: ask(project, env, message, cont),
+        ["What does hello.py print?", "Say goodbye."], "One more: what is 2 + 2?",
+    )  # fmt: skip
     print("\n" + report)
-    text = log.read_text()
-    statuses = [int(line.split(ACCESS)[1][:3]) for line in text.splitlines() if ACCESS in line]
-    assert statuses and all(s == 200 for s in statuses), f"{statuses}\n{report}"
-    assert len(statuses) == len(LINE.findall(text)), report  # each request generated
+    codes = statuses(log, "/v1/messages")
+    assert codes and all(s == 200 for s in codes), f"{codes}\n{report}"
+    assert len(codes) == len(GENERATION.findall(log.read_text())), report  # each request generated
     for r in results:  # Claude Code read every response (an answer past its limit is not an API error)
         assert r.get("api_error_status") is None, r
     assert all(r["modelUsage"]["tiny-test"]["cacheReadInputTokens"] > 0 for r in results), results

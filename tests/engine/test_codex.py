@@ -15,18 +15,15 @@ give the table (``pytest -s``, and every failure).
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.engine.test_opencode import LINE, requests, table
-from tests.serving import clean_env, free_port, start, stop
+from tests.serving import GENERATION, agent_session, clean_env, client_at, free_port, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
 CODEX = ROOT / ".tools" / "codex" / "node_modules" / ".bin" / "codex"
-ACCESS = '"POST /v1/responses HTTP/1.1" '
 MAIN_MIN_PROMPT = 10000  # Codex's turns: its instructions and tools alone
 INCOMPLETE = "Incomplete response returned, reason: max_output_tokens"
 
@@ -52,11 +49,7 @@ def ask(project: Path, env: dict[str, str], message: str, cont: bool) -> str:
 
 @pytest.mark.slow
 def test_codex_turns_restart_turn(tiny_model_dir, tmp_path):
-    if not CODEX.exists():
-        msg = f"{CODEX} missing: run scripts/setup.sh (npm install of @openai/codex)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+    client_at(CODEX, "@openai/codex")
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     home.mkdir()
@@ -64,32 +57,14 @@ def test_codex_turns_restart_turn(tiny_model_dir, tmp_path):
     port, log = free_port(), tmp_path / "server.log"
     server_env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"), TIERED_KV_MAX_TOKENS="32")
     env = codex_env(home, port)
-    rows: list[tuple[str, int, int, str, float, int]] = []
-    said: list[str] = []
-
-    def turn(label: str, message: str, cont: bool) -> None:
-        seen = len(requests(log))
-        said.append(ask(project, env, message, cont))
-        rows.extend((label, *r) for r in requests(log)[seen:])
-
-    proc = start(tiny_model_dir, server_env, port, log)
-    try:
-        turn("1", "What does hello.py print?", cont=False)
-        turn("2", "Say goodbye.", cont=True)
-    finally:
-        stop(proc, log)
-    proc = start(tiny_model_dir, server_env, port, log)
-    try:
-        turn("3 (after restart)", "One more: what is 2 + 2?", cont=True)
-    finally:
-        stop(proc, log)
-
-    report = table(rows)
+    rows, said, report = agent_session(
+        tiny_model_dir, server_env, port, log, lambda message, cont: ask(project, env, message, cont),
+        ["What does hello.py print?", "Say goodbye."], "One more: what is 2 + 2?",
+    )  # fmt: skip
     print("\n" + report)
-    text = log.read_text()
-    statuses = [int(line.split(ACCESS)[1][:3]) for line in text.splitlines() if ACCESS in line]
-    assert statuses and all(s == 200 for s in statuses), f"{statuses}\n{report}"
-    assert len(statuses) == len(LINE.findall(text)), report  # each request generated
+    codes = statuses(log, "/v1/responses")
+    assert codes and all(s == 200 for s in codes), f"{codes}\n{report}"
+    assert len(codes) == len(GENERATION.findall(log.read_text())), report  # each request generated
     for out in said:  # Codex read each stream to its end (the length stop, named)
         assert INCOMPLETE in out, out[-3000:]
     main = [r for r in rows if r[1] >= MAIN_MIN_PROMPT]

@@ -11,21 +11,15 @@ tokens, tier and TTFT; the table is printed (``pytest -s``) and attached to ever
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.serving import clean_env, free_port, start, stop
+from tests.serving import agent_session, clean_env, client_at, free_port, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
 OPENCODE = ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"
-LINE = re.compile(
-    r"generation: prompt (\d+) tokens, cached (\d+) \(tier (\w+)\), ttft ([\d.]+)s, completion (\d+)"
-)
-ACCESS = re.compile(r'"POST /v1/chat/completions HTTP/1.1" (\d+)')
 MAIN_MIN_PROMPT = (
     2000  # OpenCode's title request is a few hundred tokens; its agent turns thousands
 )
@@ -92,28 +86,10 @@ def ask(project: Path, env: dict[str, str], message: str, cont: bool) -> str:
     return r.stdout
 
 
-def requests(log: Path) -> list[tuple[int, int, str, float, int]]:
-    return [
-        (int(m[1]), int(m[2]), m[3], float(m[4]), int(m[5])) for m in LINE.finditer(log.read_text())
-    ]
-
-
-def table(rows: list[tuple[str, int, int, str, float, int]]) -> str:
-    out = ["| turn | request | prompt tokens | cached tokens | tier | TTFT s | completion |"]
-    out.append("|---|---|---:|---:|---|---:|---:|")
-    for turn, (label, p, c, tier, ttft, comp) in enumerate(rows):
-        out.append(f"| {label} | {turn + 1} | {p} | {c} | {tier} | {ttft:.2f} | {comp} |")
-    return "\n".join(out)
-
-
 @pytest.mark.slow
 @pytest.mark.smollm2
 def test_opencode_turns_restart_turn(smollm2_dir, tmp_path):
-    if not OPENCODE.exists():
-        msg = f"{OPENCODE} missing: run scripts/setup.sh (npm install of opencode-ai)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+    client_at(OPENCODE, "opencode-ai")
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     home.mkdir()
@@ -122,31 +98,15 @@ def test_opencode_turns_restart_turn(smollm2_dir, tmp_path):
     (project / "opencode.json").write_text(json.dumps(opencode_config(port), indent=2))
     server_env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"))
     env = opencode_env(home, project / "opencode.json")
-
-    rows: list[tuple[str, int, int, str, float, int]] = []
-
-    def turn(label: str, message: str, cont: bool) -> None:
-        seen = len(requests(log))
-        ask(project, env, message, cont)
-        rows.extend((label, *r) for r in requests(log)[seen:])
-
-    proc = start(smollm2_dir, server_env, port, log)
-    try:
-        turn("1", "What does hello.py print? Answer in one sentence.", cont=False)
-        turn("2", "Which language is hello.py written in?", cont=True)
-        turn("3", "Thanks. Say goodbye.", cont=True)
-    finally:
-        stop(proc, log)
-    proc = start(smollm2_dir, server_env, port, log)
-    try:
-        turn("4 (after restart)", "One more: what is 2 + 2?", cont=True)
-    finally:
-        stop(proc, log)
-
-    report = table(rows)
+    rows, _, report = agent_session(
+        smollm2_dir, server_env, port, log, lambda message, cont: ask(project, env, message, cont),
+        ["What does hello.py print? Answer in one sentence.", "Which language is hello.py written in?",
+         "Thanks. Say goodbye."],
+        "One more: what is 2 + 2?",
+    )  # fmt: skip
     print("\n" + report)
-    statuses = [int(s) for s in ACCESS.findall(log.read_text())]
-    assert statuses and all(s == 200 for s in statuses), report
+    codes = statuses(log, "/v1/chat/completions")
+    assert codes and all(s == 200 for s in codes), report
     main = [r for r in rows if r[1] >= MAIN_MIN_PROMPT]
     assert len(main) >= 4, report
     for label, _prompt, cached, tier, _, _ in main[1:]:
