@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from engine import api, output
 from engine.api import ApiError, ChatRequest
@@ -35,7 +35,7 @@ BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # outp
 
 class MessagesRequest(api._Request):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, gt=0)
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -47,13 +47,6 @@ class MessagesRequest(api._Request):
     stream: bool = False
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("max_tokens must be a positive integer")
-        return v
 
 
 def parse(raw: bytes) -> ChatRequest:

@@ -34,19 +34,12 @@ class ResponsesRequest(api._Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stream: bool = False
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
-
-    @field_validator("max_output_tokens")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("max_output_tokens must be a positive integer")
-        return v
 
     @field_validator("previous_response_id")
     @classmethod
