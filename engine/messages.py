@@ -6,10 +6,10 @@ tools with an ``input_schema``, and a stream of named events (``message_start``,
 ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``). ``thinking``
 turns the chat template's ``enable_thinking`` on or off, ``output_config.effort`` is its
 ``reasoning_effort``; sampling fields the API has dropped (``temperature``, ``top_p``, ``top_k``) are
-still taken where a client sends them. A request
-becomes the OpenAI chat request the rest of the server already serves (:func:`to_chat`: the same
-template, tool-call parsers, sampling and cache), and the chat output parser's deltas become
-content blocks (:class:`MessagesOutput`). No transport and no MLX.
+still taken where a client sends them. A request becomes the OpenAI chat request the rest of the
+server already serves (:func:`to_chat`: the same template, tool-call parsers, sampling and cache),
+and the chat output parser's deltas become content blocks (:class:`MessagesOutput`, through
+``output.Items``). No transport and no MLX.
 
 Usage is Anthropic's split: ``input_tokens`` are the prompt tokens computed,
 ``cache_read_input_tokens`` those served from the cache (either tier), ``cache_creation_input_tokens``
