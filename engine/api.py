@@ -60,26 +60,29 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
+    """A request body of any endpoint (OpenAI's here; ``engine/messages.py``, ``engine/responses.py``):
+    unknown fields are ignored, as agent clients send many provider-specific extras."""
+
     model_config = ConfigDict(extra="ignore", strict=False)
 
 
-class ToolFunction(_Request):
+class ToolFunction(RequestBody):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class Tool(_Request):
+class Tool(RequestBody):
     type: Literal["function"] = "function"
     function: ToolFunction
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class Message(_Request):
+class Message(RequestBody):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -107,7 +110,7 @@ class Message(_Request):
         return v
 
 
-class _Sampling(_Request):
+class _Sampling(RequestBody):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -285,7 +288,7 @@ class CompletionRequest(_Sampling):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-def parse_body(raw: bytes, model: type[_Request]) -> Any:
+def parse_body(raw: bytes, model: type[RequestBody]) -> Any:
     """JSON bytes → a validated request model, or ApiError(400) naming the offending field."""
     try:
         data = json.loads(raw)
@@ -297,7 +300,7 @@ def parse_body(raw: bytes, model: type[_Request]) -> Any:
     return validate(data, model)
 
 
-def validate(data: dict[str, Any], model: type[_Request]) -> Any:
+def validate(data: dict[str, Any], model: type[RequestBody]) -> Any:
     """A JSON object → a validated request model, or ApiError(400) naming the offending field."""
     try:
         return model.model_validate(data)

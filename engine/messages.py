@@ -33,7 +33,7 @@ _UNSUPPORTED = ("image", "document", "search_result", "container_upload")
 BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # output.Items channel → block
 
 
-class MessagesRequest(api._Request):
+class MessagesRequest(api.RequestBody):
     model: str | None = None
     max_tokens: int | None = Field(default=None, gt=0)
     messages: list[dict[str, Any]] = Field(min_length=1)

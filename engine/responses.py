@@ -27,7 +27,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 ITEM = {"reasoning": "reasoning", "content": "message"}  # output.Items channel → output item type
 
 
-class ResponsesRequest(api._Request):
+class ResponsesRequest(api.RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
