@@ -28,7 +28,7 @@ from tests.fixtures import free_port
 from tiered_kv.config import Config
 
 __all__ = [
-    "AUTH", "TOOLS", "USER", "Live", "ScriptText", "Scripted", "agent_session", "client_at", "clean_env",
+    "AUTH", "TOOLS", "USER", "Live", "ScriptText", "Scripted", "ScriptedTurns", "agent_session", "client_at", "clean_env",
     "free_port", "hot_config", "serve", "start", "statuses", "stop",
 ]  # fmt: skip
 
@@ -93,6 +93,23 @@ class Scripted:
     def text_stream(self, params: SamplingParams) -> ScriptText:
         time.sleep(self.delay)
         return ScriptText(self.script)
+
+
+class ScriptedTurns(Scripted):
+    """The real engine saying one script per request, in order (then "Done."), and keeping each
+    rendered prompt: an agent client's tool loop (a call, the client's result, an answer)."""
+
+    def __init__(self, engine: Engine, scripts: list[list[str]]):
+        super().__init__(engine, [])
+        self.scripts, self.prompts = scripts, list[str]()
+
+    def encode_text(self, text: str) -> list[int]:
+        self.prompts.append(text)
+        return list(self._engine.encode_text(text))
+
+    def text_stream(self, params: SamplingParams) -> ScriptText:
+        self.script = self.scripts.pop(0) if self.scripts else ["Done."]
+        return super().text_stream(params)
 
 
 # --- in process: uvicorn in a thread ---------------------------------------------------------------

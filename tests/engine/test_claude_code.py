@@ -10,6 +10,9 @@ Claude Code treats as an over-long answer and continues, so a turn makes several
 checked is the protocol (every request a 200, Claude Code reads no API error and counts our cache
 reads) and the cache (each request after the first of the session hits memory; the first after the
 restart loads from disk). The server's log lines give the table (``pytest -s``, and every failure).
+A second test scripts the model's text (the random model never calls a tool): Claude Code gets a
+``Read`` call in our ``tool_use`` block, runs it, sends the file back as a ``tool_result``, and takes
+the next answer as its result.
 """
 
 from __future__ import annotations
@@ -20,7 +23,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import GENERATION, agent_session, clean_env, client_at, free_port, statuses
+from engine.generate import Engine
+from tests.serving import (
+    GENERATION,
+    ScriptedTurns,
+    agent_session,
+    clean_env,
+    client_at,
+    free_port,
+    hot_config,
+    serve,
+    statuses,
+)  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 CLAUDE = ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"
@@ -84,3 +98,26 @@ def test_claude_code_turns_restart_turn(tiny_model_dir, tmp_path):
         assert row[2] >= row[1] - 1000, f"request of turn {row[0]} missed most of its prompt\n{report}"
         assert row[3] == ("cold" if row is after[0] else "hot"), report
     (tmp_path / "claude_code_table.md").write_text(report + "\n")
+
+
+@pytest.mark.slow
+def test_claude_code_runs_our_tool_call_and_sends_its_result_back(tiny_model_dir, tmp_path):
+    client_at(CLAUDE, "@anthropic-ai/claude-code")
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    home.mkdir()
+    hello = project / "hello.py"
+    hello.write_text("print('hello from tiered-kv')\n")
+    call = json.dumps({"name": "Read", "arguments": {"file_path": str(hello)}})
+    scripts = [["I will read it.\n<tool_call>\n", call, "\n</tool_call>"], ["It prints ", "hello from tiered-kv."]]
+    config = hot_config(tmp_path / "kv")
+    with serve(lambda: ScriptedTurns(Engine(tiny_model_dir, config), scripts), config) as live:
+        engine = live.app.state.server.engine
+        env = claude_env(home, int(live.url.rsplit(":", 1)[1]))
+        result = ask(project, env, "What does hello.py print?", cont=False)
+    assert result["result"] == "It prints hello from tiered-kv." and result["num_turns"] == 2, result
+    assert result.get("api_error_status") is None and not result["is_error"], result
+    assert len(engine.prompts) == 2 and "hello from tiered-kv" not in engine.prompts[0]
+    # the tool's result is in the second prompt, after the call as the template renders it
+    second = engine.prompts[1]
+    assert second.index('"name": "Read"') < second.index("hello from tiered-kv"), second[-2000:]

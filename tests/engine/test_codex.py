@@ -10,17 +10,31 @@ the server's ``TIERED_KV_MAX_TOKENS=32`` ends each answer at 32 tokens, which th
 reports as ``response.incomplete`` (reason ``max_output_tokens``) and Codex as an error of the turn:
 that line in its output shows it read our whole stream. Checked besides: every request a 200, each
 after the first hits memory, the first after the restart loads from disk. The server's log lines
-give the table (``pytest -s``, and every failure).
+give the table (``pytest -s``, and every failure). A second test scripts the model's text: Codex
+gets an ``exec_command`` call in our ``function_call`` item, runs it, sends its output back as a
+``function_call_output``, and prints the next answer.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.serving import GENERATION, agent_session, clean_env, client_at, free_port, statuses
+from engine.generate import Engine
+from tests.serving import (
+    GENERATION,
+    ScriptedTurns,
+    agent_session,
+    clean_env,
+    client_at,
+    free_port,
+    hot_config,
+    serve,
+    statuses,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CODEX = ROOT / ".tools" / "codex" / "node_modules" / ".bin" / "codex"
@@ -74,3 +88,22 @@ def test_codex_turns_restart_turn(tiny_model_dir, tmp_path):
     for row in main[1:]:
         assert row[2] >= row[1] - 1000, f"request of turn {row[0]} missed most of its prompt\n{report}"
     (tmp_path / "codex_table.md").write_text(report + "\n")
+
+
+@pytest.mark.slow
+def test_codex_runs_our_function_call_and_sends_its_output_back(tiny_model_dir, tmp_path):
+    client_at(CODEX, "@openai/codex")
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    home.mkdir()
+    (project / "hello.py").write_text("print('hello from tiered-kv')\n")
+    call = json.dumps({"name": "exec_command", "arguments": {"cmd": "cat hello.py"}})
+    scripts = [["I will look.\n<tool_call>\n", call, "\n</tool_call>"], ["It prints ", "hello from tiered-kv."]]
+    config = hot_config(tmp_path / "kv")
+    with serve(lambda: ScriptedTurns(Engine(tiny_model_dir, config), scripts), config) as live:
+        engine = live.app.state.server.engine
+        said = ask(project, codex_env(home, int(live.url.rsplit(":", 1)[1])), "What does hello.py print?", False)
+    assert "It prints hello from tiered-kv." in said, said[-3000:]
+    assert len(engine.prompts) == 2, said[-3000:]
+    second = engine.prompts[1]
+    assert second.index('"cat hello.py"') < second.index("hello from tiered-kv"), second[-2000:]
