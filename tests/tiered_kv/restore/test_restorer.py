@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.fixtures import (
+    CUDA_QUANTIZED_GAP,
     HEAD_DIM_64,
     HostUpload,
     QuantizedLlama,
@@ -127,8 +128,7 @@ def test_both_joins_at_any_m_plain_kv(plain, m, cut):
     assert toks == ref_toks
 
 
-@pytest.mark.skipif(getattr(mx, "cuda", None) is not None and mx.cuda.is_available(),
-                    reason="mlx-cuda 0.32.4 has no quantized_matmul for these float32 shapes")
+@pytest.mark.skipif(CUDA_QUANTIZED_GAP, reason="mlx-cuda 0.32.4 has no quantized_matmul for these float32 shapes")
 @pytest.mark.parametrize("kind", ["tier kv_bits=8", "model QuantizedKVCache"])
 def test_both_joins_quantised_kv(tmp_path, kind):
     if kind == "tier kv_bits=8":
