@@ -28,7 +28,7 @@ from tests.fixtures import free_port
 from tiered_kv.config import Config
 
 __all__ = [
-    "AUTH", "TOOLS", "USER", "Live", "ScriptText", "Scripted", "ScriptedTurns", "agent_session", "client_at", "clean_env",
+    "AUTH", "TOOLS", "USER", "Live", "ScriptText", "Scripted", "ScriptedTurns", "agent_project", "agent_session", "client_at", "clean_env",
     "free_port", "hot_config", "serve", "start", "statuses", "stop",
 ]  # fmt: skip
 
@@ -207,6 +207,15 @@ def client_at(path: Path, what: str) -> None:
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+def agent_project(tmp_path: Path) -> tuple[Path, Path]:
+    """A client's project (holding ``hello.py``) and its HOME, fresh under ``tmp_path``."""
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    home.mkdir()
+    (project / "hello.py").write_text("print('hello from tiered-kv')\n")
+    return project, home
 
 
 def generations(log: Path) -> list[tuple[int, int, str, float, int]]:

@@ -27,6 +27,7 @@ from engine.generate import Engine
 from tests.serving import (
     GENERATION,
     ScriptedTurns,
+    agent_project,
     agent_session,
     clean_env,
     client_at,
@@ -71,10 +72,7 @@ def ask(project: Path, env: dict[str, str], message: str, cont: bool) -> dict:
 @pytest.mark.slow
 def test_claude_code_turns_restart_turn(tiny_model_dir, tmp_path):
     client_at(CLAUDE, "@anthropic-ai/claude-code")
-    project, home = tmp_path / "project", tmp_path / "home"
-    project.mkdir()
-    home.mkdir()
-    (project / "hello.py").write_text("print('hello from tiered-kv')\n")
+    project, home = agent_project(tmp_path)
     port, log = free_port(), tmp_path / "server.log"
     server_env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"))
     env = claude_env(home, port)
@@ -103,11 +101,8 @@ def test_claude_code_turns_restart_turn(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_claude_code_runs_our_tool_call_and_sends_its_result_back(tiny_model_dir, tmp_path):
     client_at(CLAUDE, "@anthropic-ai/claude-code")
-    project, home = tmp_path / "project", tmp_path / "home"
-    project.mkdir()
-    home.mkdir()
+    project, home = agent_project(tmp_path)
     hello = project / "hello.py"
-    hello.write_text("print('hello from tiered-kv')\n")
     call = json.dumps({"name": "Read", "arguments": {"file_path": str(hello)}})
     scripts = [["I will read it.\n<tool_call>\n", call, "\n</tool_call>"], ["It prints ", "hello from tiered-kv."]]
     config = hot_config(tmp_path / "kv")

@@ -27,6 +27,7 @@ from engine.generate import Engine
 from tests.serving import (
     GENERATION,
     ScriptedTurns,
+    agent_project,
     agent_session,
     clean_env,
     client_at,
@@ -64,10 +65,7 @@ def ask(project: Path, env: dict[str, str], message: str, cont: bool) -> str:
 @pytest.mark.slow
 def test_codex_turns_restart_turn(tiny_model_dir, tmp_path):
     client_at(CODEX, "@openai/codex")
-    project, home = tmp_path / "project", tmp_path / "home"
-    project.mkdir()
-    home.mkdir()
-    (project / "hello.py").write_text("print('hello from tiered-kv')\n")
+    project, home = agent_project(tmp_path)
     port, log = free_port(), tmp_path / "server.log"
     server_env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"), TIERED_KV_MAX_TOKENS="32")
     env = codex_env(home, port)
@@ -93,10 +91,7 @@ def test_codex_turns_restart_turn(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_codex_runs_our_function_call_and_sends_its_output_back(tiny_model_dir, tmp_path):
     client_at(CODEX, "@openai/codex")
-    project, home = tmp_path / "project", tmp_path / "home"
-    project.mkdir()
-    home.mkdir()
-    (project / "hello.py").write_text("print('hello from tiered-kv')\n")
+    project, home = agent_project(tmp_path)
     call = json.dumps({"name": "exec_command", "arguments": {"cmd": "cat hello.py"}})
     scripts = [["I will look.\n<tool_call>\n", call, "\n</tool_call>"], ["It prints ", "hello from tiered-kv."]]
     config = hot_config(tmp_path / "kv")

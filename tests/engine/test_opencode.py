@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import agent_session, clean_env, client_at, free_port, statuses
+from tests.serving import agent_project, agent_session, clean_env, client_at, free_port, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
 OPENCODE = ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"
@@ -90,10 +90,7 @@ def ask(project: Path, env: dict[str, str], message: str, cont: bool) -> str:
 @pytest.mark.smollm2
 def test_opencode_turns_restart_turn(smollm2_dir, tmp_path):
     client_at(OPENCODE, "opencode-ai")
-    project, home = tmp_path / "project", tmp_path / "home"
-    project.mkdir()
-    home.mkdir()
-    (project / "hello.py").write_text("print('hello from tiered-kv')\n")
+    project, home = agent_project(tmp_path)
     port, log = free_port(), tmp_path / "server.log"
     (project / "opencode.json").write_text(json.dumps(opencode_config(port), indent=2))
     server_env = clean_env(TIERED_KV_DIR=str(tmp_path / "kv"))
