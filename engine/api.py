@@ -51,6 +51,20 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+def invalid(message: str, param: str) -> ApiError:
+    """A 400 for a value the client sent that the server cannot take."""
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def function_tool(name: str, parameters: Any, description: Any) -> dict[str, Any]:
+    """A chat request's function tool (the other APIs' tools are converted to it); a missing
+    schema is an empty object's, a description that is no string is left out."""
+    fn = {"name": name, "parameters": parameters or {"type": "object"}}
+    if isinstance(description, str):
+        fn["description"] = description
+    return {"type": "function", "function": fn}
+
+
 def error_body(
     message: str,
     type_: str = "invalid_request_error",

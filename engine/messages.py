@@ -87,18 +87,14 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
     return chat
 
 
-def _bad(msg: str, param: str) -> ApiError:
-    return ApiError(400, msg, param=param, code="invalid_value")
-
-
 def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise _bad("content must be a string or a list of content blocks", param)
+        raise api.invalid("content must be a string or a list of content blocks", param)
     for j, b in enumerate(content):
         if b.get("type") in _UNSUPPORTED:
-            raise _bad(f"{b['type']} blocks are not supported: the model reads text", f"{param}.{j}")
+            raise api.invalid(f"{b['type']} blocks are not supported: the model reads text", f"{param}.{j}")
     return content
 
 
@@ -107,14 +103,14 @@ def _text(content: Any, param: str) -> str:
     parts = []
     for j, b in enumerate(_blocks(content, param)):
         if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise _bad(f"expected a text block, got {b.get('type')!r}", f"{param}.{j}")
+            raise api.invalid(f"expected a text block, got {b.get('type')!r}", f"{param}.{j}")
         parts.append(b["text"])
     return "\n\n".join(parts)
 
 
 def _turn(m: Any, param: str) -> list[dict[str, Any]]:
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
-        raise _bad('each message needs "role": "user", "assistant" or "system"', f"{param}.role")
+        raise api.invalid('each message needs "role": "user", "assistant" or "system"', f"{param}.role")
     if m["role"] == "system":  # Claude Code sends its environment so, after the first user turn
         return [{"role": "system", "content": _text(m.get("content"), f"{param}.content")}]
     blocks = _blocks(m.get("content"), f"{param}.content")
@@ -140,7 +136,7 @@ def _turn(m: Any, param: str) -> list[dict[str, Any]]:
         kind = b.get("type")
         if kind == "tool_use":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
-                raise _bad('a tool_use block needs "name" and an object "input"', where)
+                raise api.invalid('a tool_use block needs "name" and an object "input"', where)
             calls.append({"id": str(b.get("id", "")), "type": "function",
                           "function": {"name": b["name"], "arguments": b.get("input", {})}})  # fmt: skip
         elif kind == "thinking":
@@ -157,11 +153,8 @@ def _turn(m: Any, param: str) -> list[dict[str, Any]]:
 
 def _tool(t: Any, param: str) -> dict[str, Any]:
     if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-        raise _bad('each tool needs a "name" (and an "input_schema")', param)
-    fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
-    if isinstance(t.get("description"), str):
-        fn["description"] = t["description"]
-    return {"type": "function", "function": fn}
+        raise api.invalid('each tool needs a "name" (and an "input_schema")', param)
+    return api.function_tool(t["name"], t.get("input_schema"), t.get("description"))
 
 
 def _choice(c: dict[str, Any]) -> dict[str, Any]:
@@ -169,12 +162,12 @@ def _choice(c: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"parallel_tool_calls": not c.get("disable_parallel_tool_use", False)}
     if kind == "tool":
         if not isinstance(c.get("name"), str):
-            raise _bad('tool_choice {"type": "tool"} needs a "name"', "tool_choice")
+            raise api.invalid('tool_choice {"type": "tool"} needs a "name"', "tool_choice")
         out["tool_choice"] = {"type": "function", "function": {"name": c["name"]}}
     elif kind in ("auto", "any", "none"):
         out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
     else:
-        raise _bad('tool_choice type must be "auto", "any", "tool" or "none"', "tool_choice")
+        raise api.invalid('tool_choice type must be "auto", "any", "tool" or "none"', "tool_choice")
     return out
 
 

@@ -61,10 +61,6 @@ def parse(raw: bytes) -> ResponsesChat:
     return to_chat(api.parse_body(raw, ResponsesRequest))
 
 
-def _bad(msg: str, param: str) -> ApiError:
-    return ApiError(400, msg, param=param, code="invalid_value")
-
-
 def to_chat(req: ResponsesRequest) -> ResponsesChat:
     """The chat request of ``req``: ``instructions`` as the system message, then the input items in
     order (a ``function_call`` joins the assistant turn before it, a ``reasoning`` item becomes the
@@ -80,13 +76,13 @@ def to_chat(req: ResponsesRequest) -> ResponsesChat:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise _bad('a message needs "role": "user", "system", "developer" or "assistant"', where)
+                raise api.invalid('a message needs "role": "user", "system", "developer" or "assistant"', where)
             msgs.append({"role": role, "content": _text(item.get("content"), where + ".content")})
             if role == "assistant" and reasoning:
                 msgs[-1]["reasoning_content"], reasoning = "\n\n".join(reasoning), []
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
-                raise _bad('a function_call needs a "name" and "arguments" (a JSON string)', where)
+                raise api.invalid('a function_call needs a "name" and "arguments" (a JSON string)', where)
             call = {"id": str(item.get("call_id", "")), "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}  # fmt: skip
             last = msgs[-1] if msgs else None
@@ -104,7 +100,7 @@ def to_chat(req: ResponsesRequest) -> ResponsesChat:
             if text:
                 reasoning.append(text)
         else:
-            raise _bad(f"input items of type {kind!r} are not supported", where + ".type")
+            raise api.invalid(f"input items of type {kind!r} are not supported", where + ".type")
     body: dict[str, Any] = {
         "messages": msgs,
         "max_tokens": req.max_output_tokens,
@@ -145,11 +141,8 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out += _tools([x for x in _listed(t.get("tools")) if isinstance(x, dict)])
         elif t.get("type") == "function":
             if not isinstance(t.get("name"), str):
-                raise _bad('a function tool needs a "name"', f"tools.{i}")
-            fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
-            if isinstance(t.get("description"), str):
-                fn["description"] = t["description"]
-            out.append({"type": "function", "function": fn})
+                raise api.invalid('a function tool needs a "name"', f"tools.{i}")
+            out.append(api.function_tool(t["name"], t.get("parameters"), t.get("description")))
     return out
 
 
@@ -162,7 +155,7 @@ def _choice(c: str | dict[str, Any]) -> str | dict[str, Any]:
         return c  # auto / none / required, checked by the chat request
     if c.get("type") == "function" and isinstance(c.get("name"), str):
         return {"type": "function", "function": {"name": c["name"]}}
-    raise _bad('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+    raise api.invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
                "tool_choice")  # fmt: skip
 
 
@@ -171,16 +164,16 @@ def _text(content: Any, param: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise _bad("content must be a string or a list of parts", param)
+        raise api.invalid("content must be a string or a list of parts", param)
     parts = []
     for j, p in enumerate(content):
         if not isinstance(p, dict) or p.get("type") not in (*_TEXT_PARTS, "refusal"):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-            raise _bad(f"content parts of type {kind!r} are not supported: the model reads text",
+            raise api.invalid(f"content parts of type {kind!r} are not supported: the model reads text",
                        f"{param}.{j}")  # fmt: skip
         value = p.get("refusal") if p.get("type") == "refusal" else p.get("text")
         if not isinstance(value, str):
-            raise _bad("a text part needs its text", f"{param}.{j}")
+            raise api.invalid("a text part needs its text", f"{param}.{j}")
         parts.append(value)
     return "".join(parts)
 
