@@ -58,6 +58,9 @@ class Engine:
         self.share_prefill = {"on": True, "off": False}.get(config.shared_prefill, gpu)
         # the first request's kernels loaded at start (TIERED_KV_WARMUP; `auto`: on a GPU)
         self.warmup = {"on": True, "off": False}.get(config.warmup, gpu)
+        # prefill steps in few attention shapes (TIERED_KV_STEP_SHAPES; `auto`: on CUDA)
+        cuda = gpu and mx.cuda.is_available()
+        self.step_shapes = {"on": True, "off": False}.get(config.step_shapes, cuda)
         self.cache = tiered_kv.open_cache(
             config, model_identity(self.model_dir), lambda: make_prompt_cache(self.model),
             self.compute_prefix,
@@ -67,7 +70,7 @@ class Engine:
 
     def warm_up(self) -> float:
         """The first request's kernels loaded before serving (engine/warmup.py; engine thread)."""
-        return warmup.run(self.model, self.prefill_chunk)
+        return warmup.run(self.model, self.prefill_chunk, step_shapes=self.step_shapes)
 
     @property
     def prefill_chunk(self) -> int:

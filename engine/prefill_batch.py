@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
+from engine import shapes
 from tiered_kv import Lease
 
 
@@ -31,15 +32,25 @@ def batchable(lease: Lease) -> bool:
 
 
 def forward(
-    model: Any, leases: Sequence[Lease], chunks: Sequence[Sequence[int]], logits: bool = False
+    model: Any,
+    leases: Sequence[Lease],
+    chunks: Sequence[Sequence[int]],
+    logits: bool = False,
+    step_shapes: int = 0,
 ) -> mx.array | None:
     """Feed ``chunks[i]`` (all of one length) into ``leases[i].caches`` in one forward.
 
     Each lease gets back caches holding exactly its previous tokens plus its chunk. Returns the
     last position's logits per row (rows x vocabulary) when ``logits``; otherwise the vocabulary
-    projection is never evaluated. On an error the leases keep their caches as they were."""
+    projection is never evaluated. On an error the leases keep their caches as they were.
+    ``step_shapes`` (the prefill step; 0: off): a lease alone runs its step in few attention
+    shapes (:mod:`engine.shapes`)."""
     n = len(chunks[0])
     assert n > 0 and all(len(c) == n for c in chunks), "rows of one length"
+    if step_shapes and len(leases) == 1 and shapes.applies(leases[0].caches):
+        caches, last = shapes.forward(model, leases[0].caches, chunks[0], step_shapes, logits)
+        leases[0].caches = caches
+        return last
     inputs = mx.array([list(c) for c in chunks])
     if len(leases) == 1:  # alone: straight into its own caches, as engine/prefill.py does
         out = model(inputs, cache=leases[0].caches)

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import prefill_batch
+from engine import prefill_batch, shapes
 from engine.inflight import NO_HOLD, Ends, Hold, Seq, short
 
 
@@ -42,6 +42,8 @@ class Prefilling:
         # rows ride along only where they cost little (a GPU); on the CPU a forward's cost grows
         # with its rows, and riding rows only delay the first request's first token
         self.share = bool(getattr(engine, "share_prefill", True))
+        # the prefill step when a request's steps run in few attention shapes (CUDA), else 0
+        self.step_shapes = engine.prefill_chunk if getattr(engine, "step_shapes", False) else 0
 
     def next(self, hold: Hold = NO_HOLD) -> Seq | None:
         """The request to prefill next: the fewest prompt tokens left (arrival order on a tie),
@@ -108,6 +110,8 @@ class Prefilling:
         # the others ride along with as much while the budget lasts. Each has at least that much
         # body left (rows[0] has the least): one length for all, no padding.
         n = max(1, min(rows[0].left - 1, budget))
+        if self.step_shapes:  # the steps after this one whole aligned ones (engine.shapes)
+            n = shapes.chunk(len(rows[0].fed), n, self.step_shapes)
         rows = rows[: max(1, budget // n)]
         self._forward(rows, [s.prompt_ids[len(s.fed) : len(s.fed) + n] for s in rows])
         for seq in rows:
@@ -123,7 +127,7 @@ class Prefilling:
         leases = [s.lease for s in rows if s.lease is not None]
         t0 = time.perf_counter()
         try:
-            prefill_batch.forward(self.engine.model, leases, chunks)
+            prefill_batch.forward(self.engine.model, leases, chunks, step_shapes=self.step_shapes)
         except Exception as e:
             for seq in rows:
                 self.seqs.remove(seq)

@@ -19,20 +19,27 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engine import shapes
+
 #: the short step's length: odd, so that no prefill step size divides it
 ODD_TOKENS = 37
 
 
-def run(model: Any, chunk: int, token: int = 0) -> float:
+def run(model: Any, chunk: int, token: int = 0, step_shapes: bool = False) -> float:
     """Forward ``chunk`` tokens, then :data:`ODD_TOKENS`, then one, on a fresh cache; then hand
     the cache back as a stored entry comes back (:func:`_as_stored`) and forward
-    :data:`ODD_TOKENS` more, as a hot or disk hit's suffix (engine thread); the seconds it took."""
+    :data:`ODD_TOKENS` more, as a hot or disk hit's suffix (engine thread; in few attention
+    shapes with ``step_shapes``, as the engine then runs it: :mod:`engine.shapes`); the seconds
+    it took."""
     t0 = time.perf_counter()
     cache = make_prompt_cache(model)
     for n in (max(1, chunk), ODD_TOKENS, 1):
         mx.eval(model(mx.array([[token] * n]), cache=cache))
     _as_stored(cache)
-    mx.eval(model(mx.array([[token] * ODD_TOKENS]), cache=cache))
+    if step_shapes and shapes.applies(cache):
+        shapes.forward(model, cache, [token] * ODD_TOKENS, max(1, chunk))
+    else:
+        mx.eval(model(mx.array([[token] * ODD_TOKENS]), cache=cache))
     del cache
     mx.clear_cache()
     return time.perf_counter() - t0

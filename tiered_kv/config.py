@@ -162,6 +162,13 @@ class Config:
     #: H200, and ~0.1 s of the first hot hit; a CPU has no such first-call cost, and a 512-token
     #: step costs seconds at start there)
     warmup: str = "auto"
+    #: TIERED_KV_STEP_SHAPES — a prefill step that is not a whole aligned one (a hot hit's suffix)
+    #: runs in few attention shapes (query padded to a power of two, keys the cache's whole
+    #: buffer in multiples of 4096 tokens under a mask), so mlx-cuda builds its cuDNN attention
+    #: graph once per shape, not once per turn (`engine/shapes.py`): `on`, `off`, or `auto` (on
+    #: CUDA only: H100 1B 8k, 7-13 ms such a step against 47-60 ms; on the CPU and Metal nothing
+    #: is built per shape and the padding only costs)
+    step_shapes: str = "auto"
     #: TIERED_KV_MAX_TOKENS — new tokens for a request that names no `max_tokens`: `0` is all that
     #: the model's context leaves (as OpenAI, vLLM and llama.cpp do; mlx_lm.server stops at 512).
     #: A request's own `max_tokens` is capped only by the context
@@ -310,6 +317,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_RESTORE": ("restore", _restore, '"auto", "load", "compute" or "both"'),
     "TIERED_KV_SHARED_PREFILL": ("shared_prefill", _switch, '"auto", "on" or "off"'),
     "TIERED_KV_WARMUP": ("warmup", _switch, '"auto", "on" or "off"'),
+    "TIERED_KV_STEP_SHAPES": ("step_shapes", _switch, '"auto", "on" or "off"'),
     "TIERED_KV_MAX_TOKENS": ("max_tokens", _nonneg_int, "an integer ≥ 0 (0: all the context leaves)"),
     "TIERED_KV_CHAT_TEMPLATE_ARGS": (
         "chat_template_args", _json_object, 'a JSON object such as {"enable_thinking": false}'

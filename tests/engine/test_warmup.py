@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from engine import warmup
+from engine import shapes, warmup
 from engine.generate import Engine, SamplingParams
 from engine.loading import load_model
 from engine.worker import Worker
@@ -48,6 +48,17 @@ def test_run_forwards_a_step_an_odd_step_a_decode_step_and_a_suffix_on_one_fresh
     assert [c[1] for c in rec.caches] == [0, 16, 16 + odd, 17 + odd]
     assert rec.caches[2][2] == 256  # the fresh prefill's whole step
     assert rec.caches[3][2] == 17 + odd  # handed back at its length
+
+
+def test_with_step_shapes_the_suffix_runs_as_the_engine_runs_it(tiny_model_dir):
+    """TIERED_KV_STEP_SHAPES on (CUDA): the suffix step is padded to a power of two onto a
+    buffer of whole grains, the shape a hot hit's suffix then has (engine/shapes.py)."""
+    model, _ = load_model(tiny_model_dir)
+    rec = Recording(model)
+    warmup.run(rec, 16, step_shapes=True)
+    odd = warmup.ODD_TOKENS
+    assert rec.shapes[-1] == (1, shapes.query_rows(odd))
+    assert rec.caches[-1][1:] == (17 + odd, 17 + odd)  # onto the entry handed back at its length
 
 
 def _worker(tiny_model_dir, tmp_path, warmup: str) -> Worker:

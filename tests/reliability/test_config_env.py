@@ -25,6 +25,7 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_BLOCK_TOKENS": ["0", "7", "9000", "sixteen"],
     "TIERED_KV_WRITE_THROUGH": ["maybe", "2"],
     "TIERED_KV_WARMUP": ["later", "2"],  # auto | on | off
+    "TIERED_KV_STEP_SHAPES": ["padded", "1"],  # auto | on | off
     "TIERED_KV_KV_BITS": ["3", "16", "-4"],
     "TIERED_KV_KV_GROUP_SIZE": ["16", "100"],
     "TIERED_KV_PREFETCH": ["-1", "lots", "2 parsecs"],

@@ -1,0 +1,154 @@
+"""Prefill steps in few attention shapes, so that on CUDA a step's attention graph is built once.
+
+mlx-cuda runs a prefill step's attention through cuDNN, which builds a graph for each exact
+(query length, key length, strides) and keeps some hundreds in a per-process LRU
+(``MLX_CUDA_SDPA_CACHE_SIZE``). A hot hit's suffix step has a key length no earlier step had (the
+conversation so far), so every turn paid a build: H100, 1B shape, 8k context, 47-60 ms a step of
+10-1000 new tokens against 7-13 ms once its graph exists (``bench.step_shapes``, README).
+
+A plain-KV prefill step that is not a *whole aligned step* (``step`` tokens starting at a multiple
+of ``step``: a long prefill's body, whose shapes recur on their own) runs instead with
+
+* its query padded to :func:`query_rows` (a power of two, at least 16) with copies of its last
+  token: attention is causal, so the padding never reaches the real tokens, and its keys are cut
+  off after the step (the cache's offset is set back; the next step overwrites them);
+* its keys handed to attention as the cache's whole buffer, which is kept :func:`capacity` long
+  (a multiple of ``GRAIN`` tokens), with an additive mask that is the causal mask over the real
+  keys and hides the rest.
+
+So a step's (query, key) shape is one of a few per ``GRAIN`` tokens of context, and its graph is
+built once per process. The buffer past the tokens costs memory (under ``GRAIN`` + a step of
+tokens a request, counted by the hot tier as the entry's capacity). :func:`chunk` ends a step at
+the next multiple of ``step`` so that the steps of a long suffix after it are whole aligned ones.
+
+The tokens are the same: the masked keys add exact zeros to attention (float32 on the CPU: logits
+equal to the plain step's); on a GPU in bf16 the attention kernel differs (a mask array instead of
+the causal flag), so logits differ by bf16 rounding as between any two cuts of a prefill.
+
+Where: CUDA (``TIERED_KV_STEP_SHAPES=auto``). On the CPU and Metal nothing is built per shape and
+the padding would only cost compute. Only plain ``KVCache`` layers (no checkpoints, no quantised,
+rotating or recurrent state, where padding tokens would enter the state) and a request prefilling
+alone; several requests sharing a forward keep mlx-lm's batched cache.
+
+Ownership: the thread that owns MLX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as C
+
+#: the key lengths attention sees are multiples of this many tokens
+GRAIN = 4096
+#: the shortest padded query
+MIN_QUERY = 16
+
+
+def query_rows(n: int) -> int:
+    """The padded query length of an ``n``-token step: the next power of two, at least 16."""
+    rows = MIN_QUERY
+    while rows < n:
+        rows *= 2
+    return rows
+
+
+def capacity(end: int) -> int:
+    """The buffer length (attention's key length) for a step ending at token ``end``."""
+    return -(-end // GRAIN) * GRAIN
+
+
+def whole(start: int, n: int, step: int) -> bool:
+    """A whole aligned step: ``step`` tokens from a multiple of ``step`` (kept causal)."""
+    return n == step and start % step == 0
+
+
+def chunk(start: int, n: int, step: int) -> int:
+    """Tokens of the next step of an ``n``-token prefill from ``start``: at most up to the next
+    multiple of ``step``, so that the steps after it are whole aligned ones."""
+    return max(1, min(n, step - start % step))
+
+
+class PaddedKVCache(C.KVCache):
+    """mlx-lm's ``KVCache`` whose steps that are not whole aligned ones hand attention the whole
+    buffer (:func:`capacity` long) under an additive mask (see the module). Built over a plain
+    cache's buffers for one step by :func:`forward`."""
+
+    keys: mx.array | None  # mlx-lm's buffers (None until the first tokens)
+    values: mx.array | None
+    offset: int
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.prefill_step = step
+
+    def _capacity(self, end: int) -> int:
+        held = int(self.keys.shape[2]) if self.keys is not None else 0
+        return max(capacity(end), held if held % GRAIN == 0 else 0)
+
+    def _padded(self, n: int) -> bool:
+        return n > 1 and not whole(self.offset, n, self.prefill_step)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **kwargs: Any) -> Any:  # fmt: skip
+        if window_size is not None or not self._padded(N):
+            return super().make_mask(N, return_array=return_array, window_size=window_size)
+        cap = self._capacity(self.offset + N)
+        seen = mx.arange(cap)[None] <= (mx.arange(N)[:, None] + self.offset)
+        if self.keys is None:
+            return seen  # MLX turns a boolean mask into an additive one
+        dtype = self.keys.dtype
+        return mx.where(seen, mx.array(0, dtype), mx.array(-mx.inf, dtype))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev, n = self.offset, int(keys.shape[2])
+        end, padded = prev + n, self._padded(n)
+        cap = self._capacity(end)
+        if self.keys is None or self.values is None or int(self.keys.shape[2]) != cap:
+            self.keys = _sized(self.keys, keys, prev, cap)
+            self.values = _sized(self.values, values, prev, cap)
+        self.keys[..., prev:end, :] = keys
+        self.values[..., prev:end, :] = values
+        self.offset = end
+        if not padded:
+            return self.keys[..., :end, :], self.values[..., :end, :]
+        return self.keys, self.values
+
+
+def _sized(buf: mx.array | None, new: mx.array, rows: int, cap: int) -> mx.array:
+    """A buffer of ``cap`` rows (axis 2) holding the first ``rows`` rows of ``buf``."""
+    b, h, _, d = new.shape
+    tail = mx.zeros((b, h, cap - rows, d), new.dtype)
+    if buf is None or rows == 0:
+        return tail
+    return mx.concatenate([buf[..., :rows, :], tail], axis=2)
+
+
+def applies(caches: Sequence[Any]) -> bool:
+    """True when every layer is a plain ``KVCache`` (padding tokens enter no other state)."""
+    return all(type(c) is C.KVCache for c in caches)
+
+
+def forward(model: Any, caches: list[Any], tokens: Sequence[int], step: int,
+            logits: bool = False) -> tuple[list[Any], mx.array | None]:  # fmt: skip
+    """One prefill step of ``tokens`` onto plain ``caches`` in few attention shapes: new caches
+    holding exactly the previous tokens plus ``tokens`` (buffers :func:`capacity` long), and the
+    last token's logits when ``logits``. ``caches`` are left as they were."""
+    n, start = len(tokens), caches[0].offset
+    rows = n if n == 1 or whole(start, n, step) else query_rows(n)
+    padded = []
+    for c in caches:
+        p = PaddedKVCache(step)
+        p.keys, p.values, p.offset = c.keys, c.values, c.offset
+        padded.append(p)
+    out = model(mx.array([list(tokens) + [tokens[-1]] * (rows - n)]), cache=padded)
+    last = out[:, n - 1, :] if logits else None
+    new = []
+    for p in padded:
+        c = C.KVCache()
+        c.keys, c.values, c.offset = p.keys, p.values, start + n
+        new.append(c)
+    mx.eval(([last] if last is not None else []) + [c.keys for c in new] + [c.values for c in new])
+    return new, last

@@ -1,0 +1,161 @@
+"""engine/shapes.py: a prefill step in few attention shapes gives the plain step's caches and logits,
+and over a conversation's turns attention sees a few (query, key) shapes instead of a new one a turn.
+
+A real mlx-lm llama with tiny random weights (float32), real mlx-lm caches, the real Engine.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from engine import shapes
+from engine.generate import Engine, SamplingParams
+from tests.fixtures import f32_tol, make_llama, tokens
+from tiered_kv.config import Config
+
+
+def test_query_rows_are_powers_of_two_from_16():
+    assert [shapes.query_rows(n) for n in (1, 15, 16, 17, 100, 1000, 1024, 2047, 2048)] == [
+        16, 16, 16, 32, 128, 1024, 1024, 2048, 2048,
+    ]  # fmt: skip
+
+
+def test_capacity_is_whole_grains():
+    g = shapes.GRAIN
+    assert [shapes.capacity(e) for e in (1, g - 1, g, g + 1, 3 * g + 5)] == [g, g, g, 2 * g, 4 * g]
+
+
+@pytest.mark.parametrize(
+    ("start", "n", "step", "want"),
+    [
+        (0, 5000, 2048, 2048),  # from an aligned start: a whole step
+        (300, 5000, 2048, 1748),  # up to the next multiple of the step
+        (300, 100, 2048, 100),  # all that is left
+        (2048, 2048, 2048, 2048),
+        (4095, 10, 2048, 1),
+    ],
+)
+def test_chunk_ends_at_the_next_multiple_of_the_step(start, n, step, want):
+    assert shapes.chunk(start, n, step) == want
+
+
+def test_whole_steps_are_aligned_steps_of_the_step_length():
+    assert shapes.whole(0, 2048, 2048) and shapes.whole(4096, 2048, 2048)
+    assert not shapes.whole(300, 2048, 2048) and not shapes.whole(2048, 100, 2048)
+
+
+def _plain(model, prefix: list[int], chunk: list[int]):
+    caches = make_prompt_cache(model)
+    if prefix:
+        model(mx.array([prefix]), cache=caches)
+    out = model(mx.array([chunk]), cache=caches)
+    mx.eval(out, [c.state for c in caches])
+    return caches, np.array(out[0, -1])
+
+
+@pytest.mark.parametrize(
+    ("prefix", "n"), [(0, 5), (0, 64), (7, 1), (7, 9), (30, 17), (64, 64), (300, 40), (4090, 20)]
+)
+def test_a_step_gives_the_plain_steps_caches_and_logits(prefix, n):
+    """Padded (query to a power of two, keys the whole buffer under a mask) or whole aligned
+    (64 tokens from 0 or 64 with a 64-token step: causal), from empty caches or a prefix, across a
+    grain boundary (4090 + 20): the same logits and exactly the same tokens in the caches."""
+    model = make_llama(seed=3)
+    ids = tokens(5, prefix + n)
+    want_caches, want = _plain(model, ids[:prefix], ids[prefix:])
+    caches = make_prompt_cache(model)
+    if prefix:
+        model(mx.array([ids[:prefix]]), cache=caches)
+        mx.eval([c.state for c in caches])
+    before = [c.offset for c in caches]
+    new, last = shapes.forward(model, caches, ids[prefix:], 64, logits=True)
+    assert last is not None
+    np.testing.assert_allclose(np.array(last[0]), want, rtol=f32_tol(1e-5), atol=f32_tol(1e-5))
+    assert [c.offset for c in caches] == before  # the caches given are left as they were
+    for c, w in zip(new, want_caches, strict=True):
+        assert type(c) is KVCache and c.offset == w.offset == prefix + n
+        assert c.keys.shape[2] % shapes.GRAIN == 0  # the buffer is whole grains long
+        for got_a, want_a in ((c.keys, w.keys), (c.values, w.values)):
+            np.testing.assert_allclose(
+                np.array(got_a[..., : c.offset, :]), np.array(want_a[..., : w.offset, :]),
+                rtol=f32_tol(1e-5), atol=f32_tol(1e-5),
+            )  # fmt: skip
+
+
+def test_steps_after_a_padded_one_continue_its_caches():
+    """A padded step, then a whole aligned one, then a padded one again, onto the same caches
+    (buffers of whole grains, a padded step's extra keys past the offset): the plain steps' logits."""
+    model = make_llama(seed=3)
+    ids = tokens(6, 64 + 64 + 9)
+    caches, want_caches = make_prompt_cache(model), make_prompt_cache(model)
+    for a, b in ((0, 50), (50, 64), (64, 128), (128, 137)):
+        caches, last = shapes.forward(model, caches, ids[a:b], 64, logits=True)
+        out = model(mx.array([ids[a:b]]), cache=want_caches)
+        assert last is not None
+        np.testing.assert_allclose(
+            np.array(last[0]), np.array(out[0, -1]), rtol=f32_tol(1e-5), atol=f32_tol(1e-5)
+        )
+
+
+def test_only_plain_kv_caches_are_padded():
+    from tests.fixtures import QuantizedLlama, gemma
+
+    assert shapes.applies(make_prompt_cache(make_llama()))
+    assert not shapes.applies(make_prompt_cache(gemma()))  # sliding-window layers
+    assert not shapes.applies(QuantizedLlama().make_cache())
+
+
+@pytest.fixture
+def attention_shapes(monkeypatch):
+    """(query, key) lengths of every many-token attention call (the real kernel runs)."""
+    seen: list[tuple[int, int]] = []
+    real = mx.fast.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        if q.shape[2] > 1:
+            seen.append((int(q.shape[2]), int(k.shape[2])))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def _turns(engine: Engine) -> list[list[int]]:
+    """A conversation: a 300-token prompt, then each turn's prompt is the last one plus its answer
+    and a new message of 9-130 tokens (hot hits)."""
+    prompt, out = tokens(11, 300), []
+    for i, extra in enumerate((9, 33, 70, 5, 130)):
+        chunks = list(engine.generate(prompt, SamplingParams(max_tokens=6)))
+        answer = [c.token for c in chunks if c.token is not None]
+        out.append(answer)
+        prompt = prompt + answer + tokens(20 + i, extra)
+    return out
+
+
+def test_a_conversation_attends_in_few_shapes(tiny_model_dir, attention_shapes):
+    """With TIERED_KV_STEP_SHAPES=on every prefill step of a 300-token prompt and five hot turns
+    after it hands attention either a whole aligned step (64 tokens onto a multiple of 64: the
+    shapes of any long prefill) or a power-of-two query over a key length of one grain, where the
+    plain steps had a key length of their own every turn (a cuDNN graph build each on CUDA).
+    Greedy tokens equal the plain engine's."""
+    config = dict(tiers=("hot",), min_continuation_tokens=16, prefill_chunk=64)
+    plain = Engine(tiny_model_dir, Config(step_shapes="off", **config))
+    want = _turns(plain)
+    plain_keys = {k for _, k in attention_shapes if k % 64}
+    attention_shapes.clear()
+    padded = Engine(tiny_model_dir, Config(step_shapes="on", **config))
+    assert padded.step_shapes and not plain.step_shapes
+    assert _turns(padded) == want
+    for q, k in attention_shapes:
+        whole = q == 64 and k % 64 == 0
+        assert whole or (k == shapes.GRAIN and q & (q - 1) == 0), attention_shapes
+    assert len({s for s in attention_shapes if s[1] == shapes.GRAIN}) <= 5  # 16, 32, 64 ...
+    assert len(plain_keys) >= 6, plain_keys  # without it: a key length per turn's steps
+
+
+def test_step_shapes_auto_is_off_on_the_cpu(tiny_model_dir):
+    engine = Engine(tiny_model_dir, Config(tiers=()))
+    assert engine.step_shapes == (mx.default_device().type == mx.gpu and mx.cuda.is_available())
