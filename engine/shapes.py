@@ -13,12 +13,12 @@ of ``step``: a long prefill's body, whose shapes recur on their own) runs instea
   token: attention is causal, so the padding never reaches the real tokens, and its keys are cut
   off after the step (the cache's offset is set back; the next step overwrites them);
 * its keys handed to attention as the cache's whole buffer, which is kept :func:`capacity` long
-  (a multiple of ``GRAIN`` tokens), with an additive mask that is the causal mask over the real
-  keys and hides the rest.
+  (four lengths an octave), with an additive mask that is the causal mask over the real keys and
+  hides the rest.
 
-So a step's (query, key) shape is one of a few per ``GRAIN`` tokens of context, and its graph is
-built once per process. The buffer past the tokens costs memory (under ``GRAIN`` + a step of
-tokens a request, counted by the hot tier as the entry's capacity). :func:`chunk` ends a step at
+So a step's (query, key) shape is one of a few per octave of context, and its graph is built once
+per process. The buffer past the tokens costs memory (at most a quarter of the tokens, plus the
+padding; the hot tier counts an entry's capacity). :func:`chunk` ends a step at
 the next multiple of ``step`` so that the steps of a long suffix after it are whole aligned ones.
 
 The tokens are the same: the masked keys add exact zeros to attention (float32 on the CPU: logits
@@ -41,8 +41,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
-#: the key lengths attention sees are multiples of this many tokens
-GRAIN = 4096
+#: the finest step between key lengths (mlx-lm's KV buffer step)
+MIN_GRAIN = 256
 #: the shortest padded query
 MIN_QUERY = 16
 
@@ -56,8 +56,11 @@ def query_rows(n: int) -> int:
 
 
 def capacity(end: int) -> int:
-    """The buffer length (attention's key length) for a step ending at token ``end``."""
-    return -(-end // GRAIN) * GRAIN
+    """The buffer length (attention's key length) for a step ending at token ``end``: four
+    lengths an octave (``end`` in (2^k, 2^(k+1)] rounds up to a multiple of 2^(k-2)), at least
+    a multiple of 256 — at most a quarter more than the tokens, a few lengths a conversation."""
+    grain = max(MIN_GRAIN, 1 << max(0, (end - 1).bit_length() - 3))
+    return -(-end // grain) * grain
 
 
 def whole(start: int, n: int, step: int) -> bool:
@@ -86,7 +89,7 @@ class PaddedKVCache(C.KVCache):
 
     def _capacity(self, end: int) -> int:
         held = int(self.keys.shape[2]) if self.keys is not None else 0
-        return max(capacity(end), held if held % GRAIN == 0 else 0)
+        return max(capacity(end), held if capacity(held) == held else 0)
 
     def _padded(self, n: int) -> bool:
         return n > 1 and not whole(self.offset, n, self.prefill_step)

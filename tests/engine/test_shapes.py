@@ -23,9 +23,13 @@ def test_query_rows_are_powers_of_two_from_16():
     ]  # fmt: skip
 
 
-def test_capacity_is_whole_grains():
-    g = shapes.GRAIN
-    assert [shapes.capacity(e) for e in (1, g - 1, g, g + 1, 3 * g + 5)] == [g, g, g, 2 * g, 4 * g]
+def test_capacity_is_four_lengths_an_octave_from_256():
+    ends = (1, 256, 257, 1024, 1025, 4096, 4097, 6000, 8192, 8193, 32769, 131072)
+    want = (256, 256, 512, 1024, 1280, 4096, 5120, 6144, 8192, 10240, 40960, 131072)
+    assert tuple(shapes.capacity(e) for e in ends) == want
+    for end in range(1, 70000, 997):  # never under the tokens, at most a quarter (or 255) over
+        cap = shapes.capacity(end)
+        assert end <= cap <= max(end + 255, end * 1.25) and shapes.capacity(cap) == cap
 
 
 @pytest.mark.parametrize(
@@ -77,7 +81,7 @@ def test_a_step_gives_the_plain_steps_caches_and_logits(prefix, n):
     assert [c.offset for c in caches] == before  # the caches given are left as they were
     for c, w in zip(new, want_caches, strict=True):
         assert type(c) is KVCache and c.offset == w.offset == prefix + n
-        assert c.keys.shape[2] % shapes.GRAIN == 0  # the buffer is whole grains long
+        assert shapes.capacity(c.keys.shape[2]) == c.keys.shape[2]  # a capacity long
         for got_a, want_a in ((c.keys, w.keys), (c.values, w.values)):
             np.testing.assert_allclose(
                 np.array(got_a[..., : c.offset, :]), np.array(want_a[..., : w.offset, :]),
@@ -138,7 +142,7 @@ def _turns(engine: Engine) -> list[list[int]]:
 def test_a_conversation_attends_in_few_shapes(tiny_model_dir, attention_shapes):
     """With TIERED_KV_STEP_SHAPES=on every prefill step of a 300-token prompt and five hot turns
     after it hands attention either a whole aligned step (64 tokens onto a multiple of 64: the
-    shapes of any long prefill) or a power-of-two query over a key length of one grain, where the
+    shapes of any long prefill) or a power-of-two query over a capacity's key length, where the
     plain steps had a key length of their own every turn (a cuDNN graph build each on CUDA).
     Greedy tokens equal the plain engine's."""
     config = dict(tiers=("hot",), min_continuation_tokens=16, prefill_chunk=64)
@@ -151,8 +155,9 @@ def test_a_conversation_attends_in_few_shapes(tiny_model_dir, attention_shapes):
     assert _turns(padded) == want
     for q, k in attention_shapes:
         whole = q == 64 and k % 64 == 0
-        assert whole or (k == shapes.GRAIN and q & (q - 1) == 0), attention_shapes
-    assert len({s for s in attention_shapes if s[1] == shapes.GRAIN}) <= 5  # 16, 32, 64 ...
+        assert whole or (shapes.capacity(k) == k and q & (q - 1) == 0), attention_shapes
+    short = {(q, k) for q, k in attention_shapes if q != 64}
+    assert 0 < len(short) <= 3, short  # (16, 512), (32, 512): every turn's suffix in two shapes
     assert len(plain_keys) >= 6, plain_keys  # without it: a key length per turn's steps
 
 
