@@ -164,3 +164,30 @@ def test_a_conversation_attends_in_few_shapes(tiny_model_dir, attention_shapes):
 def test_step_shapes_auto_is_off_on_the_cpu(tiny_model_dir):
     engine = Engine(tiny_model_dir, Config(tiers=()))
     assert engine.step_shapes == (mx.default_device().type == mx.gpu and mx.cuda.is_available())
+
+
+def test_entries_from_padded_steps_reach_disk_at_their_length_and_serve_after_a_restart(
+    tiny_model_dir, tmp_path
+):
+    """A turn prefilled in few shapes (buffers longer than the tokens) is written with its tokens
+    only (the file the plain engine writes for it, to the byte count), and a restarted engine's
+    disk hit continues it to the same greedy tokens as a plain engine."""
+    config = dict(block_tokens=16, disk_free_floor=0, restore="load", cold_deadline=30.0,
+                  prefill_chunk=64)  # fmt: skip
+    first = tokens(31, 150)
+    sizes, answers = {}, {}
+    for mode in ("off", "on"):
+        engine = Engine(tiny_model_dir, Config(cache_dir=tmp_path / mode, step_shapes=mode, **config))
+        answers[mode] = [c.token for c in engine.generate(first, SamplingParams(max_tokens=4))]
+        engine.close()
+        (entry,) = (tmp_path / mode).glob("*/*.safetensors")
+        sizes[mode] = entry.stat().st_size
+    assert sizes["on"] == sizes["off"] and answers["on"] == answers["off"]
+    engine = Engine(tiny_model_dir, Config(cache_dir=tmp_path / "on", step_shapes="on", **config))
+    second = first + [t for t in answers["on"] if t is not None] + tokens(32, 23)
+    got = list(engine.generate(second, SamplingParams(max_tokens=8)))
+    engine.close()
+    assert got[-1].usage is not None and got[-1].usage.cache_tier == "cold"
+    plain = Engine(tiny_model_dir, Config(tiers=(), step_shapes="off"))
+    want = list(plain.generate(second, SamplingParams(max_tokens=8)))
+    assert [c.token for c in got] == [c.token for c in want]
