@@ -21,6 +21,7 @@ from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models import cache as C
 
 from engine import sampler as sampling
+from engine import shapes
 from engine.inflight import Ends, Seq
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,12 @@ class DecodeKVCache(_PaddingSeen, C.BatchKVCache):
       length it finds, so a batch merged at 32767 tokens decoded in buffers of 33023, 33279...
       rows for ever; on the H200 (8B shape, 32k context) attention over those took a step
       12.7-14.0 ms against 5.6-6.3 ms over buffers of whole steps. The growth copies the buffer
-      anyway (mlx-lm's too); here it rounds up. A row leaving (``filter`` shifts the buffer
+      anyway (mlx-lm's too); here it rounds up, to a capacity (:func:`engine.shapes.capacity`:
+      four lengths an octave, whole steps), so that buffer lengths recur from turn to turn:
+      mlx-cuda builds a cuDNN decode graph per buffer length, and a hot turn's first decode
+      step over a length of its own paid that build (H100, 1B, 8k context, ``bench.hot_turns``
+      round 2: a hot turn's median TTFT 95 ms with prefill steps in few shapes alone, 22 ms
+      with decode grown to capacities too). A row leaving (``filter`` shifts the buffer
       left by the smallest padding) leaves it cut back to its rows, so the next step's growth
       makes it whole steps again (``extend`` pads to the larger buffer: whole steps already,
       or a merge's exact length, which the next step outgrows).
@@ -77,9 +83,9 @@ class DecodeKVCache(_PaddingSeen, C.BatchKVCache):
         prev, n = self._idx, int(keys.shape[2])
         buf_k, buf_v = self.keys, self.values
         if buf_k is not None and buf_v is not None and prev + n > int(buf_k.shape[2]):
-            size = -(-(prev + n) // self.step) * self.step
-            if size - prev < self.step:  # room for a step of decoding, as mlx-lm's growth
-                size += self.step
+            # room for a step of decoding (as mlx-lm's growth), at a capacity: whole steps, and
+            # a buffer length that recurs from turn to turn (engine.shapes)
+            size = shapes.capacity(prev + n + self.step)
             self.keys, self.values = _grown(buf_k, prev, size), _grown(buf_v, prev, size)
         return super().update_and_fetch(keys, values)  # room now: written in place
 

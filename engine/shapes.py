@@ -69,9 +69,10 @@ def whole(start: int, n: int, step: int) -> bool:
 
 
 def chunk(start: int, n: int, step: int) -> int:
-    """Tokens of the next step of an ``n``-token prefill from ``start``: at most up to the next
-    multiple of ``step``, so that the steps after it are whole aligned ones."""
-    return max(1, min(n, step - start % step))
+    """Tokens of the next step of an ``n``-token prefill from ``start``: all of them when they fit
+    one step (one padded step), else up to the next multiple of ``step``, so that the steps
+    after it are whole aligned ones."""
+    return n if n <= step else max(1, step - start % step)
 
 
 class PaddedKVCache(C.KVCache):

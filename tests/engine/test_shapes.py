@@ -37,12 +37,13 @@ def test_capacity_is_four_lengths_an_octave_from_256():
     [
         (0, 5000, 2048, 2048),  # from an aligned start: a whole step
         (300, 5000, 2048, 1748),  # up to the next multiple of the step
-        (300, 100, 2048, 100),  # all that is left
+        (300, 100, 2048, 100),  # all that is left, in one step
+        (300, 2048, 2048, 2048),  # one (padded) step rather than two
         (2048, 2048, 2048, 2048),
-        (4095, 10, 2048, 1),
+        (4095, 2049, 2048, 1),
     ],
 )
-def test_chunk_ends_at_the_next_multiple_of_the_step(start, n, step, want):
+def test_chunk_is_one_step_or_ends_at_the_next_multiple_of_the_step(start, n, step, want):
     assert shapes.chunk(start, n, step) == want
 
 
