@@ -18,8 +18,10 @@ of ``step``: a long prefill's body, whose shapes recur on their own) runs instea
 
 So a step's (query, key) shape is one of a few per octave of context, and its graph is built once
 per process. The buffer past the tokens costs memory (at most a quarter of the tokens, plus the
-padding; the hot tier counts an entry's capacity). :func:`chunk` ends a step at
-the next multiple of ``step`` so that the steps of a long suffix after it are whole aligned ones.
+padding; the hot tier counts an entry's capacity). :func:`chunk` makes a suffix that fits one
+step one padded step, and ends a longer suffix's first step at the next multiple of ``step`` so
+that the steps after it are whole aligned ones. Decode buffers grow to the same capacities
+(:class:`engine.decoding.DecodeKVCache`): mlx-cuda keys its decode graph by the buffer's length.
 
 The tokens are the same: the masked keys add exact zeros to attention (float32 on the CPU: logits
 equal to the plain step's); on a GPU in bf16 the attention kernel differs (a mask array instead of
