@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import tiered_kv
-from engine import warmup
+from engine import shapes, warmup
 from engine.batch import BatchLoop
 from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
 from engine.loading import context_length, load_model, vocab_size, xtc_keep
@@ -59,8 +59,12 @@ class Engine:
         # the first request's kernels loaded at start (TIERED_KV_WARMUP; `auto`: on a GPU)
         self.warmup = {"on": True, "off": False}.get(config.warmup, gpu)
         # prefill steps in few attention shapes (TIERED_KV_STEP_SHAPES; `auto`: on CUDA)
+        # (and only where the model takes them: checked once, engine/shapes.works)
         cuda = gpu and mx.cuda.is_available()
         self.step_shapes = {"on": True, "off": False}.get(config.step_shapes, cuda)
+        if self.step_shapes and not shapes.works(self.model, config.prefill_chunk):
+            log.info("TIERED_KV_STEP_SHAPES: off for this model (a padded step did not match)")
+            self.step_shapes = False
         self.cache = tiered_kv.open_cache(
             config, model_identity(self.model_dir), lambda: make_prompt_cache(self.model),
             self.compute_prefix,

@@ -113,6 +113,30 @@ def test_only_plain_kv_caches_are_padded():
     assert not shapes.applies(QuantizedLlama().make_cache())
 
 
+def test_a_model_that_takes_the_cache_masks_takes_padded_steps():
+    assert shapes.works(make_llama(seed=2), 64)
+
+
+def test_a_model_that_builds_its_own_masks_keeps_mlx_lms_steps(tiny_model_dir, monkeypatch):
+    """A model that asks for a causal mask without the cache's ``make_mask`` would attend, in a
+    padded step, bottom-right aligned over the whole buffer (keys past the tokens included): the
+    check at start finds the logits parted, and the engine keeps the plain steps."""
+    from mlx_lm.models import llama
+
+    monkeypatch.setattr(llama, "create_attention_mask", lambda h, cache=None, **kw: "causal")
+    assert not shapes.works(make_llama(seed=2), 64)
+    engine = Engine(tiny_model_dir, Config(tiers=(), step_shapes="on"))
+    assert not engine.step_shapes
+
+
+def test_a_windowed_mask_over_a_plain_cache_is_refused_in_a_padded_step():
+    cache = shapes.PaddedKVCache(64)
+    cache.update_and_fetch(mx.zeros((1, 2, 5, 8)), mx.zeros((1, 2, 5, 8)))
+    with pytest.raises(shapes.NotPadded):
+        cache.make_mask(9, window_size=4)
+    cache.make_mask(1, window_size=4)  # a one-token step is not padded: mlx-lm's mask
+
+
 @pytest.fixture
 def attention_shapes(monkeypatch):
     """(query, key) lengths of every many-token attention call (the real kernel runs)."""
@@ -148,11 +172,12 @@ def test_a_conversation_attends_in_few_shapes(tiny_model_dir, attention_shapes):
     Greedy tokens equal the plain engine's."""
     config = dict(tiers=("hot",), min_continuation_tokens=16, prefill_chunk=64)
     plain = Engine(tiny_model_dir, Config(step_shapes="off", **config))
+    padded = Engine(tiny_model_dir, Config(step_shapes="on", **config))  # its check at start
+    assert padded.step_shapes and not plain.step_shapes
+    attention_shapes.clear()
     want = _turns(plain)
     plain_keys = {k for _, k in attention_shapes if k % 64}
     attention_shapes.clear()
-    padded = Engine(tiny_model_dir, Config(step_shapes="on", **config))
-    assert padded.step_shapes and not plain.step_shapes
     assert _turns(padded) == want
     for q, k in attention_shapes:
         whole = q == 64 and k % 64 == 0
