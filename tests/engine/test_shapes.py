@@ -217,3 +217,39 @@ def test_entries_from_padded_steps_reach_disk_at_their_length_and_serve_after_a_
     plain = Engine(tiny_model_dir, Config(tiers=(), step_shapes="off"))
     want = list(plain.generate(second, SamplingParams(max_tokens=8)))
     assert [c.token for c in got] == [c.token for c in want]
+
+
+def test_the_server_serves_hot_turns_in_few_shapes(tiny_model_dir, tmp_path, monkeypatch):
+    """Over HTTP, on the server's engine thread (its own MLX stream), with TIERED_KV_STEP_SHAPES=on:
+    hot turns give the text of a server without a cache, hit the cache, and prefill in padded
+    steps."""
+    pytest.importorskip("openai")
+    from tests.serving import hot_config, serve
+
+    steps: list[int] = []
+    real = shapes.forward
+
+    def counted(model, caches, tokens, step, logits=False):
+        steps.append(len(tokens))
+        return real(model, caches, tokens, step, logits)
+
+    monkeypatch.setattr(shapes, "forward", counted)
+
+    padded = hot_config(tmp_path / "on", step_shapes="on")
+    none = Config(cache_dir=tmp_path / "none", tiers=())
+    messages: list[dict] = [{"role": "user", "content": "what is the weather like in paris today?"}]
+    with serve(lambda: Engine(tiny_model_dir, padded), padded) as on, \
+            serve(lambda: Engine(tiny_model_dir, none), none) as plain:  # fmt: skip
+        for turn in range(3):
+            a, b = (
+                s.client.chat.completions.create(
+                    model="t", messages=messages, max_tokens=10, temperature=0
+                )
+                for s in (on, plain)
+            )
+            assert a.choices[0].message.content == b.choices[0].message.content
+            assert a.usage is not None and a.usage.prompt_tokens_details is not None
+            assert (a.usage.prompt_tokens_details.cached_tokens or 0) > 0 or turn == 0
+            messages += [{"role": "assistant", "content": a.choices[0].message.content or ""},
+                         {"role": "user", "content": f"and on day {turn + 2}?"}]  # fmt: skip
+    assert len(steps) >= 3, steps  # (and the check at start)
