@@ -17,8 +17,8 @@ of ``step``: a long prefill's body, whose shapes recur on their own) runs instea
   hides the rest.
 
 So a step's (query, key) shape is one of a few per octave of context, and its graph is built once
-per process. The buffer past the tokens costs memory (at most a quarter of the tokens, plus the
-padding; the hot tier counts an entry's capacity). :func:`chunk` makes a suffix that fits one
+per process. The buffer past the tokens costs memory (at most a quarter of the tokens and under
+8192 tokens, plus the padding; the hot tier counts an entry's capacity). :func:`chunk` makes a suffix that fits one
 step one padded step, and ends a longer suffix's first step at the next multiple of ``step`` so
 that the steps after it are whole aligned ones. Decode buffers grow to the same capacities
 (:class:`engine.decoding.DecodeKVCache`): mlx-cuda keys its decode graph by the buffer's length.
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 #: the finest step between key lengths (mlx-lm's KV buffer step)
 MIN_GRAIN = 256
+#: the coarsest: past 32k tokens a quarter would be more memory than this many tokens of KV
+MAX_GRAIN = 8192
 #: the shortest padded query
 MIN_QUERY = 16
 
@@ -63,9 +65,10 @@ def query_rows(n: int) -> int:
 
 def capacity(end: int) -> int:
     """The buffer length (attention's key length) for a step ending at token ``end``: four
-    lengths an octave (``end`` in (2^k, 2^(k+1)] rounds up to a multiple of 2^(k-2)), at least
-    a multiple of 256 — at most a quarter more than the tokens, a few lengths a conversation."""
-    grain = max(MIN_GRAIN, 1 << max(0, (end - 1).bit_length() - 3))
+    lengths an octave (``end`` in (2^k, 2^(k+1)] rounds up to a multiple of 2^(k-2)), in
+    multiples of 256 to 8192 — at most a quarter (or 255 tokens) more than the tokens, and at
+    most 8191 more (an 8B model's 1 GiB of KV), a few lengths a conversation."""
+    grain = min(MAX_GRAIN, max(MIN_GRAIN, 1 << max(0, (end - 1).bit_length() - 3)))
     return -(-end // grain) * grain
 
 

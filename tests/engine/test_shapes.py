@@ -23,13 +23,14 @@ def test_query_rows_are_powers_of_two_from_16():
     ]  # fmt: skip
 
 
-def test_capacity_is_four_lengths_an_octave_from_256():
-    ends = (1, 256, 257, 1024, 1025, 4096, 4097, 6000, 8192, 8193, 32769, 131072)
-    want = (256, 256, 512, 1024, 1280, 4096, 5120, 6144, 8192, 10240, 40960, 131072)
+def test_capacity_is_four_lengths_an_octave_from_256_in_grains_up_to_8192():
+    ends = (1, 256, 257, 1024, 1025, 4096, 4097, 6000, 8192, 8193, 32769, 70000, 131073)
+    want = (256, 256, 512, 1024, 1280, 4096, 5120, 6144, 8192, 10240, 40960, 73728, 139264)
     assert tuple(shapes.capacity(e) for e in ends) == want
-    for end in range(1, 70000, 997):  # never under the tokens, at most a quarter (or 255) over
+    for end in range(1, 300000, 997):  # never under the tokens, at most a quarter (or 255) over
         cap = shapes.capacity(end)
-        assert end <= cap <= max(end + 255, end * 1.25) and shapes.capacity(cap) == cap
+        assert end <= cap <= min(max(end + 255, end * 1.25), end + 8191)
+        assert shapes.capacity(cap) == cap
 
 
 @pytest.mark.parametrize(
