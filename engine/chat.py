@@ -16,6 +16,8 @@ from typing import Any
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes markers the injected instructions name
 _PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "parameters": {}}}
 _tool_support: dict[int, bool] = {}  # id(tokenizer) → does its template render ``tools``?
+_PROBE_NOTE = "tiered_kv_probe_note"
+_midway_system: dict[int, bool] = {}  # id(tokenizer) → does it render a system turn mid-conversation?
 
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -140,6 +142,50 @@ def template_supports_tools(tokenizer: Any) -> bool:
     return _tool_support[key]
 
 
+def template_keeps_midway_system(tokenizer: Any) -> bool:
+    """Whether the chat template renders a system turn that comes after the conversation began,
+    followed by an assistant turn (Claude Code sends its environment so, after the first user
+    turn); probed once per tokenizer. Mistral Small 3.2's refuses it (roles must alternate) and
+    MiniMax-M2's drops it."""
+    key = id(tokenizer)
+    if key not in _midway_system:
+        probe = [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+            {"role": "system", "content": _PROBE_NOTE}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "hi"},
+        ]  # fmt: skip
+        try:
+            _midway_system[key] = _PROBE_NOTE in _apply(tokenizer, probe, None)
+        except Exception:  # a template that refuses the order raises
+            _midway_system[key] = False
+    return _midway_system[key]
+
+
+def fold_midway_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each system turn after the first message joined to the user turn beside it, as a paragraph:
+    at the end of the user turn just before it, else at the start of the one just after it (one
+    with neither beside it stays). For templates that refuse or drop such turns
+    (:func:`template_keeps_midway_system`); the text keeps its place, so a conversation's earlier
+    turns render the same every time (its prompt's prefix is stable)."""
+    out = [dict(m) for m in messages]
+    i = 1
+    while i < len(out):
+        m = out[i]
+        if m["role"] != "system":
+            i += 1
+            continue
+        before, after = out[i - 1], out[i + 1] if i + 1 < len(out) else None
+        if before["role"] == "user" and isinstance(before["content"], str):
+            before["content"] = before["content"] + "\n\n" + m["content"]
+        elif after is not None and after["role"] == "user" and isinstance(after["content"], str):
+            after["content"] = m["content"] + "\n\n" + after["content"]
+        else:
+            i += 1
+            continue
+        del out[i]
+    return out
+
+
 def format_tool_call(name: str, arguments: Any) -> str:
     """The Hermes text of one call, as the model is told to write it."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
@@ -187,6 +233,8 @@ def render_chat(
     """Messages (+ tools) → the prompt text, ending with the assistant generation prompt.
     ``extra``: template arguments (:func:`template_args`)."""
     msgs = normalise_messages(messages)
+    if not template_keeps_midway_system(tokenizer):
+        msgs = fold_midway_system(msgs)
     if template_supports_tools(tokenizer):
         return _apply(tokenizer, msgs, tools or None, extra)
     return _apply(tokenizer, hermes_messages(msgs, tools), None, extra)

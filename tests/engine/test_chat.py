@@ -183,3 +183,57 @@ def test_template_arguments_never_replace_the_templates_own(args):
     with pytest.raises(ValueError):
         chat.template_args(args)
     assert chat.template_args({"enable_thinking": False}) == {"enable_thinking": False}
+
+
+# --- system turns mid-conversation ----------------------------------------------------------------
+
+#: Claude Code's second turn (2.1.332): its environment as a system turn after the first user turn
+CLAUDE_CODE_TURN_2 = [
+    {"role": "system", "content": "You are Claude Code."},
+    {"role": "user", "content": "list the files"},
+    {"role": "system", "content": "# Environment\n - Platform: linux"},
+    {"role": "assistant", "content": "There are two."},
+    {"role": "user", "content": "and their sizes?"},
+]
+
+
+def test_a_midway_system_turn_joins_the_user_turn_beside_it():
+    s, u, a = "system", "user", "assistant"
+
+    def msgs(*roles: str) -> list[dict]:
+        return [{"role": r, "content": f"{r}{i}"} for i, r in enumerate(roles)]
+
+    assert chat.fold_midway_system(msgs(s, u, s, a)) == [
+        {"role": s, "content": "system0"}, {"role": u, "content": "user1\n\nsystem2"},
+        {"role": a, "content": "assistant3"},
+    ]  # fmt: skip
+    assert chat.fold_midway_system(msgs(s, a, s, u)) == [
+        {"role": s, "content": "system0"}, {"role": a, "content": "assistant1"},
+        {"role": u, "content": "system2\n\nuser3"},
+    ]  # fmt: skip
+    assert chat.fold_midway_system(msgs(s, a, s, a)) == msgs(s, a, s, a)  # no user beside it
+    assert chat.fold_midway_system(msgs(s, s, u)) == [
+        {"role": s, "content": "system0"}, {"role": u, "content": "system1\n\nuser2"},
+    ]  # fmt: skip
+
+
+def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
+    """Mistral Small 3.2's template raised on Claude Code's second turn (roles must alternate: a
+    400 on every turn after the first) and MiniMax-M2's dropped the environment. Those two now get
+    it joined to the first user turn; the templates that render it where it is are unchanged, and
+    each turn's prompt starts with the one before it (the cache's prefix)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    folded = set()
+    for family, path in family_dirs.items():
+        tok = load_tokenizer(path)
+        text = chat.render_chat(tok, CLAUDE_CODE_TURN_2)
+        assert "Platform: linux" in text, family
+        turn_1 = chat.render_chat(tok, CLAUDE_CODE_TURN_2[:3])
+        head = turn_1[: turn_1.rindex("list the files")]
+        assert text.startswith(head), family
+        if not chat.template_keeps_midway_system(tok):
+            folded.add(family)
+        else:
+            assert text == chat._apply(tok, chat.normalise_messages(CLAUDE_CODE_TURN_2), None)
+    assert folded == {"mistral-small-3.2", "minimax-m2"}
