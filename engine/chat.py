@@ -130,16 +130,25 @@ def _apply(
     return str(tokenizer.apply_chat_template(messages, **kwargs))
 
 
+def _probed(
+    seen: dict[int, bool], tokenizer: Any, messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None, marker: str,
+) -> bool:  # fmt: skip
+    """Whether the template renders ``marker`` from ``messages`` (+ ``tools``), probed once per
+    tokenizer (``seen``); a template that raises on them does not."""
+    key = id(tokenizer)
+    if key not in seen:
+        try:
+            seen[key] = marker in _apply(tokenizer, messages, tools)
+        except Exception:  # a template may raise on what it does not understand
+            seen[key] = False
+    return seen[key]
+
+
 def template_supports_tools(tokenizer: Any) -> bool:
     """Whether the chat template renders ``tools`` (probed once per tokenizer)."""
-    key = id(tokenizer)
-    if key not in _tool_support:
-        probe = [{"role": "user", "content": "hi"}]
-        try:
-            _tool_support[key] = "tiered_kv_probe_fn" in _apply(tokenizer, probe, [_PROBE_TOOL])
-        except Exception:  # a template may raise on tools it does not understand
-            _tool_support[key] = False
-    return _tool_support[key]
+    probe = [{"role": "user", "content": "hi"}]
+    return _probed(_tool_support, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_fn")
 
 
 def template_keeps_midway_system(tokenizer: Any) -> bool:
@@ -147,18 +156,12 @@ def template_keeps_midway_system(tokenizer: Any) -> bool:
     followed by an assistant turn (Claude Code sends its environment so, after the first user
     turn); probed once per tokenizer. Mistral Small 3.2's refuses it (roles must alternate) and
     MiniMax-M2's drops it."""
-    key = id(tokenizer)
-    if key not in _midway_system:
-        probe = [
-            {"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
-            {"role": "system", "content": _PROBE_NOTE}, {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": "hi"},
-        ]  # fmt: skip
-        try:
-            _midway_system[key] = _PROBE_NOTE in _apply(tokenizer, probe, None)
-        except Exception:  # a template that refuses the order raises
-            _midway_system[key] = False
-    return _midway_system[key]
+    probe = [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": _PROBE_NOTE}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "hi"},
+    ]  # fmt: skip
+    return _probed(_midway_system, tokenizer, probe, None, _PROBE_NOTE)
 
 
 def fold_midway_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,9 +178,9 @@ def fold_midway_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             i += 1
             continue
         before, after = out[i - 1], out[i + 1] if i + 1 < len(out) else None
-        if before["role"] == "user" and isinstance(before["content"], str):
+        if before["role"] == "user":  # contents are text (normalise_messages)
             before["content"] = before["content"] + "\n\n" + m["content"]
-        elif after is not None and after["role"] == "user" and isinstance(after["content"], str):
+        elif after is not None and after["role"] == "user":
             after["content"] = m["content"] + "\n\n" + after["content"]
         else:
             i += 1

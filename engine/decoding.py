@@ -86,7 +86,7 @@ class DecodeKVCache(_PaddingSeen, C.BatchKVCache):
             # room for a step of decoding (as mlx-lm's growth), at a capacity: whole steps, and
             # a buffer length that recurs from turn to turn (engine.shapes)
             size = shapes.capacity(prev + n + self.step)
-            self.keys, self.values = _grown(buf_k, prev, size), _grown(buf_v, prev, size)
+            self.keys, self.values = shapes.grown(buf_k, prev, size), shapes.grown(buf_v, prev, size)
         return super().update_and_fetch(keys, values)  # room now: written in place
 
     def filter(self, batch_indices: Any) -> None:
@@ -131,12 +131,6 @@ class DecodeRotatingKVCache(_PaddingSeen, C.BatchRotatingKVCache):
         if carried:  # a one-token step only lowers left padding
             self._seen = self.left_padding
         return out
-
-
-def _grown(x: mx.array, rows: int, size: int) -> mx.array:
-    """The first ``rows`` rows of buffer ``x`` (axis 2) in a buffer of ``size`` rows."""
-    b, h, _, d = x.shape
-    return mx.concatenate([x[..., :rows, :], mx.zeros((b, h, size - rows, d), x.dtype)], axis=2)
 
 
 def merge(layer: list[Any]) -> Any:

@@ -77,6 +77,11 @@ def whole(start: int, n: int, step: int) -> bool:
     return n == step and start % step == 0
 
 
+def padded(start: int, n: int, step: int) -> bool:
+    """Whether an ``n``-token step from ``start`` runs padded: neither one token nor whole."""
+    return n > 1 and not whole(start, n, step)
+
+
 def chunk(start: int, n: int, step: int) -> int:
     """Tokens of the next step of an ``n``-token prefill from ``start``: all of them when they fit
     one step (one padded step), else up to the next multiple of ``step``, so that the steps
@@ -102,7 +107,7 @@ class PaddedKVCache(C.KVCache):
         return max(capacity(end), held if capacity(held) == held else 0)
 
     def _padded(self, n: int) -> bool:
-        return n > 1 and not whole(self.offset, n, self.prefill_step)
+        return padded(self.offset, n, self.prefill_step)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
                   **kwargs: Any) -> Any:  # fmt: skip
@@ -119,7 +124,7 @@ class PaddedKVCache(C.KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, n = self.offset, int(keys.shape[2])
-        end, padded = prev + n, self._padded(n)
+        end, masked = prev + n, self._padded(n)  # attention sees the whole buffer
         cap = self._capacity(end)
         if self.keys is None or self.values is None or int(self.keys.shape[2]) != cap:
             self.keys = _sized(self.keys, keys, prev, cap)
@@ -127,18 +132,23 @@ class PaddedKVCache(C.KVCache):
         self.keys[..., prev:end, :] = keys
         self.values[..., prev:end, :] = values
         self.offset = end
-        if not padded:
+        if not masked:
             return self.keys[..., :end, :], self.values[..., :end, :]
         return self.keys, self.values
 
 
+def grown(x: mx.array, rows: int, size: int) -> mx.array:
+    """The first ``rows`` rows of buffer ``x`` (axis 2) in a buffer of ``size`` rows."""
+    b, h, _, d = x.shape
+    return mx.concatenate([x[..., :rows, :], mx.zeros((b, h, size - rows, d), x.dtype)], axis=2)
+
+
 def _sized(buf: mx.array | None, new: mx.array, rows: int, cap: int) -> mx.array:
-    """A buffer of ``cap`` rows (axis 2) holding the first ``rows`` rows of ``buf``."""
-    b, h, _, d = new.shape
-    tail = mx.zeros((b, h, cap - rows, d), new.dtype)
+    """:func:`grown` to ``cap`` rows; zeros shaped as ``new`` when there is nothing to keep."""
     if buf is None or rows == 0:
-        return tail
-    return mx.concatenate([buf[..., :rows, :], tail], axis=2)
+        b, h, _, d = new.shape
+        return mx.zeros((b, h, cap, d), new.dtype)
+    return grown(buf, rows, cap)
 
 
 class NotPadded(Exception):
@@ -180,16 +190,16 @@ def forward(model: Any, caches: list[Any], tokens: Sequence[int], step: int,
     holding exactly the previous tokens plus ``tokens`` (buffers :func:`capacity` long), and the
     last token's logits when ``logits``. ``caches`` are left as they were."""
     n, start = len(tokens), caches[0].offset
-    rows = n if n == 1 or whole(start, n, step) else query_rows(n)
-    padded = []
+    rows = query_rows(n) if padded(start, n, step) else n
+    stepping = []
     for c in caches:
         p = PaddedKVCache(step)
         p.keys, p.values, p.offset = c.keys, c.values, c.offset
-        padded.append(p)
-    out = model(mx.array([list(tokens) + [tokens[-1]] * (rows - n)]), cache=padded)
+        stepping.append(p)
+    out = model(mx.array([list(tokens) + [tokens[-1]] * (rows - n)]), cache=stepping)
     last = out[:, n - 1, :] if logits else None
     new = []
-    for p in padded:
+    for p in stepping:
         c = C.KVCache()
         c.keys, c.values, c.offset = p.keys, p.values, start + n
         new.append(c)
