@@ -128,7 +128,7 @@ def run_family(family: str, tiny_dir: Path, tdir: Path, work: Path, send_reasoni
     config = Config(cache_dir=work / "kv", tiers=("hot",), hot_bytes=1 << 30)
     engine = Engine(fdir, config)
     tok = engine.tokenizer
-    fmt = OutputFormat.of(tok, hermes=not chat.template_supports_tools(tok))
+    fmt = OutputFormat.of(tok)
     res = Result(family, fmt.parser_name, [], [], [], [])
     msgs: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},

@@ -18,6 +18,7 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "p
 _tool_support: dict[int, bool] = {}  # id(tokenizer) → does its template render ``tools``?
 _PROBE_NOTE = "tiered_kv_probe_note"
 _midway_system: dict[int, bool] = {}  # id(tokenizer) → does it render a system turn mid-conversation?
+_json_calls: dict[int, bool] = {}  # id(tokenizer) → does it write calls back as bare JSON objects?
 
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -149,6 +150,19 @@ def template_supports_tools(tokenizer: Any) -> bool:
     """Whether the chat template renders ``tools`` (probed once per tokenizer)."""
     probe = [{"role": "user", "content": "hi"}]
     return _probed(_tool_support, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_fn")
+
+
+def template_writes_json_calls(tokenizer: Any) -> bool:
+    """Whether the chat template writes an assistant's tool call back as a bare JSON object
+    ``{"name": …, "parameters": …}`` with no markers around it (Llama 3.1–3.3, whose models answer
+    with the call's JSON alone); probed once per tokenizer."""
+    call = {"name": "tiered_kv_probe_fn", "arguments": {"a": 1}}
+    probe: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": call}]},
+    ]  # fmt: skip
+    written = '{"name": "tiered_kv_probe_fn", "parameters": {"a": 1}}'
+    return _probed(_json_calls, tokenizer, probe, [_PROBE_TOOL], written)
 
 
 def template_keeps_midway_system(tokenizer: Any) -> bool:

@@ -10,9 +10,10 @@ What the markers are comes from mlx-lm, which picks them from the model's chat t
 ``think_end``; ``mlx_lm/tool_parsers/`` holds one parser per family). The splitting is mlx-lm's
 ``TextStateMachine`` (text-level, so a marker split over tokens or merged with the next byte still
 matches). Ours on top: the Hermes fallback for templates that ignore ``tools`` (the server injects the
-Hermes instructions, so it parses Hermes), whitespace next to markers kept out of ``content`` and
-``reasoning`` (templates strip it when they re-render history), a call that does not parse shown as text,
-and ``parallel_tool_calls: false``.
+Hermes instructions, so it parses Hermes), Llama 3.x's calls (no markers: the whole answer is the call's
+JSON, as its template writes calls back; mlx-lm has no parser for them), whitespace next to markers kept
+out of ``content`` and ``reasoning`` (templates strip it when they re-render history), a call that does
+not parse shown as text, and ``parallel_tool_calls: false``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
+from engine import chat
+
 log = logging.getLogger(__name__)
 NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
 Parser = Callable[[str, Any], Any]
 
 
@@ -40,25 +44,60 @@ def parse_hermes(text: str, tools: Any = None) -> dict[str, Any]:
     return {"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", {}))}
 
 
+def parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
+    """Llama 3.x calls: the whole output is one or more JSON objects ``{"name": …, "parameters":
+    {…}}`` (after an optional ``<|python_tag|>``, separated by ``;`` or whitespace), each naming one
+    of the request's tools (a JSON answer that names none is an answer). Raises ValueError."""
+    body, at, calls = text.strip().removeprefix(PYTHON_TAG), 0, []
+    names = {t["function"].get("name") for t in tools or () if isinstance(t.get("function"), dict)}
+    decoder = json.JSONDecoder()
+    while True:
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
+        if at == len(body):
+            break
+        obj, at = decoder.raw_decode(body, at)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise ValueError("not a tool call object")
+        if names and obj["name"] not in names:
+            raise ValueError(f"{obj['name']!r} is none of the request's tools")
+        args = obj.get("parameters", obj.get("arguments", {}))
+        if not isinstance(args, (dict, str)):
+            raise ValueError("the call's parameters are not an object")
+        calls.append({"name": obj["name"], "arguments": args})
+    if not calls:
+        raise ValueError("no call")
+    return calls
+
+
 @dataclass(frozen=True)
 class OutputFormat:
     """The markers of one tokenizer: think block, tool-call block (end "" = to the end of the output)
-    and the parser of a block's text; ``parser_name`` names the mlx-lm parser module ("hermes": ours)."""
+    and the parser of a block's text; ``parser_name`` names the mlx-lm parser module ("hermes",
+    "llama3_json": ours). ``whole``: calls have no markers; an output that starts as a call (``{``
+    or ``<|python_tag|>``) is held to its end and parsed whole (Llama 3.x)."""
 
     think: tuple[str, str] | None = None
     tool: tuple[str, str] = (HERMES_START, HERMES_END)
     parse: Parser = parse_hermes
     parser_name: str = "hermes"
+    whole: bool = False
 
     @classmethod
-    def of(cls, tokenizer: Any, hermes: bool = False) -> OutputFormat:
-        """What ``tokenizer`` (an mlx-lm TokenizerWrapper, or any HF tokenizer) says; ``hermes``: the
-        server injected Hermes tool instructions, so calls come back as Hermes whatever mlx-lm infers."""
+    def of(cls, tokenizer: Any) -> OutputFormat:
+        """What ``tokenizer`` (an mlx-lm TokenizerWrapper, or any HF tokenizer) and its chat template
+        say: Hermes where the template ignores ``tools`` (the server injects Hermes instructions,
+        :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; Llama 3.x's bare
+        JSON where the template writes calls back so and mlx-lm has no parser; else mlx-lm's."""
         think = None
         if getattr(tokenizer, "has_thinking", False):
             think = (str(tokenizer.think_start), str(tokenizer.think_end))
+        if not chat.template_supports_tools(tokenizer):
+            return cls(think)
         parser = getattr(tokenizer, "tool_parser", None)
-        if hermes or parser is None or not getattr(tokenizer, "tool_call_start", None):
+        if parser is None and chat.template_writes_json_calls(tokenizer):
+            return cls(think, ("", ""), parse_json_calls, "llama3_json", whole=True)
+        if parser is None or not getattr(tokenizer, "tool_call_start", None):
             return cls(think)
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
         return cls(think, tool, parser, parser.__module__.rsplit(".", 1)[-1])
@@ -73,6 +112,8 @@ class OutputFormat:
         """Text after the generation prompt that makes the model call (``required``) or call one
         named function; formats we cannot name a function in get the call opener only."""
         if tool_choice == "required":
+            if self.whole:
+                return '{"name": "'
             return self.tool[0] + ("\n" if self.tool[0] == HERMES_START else "")
         if not isinstance(tool_choice, dict):
             return ""
@@ -86,7 +127,7 @@ class OutputFormat:
         if self.think is not None:
             edges[NORMAL].append((self.think[0], REASONING))
             edges[REASONING] = [(self.think[1], NORMAL)]
-        if tools:
+        if tools and not self.whole:
             edges[NORMAL].append((self.tool[0], TOOL))
             if self.think is not None:
                 edges[REASONING].append((self.tool[0], TOOL))
@@ -105,6 +146,7 @@ _NAMED = {
     "mistral": "{start}{name}[ARGS]",
     "gemma4": "{start}call:{name}{{",
     "pythonic": "{start}[{name}(",
+    "llama3_json": '{{"name": "{name}", "parameters": ',
 }
 
 
@@ -189,23 +231,44 @@ class ChatOutput:
         self._held = {NORMAL: "", REASONING: ""}
         self._markers = fmt.think is not None or parse_tools
         self._lstrip = {NORMAL: False, REASONING: start_in_reasoning}
+        # formats whose calls are the whole output: the output so far while it may be one
+        self._lead: str | None = "" if fmt.whole and parse_tools and not start_in_reasoning else None
         self.n_calls = 0
         self.result = Delta()
 
     # -- feeding ---------------------------------------------------------------------------------
     def feed(self, text: str) -> Delta:
         out = Delta()
+        self._feed(self._leading(text) if self._lead is not None else text, out)
+        self.result.merge(out)
+        return out
+
+    def _feed(self, text: str, out: Delta) -> None:
         if text:
             self._sm, segments = TextStateMachine.split(self._sm, text)
             for state, piece in segments:
                 self._segment(state, piece, out)
-        self.result.merge(out)
-        return out
+
+    def _leading(self, text: str) -> str:
+        """Held while the output may still be a whole-output call (it starts with ``{`` or the
+        python tag, after whitespace); all of it once it cannot."""
+        assert self._lead is not None
+        self._lead += text
+        head = self._lead.lstrip()
+        if not head or head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head):
+            return ""
+        text, self._lead = self._lead, None
+        return text
 
     def finish(self, engine_reason: str | None) -> tuple[Delta, str | None]:
         """End of output: pending text, an open call block parsed (formats without an end marker run
-        to the end), and the OpenAI finish reason (``tool_calls`` when a call ended the output)."""
+        to the end; whole-output calls parsed, or shown as text), and the OpenAI finish reason
+        (``tool_calls`` when a call ended the output)."""
         out = Delta()
+        if self._lead is not None:
+            held, self._lead = self._lead, None
+            if not (held.strip() and self._add_calls(held, out)):
+                self._feed(held, out)
         self._sm, rest, _ = TextStateMachine.flush(self._sm)
         if rest:
             self._segment(self._state, rest, out)
@@ -257,11 +320,17 @@ class ChatOutput:
     def _close_call(self, out: Delta, closed: bool) -> bool:
         """Parse the block just ended; False when it is shown as text instead."""
         text, self._tool_text = self._tool_text, ""
-        calls = self._parse(text)
-        if calls is None:  # not a call after all (or cut short): the block is text
+        if not self._add_calls(text, out):  # not a call after all (or cut short): the block is text
             start, end = self.fmt.tool
             out.content += self._held[NORMAL] + start + text + (end if closed else "")
             self._held[NORMAL] = ""
+            return False
+        return True
+
+    def _add_calls(self, text: str, out: Delta) -> bool:
+        """The calls ``text`` holds into ``out``; False (nothing added) when it holds none."""
+        calls = self._parse(text)
+        if calls is None:
             return False
         for call in calls:
             if self.n_calls and not self.parallel:

@@ -193,7 +193,7 @@ def chat_prompt(
     output formats come from the model's tokenizer). ``template_defaults``: the server's extra
     template variables (a request's own override them)."""
     tools = req.tool_dicts()
-    fmt = output.OutputFormat.of(tokenizer, hermes=not chat.template_supports_tools(tokenizer))
+    fmt = output.OutputFormat.of(tokenizer)
     parse = bool(tools) and req.tool_choice != "none"
     prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
     extra = req.template_args(template_defaults or {})

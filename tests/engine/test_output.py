@@ -40,6 +40,7 @@ SOURCES = {
     "mistral-small-3.2": "mistralai/Mistral-Small-3.2-24B-Instruct-2506 (llama.cpp models/templates/Mistral-Small-3.2-24B-Instruct-2506.jinja)",
     "gemma-4": "google/gemma-4-31B-it (llama.cpp models/templates/google-gemma-4-31B-it.jinja)",
     "lfm2.5": "LiquidAI/LFM2.5-8B-A1B (llama.cpp models/templates/LFM2.5-8B-A1B.jinja)",
+    "llama-3.3": "meta-llama/Llama-3.3-70B-Instruct (llama.cpp models/templates/meta-llama-Llama-3.3-70B-Instruct.jinja)",
     "deepseek-r1-distill": "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja)",
 }
 
@@ -147,6 +148,14 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         "",
         "One moment.",
         [PARIS, OSLO],
+    ),
+    (  # no markers (mlx-lm has no parser): the whole answer is the call, as the template writes it back
+        "llama-3.3",
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+        "",
+        "",
+        [PARIS],
     ),
 ]
 
@@ -261,6 +270,57 @@ def test_mistral_call_ids_fit_its_template(family_dirs):
         {"role": "tool", "tool_call_id": cid, "content": "sunny"},
     ]
     tok.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+# --- Llama 3.x: calls without markers (the whole output is the call's JSON) ----------------------
+
+
+@pytest.mark.parametrize(
+    "text, content, calls, finish",
+    [
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+         '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [PARIS, OSLO], "tool_calls"),
+        ('\n\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n', "", [OSLO], "tool_calls"),
+        ('{"city": "Paris", "days": 3}', '{"city": "Paris", "days": 3}', [], "stop"),  # an answer
+        ('{"name": "Bob", "parameters": {}}', '{"name": "Bob", "parameters": {}}', [], "stop"),
+        ('{"name": "get_weather", "parameters": {"city": "Par', '{"name": "get_weather", '
+         '"parameters": {"city": "Par', [], "length"),  # cut short by max_tokens: text
+        ("<|pyt is not a tag", "<|pyt is not a tag", [], "stop"),
+        ('It is {"sunny": true}.', 'It is {"sunny": true}.', [], "stop"),
+    ],
+    ids=["python-tag-two-calls", "arguments-key", "json-answer", "unknown-name", "cut-short",
+         "tag-lookalike", "json-inside-text"],
+)  # fmt: skip
+def test_llama_whole_output_calls(family_dirs, text, content, calls, finish):
+    fmt, _ = _fmt_and_prompt(family_dirs, "llama-3.3")
+    reason = "length" if finish == "length" else "stop"
+    for n in (1, 3, len(text)):
+        got, end = _run(ChatOutput(fmt, TOOLS), _pieces(text, n), reason)
+        assert (got.content, _calls(got), end) == (content, calls, finish)
+
+
+def test_llama_plain_text_streams_at_once(family_dirs):
+    """Only an output that starts as a call is held: text streams from its first character."""
+    fmt, _ = _fmt_and_prompt(family_dirs, "llama-3.3")
+    out = ChatOutput(fmt, TOOLS)
+    assert out.feed("\n").content == "" and out.feed("Sun").content == "\nSun"
+    held = ChatOutput(fmt, TOOLS)
+    assert held.feed('{"name": "get_we').content == ""
+
+
+def test_llama_forced_calls_and_parallel_false(family_dirs):
+    fmt, _ = _fmt_and_prompt(family_dirs, "llama-3.3")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert fmt.forced_prefix("required") == '{"name": "'
+    prefix = fmt.forced_prefix(named)
+    assert prefix == '{"name": "get_weather", "parameters": '
+    got, finish = _run(ChatOutput(fmt, TOOLS), [prefix, '{"city": "Oslo"}}'])
+    assert (_calls(got), finish) == ([OSLO], "tool_calls")
+    two = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}};' + prefix + '{"city": "Oslo"}}'
+    got, _ = _run(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [two])
+    assert _calls(got) == [PARIS]
+    got, _ = _run(ChatOutput(fmt, TOOLS, parse_tools=False), [two])  # tool_choice "none": text
+    assert (got.content, got.tool_calls) == (two, [])
 
 
 def test_hermes_fallback_without_mlx_parser():

@@ -515,6 +515,35 @@ def test_reasoning_and_tool_call_stream(family_server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+LLAMA_OUT = ['{"name": "get_weather", ', '"parameters": {"city": "Paris"}}']  # Llama 3.3: no markers
+
+
+def test_llama_tool_call_and_the_next_turn_hot(family_server):
+    """Llama 3.3 answers a call with its JSON alone: that was content (no mlx-lm parser), so an agent
+    client never saw a call. Streamed and whole it is a call now, and the turn sent back renders after
+    the first prompt unchanged: the next prompt's cache hit covers all of it."""
+    live = family_server("llama-3.3", LLAMA_OUT)
+    chunks = list(
+        live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS, stream=True)
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == ""
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
+    msg = r.choices[0].message
+    assert msg.content is None and r.choices[0].finish_reason == "tool_calls"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
+    ]
+    again = live.client.chat.completions.create(model="t", messages=history, tools=TOOLS)
+    assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens
+    assert again.usage.model_extra["cache_tier"] == "hot"
+
+
 def test_chat_template_kwargs_reach_the_template(family_dirs, tmp_path):
     """Qwen3 with thinking off (the server's TIERED_KV_CHAT_TEMPLATE_ARGS, or a request's
     chat_template_kwargs, which wins): the prompt gains the closed think block's tokens. Both
