@@ -98,7 +98,11 @@ def _verify(admin: CacheAdmin, args: argparse.Namespace) -> int:
 
 def _verify_local(admin: CacheAdmin, fix: bool) -> int:
     """Exit 0: everything checked and clean (or fixed); 1: problems found; 2: something could
-    not be checked (no readable index, unreadable files) — never 0 for what was not checked."""
+    not be checked (no readable index, unreadable files, no cache directory) — never 0 for what
+    was not checked."""
+    if not admin.root.is_dir():
+        print(f"{admin.root}: no cache directory here, nothing checked")
+        return 2
     clean, unchecked = True, False
     for c in admin.verify(fix):
         note = "" if c.checked else " (could not check: no readable index)"

@@ -2,8 +2,10 @@
 
 Owner of what ``tiered-kv cache stats|ls|verify|clear`` reads and repairs; it prints nothing (the
 CLI formats). One thread, files and sqlite only (no MLX); nothing read is unpickled. Every
-sub-directory of the root but ``quarantine/`` is one fingerprint; symlinks inside the root are
-never followed (a linked "fingerprint" is skipped, a linked ``quarantine/`` is removed as a link).
+sub-directory of the root named as a fingerprint (32 hex digits) is one; anything else there is
+not the cache's (``TIERED_KV_DIR`` may also hold models) and is never read, moved or counted.
+Symlinks inside the root are never followed (a linked "fingerprint" is skipped, a linked
+``quarantine/`` is removed as a link).
 Run ``verify(fix=True)`` and ``clear`` while no server uses the directory. A root or index that
 other users can write to raises :class:`UnsafeCacheDir`.
 """
@@ -70,8 +72,9 @@ class CacheAdmin:
         check_private(self.root)
 
     def fingerprints(self) -> list[Path]:
-        """Fingerprint dirs: real directories only (a symlink may point at a model's folder)."""
-        return [p for p in fsafe.real_subdirs(self.root) if p.name != usage.QUARANTINE]
+        """Fingerprint dirs: real directories named as fingerprints only (a symlink may point at a
+        model's folder; a model's folder may sit beside them)."""
+        return [p for p in fsafe.real_subdirs(self.root) if fsafe.is_fingerprint(p.name)]
 
     @property
     def quarantine_dir(self) -> Path:
@@ -94,7 +97,8 @@ class CacheAdmin:
         return len(list(q.iterdir())), usage.tree_size(q)[0]
 
     def total_bytes(self) -> int:
-        return usage.tree_size(self.root)[0] if self.root.exists() else 0
+        """The cache's bytes under the root, as the disk budget counts them."""
+        return usage.scan(self.root, "", []).used
 
     def listings(self) -> list[Listing]:
         out = []
@@ -110,11 +114,13 @@ class CacheAdmin:
 
     def verify(self, fix: bool = False) -> list[Checked]:
         """Every file's header and checksums against its fingerprint's index; ``fix``
-        quarantines bad files, removes orphans and drops records whose file is gone."""
+        quarantines bad files, removes orphans and drops records whose file is gone — only where
+        the index could be read (without it nothing is known well enough to move)."""
         out = []
         for fp_dir in self.fingerprints():
             with _index(fp_dir, write=fix) as index:
-                report = verify_dir(fp_dir, fp_dir.name, index, self.quarantine_dir, fix)
+                fixing = fix and index is not None
+                report = verify_dir(fp_dir, fp_dir.name, index, self.quarantine_dir, fixing)
             out.append(Checked(fp_dir.name, report, index is not None))
         return out
 

@@ -19,6 +19,7 @@ from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 
 FP = "0123456789abcdef0123456789abcdef"
+FPA, FPB = "a" * 32, "b" * 32
 
 
 def _run(capsys, root, *argv: str) -> tuple[int, str]:
@@ -31,41 +32,41 @@ def _run(capsys, root, *argv: str) -> tuple[int, str]:
 
 
 def test_stats_ls_verify_fix_clear(tmp_path, capsys):
-    tier = ColdTier(tmp_path, "fpA", Config(cache_dir=tmp_path, block_tokens=4))
+    tier = ColdTier(tmp_path, FPA, Config(cache_dir=tmp_path, block_tokens=4))
     c = C.KVCache()
     x = mx.ones((1, 2, 8, 4))
     c.update_and_fetch(x, x)
     tier.persist(np.arange(8), [c])
     tier.persist(np.arange(8) + 9, [c])
     tier.close()
-    bad = sorted((tmp_path / "fpA").glob("*.safetensors"))[0]
+    bad = sorted((tmp_path / FPA).glob("*.safetensors"))[0]
     flip_byte(bad, -1, 0x01)
 
     rc, out = _run(capsys, tmp_path, "stats")
-    assert rc == 0 and "fpA: 2 files, 2 indexed entries" in out
+    assert rc == 0 and f"{FPA}: 2 files, 2 indexed entries" in out
     rc, out = _run(capsys, tmp_path, "ls")
     assert rc == 0 and out.count(" tokens") == 2
     rc, out = _run(capsys, tmp_path, "verify")
     assert rc == 1 and f"corrupt: {bad.name}" in out
     rc, out = _run(capsys, tmp_path, "verify", "--fix")
-    assert rc == 0 and (tmp_path / "quarantine" / f"fpA-{bad.name}").exists()
+    assert rc == 0 and (tmp_path / "quarantine" / f"{FPA}-{bad.name}").exists()
     rc, out = _run(capsys, tmp_path, "verify")
-    assert rc == 0 and "fpA: 1 ok" in out
+    assert rc == 0 and f"{FPA}: 1 ok" in out
     rc, out = _run(capsys, tmp_path, "clear")
-    assert rc == 0 and not (tmp_path / "fpA").exists()
+    assert rc == 0 and not (tmp_path / FPA).exists()
 
 
 def test_verify_without_index_does_not_call_files_orphans(tmp_path, capsys):
     import shutil
 
-    tier = ColdTier(tmp_path, "fpB", Config(cache_dir=tmp_path, block_tokens=4))
+    tier = ColdTier(tmp_path, FPB, Config(cache_dir=tmp_path, block_tokens=4))
     c = C.KVCache()
     c.update_and_fetch(mx.ones((1, 1, 8, 4)), mx.ones((1, 1, 8, 4)))
     tier.persist(np.arange(8), [c])
     tier.close()
-    shutil.rmtree(tmp_path / "fpB" / "index")
+    shutil.rmtree(tmp_path / FPB / "index")
     rc, out = _run(capsys, tmp_path, "verify", "--fix")
-    assert "1 ok" in out and len(list((tmp_path / "fpB").glob("*.safetensors"))) == 1
+    assert "1 ok" in out and len(list((tmp_path / FPB).glob("*.safetensors"))) == 1
     assert rc == 2 and "could not check" in out  # what was not checked is never "clean"
 
 
@@ -135,3 +136,13 @@ def test_clear_removes_links_not_their_targets(tmp_path, capsys):
     assert not os.path.lexists(root / usage.QUARANTINE)
     rc, _ = cli(capsys, root, "clear", "--fingerprint", FP)
     assert rc == 0 and all(intact(v) for v in victims) and not os.path.lexists(root / FP)
+
+
+@pytest.mark.parametrize("where", ["missing", "a-file"])
+def test_verify_where_there_is_no_cache_dir_checks_nothing_and_says_so(tmp_path, capsys, where):
+    """It printed nothing and exited 0 (all clean) for a path that does not exist or is a file."""
+    path = tmp_path / where
+    if where == "a-file":
+        path.write_text("x")
+    rc, out = _run(capsys, path, "verify")
+    assert rc == 2 and "nothing checked" in out

@@ -74,7 +74,8 @@ class Remover:
 
     def make_room(self, index: Index, n_tokens: int, data_bytes: int) -> bool:
         """Evict least recently used entries (and stale files) until an entry of ``data_bytes``
-        plus its index rows fits the budget and the free-space floor; False if it never can."""
+        plus its index rows fits the budget and the free-space floor; False if it never can (then
+        only until what is there fits: a budget lowered since the last run holds)."""
         site = self.site
         incoming = data_bytes + 4 * n_tokens + HEADER_SLACK + index_bytes(n_tokens, site.block_tokens)
         use = usage.scan(site.root, site.fingerprint, index.records())
@@ -85,12 +86,20 @@ class Remover:
         if not plan.fits:
             site.faults.once("budget", "cold entry of %d bytes does not fit the disk budget",
                              incoming)  # fmt: skip
+            # the budget still holds for what is there (one lowered since the last run)
+            plan = budget.select_victims(use.items, used=use.used, incoming=0,
+                                         budget=self.disk_bytes, free=free,
+                                         floor=self.free_floor)  # fmt: skip
+            self._evict(index, plan.victims)
             return False
-        ids = [v.key[1] for v in plan.victims if v.key[0] == "entry"]  # type: ignore[index]
-        self.remove(index, ids, "evicted")
-        paths = [v.key[1] for v in plan.victims if v.key[0] == "path"]  # type: ignore[index]
-        for p in paths:
-            usage.remove_path(p, site.root)
-        if paths:
-            site.faults.count("evictions", len(paths))
+        self._evict(index, plan.victims)
         return True
+
+    def _evict(self, index: Index, victims: list[budget.Item]) -> None:
+        ids = [v.key[1] for v in victims if v.key[0] == "entry"]  # type: ignore[index]
+        self.remove(index, ids, "evicted")
+        paths = [v.key[1] for v in victims if v.key[0] == "path"]  # type: ignore[index]
+        for p in paths:
+            usage.remove_path(p, self.site.root)
+        if paths:
+            self.site.faults.count("evictions", len(paths))

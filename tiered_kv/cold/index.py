@@ -287,9 +287,12 @@ class Index:
 
     def add(self, rec: Record, tokens: bytes, remove: Iterable[str] = ()) -> list[Record]:
         """Insert ``rec`` (with ``rec.blocks``) and delete ``remove`` in one transaction;
-        returns the removed records that existed."""
+        returns the removed records that existed. A record of ``rec``'s own id (another process
+        opened the directory between the file's publish and this commit, and adopted the file) is
+        replaced, never removed with its file."""
         with self._tx() as c:
-            gone = self._delete(c, list(remove))
+            self._delete(c, [rec.entry_id])
+            gone = self._delete(c, [e for e in remove if e != rec.entry_id])
             self._insert(c, rec, tokens)
         return gone
 

@@ -46,7 +46,9 @@ def tree_size(path: Path) -> tuple[int, float]:
 
 def scan(root: Path, own: str, records: Iterable[Record]) -> Usage:
     """Own entries by index ``last_used``; other fingerprint dirs as whole units; quarantined
-    and stray files one by one (mtime). The live index and temp files count but are kept."""
+    files one by one (mtime). The live index and temp files count but are kept. Nothing else
+    under ``root`` is the cache's (``TIERED_KV_DIR`` may be a folder that also holds models, or
+    a home directory): it is neither counted nor ever a unit to delete."""
     used = 0
     items: list[Item] = []
     own_files: set[str] = set()
@@ -69,7 +71,9 @@ def scan(root: Path, own: str, records: Iterable[Record]) -> Usage:
                 size, mtime = tree_size(Path(sub.path))
                 items.append(Item(("path", Path(sub.path)), size, mtime))
                 used += size
-        else:
+        elif child.name == QUARANTINE or (  # (a quarantine that is a link goes, as a link)
+            fsafe.is_fingerprint(child.name) and child.is_dir(follow_symlinks=False)
+        ):
             size, mtime = tree_size(path)
             items.append(Item(("path", path), size, mtime))
             used += size

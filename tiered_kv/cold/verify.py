@@ -121,10 +121,13 @@ def reconcile(
     for tmp in temp_files(fp_dir):
         if stale_temp(tmp):
             tmp.unlink(missing_ok=True)
+    # records before files: a record's file is published before its commit, so one listed here
+    # was there when the files are listed after (another process may commit between the two)
+    records = [] if rebuild else index.records()
     files = entry_files(fp_dir)
     if not rebuild:
         names = {p.name for p in files}
-        missing = [r.entry_id for r in index.records() if r.file not in names]
+        missing = [r.entry_id for r in records if r.file not in names]
         index.remove(missing)
         counts["missing"] = len(missing)
         known = {r.file for r in index.records()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from tests.fixtures import BLOCK, cold_tier, kv_cache
@@ -24,4 +26,41 @@ def test_budget_evicts_least_recently_used(tmp_path):
     assert tier.lookup(list(range(100, 108))) is None  # least recently used: evicted
     assert tier.lookup(list(range(200, 208))) is not None
     assert tier.stats()["evictions"] == 1 and tier.stats()["entries"] == 3
+    tier.close()
+
+
+def test_a_write_over_budget_leaves_what_is_not_the_caches(tmp_path):
+    """The same through the write path: a tier whose directory also holds a models folder and a
+    file, with a budget the entries overrun, evicts its own entries only."""
+    weights = tmp_path / "models" / "m" / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"w" * 300_000)
+    os.utime(weights.parent.parent, (1, 1))  # older than anything the cache holds
+    tier = cold_tier(tmp_path, disk_bytes=400_000, disk_free_floor=0)
+    for k in range(5):
+        tier.persist(np.arange(40) + 100 * k, [kv_cache(40, d=64)])
+    assert weights.read_bytes() == b"w" * 300_000
+    assert tier.stats()["spills"] == 5 and tier.stats()["evictions"] >= 1
+    tier.close()
+
+
+def test_a_lowered_budget_holds_even_when_the_new_entry_cannot_fit(tmp_path):
+    """Restarted with a budget below what is on disk: a write too large for the new budget was
+    skipped before anything was evicted, so the old entries stayed over the budget for good."""
+    from tiered_kv.cold import usage
+
+    tier = cold_tier(tmp_path, disk_free_floor=0)
+    for k in range(5):
+        tier.persist(np.arange(40) + 100 * k, [kv_cache(40, d=64)])
+    tier.close()
+    tier = cold_tier(tmp_path, disk_bytes=150_000, disk_free_floor=0)
+    used = usage.scan(tier.root, tier.fingerprint, tier.index.records()).used
+    each = tier.index.records()[0].nbytes  # five entries of one size
+    assert used > 150_000
+    tier.persist(np.arange(400) + 1000, [kv_cache(400, d=64)])  # larger than the whole budget
+    st = tier.stats()
+    assert st["spills"] == 0 and 1 <= st["entries"] < 5 and st["evictions"] == 5 - st["entries"]
+    # what is left fits, but for the index's own growth (its WAL holds the evictions' pages)
+    entries = sum(r.nbytes for r in tier.index.records())
+    assert used - each * st["evictions"] <= 150_000 and entries <= 150_000
     tier.close()

@@ -22,3 +22,20 @@ def test_usage_never_deletes_through_a_symlinked_quarantine(tmp_path):
     for item in items:
         usage.remove_path(item.key[1])  # type: ignore[index]
     assert intact(victim) and not os.path.lexists(root / usage.QUARANTINE)
+
+
+def test_what_is_not_the_caches_is_never_counted_or_deleted(tmp_path):
+    """``TIERED_KV_DIR`` set to a folder that also holds other things (``~/.cache/tiered-kv``, whose
+    ``models/`` holds the weights, or a home directory): every child that was not a fingerprint
+    dir or the quarantine was an evictable unit, so a write over the budget deleted the models."""
+    root = tmp_path / "kv"
+    models = root / "models" / "my-model"
+    models.mkdir(parents=True)
+    (models / "model.safetensors").write_bytes(os.urandom(20_000))
+    (root / "notes.txt").write_text("mine")
+    other = root / "fedcba9876543210fedcba9876543210"  # another model's entries: the cache's
+    other.mkdir()
+    (other / "x.safetensors").write_bytes(b"x" * 5000)
+    found = usage.scan(root, FP, [])
+    assert [i.key for i in found.items] == [("path", other)]
+    assert found.used == usage.tree_size(other)[0]

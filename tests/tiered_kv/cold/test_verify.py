@@ -34,3 +34,46 @@ def test_verify_reports_and_fixes(tmp_path):
     report = tier.verify(fix=True)
     assert tier.verify().clean and tier.stats()["entries"] == 1
     tier.close()
+
+
+def test_a_second_opener_between_publish_and_commit_loses_nothing(tmp_path, monkeypatch):
+    """Another process opens the directory just after the writer published its file and before
+    its index commit: it adopts the file (same id). The writer's commit took its own adopted
+    record for an older entry it supersedes, removed it and deleted the file it had just written."""
+    a = cold_tier(tmp_path)
+    put = a.site.backend.put
+
+    def put_then_open(key, entry):
+        n = put(key, entry)
+        cold_tier(tmp_path).close()  # a second server starting on the same directory
+        return n
+
+    monkeypatch.setattr(a.site.backend, "put", put_then_open)
+    ids = np.arange(40)
+    a.persist(ids, [kv_cache(40)])
+    assert [p.name for p in a.dir.glob("*.safetensors")] == [r.file for r in a.index.records()]
+    hit = a.lookup(list(ids) + [1])
+    assert hit is not None and a.load(hit) is not None
+    a.close()
+
+
+def test_a_commit_while_another_process_opens_keeps_its_record(tmp_path, monkeypatch):
+    """Reconcile listed the files, then read the records: an entry another process published and
+    committed between the two looked like a record whose file is gone, and was dropped."""
+    from tiered_kv.cold import verify
+
+    a = cold_tier(tmp_path)
+    listed = verify.entry_files
+
+    def list_then_commit(fp_dir):
+        files = listed(fp_dir)
+        if not a.index.records():
+            a.persist(np.arange(40), [kv_cache(40)])  # the other process writes meanwhile
+        return files
+
+    monkeypatch.setattr(verify, "entry_files", list_then_commit)
+    b = cold_tier(tmp_path)
+    assert b.stats()["entries"] == 1 and len(a.index.records()) == 1
+    assert a.lookup(list(range(40)) + [1]) is not None
+    a.close()
+    b.close()
