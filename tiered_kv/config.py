@@ -7,6 +7,7 @@ A bad value raises :class:`ConfigError` whose message names the variable and the
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -44,7 +45,10 @@ def parse_size(text: str) -> int:
     m = _SIZE_RE.match(text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value):
+        raise ValueError(f"not a size: {text[:40]!r}… is too large")
+    return int(value)
 
 
 def default_root() -> Path:

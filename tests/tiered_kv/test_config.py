@@ -60,6 +60,8 @@ def test_values_from_env(tmp_path):
         ("TIERED_KV_TYPO", "1"),
         ("TIERED_KV_CHAT_TEMPLATE_ARGS", "enable_thinking=false"),
         ("TIERED_KV_CHAT_TEMPLATE_ARGS", "[1]"),
+        ("TIERED_KV_DISK_BYTES", "1" + "0" * 400),  # was an OverflowError traceback
+        ("TIERED_KV_PREFETCH", "1e400"),
     ],
 )
 def test_bad_value_names_the_variable(name, value):

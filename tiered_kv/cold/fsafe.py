@@ -29,7 +29,7 @@ class UnsafePath(OSError):
     """A path inside the cache dir is a symlink (or not the kind of file expected there)."""
 
     def __init__(self, path: Path, what: str) -> None:
-        super().__init__(errno.ELOOP, f"{what}: refusing to follow it", str(path))
+        super().__init__(errno.ELOOP, f"{what}: refusing it", str(path))
 
 
 def is_fingerprint(name: str) -> bool:
@@ -107,6 +107,38 @@ def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
     return os.open(path, flags | _NOFOLLOW | _CLOEXEC, mode)
 
 
+def open_file(path: Path, flags: int, mode: int = 0o600) -> int:
+    """:func:`open_nofollow` of a regular file: a symlink, FIFO, socket or device planted at
+    ``path`` raises :class:`UnsafePath` — never blocks (a FIFO's open waits for a writer, and
+    its read for ever) and never reads a device."""
+    try:
+        fd = open_nofollow(path, flags | os.O_NONBLOCK, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePath(path, "a symlink") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafePath(path, "not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_file(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_file`), at most ``limit`` of them
+    (ValueError past it: a small file of ours grown huge is not ours)."""
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size > limit:
+            raise ValueError(f"{path.name} is over {limit} bytes")
+        return os.pread(fd, limit, 0)
+    finally:
+        os.close(fd)
+
+
 def private_db(dir_path: Path, name: str = "cache.db") -> None:
     """Before sqlite opens ``dir_path/name``: the dir a real 0700 directory, the database a real
     0600 file, and no symlink at the database or its ``-wal`` / ``-shm`` / ``-journal`` names
@@ -121,7 +153,7 @@ def private_db(dir_path: Path, name: str = "cache.db") -> None:
         if p.is_symlink():
             log.warning("removing a symlink planted at %s (never followed)", p)
             p.unlink(missing_ok=True)
-    fd = open_nofollow(dir_path / name, os.O_RDWR | os.O_CREAT)
+    fd = open_file(dir_path / name, os.O_RDWR | os.O_CREAT)
     try:
         _chmod_own(fd, 0o600)
     finally:

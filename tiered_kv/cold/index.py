@@ -29,6 +29,7 @@ import os
 import sqlite3
 import stat
 import threading
+import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,15 @@ def check_private(path: Path, follow: bool = False) -> None:
         )
 
 
+def _regular_or_absent(db: Path) -> None:
+    try:
+        mode = os.lstat(db).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # links: refused below, or removed
+        raise IndexUnreadable(f"{db}: not a regular file")
+
+
 def _signed(h: int) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
@@ -122,6 +132,7 @@ class Index:
         self._lock = threading.Lock()
         for p in (self.path, self.db, self.path / f"{DB}-wal", self.path / f"{DB}-shm"):
             check_private(p)  # before anything is created, chmod-ed or opened there
+        _regular_or_absent(self.db)  # sqlite would wait for ever on a FIFO planted there
         if create and not readonly:
             _private(self.path)
         elif self.path.is_symlink() or self.db.is_symlink():
@@ -145,7 +156,7 @@ class Index:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             if self.readonly:
-                uri = f"file:{self.db}?mode=ro"
+                uri = f"file:{urllib.parse.quote(str(self.db))}?mode=ro"  # a path may hold # ? %
                 conn = sqlite3.connect(uri, uri=True, check_same_thread=False,
                                        isolation_level=None, timeout=5)  # fmt: skip
             else:

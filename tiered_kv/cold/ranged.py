@@ -12,8 +12,8 @@ served: no unverified byte leaves this module. There is no second integrity sche
 path checks, the ranged path checks. The cost is read granularity: a range is read in whole chunks
 (4 MiB), so it reads up to two chunks per tensor more than it serves.
 
-Files are opened with :func:`fsafe.open_nofollow` (a symlink planted in the cache dir is never
-followed) and the header is read from that same descriptor.
+Files are opened with :func:`store.open_entry` (a symlink or FIFO planted in the cache dir is a
+corrupt entry, never followed or waited on) and the header is read from that same descriptor.
 
 Threads: :func:`read_range` and :func:`resident_share` touch only files, bytes and numpy — they
 are what the restore I/O thread runs, and never touch MLX.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import errno
 import functools
 import mmap
 import os
@@ -96,12 +95,7 @@ def layout(path: Path, fingerprint: str, m: int, n: int) -> dict[str, tuple[str,
 
 
 def _open(path: Path) -> int:
-    try:
-        return fsafe.open_nofollow(path, os.O_RDONLY)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise store.CorruptEntry(f"{path.name} is a symlink") from None
-        raise
+    return store.open_entry(path)
 
 
 def no_readahead(fd: int) -> None:
@@ -352,7 +346,7 @@ def resident_share(path: Path) -> float | None:
     if libc is None:
         return None
     try:
-        fd = fsafe.open_nofollow(path, os.O_RDONLY)
+        fd = fsafe.open_file(path, os.O_RDONLY)
     except OSError:
         return None
     try:

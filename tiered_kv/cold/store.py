@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from tiered_kv.cold import fsafe
 from tiered_kv.keys import FORMAT_VERSION
 
 SUFFIX = ".safetensors"
@@ -498,13 +499,12 @@ def _check_tensors(tensors: dict[str, Any]) -> int:
 
 
 def open_entry(path: Path) -> int:
-    """An fd for reading ``path`` that never follows a symlink (ELOOP → CorruptEntry)."""
+    """An fd for reading ``path``, a regular file: a symlink or a FIFO planted in the cache dir
+    is a CorruptEntry (never followed, never waited on)."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == 40:  # ELOOP: a symlink planted in the cache dir
-            raise CorruptEntry(f"{path.name} is a symlink") from None
-        raise
+        return fsafe.open_file(path, os.O_RDONLY)
+    except fsafe.UnsafePath as e:
+        raise CorruptEntry(f"{path.name}: {e.strerror}") from None
 
 
 def read_header_fd(fd: int, fingerprint: str | None = None) -> Header:

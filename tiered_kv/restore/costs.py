@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tiered_kv.cold import fsafe
 from tiered_kv.restore.plan import WARM, Learned, PrefillCost, ReadCost
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ WAYS = ("load", "compute", "both")  # an outcome's way is stored as its index + 
 _CLAMP = (0.2, 5.0)  # a correction never moves a prediction further than this
 _PER_BUCKET = 3  # observations kept per size bucket: recent ones, spread over sizes
 _MAX_PER_KIND = 192
+_MAX_FILE_BYTES = 4 << 20  # what it holds is a few hundred short rows
 
 
 def machine_id(device: str = "") -> tuple[str, dict[str, Any]]:
@@ -252,11 +254,11 @@ class CostBook:
 
     # -- persistence -------------------------------------------------------------------------
     def _read(self, path: Path) -> None:
-        try:
-            raw = json.loads(path.read_text())
+        try:  # a regular file of ours, small (a planted FIFO, link or deep nesting is refused)
+            raw = json.loads(fsafe.read_file(path, _MAX_FILE_BYTES))
         except FileNotFoundError:
             return
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             log.warning("restore costs %s unreadable, starting afresh: %s", path, e)
             return
         try:

@@ -193,3 +193,14 @@ def test_prompt_key_is_the_last_full_block_inside_the_prompt():
     assert keys.prompt_key(blocks, 3, 4) is None  # shorter than a block
     assert keys.prompt_key(blocks, 40, 4) == 33
     assert keys.prompt_key([], 3, 4) is None
+
+
+def test_read_only_where_the_path_holds_uri_characters(tmp_path):
+    """The read-only index is opened by URI: a cache dir named with ``#``, ``?`` or ``%41`` opened
+    another file (or none), so `tiered-kv cache` said "index missing" and verify could not check."""
+    for name in ("a#b", "c?d", "e%41f", "g h"):
+        path = tmp_path / name / "index"
+        Index(path).add(Record("x", "x.safetensors", 8, 1, 1, 1, (1, 2), None, None), b"\0" * 32)
+        ro = Index(path, readonly=True, create=False)
+        assert [r.entry_id for r in ro.records()] == ["x"], name
+        ro.close()

@@ -156,3 +156,18 @@ def test_unknown_format_version_is_refused_at_rebuild(tmp_path):
     tier = cold_tier(tmp_path)
     assert tier.stats()["entries"] == 0 and tier.stats()["quarantined"] == 1
     tier.close()
+
+
+def test_a_fifo_at_the_index_is_a_damaged_index(tmp_path):
+    """sqlite opened a FIFO planted at ``index/cache.db`` and waited on it for ever: the server
+    never started (and ``tiered-kv cache stats`` hung). Now it is a damaged index: rebuilt."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    tier.close()
+    for p in (tier.dir / "index").glob("cache.db*"):
+        p.unlink()
+    os.mkfifo(tier.dir / "index" / "cache.db", 0o600)
+    tier = cold_tier(tmp_path)
+    assert tier.stats()["entries"] == 1
+    assert tier.load(tier.lookup(list(range(8)))) is not None
+    tier.close()

@@ -244,3 +244,20 @@ def test_restart_after_sigkill_finds_the_entry(tmp_path):
     caches = got.caches
     assert mx.array_equal(caches[0].keys, mx.arange(64, dtype=mx.float32).reshape(1, 2, 8, 4))
     tier.close()
+
+
+def test_a_fifo_planted_at_an_entry_is_one_miss_not_a_stuck_tier(tmp_path):
+    """Its open (O_RDONLY on a FIFO) waited for a writer for ever on the reader thread: every
+    later lookup timed out to a miss, intact entries and new ones too, until a restart."""
+    tier = cold_tier(tmp_path, cold_deadline=5.0)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    path = entry_file(tier)
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    hit = tier.lookup(list(range(8)))
+    assert hit is None or tier.load(hit) is None
+    assert tier.stats()["quarantined"] == 1
+    tier.persist(np.arange(8) + 50, [kv_cache(8)])
+    hit = tier.lookup(list(range(50, 58)))
+    assert hit is not None and tier.load(hit) is not None
+    tier.close()

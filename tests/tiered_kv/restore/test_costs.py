@@ -4,6 +4,7 @@ persists as JSON per model and machine, and a bad file starts afresh."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -98,11 +99,20 @@ def test_persisted_per_fingerprint_and_machine(tmp_path):
         '{"version": 1, "fingerprint": "fp", "observations": '
         '{"prefill": [[1, "x", 3]], "load": 5}}',
         "[]",
+        "[" * 200_000,  # was a RecursionError out of the server's start (then an abort)
+        "fifo",  # a FIFO planted there: its read waited for ever, so the server never started
+        "link",  # a symlink: it was followed
     ],
 )
 def test_bad_file_starts_afresh(tmp_path, body):
     path = CostBook.file_for(tmp_path)
-    path.write_text(body)
+    if body == "fifo":
+        os.mkfifo(path)
+    elif body == "link":
+        (tmp_path / "elsewhere.json").write_text('{"version": 2}')
+        path.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        path.write_text(body)
     book = CostBook(path, "fp")
     assert book.learned.prefill is None
     book.observe_prefill(100, 0, 0.1)
