@@ -106,9 +106,9 @@ def _verify_local(admin: CacheAdmin, fix: bool) -> int:
     clean, unchecked = True, False
     for c in admin.verify(fix):
         note = "" if c.checked else " (could not check: no readable index)"
-        unchecked = unchecked or not c.checked
+        unchecked = unchecked or not c.checked or bool(c.report.unreadable)
         print(f"{c.name}: {len(c.report.ok)} ok{note}")
-        for kind in ("orphans", "corrupt", "foreign", "missing", "temp"):
+        for kind in ("orphans", "corrupt", "foreign", "missing", "temp", "unreadable"):
             for name in getattr(c.report, kind):
                 print(f"  {kind}: {name}")
         clean = clean and c.report.clean

@@ -24,7 +24,7 @@ COUNTERS = (
     "spills", "spill_bytes", "drops", "drop_bytes", "quarantined", "write_errors", "skipped",
     "evictions", "superseded", "loads", "load_bytes", "misses_missing", "disk_full", "read_only",
     "dir_missing", "index_errors", "dir_recreated", "lookup_timeouts", "degraded",
-    "shutdown_unwritten", "shutdown_unwritten_bytes", "late_write_through",
+    "shutdown_unwritten", "shutdown_unwritten_bytes", "late_write_through", "load_errors",
 )  # fmt: skip
 _ERRNO = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "read_only",
           errno.EACCES: "read_only", errno.EPERM: "read_only", errno.ENOENT: "dir_missing"}  # fmt: skip

@@ -170,7 +170,7 @@ class ColdTier:
             self._bad(rec, path, e)
             return None
         except OSError as e:  # the scan thread's read failed
-            self._bad(rec, path, store.CorruptEntry(f"unreadable: {e}"))
+            self._bad(rec, path, e)
             return None
         self.faults.add_load(rec.nbytes, time.perf_counter() - t0)
         now = time.time()
@@ -209,15 +209,16 @@ class ColdTier:
             header: Any = store.read_header(path, self.fingerprint)
             if header.n_tokens != len(stored):
                 raise store.CorruptEntry("file token count differs from the index")
-        except (FileNotFoundError, store.CorruptEntry) as e:
+        except (OSError, store.CorruptEntry) as e:
             header = e
-        except OSError as e:
-            header = store.CorruptEntry(f"unreadable: {e}")
         return rec, path, header, stored
 
     def _bad(self, rec: Record, path: Path, err: Exception) -> None:
         if isinstance(err, FileNotFoundError) or self._was_replaced(rec, path):
             self._vanished(rec)  # deleted between our reads: a miss, not corruption
+        elif isinstance(err, OSError):  # unreadable (EACCES, EIO): a miss; the file may be fine
+            self.faults.count("load_errors")
+            self.faults.once(f"load:{err.errno}", "cold entry %s unreadable: %s", rec.file, err)
         else:
             self.faults.once(f"corrupt:{type(err).__name__}", "cold entry %s quarantined: %s",
                              rec.file, err)  # fmt: skip

@@ -29,6 +29,7 @@ class VerifyReport:
     foreign: list[str] = field(default_factory=list)  # other fingerprint or format version
     missing: list[str] = field(default_factory=list)  # records whose file is gone
     temp: list[str] = field(default_factory=list)  # leftover temp files
+    unreadable: list[str] = field(default_factory=list)  # could not be read (EACCES, EIO): kept
     fixed: bool = False
 
     @property
@@ -180,9 +181,12 @@ def verify_dir(
             report.foreign.append(path.name)
             bad.append(path)
             continue
-        except (store.CorruptEntry, OSError):
+        except store.CorruptEntry:
             report.corrupt.append(path.name)
             bad.append(path)
+            continue
+        except OSError:  # not known to be bad: never moved
+            report.unreadable.append(path.name)
             continue
         (report.ok if path.name in by_file or index is None else report.orphans).append(path.name)
     if fix:

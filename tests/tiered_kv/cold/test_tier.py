@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -260,4 +262,28 @@ def test_a_fifo_planted_at_an_entry_is_one_miss_not_a_stuck_tier(tmp_path):
     tier.persist(np.arange(8) + 50, [kv_cache(8)])
     hit = tier.lookup(list(range(50, 58)))
     assert hit is not None and tier.load(hit) is not None
+    tier.close()
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EIO])
+def test_an_unreadable_entry_is_a_miss_not_corrupt(tmp_path, monkeypatch, code):
+    """A file that cannot be read (permissions, an I/O error) was quarantined as corrupt — and
+    the budget deletes quarantine: a good entry was lost to a transient fault."""
+    from tiered_kv.cold import fsafe
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    path = entry_file(tier)
+    real = fsafe.open_nofollow
+
+    def refusing(p, flags, mode=0o600):
+        if Path(p) == path:
+            raise OSError(code, os.strerror(code), str(p))
+        return real(p, flags, mode)
+
+    monkeypatch.setattr(fsafe, "open_nofollow", refusing)
+    assert tier.load(tier.lookup(list(range(8)))) is None
+    assert tier.stats()["quarantined"] == 0 and tier.stats()["load_errors"] == 1
+    monkeypatch.setattr(fsafe, "open_nofollow", real)
+    assert path.exists() and tier.load(tier.lookup(list(range(8)))) is not None
     tier.close()

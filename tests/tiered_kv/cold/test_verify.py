@@ -77,3 +77,26 @@ def test_a_commit_while_another_process_opens_keeps_its_record(tmp_path, monkeyp
     assert a.lookup(list(range(40)) + [1]) is not None
     a.close()
     b.close()
+
+
+def test_verify_reports_an_unreadable_file_and_never_moves_it(tmp_path, monkeypatch):
+    """A file verify could not read (EACCES, EIO) was "corrupt", and ``--fix`` quarantined it."""
+    import errno
+    import os
+
+    from tiered_kv.cold import fsafe
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    [path] = tier.dir.glob("*.safetensors")
+    real = fsafe.open_nofollow
+
+    def refusing(p, flags, mode=0o600):
+        if p == path:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(p))
+        return real(p, flags, mode)
+
+    monkeypatch.setattr(fsafe, "open_nofollow", refusing)
+    report = tier.verify(fix=True)
+    assert report.unreadable == [path.name] and report.corrupt == [] and path.exists()
+    tier.close()
