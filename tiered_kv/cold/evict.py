@@ -9,7 +9,8 @@ removed at the next open), never a record without its file.
 
 It is not the only code that deletes. The others, each keeping "index first, then files":
 :meth:`Remover.make_room` also removes whole paths the index does not hold (other fingerprints'
-directories, quarantine, strays: ``usage.remove_path``); the write path deletes a file it
+directories, quarantine: ``usage.remove_path``) and stale temp files (``verify.sweep_temp``);
+the write path deletes a file it
 published when the index commit fails (``writes``); ``verify`` repairs at open (``reconcile``:
 records whose file is gone, stale temp files, corrupt orphans) and on ``verify --fix``.
 
@@ -28,7 +29,7 @@ from tiered_kv.cold import budget, usage
 from tiered_kv.cold.backend import is_key
 from tiered_kv.cold.index import Index, Record
 from tiered_kv.cold.site import Site
-from tiered_kv.cold.verify import quarantine
+from tiered_kv.cold.verify import quarantine, sweep_temp
 
 HEADER_SLACK = 64 << 10  # bytes reserved for an entry file's header
 _ROW = 96  # index bytes per block row (key, entry id, depth, two index entries), generous
@@ -77,6 +78,7 @@ class Remover:
         plus its index rows fits the budget and the free-space floor; False if it never can (then
         only until what is there fits: a budget lowered since the last run holds)."""
         site = self.site
+        sweep_temp(site.dir)  # a killed writer's temp file was kept, unevictable, until a restart
         incoming = data_bytes + 4 * n_tokens + HEADER_SLACK + index_bytes(n_tokens, site.block_tokens)
         use = usage.scan(site.root, site.fingerprint, index.records())
         free = shutil.disk_usage(site.root).free

@@ -115,6 +115,13 @@ def _regular_or_absent(db: Path) -> None:
         raise IndexUnreadable(f"{db}: not a regular file")
 
 
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def _signed(h: int) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
@@ -127,6 +134,7 @@ class Index:
         self.path = Path(path)
         self.db = self.path / DB
         self.readonly = readonly
+        self._ro_mode = "mode=ro"  # "immutable=1" on a read-only file system (see _open)
         self._local = threading.local()
         self._conns: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -140,23 +148,36 @@ class Index:
         if not self.db.exists():
             raise IndexUnreadable(f"{self.db}: missing")
         try:
-            conn = self._conn()
-            if not readonly:
-                conn.executescript(_DDL)
-                self._add_columns(conn)
-            self._prompts = self._has_prompt(conn)  # False: a read-only index made before them
-            self._read = _COLS + (", prompt_tokens" if self._prompts else ", NULL")
-            self._meta = self._read_meta()
+            self._open()
         except sqlite3.Error as e:
             self.close()
-            raise IndexUnreadable(f"{self.db}: {e!r}") from None
+            if not (readonly and isinstance(e, sqlite3.OperationalError)
+                    and _read_only_fs(self.path)):  # fmt: skip
+                raise IndexUnreadable(f"{self.db}: {e!r}") from None
+            # a WAL database on a read-only file system: sqlite cannot make its -shm there, so
+            # "mode=ro" fails to open it; nothing can change it there: it is immutable
+            self._ro_mode = "immutable=1"
+            try:
+                self._open()
+            except sqlite3.Error as e2:
+                self.close()
+                raise IndexUnreadable(f"{self.db}: {e2!r}") from None
+
+    def _open(self) -> None:
+        conn = self._conn()
+        if not self.readonly:
+            conn.executescript(_DDL)
+            self._add_columns(conn)
+        self._prompts = self._has_prompt(conn)  # False: a read-only index made before them
+        self._read = _COLS + (", prompt_tokens" if self._prompts else ", NULL")
+        self._meta = self._read_meta()
 
     # -- connections -------------------------------------------------------------------------
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             if self.readonly:
-                uri = f"file:{urllib.parse.quote(str(self.db))}?mode=ro"  # a path may hold # ? %
+                uri = f"file:{urllib.parse.quote(str(self.db))}?{self._ro_mode}"  # path: # ? %
                 conn = sqlite3.connect(uri, uri=True, check_same_thread=False,
                                        isolation_level=None, timeout=5)  # fmt: skip
             else:

@@ -65,9 +65,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_temp(path: Path, now: float | None = None) -> bool:
+def stale_temp(path: Path, now: float | None = None, mine_stale: bool = False) -> bool:
     """A temp file (``.<name>.<pid>.tmp``) whose writer is dead, or older than the grace period.
-    A live writer's fresh temp file — another process sharing the directory — is never stale."""
+    A live writer's fresh temp file — another process sharing the directory — is never stale.
+    ``mine_stale``: the caller knows none of this process's writes is in flight (at open, or the
+    writer thread between writes), so one named with this process's id is a dead one's — a
+    container's server restarts with the same pid (often 1)."""
     try:
         age = (time.time() if now is None else now) - path.stat().st_mtime
     except FileNotFoundError:
@@ -77,7 +80,17 @@ def stale_temp(path: Path, now: float | None = None) -> bool:
     pid = path.name.removesuffix(store.TMP_SUFFIX).rsplit(".", 1)[-1]
     if not pid.isdigit():
         return False  # not our naming: leave it to the grace period
-    return int(pid) != os.getpid() and not pid_alive(int(pid))
+    if int(pid) == os.getpid():
+        return mine_stale
+    return not pid_alive(int(pid))
+
+
+def sweep_temp(fp_dir: Path) -> None:
+    """Delete the stale temp files of ``fp_dir``; only while none of this process's writes is in
+    flight (at open, or on the writer thread between writes)."""
+    for tmp in temp_files(fp_dir):
+        if stale_temp(tmp, mine_stale=True):
+            tmp.unlink(missing_ok=True)
 
 
 def quarantine(path: Path, qdir: Path, fingerprint: str) -> None:
@@ -119,9 +132,7 @@ def reconcile(
     commit in flight: adopting twice is harmless, the entry id is the file name). Bad files are
     quarantined."""
     counts = {"quarantined": 0, "orphans": 0, "missing": 0, "rebuilt": 0}
-    for tmp in temp_files(fp_dir):
-        if stale_temp(tmp):
-            tmp.unlink(missing_ok=True)
+    sweep_temp(fp_dir)
     # records before files: a record's file is published before its commit, so one listed here
     # was there when the files are listed after (another process may commit between the two)
     records = [] if rebuild else index.records()

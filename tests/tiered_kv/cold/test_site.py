@@ -171,3 +171,32 @@ def test_a_fifo_at_the_index_is_a_damaged_index(tmp_path):
     assert tier.stats()["entries"] == 1
     assert tier.load(tier.lookup(list(range(8)))) is not None
     tier.close()
+
+
+def _read_only_mount_works(path: Path) -> bool:
+    cmd = ["unshare", "-m", "sh", "-c", f"mount --bind -o ro '{path}' '{path}'"]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_a_real_read_only_file_system_still_serves(tmp_path):
+    """A cache dir on a read-only file system (a bind mount ``-o ro``: real EROFS, not a patched
+    fault): sqlite's ``mode=ro`` cannot open a WAL index there (it needs to make ``-shm``), so
+    the tier rebuilt nothing, found 0 entries and served nothing; now the index opens immutable."""
+    root = tmp_path / "kv"
+    tier = cold_tier(root)
+    tier.persist(np.arange(32), [kv_cache(32)])
+    tier.close()
+    if not _read_only_mount_works(root):
+        pytest.skip("needs unshare -m and mount (root, or a user namespace)")
+    script = (
+        "import sys; from pathlib import Path; from tests.fixtures import cold_tier;"
+        f"t = cold_tier(Path({str(root)!r})); s = t.stats(); h = t.lookup(list(range(32)) + [1]);"
+        "print(s['entries'], s['read_only'], h is not None and t.load(h) is not None); t.close()"
+    )
+    cmd = ["unshare", "-m", "sh", "-c",
+           f"mount --bind -o ro '{root}' '{root}' && exec '{sys.executable}' -c \"{script}\""]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[3])
+    assert out.stdout.split() == ["1", "1", "True"], out.stderr[-2000:]

@@ -100,3 +100,22 @@ def test_verify_reports_an_unreadable_file_and_never_moves_it(tmp_path, monkeypa
     report = tier.verify(fix=True)
     assert report.unreadable == [path.name] and report.corrupt == [] and path.exists()
     tier.close()
+
+
+def test_a_dead_writers_temp_file_named_with_our_pid_is_swept(tmp_path):
+    """A server in a container restarts with the pid of the one killed mid-write (often 1): its
+    temp file looked like a live writer's (ours), was kept at open and counted against the
+    budget for good. At open and before each write none of ours is in flight: it is stale."""
+    import os
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    tier.close()
+    planted = tier.dir / f".x.safetensors.{os.getpid()}.tmp"
+    planted.write_bytes(b"x" * 1000)
+    tier = cold_tier(tmp_path)
+    assert not planted.exists()
+    planted.write_bytes(b"x" * 1000)  # killed again while this one serves: swept at the next write
+    tier.persist(np.arange(8) + 50, [kv_cache(8)])
+    assert not planted.exists() and tier.stats()["spills"] == 1
+    tier.close()
