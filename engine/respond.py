@@ -245,8 +245,9 @@ def sampling(
     xtc_keep: tuple[int, ...] = (),
 ) -> SamplingParams:
     """The engine's sampling parameters; ``max_tokens`` (the server's ``default_max`` where the
-    request names none; 0: no bound of its own) clamped to what the context leaves; ``xtc_keep``:
-    the model's tokens XTC never cuts."""
+    request names none; 0: no bound of its own) clamped to what the context leaves; a ``top_k``
+    of the whole vocabulary is off (it keeps every token); ``xtc_keep``: the model's tokens XTC
+    never cuts."""
     max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length, default_max)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -254,7 +255,9 @@ def sampling(
         top_p=req.top_p,
         seed=req.seed,
         stop=req.stop_tuple(),
-        top_k=req.top_k,
+        # mlx-lm's top-k raises for k >= the vocabulary inside a function compiled over MLX's
+        # global random state, which then failed every later sampled request of the server
+        top_k=req.top_k if req.top_k < vocab_size else 0,
         min_p=req.min_p,
         xtc_probability=req.xtc_probability,
         xtc_threshold=req.xtc_threshold,

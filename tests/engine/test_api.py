@@ -260,6 +260,15 @@ def test_sampling_fields_reach_the_engine_and_a_bias_names_a_real_token():
     assert e.value.status == 400 and e.value.param == "logit_bias"
 
 
+def test_a_top_k_of_the_whole_vocabulary_is_off():
+    """top_k >= the vocabulary keeps every token: off (mlx-lm's top-k raises there)."""
+    from engine.respond import sampling
+
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    tops = [sampling(parse({**body, "top_k": k}), 10, 4096, 100).top_k for k in (99, 100, 10**9)]
+    assert tops == [99, 0, 0]
+
+
 def test_template_arguments_layer_server_then_effort_then_request():
     req = parse({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low",
                  "chat_template_kwargs": {"enable_thinking": True}})  # fmt: skip

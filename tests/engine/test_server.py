@@ -231,6 +231,19 @@ def test_sampling_fields_over_http(live, tiny_model_dir):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
 
 
+def test_a_top_k_past_the_vocabulary_leaves_sampling_working(fresh):
+    """top_k >= the vocabulary is off: a 200, and the sampled requests after it still sample (it
+    was a 500 that broke MLX's global random state: every later unseeded sampled request of the
+    server failed with "Attempting to eval an array without a primitive")."""
+    vocab = fresh.app.state.server.engine.vocab_size
+    url = fresh.url + "/v1/chat/completions"
+    for top_k in (vocab, vocab * 10, None):
+        body = {"messages": USER, "max_tokens": 4, "temperature": 1.0, "top_k": top_k}
+        r = httpx.post(url, json={k: v for k, v in body.items() if v is not None}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+
 def test_no_max_tokens_runs_to_the_end_of_the_context(tiny_model_dir, tmp_path):
     """A request without max_tokens generates until the model stops or the context is full (it
     stopped at 256 tokens: a client that sends none got long answers and tool calls cut); the
