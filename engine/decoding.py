@@ -214,12 +214,17 @@ class Decoding:
         with that token as their input: its forward is the new rows' first decode step, one for
         all of them, and their first tokens come with the batch's next step (as in mlx-lm's
         ``BatchGenerator``) — no forward of their own for the last token and another for the
-        first sampled one."""
+        first sampled one. Should the step fail (one request's sampler or logits processors
+        raising), each enters alone, so only the failing one fails: the step ran on merged
+        copies of their caches and fed none of them."""
         try:
             self._enter(seqs, [s.prompt_ids[-1] for s in seqs])
         except Exception as e:
-            for seq in seqs:
-                self.ends.fail(seq, e, seq.lease.caches if seq.lease else None)
+            if len(seqs) > 1:
+                for seq in seqs:
+                    self.join([seq])
+                return
+            self.ends.fail(seqs[0], e, seqs[0].lease.caches if seqs[0].lease else None)
 
     def _enter(self, seqs: list[Seq], inputs: list[int]) -> None:
         """A ``GenerationBatch`` over ``seqs`` fed ``inputs`` (its first forward starts now),

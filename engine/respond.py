@@ -246,8 +246,9 @@ def sampling(
 ) -> SamplingParams:
     """The engine's sampling parameters; ``max_tokens`` (the server's ``default_max`` where the
     request names none; 0: no bound of its own) clamped to what the context leaves; a ``top_k``
-    of the whole vocabulary is off (it keeps every token); ``xtc_keep``: the model's tokens XTC
-    never cuts."""
+    of the whole vocabulary is off (it keeps every token); a penalty's context size is at most
+    the context (mlx-lm slices the last tokens with a 32-bit index: 3e9 was a 500 of every
+    request in its decode step); ``xtc_keep``: the model's tokens XTC never cuts."""
     max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length, default_max)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -263,11 +264,11 @@ def sampling(
         xtc_threshold=req.xtc_threshold,
         xtc_keep=xtc_keep,
         repetition_penalty=req.repetition_penalty,
-        repetition_context_size=req.repetition_context_size,
+        repetition_context_size=min(req.repetition_context_size, context_length),
         presence_penalty=req.presence_penalty,
-        presence_context_size=req.presence_context_size,
+        presence_context_size=min(req.presence_context_size, context_length),
         frequency_penalty=req.frequency_penalty,
-        frequency_context_size=req.frequency_context_size,
+        frequency_context_size=min(req.frequency_context_size, context_length),
         logit_bias=req.bias(vocab_size),
         logprobs=req.logprob_count(),
     )

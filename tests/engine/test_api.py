@@ -269,6 +269,17 @@ def test_a_top_k_of_the_whole_vocabulary_is_off():
     assert tops == [99, 0, 0]
 
 
+def test_a_penalty_context_size_is_at_most_the_context():
+    """A penalty looks back at most over the whole context (3e9 was a 500 from mlx-lm's 32-bit
+    slice, failing the requests decoding beside it too)."""
+    from engine.respond import sampling
+
+    body = {"messages": [{"role": "user", "content": "x"}], "repetition_context_size": 3_000_000_000,
+            "presence_context_size": 4096, "frequency_context_size": 64}  # fmt: skip
+    p = sampling(parse(body), 10, 4096, 100)
+    assert (p.repetition_context_size, p.presence_context_size, p.frequency_context_size) == (4096, 4096, 64)
+
+
 def test_template_arguments_layer_server_then_effort_then_request():
     req = parse({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low",
                  "chat_template_kwargs": {"enable_thinking": True}})  # fmt: skip

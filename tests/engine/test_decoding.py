@@ -15,7 +15,7 @@ from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache, 
 from engine import shapes
 from engine.batch import BatchLoop
 from engine.decoding import DecodeKVCache, DecodeRotatingKVCache, batchable, merge
-from engine.events import SamplingParams
+from engine.events import Failed, SamplingParams
 from tests.engine.batching import PROMPTS, ModelEngine, Sink, run_until
 from tests.fixtures import QuantizedLlama, f32_tol, gemma, make_llama, qwen_next
 from tiered_kv.config import Config
@@ -232,6 +232,28 @@ def test_logits_processors_apply_to_their_own_row_as_in_mlx_lm():
     assert sinks[0].ids == want and want != mlx_lm(PROMPTS[0], 12)
     assert sinks[1].ids == [7] * 6
     assert sinks[2].ids == mlx_lm(PROMPTS[2], 12)
+
+
+def test_a_request_whose_processors_fail_fails_alone_when_joining_with_others():
+    """Requests whose prompts go in during one step join the decode batch in one forward; when
+    one of them cannot be set up (a logits processor raising: a context size past mlx-lm's 32-bit
+    slice), it fails alone and the others decode what they decode alone. Before, every request
+    of that forward failed."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=()))
+    prompts = [[3, 9, 4], [5, 2, 8]]  # short: both bodies go in during the first step
+    plain = SamplingParams(max_tokens=6)
+    bad = SamplingParams(max_tokens=6, repetition_penalty=1.1, repetition_context_size=3_000_000_000)
+    alone = Sink()
+    loop = BatchLoop(engine)
+    loop.add(alone, prompts[0], plain)
+    run_until(loop, lambda: alone.done)
+    good, failing = Sink(), Sink()
+    loop.add(good, prompts[0], plain)
+    loop.add(failing, prompts[1], bad)
+    loop.step()  # both prompts in, and both joined in this step
+    assert loop.decoding == 1 and failing.done and isinstance(failing.events[-2], Failed)
+    run_until(loop, lambda: good.done)
+    assert good.ids == alone.ids and not any(isinstance(e, Failed) for e in good.events)
 
 
 def test_log_probabilities_are_mlx_lms_for_each_token():

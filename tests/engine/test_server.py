@@ -244,6 +244,17 @@ def test_a_top_k_past_the_vocabulary_leaves_sampling_working(fresh):
         assert r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_penalty_context_past_the_context_is_the_context(fresh):
+    """A penalty's context size of 3e9 looks back over the whole context: a 200 (it was a 500
+    from mlx-lm's 32-bit slice)."""
+    for field in ("repetition", "presence", "frequency"):
+        penalty = 1.1 if field == "repetition" else 0.5
+        body = {"messages": USER, "max_tokens": 4, "temperature": 0,
+                f"{field}_penalty": penalty, f"{field}_context_size": 3_000_000_000}  # fmt: skip
+        r = httpx.post(fresh.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+
+
 def test_no_max_tokens_runs_to_the_end_of_the_context(tiny_model_dir, tmp_path):
     """A request without max_tokens generates until the model stops or the context is full (it
     stopped at 256 tokens: a client that sends none got long answers and tool calls cut); the
