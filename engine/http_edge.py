@@ -1,5 +1,5 @@
 """The HTTP edge's guards (ASGI / Starlette, no MLX): the API key, a 503 for requests cut by
-shutdown, and a bounded request body."""
+shutdown, a bounded request body, and the client going away."""
 
 from __future__ import annotations
 
@@ -65,6 +65,13 @@ class ShutdownGuard:
             )
             headers = {"connection": "close", "retry-after": "1"}
             await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+
+
+async def hangup(request: Request) -> None:
+    """Returns when the client goes away. Call once its body is read: the ASGI server's next
+    message is then ``http.disconnect``, whenever that comes."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:

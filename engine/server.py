@@ -27,10 +27,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import api, chat, messages, respond, responses, sse
 from engine.api import ApiError, ChatRequest, CompletionRequest
-from engine.http_edge import Auth, ShutdownGuard, read_body
+from engine.http_edge import Auth, ShutdownGuard, hangup, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
-from engine.worker import QueueFull, Worker
+from engine.worker import Job, QueueFull, Worker
 from tiered_kv import Config, ConfigError
 
 log = logging.getLogger(__name__)
@@ -126,21 +126,35 @@ class Server:
                 ) from None
             finally:
                 arrival.leave()
-            rest = sse.events(job, self.keepalive)
-            first = await anext(rest)  # the cache hit (or a failure), so headers name the tier
-            headers = respond.hit_headers(first)
-            if req.stream:
-                self.metrics.request(endpoint, 200)
-                stream = sse.pump(job, out, first, rest, self.metrics.generation)
-                return StreamingResponse(
-                    stream, media_type="text/event-stream", headers={**sse.HEADERS, **headers}
-                )
-            gone = request.is_disconnected
-            result = await sse.collect(job, out, first, rest, self.metrics.generation, gone)
-            self.metrics.request(endpoint, 200)
-            return JSONResponse(result, headers=headers)
+            # a client that goes away stops its job, waiting or generating (a stream's response,
+            # once it runs, watches for it itself)
+            watch = asyncio.create_task(self._stop_on_hangup(request, job))
+            try:
+                return await self._respond(endpoint, req, job, out)
+            finally:
+                watch.cancel()
         except Exception as e:
             return self._error(endpoint, e, anthropic)
+
+    async def _respond(self, endpoint: str, req: Any, job: Job, out: respond.Output) -> Response:
+        """The job's stream, or its collected body."""
+        rest = sse.events(job, self.keepalive)
+        first = await anext(rest)  # the cache hit (or a failure), so headers name the tier
+        headers = respond.hit_headers(first)
+        if req.stream:
+            self.metrics.request(endpoint, 200)
+            stream = sse.pump(job, out, first, rest, self.metrics.generation)
+            return StreamingResponse(
+                stream, media_type="text/event-stream", headers={**sse.HEADERS, **headers}
+            )
+        result = await sse.collect(job, out, first, rest, self.metrics.generation)
+        self.metrics.request(endpoint, 200)
+        return JSONResponse(result, headers=headers)
+
+    @staticmethod
+    async def _stop_on_hangup(request: Request, job: Job) -> None:
+        await hangup(request)
+        job.cancel.set()
 
     def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], respond.ChatOutput]:
         self._check_chars(req.content_chars(), "messages")  # before rendering it

@@ -9,7 +9,7 @@ the engine stores what the request computed.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine import respond
@@ -61,21 +61,14 @@ async def pump(
 
 
 async def collect(
-    job: Job,
-    out: respond.Output,
-    first: Any,
-    rest: AsyncIterator[Any],
-    on_usage: OnUsage,
-    gone: Callable[[], Awaitable[bool]],
+    job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage
 ) -> dict[str, Any]:
-    """Non-streaming: every chunk through ``out``, then its body; ``gone()`` (checked at each
-    keep-alive interval) cancels the job. A failure is re-raised for the HTTP edge."""
+    """Non-streaming: every chunk through ``out``, then its body (a client that goes away sets
+    ``job.cancel``: the HTTP edge watches for it). A failure is re-raised for the HTTP edge."""
     try:
         ev = first
         while True:
-            if ev is None and await gone():
-                job.cancel.set()
-            elif isinstance(ev, Failed):
+            if isinstance(ev, Failed):
                 raise ev.error
             elif isinstance(ev, Chunk):
                 out.feed(ev)

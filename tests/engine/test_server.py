@@ -6,6 +6,8 @@ for the happy paths and httpx for errors and raw SSE."""
 from __future__ import annotations
 
 import json
+import re
+import socket
 import threading
 import time
 from typing import Any
@@ -397,6 +399,34 @@ def test_disconnect_cancels_generation(fresh):
     t0 = time.perf_counter()
     r = fresh.client.chat.completions.create(model="t", messages=USER, max_tokens=2, temperature=0)
     assert time.perf_counter() - t0 < 10 and r.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def _until(cond, seconds: float = 300.0) -> None:
+    """Wait for ``cond()`` (a generous deadline: a condition, not a timing)."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "the condition never came"
+        time.sleep(0.05)
+
+
+def _completion_tokens(live) -> float:
+    metrics = httpx.get(live.url + "/metrics", timeout=10).text
+    return float(re.search(r"^tiered_kv_completion_tokens_total (\S+)$", metrics, re.M).group(1))
+
+
+def test_a_non_streamed_request_stops_when_its_client_goes_away(fresh):
+    """README: a client that disconnects stops its generation. A non-streamed one too, while
+    tokens flow: it generated to its end before (its disconnect was looked for only after a
+    keep-alive interval without a token)."""
+    body = json.dumps({"prompt": "hello there " * 10, "max_tokens": 10000, "temperature": 0})
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    health = lambda: httpx.get(fresh.url + "/health", timeout=10).json()  # noqa: E731
+    with socket.create_connection(("127.0.0.1", int(fresh.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall((head + body).encode())
+        _until(lambda: health()["batch_size"] == 1)  # decoding: tokens flow
+    _until(lambda: health()["in_flight"] == 0)
+    assert 0 < _completion_tokens(fresh) < 10000
 
 
 # --- errors -------------------------------------------------------------------------------------
