@@ -246,7 +246,8 @@ class ChatRequest(_Sampling):
     def _choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if isinstance(v, str) and v not in ("auto", "none", "required"):
             raise ValueError('tool_choice must be "auto", "none", "required" or a named function')
-        if isinstance(v, dict) and not isinstance((v.get("function") or {}).get("name"), str):
+        fn = v.get("function") if isinstance(v, dict) else None
+        if isinstance(v, dict) and not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
             raise ValueError(
                 'a named tool_choice needs {"type": "function", "function": {"name": ...}}'
             )

@@ -43,6 +43,8 @@ CASES = [
     (CHAT, _call("get_weather")),
     (CHAT, _call(["get_weather"])),
     (CHAT, _call(7)),
+    (CHAT, json.dumps({"messages": [USER], "max_tokens": 2,
+                       "tool_choice": {"type": "function", "function": "f"}}).encode()),  # fmt: skip
 ]
 
 
