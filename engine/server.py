@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import api, chat, messages, respond, responses, sse
 from engine.api import ApiError, ChatRequest, CompletionRequest
+from engine.events import END
 from engine.http_edge import Auth, ShutdownGuard, hangup, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
@@ -139,7 +140,7 @@ class Server:
     async def _respond(self, endpoint: str, req: Any, job: Job, out: respond.Output) -> Response:
         """The job's stream, or its collected body."""
         rest = sse.events(job, self.keepalive)
-        first = await anext(rest)  # the cache hit (or a failure), so headers name the tier
+        first = await anext(rest, END)  # the cache hit (or a failure): headers name the tier
         headers = respond.hit_headers(first)
         if req.stream:
             self.metrics.request(endpoint, 200)
@@ -154,7 +155,7 @@ class Server:
     @staticmethod
     async def _stop_on_hangup(request: Request, job: Job) -> None:
         await hangup(request)
-        job.cancel.set()
+        job.stop()
 
     def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], respond.ChatOutput]:
         self._check_chars(req.content_chars(), "messages")  # before rendering it

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine import respond
+from engine.api import ApiError
 from engine.events import END, Chunk, Event, Failed, Hit, Usage
 from engine.worker import Job
 
@@ -57,17 +58,22 @@ async def pump(
         if not named:
             yield DONE
     finally:
-        job.cancel.set()  # no-op after the end; stops the request if the client went away
+        job.stop()  # no-op after the end; stops the request if the client went away
 
 
 async def collect(
     job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage
 ) -> dict[str, Any]:
-    """Non-streaming: every chunk through ``out``, then its body (a client that goes away sets
-    ``job.cancel``: the HTTP edge watches for it). A failure is re-raised for the HTTP edge."""
+    """Non-streaming: every chunk through ``out``, then its body (a client that goes away stops
+    the job: the HTTP edge watches for it). A failure is re-raised for the HTTP edge; a job that
+    ended before it started, its client gone, is a 499."""
     try:
         ev = first
         while True:
+            if ev is END:
+                if job.cancelled():
+                    raise ApiError(499, "the client closed the request", code="client_closed")
+                raise RuntimeError("generation ended without a final chunk")
             if isinstance(ev, Failed):
                 raise ev.error
             elif isinstance(ev, Chunk):
@@ -76,7 +82,5 @@ async def collect(
                     on_usage(ev.usage)
                     return out.body()
             ev = await anext(rest, END)
-            if ev is END:
-                raise RuntimeError("generation ended without a final chunk")
     finally:
-        job.cancel.set()
+        job.stop()

@@ -9,18 +9,19 @@ once ("There is no Stream(...) in current thread") on the CPU exactly as it does
 threads read only the engine's plain attributes (tokenizer, context length, stats). Request handlers (asyncio) :meth:`Worker.submit` a :class:`Job` and read its typed
 events (``engine/events.py``) from an ``asyncio.Queue`` that the worker fills through
 ``loop.call_soon_threadsafe``. Up to ``max_batch`` jobs are in the loop at once; up to
-``max_queue`` more wait (then :class:`QueueFull`). A handler whose client went away sets
-``job.cancel``; the loop sees it at the next token boundary, stops that request alone, and stores
-what it computed.
+``max_queue`` more wait (then :class:`QueueFull`). A handler whose client went away calls
+``job.stop()``: a job still queued leaves the queue at once (its place is free), a running one is
+seen by the loop at the next token boundary, which stops that request alone and stores what it
+computed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
     on_end: Callable[[], None] | None = field(default=None, repr=False)
+    on_stop: Callable[[Job], None] | None = field(default=None, repr=False)
 
     def emit(self, event: Event) -> None:
         """Worker side: hand an event to the request's loop (a closed loop means nobody listens)."""
@@ -67,6 +69,13 @@ class Job:
 
     def cancelled(self) -> bool:
         return self.cancel.is_set()
+
+    def stop(self) -> None:
+        """Request side: nobody listens any more (the client went away). A queued job leaves
+        the queue now (it ends with END alone); a running one stops at its next token."""
+        self.cancel.set()
+        if self.on_stop is not None:
+            self.on_stop(self)
 
     async def get(self, timeout: float) -> Event | None:
         """Request side: the next event, or None after ``timeout`` seconds without one."""
@@ -138,8 +147,9 @@ class Worker:
         self.engine: Any = None  # set on the engine thread before ``start`` returns
         self.max_batch, self.max_queue = max_batch, max_queue
         self._progress_interval = progress_interval
-        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._queue: deque[Job] = deque()  # submitted, not yet taken by the engine thread
+        self._queued = threading.Condition(self._lock)  # notified on a job queued, and on close
         self._closed = False
         self._accepted = 0  # submitted and not ended: at most max_batch + max_queue
         self.batch_size = 0  # requests decoding together (written by the worker thread only)
@@ -177,7 +187,8 @@ class Worker:
         """Queue a job (``arrival``, if given, has arrived). Must be called on the event loop that
         will read the job's events. Raises QueueFull past ``max_queue`` waiting jobs,
         RuntimeError after close()."""
-        job = Job(prompt_ids, params, asyncio.get_running_loop(), label, on_end=self._ended)
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), label, on_end=self._ended,
+                  on_stop=self._withdraw)  # fmt: skip
         with self._lock:
             if arrival is not None:
                 arrival._leave_locked()
@@ -188,16 +199,26 @@ class Worker:
                     f"{self.max_batch} requests are generating and {self.max_queue} waiting"
                 )
             self._accepted += 1
-            self._queue.put(job)
+            self._queue.append(job)
+            self._queued.notify()
         return job
 
     def _ended(self) -> None:
         with self._lock:
             self._accepted -= 1
 
+    def _withdraw(self, job: Job) -> None:
+        """A stopped job still queued leaves the queue, and its place is free at once (it held
+        it until the engine took it, while later requests got QueueFull)."""
+        with self._lock:
+            if job not in self._queue:
+                return  # the engine has it: it stops at its next token
+            self._queue.remove(job)
+        job.emit(END)  # gone before it started: nothing computed (as the loop ends such a job)
+
     def pending(self) -> int:
         """Jobs waiting for a place in the batch."""
-        return self._queue.qsize()
+        return len(self._queue)
 
     def busy(self) -> bool:
         return self.in_flight > 0
@@ -214,7 +235,7 @@ class Worker:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(None)
+            self._queued.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -255,17 +276,24 @@ class Worker:
             if not block and from_idle and self._arriving > 0:
                 timeout = first + self.gather_seconds - time.perf_counter()
                 block = timeout > 0
-            try:
-                job = self._queue.get(block=block, timeout=timeout)
-            except queue.Empty:
-                return True
+            job = self._take(block, timeout)
             if job is None:
-                return False
+                return not self._closed
             first = first or time.perf_counter()
             progress = _Progress(job.label, self._progress_interval)
             loop.add(job, job.prompt_ids, job.params, progress, job.enqueued)
             self.in_flight = loop.active
         return not self._closed
+
+    def _take(self, block: bool, timeout: float | None) -> Job | None:
+        """The oldest queued job, waiting for one while ``block`` (at most ``timeout`` seconds;
+        None: until one comes); None when none came, or after close()."""
+        with self._queued:
+            if block:
+                self._queued.wait_for(lambda: self._queue or self._closed, timeout)
+            if self._closed or not self._queue:
+                return None
+            return self._queue.popleft()
 
     def _warm_up(self) -> None:
         """TIERED_KV_WARMUP: the first request's kernels loaded before ``start`` returns. A warm-up
@@ -291,11 +319,8 @@ class Worker:
 
     def _drain(self) -> None:
         """After close(): jobs still queued end without running."""
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job.emit(Failed(RuntimeError("server is shutting down")))
-                job.emit(END)
+        with self._lock:
+            jobs, self._queue = list(self._queue), deque()
+        for job in jobs:
+            job.emit(Failed(RuntimeError("server is shutting down")))
+            job.emit(END)

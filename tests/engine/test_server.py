@@ -414,19 +414,51 @@ def _completion_tokens(live) -> float:
     return float(re.search(r"^tiered_kv_completion_tokens_total (\S+)$", metrics, re.M).group(1))
 
 
+def _send(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """A POST of ``body`` on a socket of its own, its response left unread (close it: a hang-up)."""
+    raw = json.dumps(body)
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    sock.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(raw)}\r\n\r\n{raw}").encode())  # fmt: skip
+    return sock
+
+
 def test_a_non_streamed_request_stops_when_its_client_goes_away(fresh):
     """README: a client that disconnects stops its generation. A non-streamed one too, while
     tokens flow: it generated to its end before (its disconnect was looked for only after a
     keep-alive interval without a token)."""
-    body = json.dumps({"prompt": "hello there " * 10, "max_tokens": 10000, "temperature": 0})
-    head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    body = {"prompt": "hello there " * 10, "max_tokens": 10000, "temperature": 0}
     health = lambda: httpx.get(fresh.url + "/health", timeout=10).json()  # noqa: E731
-    with socket.create_connection(("127.0.0.1", int(fresh.url.rsplit(":", 1)[1]))) as sock:
-        sock.sendall((head + body).encode())
+    with _send(fresh.url, "/v1/completions", body):
         _until(lambda: health()["batch_size"] == 1)  # decoding: tokens flow
     _until(lambda: health()["in_flight"] == 0)
     assert 0 < _completion_tokens(fresh) < 10000
+
+
+def test_a_queued_request_whose_client_went_away_frees_its_place(tiny_model_dir, tmp_path):
+    """TIERED_KV_MAX_BATCH=1, TIERED_KV_MAX_QUEUE=1: a queued request (streamed or not) whose client
+    hangs up leaves the queue at once, while the running one goes on, and the next request gets
+    its place. Before, the dead request kept it until the engine took it (a 429 queue_full for
+    every request meanwhile)."""
+    config = hot_config(tmp_path, max_batch=1, max_queue=1)
+    with serve(lambda: Engine(tiny_model_dir, config), config) as s:
+        health = lambda: httpx.get(s.url + "/health", timeout=10).json()  # noqa: E731
+        prompt = {"prompt": "hello there " * 10, "temperature": 0}
+        body = {**prompt, "max_tokens": 30000, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as running:
+            lines = running.iter_lines()  # kept open: closing it would hang up
+            while '"text"' not in next(lines):
+                pass  # it has the one place in the batch
+            for stream in (False, True):
+                with _send(s.url, "/v1/completions", {**prompt, "max_tokens": 4, "stream": stream}):
+                    _until(lambda: health()["queued"] == 1)
+                _until(lambda: health()["queued"] == 0)  # (else once the running one ended)
+                assert health()["batch_size"] == 1, "the running request ended first"
+            nxt = {**prompt, "max_tokens": 4, "stream": True}
+            with httpx.stream("POST", s.url + "/v1/completions", json=nxt, timeout=60) as r:
+                assert r.status_code == 200  # queued (keep-alives), not a 429
+        metrics = httpx.get(s.url + "/metrics", timeout=10).text  # the non-streamed one: no 500
+        assert 'endpoint="completions",status="499"' in metrics and 'status="500"' not in metrics
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -103,6 +103,30 @@ def test_batch_bound_and_queue_full(make_engine):
     assert events[-1].finish_reason == "length"
 
 
+def test_a_stopped_queued_job_frees_its_place_at_once(make_engine):
+    """A queued job whose client went away (``stop()``) leaves the queue at once: its place is
+    free while the running job goes on, and it ends with END alone (nothing computed)."""
+    worker = Worker(make_engine, max_batch=1, max_queue=1)
+    worker.start()
+    ids = worker.engine.encode_text("a long answer please " * 4)
+
+    async def main():
+        running = worker.submit(ids, SamplingParams(max_tokens=100000))
+        while not isinstance(await running.get(30), Chunk):
+            pass
+        queued = worker.submit(ids, SamplingParams(max_tokens=2))
+        queued.stop()
+        assert worker.pending() == 0 and worker.in_flight == 1
+        after = worker.submit(ids, SamplingParams(max_tokens=2))  # no QueueFull
+        stopped = await drain(queued)
+        running.stop()
+        return stopped, await drain(after)
+
+    stopped, events = asyncio.run(main())
+    worker.close()
+    assert stopped == [] and events[-1].finish_reason == "length"
+
+
 def test_an_idle_engine_gathers_the_requests_still_arriving(make_engine):
     """Issue 14, title + main: the title's short prompt is tokenised first; an idle engine that
     takes it waits for the main request still being tokenised (an open Arrival), so both are in
