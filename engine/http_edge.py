@@ -1,17 +1,31 @@
 """The HTTP edge's guards (ASGI / Starlette, no MLX): the API key, a 503 for requests cut by
-shutdown, a bounded request body, and the client going away."""
+shutdown, a bounded request body, and the client going away. Their errors are OpenAI-shaped, and
+Anthropic-shaped on Anthropic's routes (:func:`error_response`)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from engine import api
+from engine import messages
 from engine.api import ApiError
+
+
+def anthropic_route(path: str) -> bool:
+    """``/v1/messages`` and the paths under it speak Anthropic's API, errors included."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_response(path: str, e: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """``e`` as the response of a request for ``path``: OpenAI's error body, or Anthropic's on
+    its routes (``{"type": "error", "error": {"type", "message"}}``)."""
+    body = messages.error_body(e) if anthropic_route(path) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 class Auth:
@@ -28,8 +42,8 @@ class Auth:
             token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
             token = token or headers.get(b"x-api-key", b"").strip()
             if not hmac.compare_digest(token, self.key):
-                body = api.error_body("invalid or missing API key", code="invalid_api_key")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+                e = ApiError(401, "invalid or missing API key", code="invalid_api_key")
+                await error_response(scope["path"], e)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -57,14 +71,10 @@ class ShutdownGuard:
         except asyncio.CancelledError:
             if started:
                 raise
-            body = api.error_body(
-                "the server is shutting down; retry the request",
-                "server_error",
-                None,
-                "server_shutting_down",
-            )
+            e = ApiError(503, "the server is shutting down; retry the request",
+                         code="server_shutting_down", type_="server_error")  # fmt: skip
             headers = {"connection": "close", "retry-after": "1"}
-            await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+            await error_response(scope["path"], e, headers)(scope, receive, send)
 
 
 async def hangup(request: Request) -> None:

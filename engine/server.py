@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine import api, chat, messages, respond, responses, sse
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.events import END
-from engine.http_edge import Auth, ShutdownGuard, hangup, read_body
+from engine.http_edge import Auth, ShutdownGuard, error_response, hangup, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import Job, QueueFull, Worker
@@ -261,8 +261,8 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        body = api.error_body(str(exc.detail), "invalid_request_error", None, code)
-        return JSONResponse(body, status_code=exc.status_code)
+        e = ApiError(exc.status_code, str(exc.detail), code=code)
+        return error_response(request.url.path, e, exc.headers)
 
     if config.api_key:
         app.add_middleware(Auth, api_key=config.api_key)

@@ -265,10 +265,32 @@ def test_thinking_of_a_reasoning_model(family_dirs, tmp_path):
     assert msg.content[0].thinking == "Paris, so the weather tool." and msg.content[1].input == {"city": "Paris"}
 
 
+def _anthropic_error(r: httpx.Response, status: int, kind: str) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+
+
 def test_the_api_key_as_x_api_key(guarded):
+    """Anthropic's key header; a missing or wrong key is Anthropic's authentication_error (it was
+    an OpenAI-shaped body: the anthropic SDK found no error type in it)."""
     body = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    assert httpx.post(guarded.url + "/v1/messages", json=body).status_code == 401
-    assert httpx.post(guarded.url + "/v1/messages", json=body, headers={"x-api-key": "wrong"}).status_code == 401
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        _anthropic_error(httpx.post(guarded.url + path, json=body), 401, "authentication_error")
+    wrong = httpx.post(guarded.url + "/v1/messages", json=body, headers={"x-api-key": "wrong"})
+    _anthropic_error(wrong, 401, "authentication_error")
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=guarded.url, api_key="wrong", max_retries=0).messages.create(
+            model="t", max_tokens=2, messages=USER)  # fmt: skip
+    assert e.value.body["error"]["type"] == "authentication_error"
     ok = httpx.post(guarded.url + "/v1/messages", json=body, headers={"x-api-key": "sekret"})
     assert ok.status_code == 200 and ok.json()["type"] == "message"
     assert httpx.post(guarded.url + "/v1/messages", json=body, headers=AUTH).status_code == 200
+
+
+def test_unknown_paths_and_methods_under_messages_are_anthropic_shaped(guarded):
+    """404 / 405 under /v1/messages are Anthropic's error objects (they were OpenAI's)."""
+    _anthropic_error(httpx.get(guarded.url + "/v1/messages", headers=AUTH), 405, "invalid_request_error")
+    _anthropic_error(httpx.post(guarded.url + "/v1/messages/nothing", headers=AUTH), 404, "not_found_error")
+    r = httpx.get(guarded.url + "/v1/nothing", headers=AUTH)  # elsewhere: OpenAI's
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

@@ -29,7 +29,7 @@ def _call(function: object) -> bytes:
     return json.dumps({"messages": msgs, "max_tokens": 2}).encode()
 
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
 CASES = [
     (COMPLETIONS, b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}"),
     (CHAT, b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
@@ -128,11 +128,13 @@ def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
         time.sleep(0.02)
     replies: list[httpx.Response] = []
 
-    def send() -> None:
-        replies.append(httpx.post(url + COMPLETIONS, timeout=60,
-                                  json={"prompt": "queued", "max_tokens": 2}))  # fmt: skip
+    def send(path: str) -> None:
+        body = {"prompt": "queued", "max_tokens": 2}
+        if path == MESSAGES:
+            body = {"messages": [USER], "max_tokens": 2}
+        replies.append(httpx.post(url + path, timeout=60, json=body))
 
-    senders = [threading.Thread(target=send) for _ in range(3)]
+    senders = [threading.Thread(target=send, args=(p,)) for p in (COMPLETIONS, COMPLETIONS, MESSAGES)]
     for t in senders:
         t.start()
     while httpx.get(url + "/health").json()["queued"] < 2:  # one running, two queued
@@ -145,4 +147,7 @@ def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
     assert len(replies) == 3
     for r in replies:
         assert r.status_code == 503, (r.status_code, r.text)
-        assert r.json()["error"]["code"] == "server_shutting_down"
+        if r.request.url.path == MESSAGES:  # Anthropic's error object on its route
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "overloaded_error"
+        else:
+            assert r.json()["error"]["code"] == "server_shutting_down"
