@@ -262,6 +262,21 @@ class ChatRequest(_Sampling):
             return str(self.tool_choice["function"]["name"])
         return None
 
+    def check_tool_choice(self) -> None:
+        """A 400 naming ``tool_choice`` when no tool can answer it, as OpenAI's: ``required`` or
+        a named function without ``tools``, or a name none of them has (it forced a call of a
+        function the client does not have)."""
+        if self.tool_choice in (None, "auto", "none"):
+            return
+        names = [t.function.name for t in self.tools or ()]
+        forced = self.forced_tool()
+        if not names:
+            what = repr(self.tool_choice) if forced is None else f"a named function ({forced!r})"
+            raise invalid(f"tool_choice {what} needs tools", "tool_choice")
+        if forced is not None and forced not in names:
+            raise invalid(f"tool_choice names the function {forced!r}, which is not among the "
+                          f"tools ({', '.join(map(repr, names))})", "tool_choice")  # fmt: skip
+
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         if not self.tools:
             return None

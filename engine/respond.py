@@ -192,6 +192,7 @@ def chat_prompt(
     """The chat template's prompt (plus a forced tool call's opener) as ids, and its Output (the
     output formats come from the model's tokenizer). ``template_defaults``: the server's extra
     template variables (a request's own override them)."""
+    req.check_tool_choice()
     tools = req.tool_dicts()
     fmt = output.OutputFormat.of(tokenizer)
     parse = bool(tools) and req.tool_choice != "none"

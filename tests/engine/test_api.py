@@ -287,6 +287,23 @@ def test_a_penalty_context_size_is_at_most_the_context():
     assert (p.repetition_context_size, p.presence_context_size, p.frequency_context_size) == (4096, 4096, 64)
 
 
+def test_a_tool_choice_no_tool_answers_is_a_400():
+    """required or a named function without tools, or a name none of the tools has: a 400 naming
+    tool_choice, as OpenAI's (it was served, forcing a call of a function the client lacks)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    named = {"type": "function", "function": {"name": "g"}}
+    for body in ({**chat, "tool_choice": "required"}, {**chat, "tool_choice": named},
+                 {**chat, "tools": tools, "tool_choice": named}):  # fmt: skip
+        with pytest.raises(ApiError) as e:
+            parse(body).check_tool_choice()
+        assert e.value.status == 400 and e.value.param == "tool_choice", body
+    for choice in (None, "auto", "none", "required", {"type": "function", "function": {"name": "f"}}):
+        parse({**chat, "tools": tools, "tool_choice": choice}).check_tool_choice()
+    for choice in (None, "auto", "none"):  # without tools: nothing to force
+        parse({**chat, "tool_choice": choice}).check_tool_choice()
+
+
 def test_template_arguments_layer_server_then_effort_then_request():
     req = parse({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low",
                  "chat_template_kwargs": {"enable_thinking": True}})  # fmt: skip

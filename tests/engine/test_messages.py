@@ -225,6 +225,13 @@ def test_errors_are_anthropic_shaped(client):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     r = httpx.post(live.url + "/v1/messages", content=b"{nope")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # a tool_choice no tool answers (it was served, forcing a call of an unknown tool)
+    for choice, tools in (({"type": "tool", "name": "nope"}, TOOLS), ({"type": "any"}, None)):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            c.messages.create(model="tiny", max_tokens=2, messages=USER, tool_choice=choice,
+                              **({"tools": tools} if tools else {}))  # fmt: skip
+        assert e.value.body["error"]["type"] == "invalid_request_error"
+        assert "tool_choice" in e.value.body["error"]["message"]
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ import uvicorn
 from engine.generate import Engine
 from engine.server import create_app
 from tests.reliability.server import Server
-from tests.serving import clean_env, free_port
+from tests.serving import TOOLS, clean_env, free_port
 from tiered_kv.config import Config
 
 USER = {"role": "user", "content": "hi"}
@@ -45,6 +45,9 @@ CASES = [
     (CHAT, _call(7)),
     (CHAT, json.dumps({"messages": [USER], "max_tokens": 2,
                        "tool_choice": {"type": "function", "function": "f"}}).encode()),  # fmt: skip
+    (CHAT, json.dumps({"messages": [USER], "max_tokens": 2, "tool_choice": "required"}).encode()),
+    (CHAT, json.dumps({"messages": [USER], "max_tokens": 2, "tools": TOOLS,
+                       "tool_choice": {"type": "function", "function": {"name": "nope"}}}).encode()),  # fmt: skip
 ]
 
 
