@@ -33,7 +33,9 @@ _UNSUPPORTED = ("image", "document", "search_result", "container_upload")
 BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # output.Items channel → block
 
 
-class MessagesRequest(api.RequestBody):
+class CountTokensRequest(api.RequestBody):
+    """A ``/v1/messages/count_tokens`` body: a Messages request whose ``max_tokens`` is optional."""
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, gt=0)
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -49,12 +51,20 @@ class MessagesRequest(api.RequestBody):
     output_config: dict[str, Any] | None = None
 
 
-def parse(raw: bytes) -> ChatRequest:
-    """A Messages body as the chat request it asks for. Raises ApiError (400 / 413 as for chat)."""
-    return to_chat(api.parse_body(raw, MessagesRequest))
+class MessagesRequest(CountTokensRequest):
+    """A ``/v1/messages`` body: ``max_tokens`` is required, as Anthropic's (a request without it
+    generated to the end of the context)."""
+
+    max_tokens: int = Field(gt=0)
 
 
-def to_chat(req: MessagesRequest) -> ChatRequest:
+def parse(raw: bytes, model: type[CountTokensRequest] = MessagesRequest) -> ChatRequest:
+    """A Messages body (``model``: what it must hold) as the chat request it asks for. Raises
+    ApiError (400 / 413 as for chat)."""
+    return to_chat(api.parse_body(raw, model))
+
+
+def to_chat(req: CountTokensRequest) -> ChatRequest:
     """The OpenAI chat request of ``req``: system first, each ``tool_result`` block a ``tool``
     message (in its place, before the user's text), each ``tool_use`` an assistant tool call,
     ``thinking`` blocks the assistant's ``reasoning_content``; a ``system`` turn among the messages

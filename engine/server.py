@@ -190,7 +190,7 @@ class Server:
         """Anthropic's ``/v1/messages/count_tokens``: the rendered prompt's length."""
         try:
             body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
-            req = await self._off_loop(messages.parse, body)
+            req = await self._off_loop(messages.parse, body, messages.CountTokensRequest)
             ids, _ = await self._off_loop(self._chat_prompt, req)
         except Exception as e:
             return self._error("count_tokens", e, anthropic=True)

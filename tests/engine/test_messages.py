@@ -108,9 +108,21 @@ def test_tool_choice_by_name_and_an_error_result():
 )
 def test_client_mistakes_are_400s(body):
     with pytest.raises(ApiError) as e:
-        messages.parse(json.dumps(body).encode())
+        messages.parse(json.dumps({"max_tokens": 8, **body}).encode())
     assert e.value.status == 400
+    assert e.value.param != "max_tokens" or body.get("max_tokens") == 0  # each case its own mistake
     assert messages.error_body(e.value)["error"]["type"] == "invalid_request_error"
+
+
+def test_max_tokens_is_required_but_not_to_count_tokens():
+    """Anthropic requires max_tokens (a request without it generated to the end of the context);
+    count_tokens takes none."""
+    with pytest.raises(ApiError) as e:
+        messages.parse(json.dumps({"messages": USER}).encode())
+    assert e.value.status == 400 and e.value.param == "max_tokens"
+    assert messages.error_body(e.value)["error"]["message"] == "max_tokens: Field required"
+    chat = messages.parse(json.dumps({"messages": USER}).encode(), messages.CountTokensRequest)
+    assert chat.max_tokens is None
 
 
 # --- chat output → content blocks and events ----------------------------------------------------
@@ -225,6 +237,10 @@ def test_errors_are_anthropic_shaped(client):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     r = httpx.post(live.url + "/v1/messages", content=b"{nope")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(live.url + "/v1/messages", json={"messages": USER})  # no max_tokens
+    assert r.status_code == 400 and r.json()["error"] == {
+        "type": "invalid_request_error", "message": "max_tokens: Field required"}  # fmt: skip
+    assert httpx.post(live.url + "/v1/messages/count_tokens", json={"messages": USER}).status_code == 200
     # a tool_choice no tool answers (it was served, forcing a call of an unknown tool)
     for choice, tools in (({"type": "tool", "name": "nope"}, TOOLS), ({"type": "any"}, None)):
         with pytest.raises(anthropic.BadRequestError) as e:
