@@ -96,6 +96,9 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
+TEXT_PARTS = ("text", "input_text", "refusal")  # the chat content parts read (as text)
+
+
 class Message(RequestBody):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -110,6 +113,20 @@ class Message(RequestBody):
     def _known_role(cls, v: str) -> str:
         if v not in ROLES:
             raise ValueError(f"unknown role {v!r}; expected one of {', '.join(ROLES)}")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: str | list[dict[str, Any]] | None) -> Any:
+        """Parts of text only (an image, audio or file was dropped without a word: the model
+        answered as if it had seen it); the other endpoints refuse them so too."""
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type")
+            if kind not in TEXT_PARTS:
+                raise ValueError(f"content parts of type {str(kind)[:40]!r} are not supported: "
+                                 "the model reads text")  # fmt: skip
+            if not isinstance(part.get("refusal" if kind == "refusal" else "text"), str):
+                raise ValueError("a text part needs its text as a string")
         return v
 
     @field_validator("tool_calls")
@@ -298,6 +315,9 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
+    #: the prompt's text (and log-probabilities) before the completion: not served, a 400 (it was
+    #: ignored: a client scoring prompts, lm-eval's loglikelihood, read a completion as the prompt's)
+    echo: Literal[False] = False
     #: the legacy completions' form: the count of alternatives per token (0-5), absent: none
     logprobs: int | None = Field(default=None, ge=0, le=5)
 

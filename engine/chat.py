@@ -10,15 +10,19 @@ What the model writes back is split by ``engine/output.py``.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+Probes = weakref.WeakKeyDictionary[Any, bool]
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes markers the injected instructions name
 _PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "parameters": {}}}
-_tool_support: dict[int, bool] = {}  # id(tokenizer) → does its template render ``tools``?
+# per tokenizer (held weakly: an id of a freed one may come back as another's), the probes' answers
+_tool_support: Probes = weakref.WeakKeyDictionary()  # does its template render ``tools``?
 _PROBE_NOTE = "tiered_kv_probe_note"
-_midway_system: dict[int, bool] = {}  # id(tokenizer) → does it render a system turn mid-conversation?
-_json_calls: dict[int, bool] = {}  # id(tokenizer) → does it write calls back as bare JSON objects?
+_midway_system: Probes = weakref.WeakKeyDictionary()  # a system turn mid-conversation?
+_json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
 
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -42,6 +46,8 @@ def content_text(content: Any) -> str:
     for part in content:
         if isinstance(part, dict) and part.get("type") in ("text", "input_text"):
             parts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type") == "refusal":
+            parts.append(str(part.get("refusal", "")))
         elif isinstance(part, str):
             parts.append(part)
     return "".join(parts)
@@ -132,18 +138,24 @@ def _apply(
 
 
 def _probed(
-    seen: dict[int, bool], tokenizer: Any, messages: list[dict[str, Any]],
+    seen: Probes, tokenizer: Any, messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None, marker: str,
 ) -> bool:  # fmt: skip
     """Whether the template renders ``marker`` from ``messages`` (+ ``tools``), probed once per
     tokenizer (``seen``); a template that raises on them does not."""
-    key = id(tokenizer)
-    if key not in seen:
-        try:
-            seen[key] = marker in _apply(tokenizer, messages, tools)
-        except Exception:  # a template may raise on what it does not understand
-            seen[key] = False
-    return seen[key]
+    try:
+        return seen[tokenizer]
+    except (KeyError, TypeError):  # not probed yet (TypeError: it cannot be held weakly)
+        pass
+    try:
+        found = marker in _apply(tokenizer, messages, tools)
+    except Exception:  # a template may raise on what it does not understand
+        found = False
+    try:
+        seen[tokenizer] = found
+    except TypeError:
+        pass
+    return found
 
 
 def template_supports_tools(tokenizer: Any) -> bool:

@@ -164,6 +164,8 @@ def _turn(m: Any, param: str) -> list[dict[str, Any]]:
 def _tool(t: Any, param: str) -> dict[str, Any]:
     if not isinstance(t, dict) or not isinstance(t.get("name"), str):
         raise api.invalid('each tool needs a "name" (and an "input_schema")', param)
+    if not isinstance(t.get("input_schema") or {}, dict):  # it was named tools.N.function.parameters
+        raise api.invalid("a tool's input_schema is a JSON Schema object", param + ".input_schema")
     return api.function_tool(t["name"], t.get("input_schema"), t.get("description"))
 
 

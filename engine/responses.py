@@ -54,6 +54,7 @@ class ResponsesChat(ChatRequest):
     that one holds (a call of such a function names its namespace)."""
 
     namespaces: dict[str, str] = {}
+    instructions: str | None = None  # echoed in the response, as OpenAI's
 
 
 def parse(raw: bytes) -> ResponsesChat:
@@ -101,6 +102,8 @@ def to_chat(req: ResponsesRequest) -> ResponsesChat:
                 reasoning.append(text)
         else:
             raise api.invalid(f"input items of type {kind!r} are not supported", where + ".type")
+    if not items:
+        raise api.invalid("input is empty", "input")
     body: dict[str, Any] = {
         "messages": msgs,
         "max_tokens": req.max_output_tokens,
@@ -118,6 +121,7 @@ def to_chat(req: ResponsesRequest) -> ResponsesChat:
     if isinstance(effort, str):  # gpt-oss's template reads reasoning_effort
         body["reasoning_effort"] = effort
     body["namespaces"] = namespaces(req.tools)
+    body["instructions"] = req.instructions
     chat: ResponsesChat = api.validate(body, ResponsesChat)
     return chat
 
@@ -202,18 +206,20 @@ class ResponsesOutput:
         self.echo = {"parallel_tool_calls": chat.parallel_tool_calls, "temperature": chat.temperature,
                      "top_p": chat.top_p, "tool_choice": _echo_choice(chat.tool_choice),
                      "tools": [{"type": "function", **t["function"]} for t in chat.tool_dicts() or []],
-                     "max_output_tokens": chat.requested_max()}  # fmt: skip
+                     "max_output_tokens": chat.requested_max(),
+                     "instructions": chat.instructions}  # fmt: skip
         self.output: list[dict[str, Any]] = []
         self.items = output.Items()
         self.status = "in_progress"
         self.usage: Usage | None = None
         self.incomplete: dict[str, Any] | None = None
+        self.closing = "completed"  # the status of an item the end of the output closes
         self.seq = 0
 
     def response(self) -> dict[str, Any]:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": self.status,
                 "model": self.model, "output": self.output, "error": None,
-                "incomplete_details": self.incomplete, "instructions": None, "metadata": {},
+                "incomplete_details": self.incomplete, "metadata": {},
                 "text": {"format": {"type": "text"}}, "truncation": "disabled",
                 "usage": usage_dict(self.usage, self.prompt_tokens) if self.status != "in_progress" else None,
                 **self.echo}  # fmt: skip
@@ -226,7 +232,10 @@ class ResponsesOutput:
         out = self._render(self.items.steps(self.parser.feed(chunk.text)))
         if chunk.finish_reason is not None:
             tail, _ = self.parser.finish(chunk.finish_reason)
-            out += self._render(self.items.steps(tail) + self.items.close())
+            out += self._render(self.items.steps(tail))
+            if chunk.finish_reason == "length":  # the item cut short is incomplete, as OpenAI's
+                self.closing = "incomplete"
+            out += self._render(self.items.close())
             self.usage = chunk.usage
             if chunk.finish_reason == "length":
                 self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
@@ -291,7 +300,7 @@ class ResponsesOutput:
 
     def _done(self, item: dict[str, Any], index: int) -> list[dict[str, Any]]:
         part = item["content"][0]
-        item["status"] = "completed"
+        item["status"] = self.closing
         if item["type"] == "message":
             out = [self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                content_index=0, text=part["text"], logprobs=[]),

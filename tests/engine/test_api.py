@@ -78,6 +78,13 @@ def test_opencode_style_request_accepted():
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
         ({"messages": "hello"}, "messages"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": [  # an image was dropped without a word
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+         "messages.0.content"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages.0.content"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
         (
             {"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"},
@@ -128,6 +135,9 @@ def test_completion_prompt_forms():
     assert parse({"prompt": ["abc"]}, CompletionRequest).prompt_text() == "abc"
     assert error_of({"prompt": ["a", "b"]}, CompletionRequest).param == "prompt"
     assert error_of({"prompt": 3}, CompletionRequest).param == "prompt"
+    # echo was ignored: a client scoring its prompt read the completion as the prompt's
+    assert error_of({"prompt": "abc", "echo": True}, CompletionRequest).param == "echo"
+    assert parse({"prompt": "abc", "echo": False}, CompletionRequest).prompt_text() == "abc"
 
 
 def test_check_length():

@@ -43,6 +43,7 @@ def test_content_parts_become_text():
         == "ab"
     )
     assert chat.content_text(None) == ""
+    assert chat.content_text([{"type": "refusal", "refusal": "no"}]) == "no"
 
 
 def test_opencode_messages_normalised():

@@ -114,6 +114,14 @@ def test_client_mistakes_are_400s(body):
     assert messages.error_body(e.value)["error"]["type"] == "invalid_request_error"
 
 
+def test_an_input_schema_that_is_no_object_names_it():
+    """It was named ``tools.0.function.parameters``, the chat form's name, not the request's."""
+    body = {"max_tokens": 8, "messages": USER, "tools": [{"name": "x", "input_schema": "str"}]}
+    with pytest.raises(ApiError) as e:
+        messages.parse(json.dumps(body).encode())
+    assert e.value.param == "tools.0.input_schema"
+
+
 def test_max_tokens_is_required_but_not_to_count_tokens():
     """Anthropic requires max_tokens (a request without it generated to the end of the context);
     count_tokens takes none."""

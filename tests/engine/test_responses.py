@@ -87,12 +87,20 @@ def test_function_calls_with_no_assistant_text_make_one_turn():
         {"input": ASK, "max_output_tokens": 0},
         {"input": 5},
         {},
+        {"input": []},
     ],
 )
 def test_client_mistakes_are_400s(body):
     with pytest.raises(ApiError) as e:
         responses.parse(json.dumps(body).encode())
     assert e.value.status == 400
+
+
+def test_an_empty_input_names_input():
+    """It named ``messages``, a field the Responses API does not have."""
+    with pytest.raises(ApiError) as e:
+        responses.parse(json.dumps({"input": [], "instructions": "Be brief."}).encode())
+    assert e.value.param == "input"
 
 
 def test_a_namespace_whose_tools_are_no_list_holds_none():
@@ -143,6 +151,15 @@ def test_a_namespaced_call_names_its_namespace_and_a_length_stop_is_incomplete()
     assert out.body()["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [i["type"] for i in out.body()["output"]] == ["reasoning", "message"]
     assert out.body()["output"][0]["content"][0]["text"] == "hmm"
+    # the message the length cut short is incomplete (it said completed), the reasoning complete
+    assert [i["status"] for i in out.body()["output"]] == ["completed", "incomplete"]
+
+
+def test_instructions_are_echoed():
+    """The response body said ``instructions: null`` whatever the request sent."""
+    out, _ = _run(["Hi."], instructions="Be brief.")
+    assert out.body()["instructions"] == "Be brief."
+    assert _run(["Hi."])[0].body()["instructions"] is None
 
 
 # --- over HTTP, with the openai client ----------------------------------------------------------
