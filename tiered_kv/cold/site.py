@@ -50,6 +50,7 @@ class Site:
         self.index: Index | None = None
         self.writable = False
         self._tried = 0.0
+        self.damaged = False  # set by the write path: the index is no database any more
         self.open()
 
     @property
@@ -155,8 +156,13 @@ class Site:
     # -- writer thread -------------------------------------------------------------------------
     def ensure(self) -> Index | None:
         """Before a write: re-create a vanished directory (fresh index rebuilt from what files
-        remain), or retry a degraded open (at most every 30 s). The index to write to, or None."""
-        if self.index is not None and self.writable:
+        remain), rebuild an index found damaged, or retry a degraded open (at most every 30 s).
+        The index to write to, or None."""
+        if self.damaged:  # the write path found the index damaged while serving
+            self.damaged = False
+            self.faults.count("index_errors")
+            self.open()  # its database unreadable: rebuilt aside from the files
+        elif self.index is not None and self.writable:
             if (self.dir / "index" / DB).exists():
                 return self.index
             self.faults.once("dir_gone", "cold tier directory %s vanished: re-creating it", self.dir)

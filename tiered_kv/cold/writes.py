@@ -53,8 +53,8 @@ class WritePath:
         self.published: Published | None = None  # [shared tier, issue 17]
 
     def write(self, job: Prepared | Raw) -> None:
-        """Write one entry; a directory deleted under the write is re-created and the write
-        retried once (the entry is not lost to the race)."""
+        """Write one entry; a directory deleted under the write is re-created, an index damaged
+        under it rebuilt from the files, and the write retried once (the entry is not lost)."""
         for attempt in (0, 1):
             try:
                 self._write(job)
@@ -62,6 +62,12 @@ class WritePath:
             except FileNotFoundError as e:
                 if attempt == 0 and not self.site.dir.is_dir():
                     continue
+                self.site.faults.io_error("spill", e)
+            except sqlite3.DatabaseError as e:
+                if type(e) is sqlite3.DatabaseError:  # not a database (any more): damaged
+                    self.site.damaged = True  # re-opened (rebuilt from the files) by ensure()
+                    if attempt == 0:
+                        continue
                 self.site.faults.io_error("spill", e)
             except (OSError, sqlite3.Error, IndexUnreadable) as e:
                 self.site.faults.io_error("spill", e)

@@ -200,3 +200,22 @@ def test_a_real_read_only_file_system_still_serves(tmp_path):
            f"mount --bind -o ro '{root}' '{root}' && exec '{sys.executable}' -c \"{script}\""]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[3])
     assert out.stdout.split() == ["1", "1", "True"], out.stderr[-2000:]
+
+
+def test_an_index_damaged_while_serving_is_rebuilt_at_the_next_write(tmp_path):
+    """``cache.db`` overwritten while the tier runs: every later spill wrote its file, failed its
+    commit and deleted it, every lookup missed, until a restart. Now the write path finds the
+    index damaged, rebuilds it from the files and writes on; the earlier entries are served."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    tier.close()
+    tier = cold_tier(tmp_path)  # checkpointed at close: all of it is in cache.db
+    with open(tier.dir / "index" / "cache.db", "r+b") as f:
+        f.write(os.urandom(8192))
+    tier.persist(np.arange(8) + 50, [kv_cache(8)])
+    st = tier.stats()
+    assert st["spills"] == 1 and st["entries"] == 2, st
+    for ids in (range(8), range(50, 58)):
+        hit = tier.lookup(list(ids))
+        assert hit is not None and tier.load(hit) is not None
+    tier.close()
