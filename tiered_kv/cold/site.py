@@ -95,7 +95,12 @@ class Site:
             rebuilt = self._rebuild_aside(path, e)
             return rebuilt, rebuilt is not None
         try:
+            before = index.meta
             rebuild = index.claim_meta(self.meta)  # atomic: of two openers, one clears
+            if rebuild and before is not None:  # e.g. two servers with two block sizes on one dir
+                log.warning("cold index of %s was made with %s, this server uses %s: re-indexing "
+                            "its files (servers sharing a directory must agree on "
+                            "TIERED_KV_BLOCK_TOKENS)", self.dir, before, self.meta)  # fmt: skip
             stats = reconcile(self.dir, self.fingerprint, index, self.quarantine_dir, rebuild,
                               self.seed, self.block_tokens)  # fmt: skip
         except (OSError, sqlite3.Error) as e:

@@ -219,3 +219,15 @@ def test_an_index_damaged_while_serving_is_rebuilt_at_the_next_write(tmp_path):
         hit = tier.lookup(list(ids))
         assert hit is not None and tier.load(hit) is not None
     tier.close()
+
+
+def test_a_server_with_another_block_size_says_why_it_re_indexes(tmp_path, caplog):
+    """Two servers on one directory with two ``TIERED_KV_BLOCK_TOKENS`` re-index each other's
+    files at every start (each misses the other's keys): it happened without a word."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(40), [kv_cache(40)])
+    tier.close()
+    with caplog.at_level("WARNING"):
+        other = ColdTier(tmp_path, tier.fingerprint, Config(cache_dir=tmp_path, block_tokens=32))
+    assert "TIERED_KV_BLOCK_TOKENS" in caplog.text and other.stats()["entries"] == 1
+    other.close()
