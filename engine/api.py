@@ -227,6 +227,9 @@ class ChatRequest(_Sampling):
     reasoning_effort: str | None = Field(default=None, max_length=32)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    #: continue the last message, the assistant's, rather than start a new turn (vLLM's field;
+    #: Anthropic's Messages API does so whenever the last message is the assistant's)
+    continue_final_message: bool = False
 
     def logprob_count(self) -> int:
         """-1: no log-probabilities; else how many alternatives each token lists."""

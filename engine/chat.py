@@ -130,8 +130,12 @@ def _apply(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     extra: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> str:
-    kwargs: dict[str, Any] = {**(extra or {}), "tokenize": False, "add_generation_prompt": True}
+    kwargs: dict[str, Any] = {**(extra or {}), "tokenize": False,
+                              "add_generation_prompt": not continue_final}  # fmt: skip
+    if continue_final:  # the last message, the assistant's, left open for the model to go on
+        kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
     return str(tokenizer.apply_chat_template(messages, **kwargs))
@@ -258,12 +262,14 @@ def render_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> str:
-    """Messages (+ tools) → the prompt text, ending with the assistant generation prompt.
+    """Messages (+ tools) → the prompt text, ending with the assistant generation prompt (or,
+    ``continue_final``, inside the last message, the assistant's, for the model to continue).
     ``extra``: template arguments (:func:`template_args`)."""
     msgs = normalise_messages(messages)
     if not template_keeps_midway_system(tokenizer):
         msgs = fold_midway_system(msgs)
     if template_supports_tools(tokenizer):
-        return _apply(tokenizer, msgs, tools or None, extra)
-    return _apply(tokenizer, hermes_messages(msgs, tools), None, extra)
+        return _apply(tokenizer, msgs, tools or None, extra, continue_final)
+    return _apply(tokenizer, hermes_messages(msgs, tools), None, extra, continue_final)

@@ -93,6 +93,8 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
     effort = (req.output_config or {}).get("effort")
     if isinstance(effort, str):  # gpt-oss's template reads reasoning_effort
         body["reasoning_effort"] = effort
+    if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+        body["continue_final_message"] = True  # a prefill: the model goes on from its text
     chat: ChatRequest = api.validate(body, ChatRequest)
     return chat
 

@@ -198,8 +198,12 @@ def chat_prompt(
     parse = bool(tools) and req.tool_choice != "none"
     prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
     extra = req.template_args(template_defaults or {})
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise ApiError(400, "continue_final_message continues the last message, which must be the "
+                       "assistant's", param="continue_final_message")  # fmt: skip
     try:
-        text = chat.render_chat(tokenizer, req.message_dicts(), tools, extra)
+        text = chat.render_chat(tokenizer, req.message_dicts(), tools, extra,
+                                req.continue_final_message)  # fmt: skip
     except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
         raise ApiError(
             400, f"the model's chat template rejected the messages: {e}", param="messages"

@@ -349,3 +349,4 @@ def test_completion_logprobs_offsets_count_characters_of_the_text():
     assert first["text_offset"] + second["text_offset"] == [0, 2, 2, 3]
     assert first["tokens"] == [" a", "bytes:\\xe2\\x9c"]
     assert api.chat_logprobs(entries[1:2])["content"][0]["bytes"] == [0xE2, 0x9C]
+

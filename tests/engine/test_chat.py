@@ -247,3 +247,18 @@ def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
 
     bare = {f for f, path in family_dirs.items() if chat.template_writes_json_calls(load_tokenizer(path))}
     assert bare == {"llama-3.3"}
+
+
+def test_continue_final_leaves_the_assistants_message_open(tiny_tok):
+    """vLLM's ``continue_final_message`` (and Anthropic's prefill): the prompt ends inside the last
+    message, the assistant's; asked of a conversation that ends with the user's, a 400."""
+    from engine import respond
+    from engine.api import ApiError, ChatRequest
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    assert chat.render_chat(tiny_tok, msgs, continue_final=True).endswith("The answer is")
+    assert not chat.render_chat(tiny_tok, msgs).endswith("The answer is")
+    req = ChatRequest.model_validate({"messages": msgs[:1], "continue_final_message": True})
+    with pytest.raises(ApiError) as e:
+        respond.chat_prompt(tiny_tok, tiny_tok.encode, req, "m", lambda n, p: None)
+    assert e.value.param == "continue_final_message"

@@ -16,7 +16,7 @@ from engine import messages, output
 from engine.api import ApiError
 from engine.events import Chunk, Hit, Usage
 from engine.generate import Engine
-from tests.serving import AUTH, Scripted, hot_config, serve
+from tests.serving import AUTH, Scripted, ScriptedTurns, hot_config, serve
 
 TOOLS = [{"name": "get_weather", "description": "Weather of a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -283,6 +283,25 @@ def test_a_tool_call_round_trip(scripted):
     again = c.messages.create(model="t", max_tokens=64, messages=history, tools=TOOLS)
     assert again.content[0].text == "It is sunny." and again.stop_reason == "end_turn"
     assert again.usage.cache_read_input_tokens > 0
+
+
+def test_an_assistant_prefill_is_continued(tiny_model_dir, tmp_path):
+    """A last message of the assistant's is text the model goes on from, as Anthropic's API does
+    (a client prefills ``{`` for JSON): the prompt started a new assistant turn after it."""
+    config = hot_config(tmp_path)
+    engine = None
+
+    def make():
+        nonlocal engine
+        engine = ScriptedTurns(Engine(tiny_model_dir, config), [[" 42."]])
+        return engine
+
+    with serve(make, config) as live:
+        c = anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0)
+        prefill = [*USER, {"role": "assistant", "content": "The answer is"}]
+        msg = c.messages.create(model="t", max_tokens=8, messages=prefill)
+    assert msg.content[0].text == " 42."
+    assert engine is not None and engine.prompts[-1].endswith("The answer is")
 
 
 def test_thinking_of_a_reasoning_model(family_dirs, tmp_path):
