@@ -84,7 +84,8 @@ class CacheAdmin:
         out = []
         for fp_dir in self.fingerprints():
             with _index(fp_dir) as index:
-                n = len(index.records()) if index is not None else None
+                records = _records(index)
+                n = len(records) if records is not None else None
             size = usage.tree_size(fp_dir)[0]
             out.append(DirSummary(fp_dir.name, len(entry_files(fp_dir)), n, size))
         return out
@@ -104,12 +105,12 @@ class CacheAdmin:
         out = []
         for fp_dir in self.fingerprints():
             with _index(fp_dir) as index:
-                if index is None:
+                records = _records(index)
+                if records is None:
                     files = [(p.name, p.stat().st_size) for p in entry_files(fp_dir)]
                     out.append(Listing(fp_dir.name, None, files))
                     continue
-                records = sorted(index.records(), key=lambda r: -r.last_used)
-            out.append(Listing(fp_dir.name, records, []))
+            out.append(Listing(fp_dir.name, sorted(records, key=lambda r: -r.last_used), []))
         return out
 
     def verify(self, fix: bool = False) -> list[Checked]:
@@ -118,7 +119,8 @@ class CacheAdmin:
         the index could be read (without it nothing is known well enough to move)."""
         out = []
         for fp_dir in self.fingerprints():
-            with _index(fp_dir, write=fix) as index:
+            with _index(fp_dir, write=fix) as opened:
+                index = opened if _records(opened) is not None else None  # damaged: unchecked
                 fixing = fix and index is not None
                 report = verify_dir(fp_dir, fp_dir.name, index, self.quarantine_dir, fixing)
             out.append(Checked(fp_dir.name, report, index is not None))
@@ -133,6 +135,16 @@ class CacheAdmin:
         if not fingerprint:
             targets.append(self.quarantine_dir)
         return [p for p in targets if os.path.lexists(p) and fsafe.remove(self.root, p)]
+
+
+def _records(index: Index | None) -> list[Record] | None:
+    """Its records, or None where there is no index or it is damaged (a malformed row)."""
+    if index is None:
+        return None
+    try:
+        return index.records()
+    except sqlite3.Error:
+        return None
 
 
 @contextmanager

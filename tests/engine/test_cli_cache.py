@@ -146,3 +146,21 @@ def test_verify_where_there_is_no_cache_dir_checks_nothing_and_says_so(tmp_path,
         path.write_text("x")
     rc, out = _run(capsys, path, "verify")
     assert rc == 2 and "nothing checked" in out
+
+
+def test_a_malformed_index_row_is_an_unreadable_index_not_a_traceback(tmp_path, capsys):
+    import sqlite3
+
+    tier = ColdTier(tmp_path, FPA, Config(cache_dir=tmp_path, block_tokens=4))
+    tier.persist(np.arange(8), [kv_cache(8)])
+    tier.close()
+    con = sqlite3.connect(tmp_path / FPA / "index" / "cache.db")
+    con.execute("UPDATE entries SET nbytes='12 MB'")
+    con.commit()
+    con.close()
+    rc, out = _run(capsys, tmp_path, "ls")
+    assert rc == 0 and "(not indexed)" in out
+    rc, out = _run(capsys, tmp_path, "stats")
+    assert rc == 0 and "index missing" in out
+    rc, out = _run(capsys, tmp_path, "verify")
+    assert rc == 2 and "could not check" in out

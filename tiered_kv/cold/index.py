@@ -412,9 +412,24 @@ class _Tx:
                 pass
 
 
+class Damaged(sqlite3.DatabaseError):
+    """A row no writer of ours makes (sqlite's columns take any type): the index is damaged."""
+
+
+def damaged(e: BaseException) -> bool:
+    """Whether ``e`` says the index is damaged (no database, or rows of the wrong kind), as
+    opposed to a busy, full or read-only one: rebuilt from the files."""
+    return type(e) is sqlite3.DatabaseError or isinstance(e, Damaged)
+
+
 def _record(row: Sequence) -> Record:
-    """A record read back: the six :data:`_COLS`, then prompt_tokens."""
+    """A record read back: the six :data:`_COLS`, then prompt_tokens. Raises Damaged."""
     eid, file, n_tokens, nbytes, created, last_used, prompt_tokens = row
+    if not (isinstance(eid, str) and isinstance(file, str) and type(n_tokens) is int
+            and type(nbytes) is int and isinstance(created, (int, float))
+            and isinstance(last_used, (int, float))
+            and (prompt_tokens is None or type(prompt_tokens) is int)):  # fmt: skip
+        raise Damaged(f"index row of entry {str(eid)[:40]!r} is malformed")
     return Record(eid, file, n_tokens, nbytes, created, last_used, prompt_tokens=prompt_tokens)
 
 

@@ -29,7 +29,15 @@ from tiered_kv import keys
 from tiered_kv.cold import fsafe, store, usage
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.faults import Faults, kind_of
-from tiered_kv.cold.index import DB, SCHEMA, Index, IndexUnreadable, UnsafeCacheDir, check_private
+from tiered_kv.cold.index import (
+    DB,
+    SCHEMA,
+    Index,
+    IndexUnreadable,
+    UnsafeCacheDir,
+    check_private,
+    damaged,
+)
 from tiered_kv.cold.verify import reconcile
 from tiered_kv.config import Config
 
@@ -105,6 +113,9 @@ class Site:
                               self.seed, self.block_tokens)  # fmt: skip
         except (OSError, sqlite3.Error) as e:
             index.close()
+            if damaged(e):  # rows no writer of ours made: rebuilt from the files
+                rebuilt = self._rebuild_aside(path, e)
+                return rebuilt, rebuilt is not None
             self._degrade("cannot update the index, serving read-only", e)
             return self._read_only(), False
         self.faults.count("quarantined", stats.get("quarantined", 0))

@@ -23,7 +23,7 @@ from tiered_kv import keys, policy
 from tiered_kv.cold import store
 from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
-from tiered_kv.cold.index import Index, IndexUnreadable, Record
+from tiered_kv.cold.index import Index, IndexUnreadable, Record, damaged
 from tiered_kv.cold.site import Site
 from tiered_kv.prefix import common_prefix, entry_prompt_len
 from tiered_kv.shared.publisher import map_file  # [shared tier, issue 17]
@@ -64,7 +64,7 @@ class WritePath:
                     continue
                 self.site.faults.io_error("spill", e)
             except sqlite3.DatabaseError as e:
-                if type(e) is sqlite3.DatabaseError:  # not a database (any more): damaged
+                if damaged(e):  # not a database (any more), or rows no writer of ours made
                     self.site.damaged = True  # re-opened (rebuilt from the files) by ensure()
                     if attempt == 0:
                         continue

@@ -231,3 +231,23 @@ def test_a_server_with_another_block_size_says_why_it_re_indexes(tmp_path, caplo
         other = ColdTier(tmp_path, tier.fingerprint, Config(cache_dir=tmp_path, block_tokens=32))
     assert "TIERED_KV_BLOCK_TOKENS" in caplog.text and other.stats()["entries"] == 1
     other.close()
+
+
+def test_an_index_row_of_the_wrong_kind_is_a_damaged_index(tmp_path):
+    """sqlite's columns take any type: a row whose ``nbytes`` is text made every later spill fail
+    with a traceback (not even counted), write-through raise into its caller and `cache ls`
+    crash. Now it is a damaged index: rebuilt from the files, and writes go on."""
+    import sqlite3
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    tier.close()
+    con = sqlite3.connect(tier.dir / "index" / "cache.db")
+    con.execute("UPDATE entries SET nbytes='12 MB'")
+    con.commit()
+    con.close()
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8) + 50, [kv_cache(8)])
+    assert tier.stats()["spills"] == 1 and tier.stats()["entries"] == 2
+    assert tier.load(tier.lookup(list(range(8)))) is not None
+    tier.close()
