@@ -1,34 +1,71 @@
 """model_identity: what names an mlx-lm model directory for the cache fingerprint (files only, no MLX).
 
 Owner of the model half of the fingerprint; :func:`tiered_kv.opening.open_cache` adds the cache half
-(stored-KV quantisation, layer layout, salt). Reads the directory's small files and weight-file stats;
-never loads weights, never writes.
+(stored-KV quantisation, layer layout, salt). Reads the directory's small files, the weight files'
+headers and a few hundred bytes of each tensor; never loads weights, never writes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
+
+_SAMPLE = 256  # bytes read from the middle of each tensor
+_MAX_HEADER = 100 << 20
 
 
 def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "-"
 
 
+def _weights_digest(path: Path) -> str:
+    """A weight file's header and :data:`_SAMPLE` bytes from the middle of each tensor it holds
+    (a fine-tune, or a merged adapter, changes every tensor it touches). Reads a few hundred bytes
+    a tensor, never the weights; a file that is no safetensors gives its first and last 64 KiB."""
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        n = int.from_bytes(os.pread(fd, 8, 0), "little") if size >= 8 else -1
+        if not 0 < n <= min(size - 8, _MAX_HEADER):
+            digest.update(os.pread(fd, 1 << 16, 0) + os.pread(fd, 1 << 16, max(0, size - (1 << 16))))
+            return digest.hexdigest()
+        header = os.pread(fd, n, 8)
+        digest.update(header)
+        try:
+            tensors = json.loads(header)
+        except ValueError:
+            tensors = {}
+        for name in sorted(tensors) if isinstance(tensors, dict) else ():
+            span = tensors[name].get("data_offsets") if isinstance(tensors[name], dict) else None
+            if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)):
+                continue
+            a, b = span
+            if 0 <= a < b:
+                start = 8 + n + max(a, (a + b) // 2 - _SAMPLE // 2)
+                digest.update(os.pread(fd, min(_SAMPLE, b - a), start))
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
 def model_identity(model_dir: str | Path) -> dict[str, str]:
     """``{"model", "tokenizer", "dtype"}`` of an mlx-lm model directory.
 
-    Model identity is cheap: config.json's bytes plus each weight file's name, size and mtime
-    (content-based, not path-based: a hub snapshot and its source directory agree). Tokenizer and
-    chat template by content hash.
+    Model identity is cheap and by content, not path or time: config.json's bytes plus each
+    weight file's name, size and :func:`_weights_digest` (its header and a sample of every tensor:
+    two fine-tunes of one base have the same sizes, and mtimes can agree too — reproducible
+    images, ``cp -p``, a Nix store — where they had one fingerprint and one model was served the
+    other's KV; a copy of the same weights keeps its cache). Tokenizer and chat template by content
+    hash.
     """
     model_dir = Path(model_dir)
     weights = sorted(model_dir.glob("*.safetensors"))
     ident = hashlib.sha256((model_dir / "config.json").read_bytes())
     for w in weights:
-        st = w.stat()
-        ident.update(f"{w.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        ident.update(f"{w.name}:{w.stat().st_size}:{_weights_digest(w)}".encode())
     tok = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         tok.update(_file_digest(model_dir / name).encode())

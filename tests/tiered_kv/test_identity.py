@@ -1,11 +1,14 @@
 """tiered_kv/identity.py: a model directory's identity is its content (config bytes, weight files'
-names / sizes / mtimes, tokenizer and template by hash), not its path."""
+names / sizes / a sample of every tensor, tokenizer and template by hash), not its path or time."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
+
+import numpy as np
 
 from tiered_kv.identity import model_identity
 
@@ -36,3 +39,34 @@ def test_weights_tokenizer_and_template_each_change_it(tmp_path):
     after_template = model_identity(a)
     assert after_template["tokenizer"] != after_weights["tokenizer"]
     assert after_template["model"] == after_weights["model"]
+
+
+def _weights(path: Path, values: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(values, str(path))
+
+
+def test_two_fine_tunes_of_one_size_and_time_are_two_models(tmp_path):
+    """Same tensor shapes, same mtime (reproducible images, ``cp -p``, a Nix store): one fingerprint
+    by name, size and mtime, so one model was served the other's KV. Only one tensor differs."""
+    base = {f"layers.{i}.w": np.full((64, 64), i, np.float16) for i in range(4)}
+    tuned = {**base, "layers.2.w": base["layers.2.w"] + 1}
+    a, b = model_dir(tmp_path / "a"), model_dir(tmp_path / "b")
+    _weights(a / "model.safetensors", base)
+    _weights(b / "model.safetensors", tuned)
+    for d in (a, b):
+        os.utime(d / "model.safetensors", ns=(10**18, 10**18))
+    assert (a / "model.safetensors").stat().st_size == (b / "model.safetensors").stat().st_size
+    assert model_identity(a)["model"] != model_identity(b)["model"]
+
+
+def test_a_plain_copy_of_the_weights_keeps_the_identity(tmp_path):
+    """A copy with new mtimes (``cp`` without ``-p``, a fresh download of one revision) is the same
+    model: its cache stays (it had another fingerprint, every entry a miss)."""
+    a = model_dir(tmp_path / "a")
+    _weights(a / "model.safetensors", {"w": np.arange(4096, dtype=np.float32)})
+    b = tmp_path / "b"
+    shutil.copytree(a, b, copy_function=shutil.copy)
+    os.utime(b / "model.safetensors", ns=(10**18, 10**18))
+    assert model_identity(a) == model_identity(b)
