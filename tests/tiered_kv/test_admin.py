@@ -15,13 +15,19 @@ from tiered_kv.config import Config
 FP = "0123456789abcdef0123456789abcdef"
 
 
-def test_summaries_listings_verify_and_clear_are_values(tmp_path):
-    cfg = Config(cache_dir=tmp_path, block_tokens=4)
-    tier = ColdTier(tmp_path, FP, cfg)
+def _one_entry(root) -> Config:
+    """A cache dir holding one 8-token entry of fingerprint FP; its config."""
+    cfg = Config(cache_dir=root, block_tokens=4)
+    tier = ColdTier(root, FP, cfg)
     c = C.KVCache()
     c.update_and_fetch(mx.ones((1, 2, 8, 4)), mx.ones((1, 2, 8, 4)))
     tier.persist(np.arange(8), [c])
     tier.close()
+    return cfg
+
+
+def test_summaries_listings_verify_and_clear_are_values(tmp_path):
+    cfg = _one_entry(tmp_path)
     admin = CacheAdmin(cfg)
     admin.check_private()
     [d] = admin.summaries()
@@ -39,12 +45,7 @@ def test_summaries_listings_verify_and_clear_are_values(tmp_path):
 def test_a_folder_beside_the_fingerprints_is_not_the_caches(tmp_path):
     """``verify --fix`` took a model's folder in the cache dir for a fingerprint, found its weights
     "corrupt" and moved them to quarantine (which the budget later deletes); stats counted it."""
-    cfg = Config(cache_dir=tmp_path, block_tokens=4)
-    tier = ColdTier(tmp_path, FP, cfg)
-    c = C.KVCache()
-    c.update_and_fetch(mx.ones((1, 2, 8, 4)), mx.ones((1, 2, 8, 4)))
-    tier.persist(np.arange(8), [c])
-    tier.close()
+    cfg = _one_entry(tmp_path)
     weights = tmp_path / "my-model" / "model.safetensors"
     weights.parent.mkdir(mode=0o700)
     weights.write_bytes(b"w" * 100_000)
@@ -57,12 +58,7 @@ def test_a_folder_beside_the_fingerprints_is_not_the_caches(tmp_path):
 
 
 def test_verify_fix_without_a_readable_index_moves_nothing(tmp_path):
-    cfg = Config(cache_dir=tmp_path, block_tokens=4)
-    tier = ColdTier(tmp_path, FP, cfg)
-    c = C.KVCache()
-    c.update_and_fetch(mx.ones((1, 2, 8, 4)), mx.ones((1, 2, 8, 4)))
-    tier.persist(np.arange(8), [c])
-    tier.close()
+    cfg = _one_entry(tmp_path)
     (tmp_path / FP / "index" / "cache.db").write_bytes(b"not sqlite" * 100)
     [entry] = (tmp_path / FP).glob("*.safetensors")
     flip_byte(entry, -1)  # bad, maybe: without the index nothing is known well enough to move it
