@@ -209,6 +209,8 @@ class ColdTier:
             header: Any = store.read_header(path, self.fingerprint)
             if header.n_tokens != len(stored):
                 raise store.CorruptEntry("file token count differs from the index")
+            if header.data_start + header.data_len != rec.nbytes:  # before anything is allocated
+                raise store.CorruptEntry("file size differs from the index")
         except (OSError, store.CorruptEntry) as e:
             header = e
         return rec, path, header, stored

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -286,4 +287,40 @@ def test_an_unreadable_entry_is_a_miss_not_corrupt(tmp_path, monkeypatch, code):
     assert tier.stats()["quarantined"] == 0 and tier.stats()["load_errors"] == 1
     monkeypatch.setattr(fsafe, "open_nofollow", real)
     assert path.exists() and tier.load(tier.lookup(list(range(8)))) is not None
+    tier.close()
+
+
+def test_an_entry_grown_past_its_indexed_size_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A planted file with a valid header declaring a 2 GiB tensor (sparse: a few KiB on disk) was
+    loaded whole — 2 GiB allocated — before its checksums refused it. The index knows the size the
+    file was written at: a file of another size is corrupt before any data is read."""
+    from tiered_kv.cold import codec
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    path = entry_file(tier)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    tensors = json.loads(raw[8 : 8 + n])
+    meta, data = tensors.pop("__metadata__"), raw[8 + n :]
+    end, pad = max(t["data_offsets"][1] for t in tensors.values()), 1 << 30
+    tensors["zz.pad"] = {"dtype": "F32", "shape": [pad // 4], "data_offsets": [end, end + pad]}
+    sums = json.loads(meta["xxh3"])  # a valid header: its checksum is public
+    sums["zz.pad"] = "0" * store.n_digest_chars(pad, int(meta["chunk_bytes"]))
+    meta["xxh3"] = json.dumps(sums, separators=(",", ":"))
+    head = store.header_bytes(tensors, meta)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + data)
+        f.truncate(8 + len(head) + len(data) + pad)  # sparse: nothing more on disk
+    assert store.read_header(path, tier.fingerprint).n_tokens == 8  # the header alone is fine
+    loads: list[tuple] = []
+
+    def load_steps(*a, **k):
+        loads.append(a)
+        return iter(())
+
+    monkeypatch.setattr(codec, "load_steps", load_steps)
+    hit = tier.lookup(list(range(8)))
+    assert hit is None or tier.load(hit) is None
+    assert loads == [] and tier.stats()["quarantined"] == 1
     tier.close()
