@@ -6,11 +6,13 @@ import argparse
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models import cache as C
 
 from engine import cli_cache
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
+from tiered_kv.shared import survey
 from tiered_kv.shared.link import SharedLink
 
 
@@ -37,7 +39,7 @@ def _publish_two(root, url) -> None:
     assert link.close(30) and link.stats()["publishes"] == 2
 
 
-def test_stats_ls_verify_fix_show_the_shared_tier(tmp_path, capsys, redis_server):
+def test_stats_ls_verify_fix_show_the_shared_tier(tmp_path, capsys, redis_server, monkeypatch):
     _publish_two(tmp_path, redis_server.url)
     rc, out = _run(capsys, tmp_path, redis_server.url, "stats")
     assert rc == 0 and "shared tier: redis://127.0.0.1" in out and "fpA: 2 entries" in out
@@ -49,13 +51,41 @@ def test_stats_ls_verify_fix_show_the_shared_tier(tmp_path, capsys, redis_server
     r = redis_server.client()
     chunk = sorted(k for k in r.keys("*") if b":c:" in k)[0]
     r.setrange(chunk, r.strlen(chunk) - 3, b"\x01")
-    r.set(b"tkv:fpA:c:" + b"0" * 32 + b":0", b"orphan")
+    orphan = b"tkv:fpA:c:" + b"0" * 32 + b":0"
+    r.set(orphan, b"orphan")
     rc, out = _run(capsys, tmp_path, redis_server.url, "verify")
     assert rc == 1 and "corrupt: " in out and "orphan chunks: 1" in out
     rc, out = _run(capsys, tmp_path, redis_server.url, "verify", "--fix")
-    assert rc == 0
+    assert rc == 0 and r.exists(orphan)  # fresh: a running publish's, its index not yet written
+    monkeypatch.setattr(survey, "ORPHAN_GRACE_SECONDS", 0)  # (Redis cannot age a key for a test)
+    rc, out = _run(capsys, tmp_path, redis_server.url, "verify", "--fix")
+    assert rc == 0 and not r.exists(orphan)
     rc, out = _run(capsys, tmp_path, redis_server.url, "verify")
     assert rc == 0 and "fpA: 1 ok (shared)" in out
+
+
+@pytest.mark.parametrize("plant", ["wrong-type", "nan-created", "huge-size"])
+def test_hostile_keys_in_the_layout_are_corrupt_not_a_crash(tmp_path, capsys, redis_server, plant):
+    """Another writer on the same Redis: an index key that is no hash made stats / ls / verify say
+    Redis was unreachable; a NaN ``created`` crashed ls; a forged 100 GiB size made verify
+    allocate it (MemoryError). Each is now one corrupt entry, removed by ``--fix``."""
+    _publish_two(tmp_path, redis_server.url)
+    r = redis_server.client()
+    bad = b"tkv:fpA:e:" + b"f" * 32
+    if plant == "wrong-type":
+        r.set(bad, b"not a hash")
+    else:
+        meta = {"n_tokens": 8, "nbytes": 100, "nchunks": 1, "chunk_bytes": 100, "created": "nan"}
+        if plant == "huge-size":
+            meta.update(nbytes=100 << 30, chunk_bytes=512 << 20, nchunks=200, created="1.0")
+        r.hset(bad, mapping=meta)
+    for cmd in ("stats", "ls"):
+        rc, out = _run(capsys, tmp_path, redis_server.url, cmd)
+        assert rc == 0 and "unreachable" not in out, (cmd, out)
+    rc, out = _run(capsys, tmp_path, redis_server.url, "verify")
+    assert rc == 1 and "f" * 32 in out and "fpA: 2 ok (shared)" in out
+    rc, out = _run(capsys, tmp_path, redis_server.url, "verify", "--fix")
+    assert not r.exists(bad)
 
 
 def test_unreachable_redis_is_reported_not_raised(tmp_path, capsys, redis_server):

@@ -13,6 +13,7 @@ connection is dropped (its stream position is unknown). Errors: ``redis.exceptio
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
@@ -20,9 +21,13 @@ import redis
 _MAX_LINE = 64
 
 
-def get_into(client: redis.Redis, key: str, out: memoryview) -> int | None:
+def get_into(
+    client: redis.Redis, key: str, out: memoryview, deadline: float | None = None
+) -> int | None:
     """Read ``key``'s value into ``out``; its length, or None when the key does not exist.
-    A value of another length than ``len(out)`` raises ``ValueError`` (nothing read past it)."""
+    A value of another length than ``len(out)`` raises ``ValueError`` (nothing read past it);
+    past ``deadline`` (``time.monotonic()``) the read raises ``TimeoutError`` (a link that
+    trickles bytes never trips the socket's per-``recv`` timeout)."""
     pool = client.connection_pool
     conn = pool.get_connection()
     ok = False
@@ -43,8 +48,8 @@ def get_into(client: redis.Redis, key: str, out: memoryview) -> int | None:
             return None
         if n != len(out):
             raise ValueError(f"value of {n} bytes where {len(out)} were expected")
-        _read_exact(sock, out)
-        _read_exact(sock, memoryview(bytearray(2)))  # the closing CRLF
+        _read_exact(sock, out, deadline)
+        _read_exact(sock, memoryview(bytearray(2)), deadline)  # the closing CRLF
         ok = True
         return n
     finally:
@@ -92,10 +97,12 @@ def _line(sock: Any) -> bytes:
     return bytes(buf[:-2])
 
 
-def _read_exact(sock: Any, view: memoryview) -> None:
+def _read_exact(sock: Any, view: memoryview, deadline: float | None = None) -> None:
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], min(n - got, 16 << 20))
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"read of {n} bytes past its deadline ({got} read)")
+        k = sock.recv_into(view[got:], min(n - got, 1 << 20))
         if k == 0:
             raise redis.exceptions.ConnectionError("connection closed by server")
         got += k

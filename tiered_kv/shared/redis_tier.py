@@ -61,6 +61,7 @@ _CANDIDATES = 3
 MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
+MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
 _EID = re.compile(rb"^[0-9a-f]{32}$")  # entry ids read from Redis are data: checked
 _FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")
 
@@ -208,26 +209,44 @@ class SharedTier:
 
     def _fetch(self, hit: SharedHit) -> Fetched | None:
         size, chunk = hit.nbytes, hit.chunk_bytes
-        if not (0 < chunk <= 512 << 20 and 0 < size and hit.nchunks == -(-size // chunk)):
+        if not consistent(hit.nbytes, hit.chunk_bytes, hit.nchunks):
             return self._corrupt(hit.entry_id, "entry meta is inconsistent")
         if size > self.max_bytes:
             self._count("too_large")
             return None
-        buf = bytearray(size)
+        if hit.nchunks > MAX_CHUNKS:
+            return self._corrupt(hit.entry_id, f"{hit.nchunks} chunks")
+        names = [self.key("c", hit.entry_id, i) for i in range(hit.nchunks)]
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:  # what Redis holds, before a byte is allocated for it
+            pipe.strlen(name)
+        lengths = pipe.execute()
+        if not all(lengths):  # Redis evicted a chunk: the entry is gone for every server
+            self._count("misses_evicted")
+            self._unlink(hit.entry_id, hit.nchunks)
+            return None
+        if sum(lengths) != size:
+            return self._corrupt(hit.entry_id, f"chunks of {sum(lengths)} bytes, not {size}")
+        try:
+            buf = bytearray(size)
+        except MemoryError:
+            self._count("too_large")
+            return None
         view = memoryview(buf)
         deadline = time.monotonic() + self.timeout + size / _MIN_RATE
-        for i in range(hit.nchunks):  # one round trip per chunk: latency ≪ a chunk's transfer
-            if time.monotonic() > deadline:
+        for i, name in enumerate(names):  # one round trip per chunk: latency ≪ its transfer
+            lo = i * chunk
+            try:
+                got = bulk.get_into(self.client, name, view[lo : lo + chunk], deadline)
+            except ValueError as e:
+                return self._corrupt(hit.entry_id, f"chunk {i}: {e}")
+            except TimeoutError:
                 self._count("timeouts")
                 self._once("slow", "shared tier too slow: fetch of %d bytes abandoned (a miss)", size)
                 return None
-            lo = i * chunk
-            try:
-                got = bulk.get_into(self.client, self.key("c", hit.entry_id, i), view[lo : lo + chunk])
-            except ValueError as e:
-                return self._corrupt(hit.entry_id, f"chunk {i}: {e}")
             if got is None:
-                self._count("misses_evicted")  # Redis evicted a chunk: the entry is gone
+                self._count("misses_evicted")  # evicted meanwhile: the entry is gone
+                self._unlink(hit.entry_id, hit.nchunks)
                 return None
         try:
             tokens = self.check(view)
@@ -256,8 +275,11 @@ class SharedTier:
     def _publish(self, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]) -> bool:
         old = self._lookup(tokens, hashes)
         if old is not None and old.tokens == old.entry_tokens == len(tokens):
-            self._count("publish_skipped")  # the same entry is there (another server wrote it)
-            return False
+            if self._whole(old):
+                self._count("publish_skipped")  # the same entry is there (another server wrote it)
+                return False
+            self._unlink(old.entry_id, old.nchunks)  # a chunk evicted: it blocked its own re-publish
+            old = None
         eid = uuid.uuid4().hex
         size, chunk = len(view), self.chunk_bytes
         nchunks = -(-size // chunk)
@@ -284,9 +306,19 @@ class SharedTier:
             self._stats["publish_bytes"] += size
         return True
 
+    def _whole(self, hit: SharedHit) -> bool:
+        """Whether every chunk of ``hit``'s entry is still in Redis."""
+        if not 0 < hit.nchunks <= MAX_CHUNKS:
+            return False
+        n = self.client.exists(*(self.key("c", hit.entry_id, i) for i in range(hit.nchunks)))
+        return bool(n == hit.nchunks)
+
     def _unlink(self, eid: str, nchunks: int) -> None:
+        """An entry's index and chunks; a count Redis gave that no entry can have (a forged
+        ``nchunks``: a list of 10**9 names) unlinks the index only."""
         names = [self.key("e", eid), self.key("t", eid)]
-        names += [self.key("c", eid, i) for i in range(nchunks)]
+        if 0 < nchunks <= MAX_CHUNKS:
+            names += [self.key("c", eid, i) for i in range(nchunks)]
         self.client.unlink(*names)
 
     # -- health ----------------------------------------------------------------------------
@@ -353,6 +385,11 @@ class SharedTier:
 
     def close(self) -> None:
         _quietly(self.client.close)
+
+
+def consistent(nbytes: int, chunk_bytes: int, nchunks: int) -> bool:
+    """Whether an entry's size facts (as Redis gives them: data) can be an entry's."""
+    return 0 < chunk_bytes <= 512 << 20 and 0 < nbytes and nchunks == -(-nbytes // chunk_bytes)
 
 
 def _ints(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:

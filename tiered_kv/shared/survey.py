@@ -2,12 +2,15 @@
 
 Walks the ``tkv:<fingerprint>:`` namespaces with SCAN (never KEYS: a shared Redis keeps serving
 while we look). ``verify`` fetches every entry's chunks and runs the entry format's checks; with
-``fix`` it unlinks corrupt and incomplete entries and orphan chunks (a publish that died between
-its chunks and its index). Bytes only, one thread.
+``fix`` it unlinks corrupt and incomplete entries and orphan chunks idle for ten minutes (a
+publish that died between its chunks and its index; a running one's are fresh). Keys of the
+layout holding what no publisher writes (another type, a time no clock gives) are corrupt, never
+a reason to stop. Bytes only, one thread.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -16,10 +19,12 @@ from typing import Any
 
 import redis
 
-from tiered_kv.shared.redis_tier import Check, SharedTier
+from tiered_kv.shared.redis_tier import MAX_CHUNKS, Check, SharedTier, consistent
 
 _E = re.compile(rb"^tkv:([^:]{1,128}):e:([0-9a-f]{32})$")
 _C = re.compile(rb"^tkv:([^:]{1,128}):c:([0-9a-f]{32}):\d+$")
+#: an orphan chunk younger than this may be a running publish's (its index not written yet)
+ORPHAN_GRACE_SECONDS = 600
 
 
 @dataclass(frozen=True)
@@ -47,20 +52,39 @@ class SharedReport:
 
 def entries(client: redis.Redis) -> list[EntryInfo]:
     """Every indexed entry of every fingerprint, newest first."""
+    return _survey(client)[0]
+
+
+def _survey(client: redis.Redis) -> tuple[list[EntryInfo], list[tuple[str, str]]]:
+    """(the entries, newest first; the (fingerprint, id) of index keys that hold no entry's facts:
+    another type, or values no publisher writes — another writer's, or damaged)."""
     found = [(m.group(1).decode(), m.group(2).decode())
              for k in client.scan_iter(match="tkv:*:e:*", count=1000) if (m := _E.match(k))]  # fmt: skip
     pipe = client.pipeline(transaction=False)
     for fp, eid in found:
         pipe.hmget(f"tkv:{fp}:e:{eid}", ["n_tokens", "nbytes", "nchunks", "chunk_bytes", "created"])
-    out = []
-    for (fp, eid), meta in zip(found, pipe.execute() if found else [], strict=True):
-        try:
-            n, size, nch, chunk = (int(v) for v in meta[:4])
-            created = float(meta[4])
-        except (TypeError, ValueError):
-            continue  # half-deleted or evicted meanwhile
-        out.append(EntryInfo(fp, eid, n, size, nch, chunk, created))
-    return sorted(out, key=lambda e: -e.created)
+    out, bad = [], []
+    replies = pipe.execute(raise_on_error=False) if found else []
+    for (fp, eid), meta in zip(found, replies, strict=True):
+        info = _info(fp, eid, meta)
+        if info is not None:
+            out.append(info)
+        elif not (isinstance(meta, list) and all(v is None for v in meta)):  # not just gone
+            bad.append((fp, eid))
+    return sorted(out, key=lambda e: -e.created), bad
+
+
+def _info(fp: str, eid: str, meta: Any) -> EntryInfo | None:
+    if not isinstance(meta, list):  # WRONGTYPE: not a hash
+        return None
+    try:
+        n, size, nch, chunk = (int(v) for v in meta[:4])
+        created = float(meta[4])
+    except (TypeError, ValueError):
+        return None
+    if not (math.isfinite(created) and 0 <= created < 1e11):  # a time no clock gives
+        return None
+    return EntryInfo(fp, eid, n, size, nch, chunk, created)
 
 
 def server(client: redis.Redis) -> dict[str, Any]:
@@ -80,7 +104,13 @@ def verify(
     reports: dict[str, SharedReport] = defaultdict(SharedReport)
     known: set[tuple[str, str]] = set()
     tiers: dict[str, SharedTier] = {}
-    for e in entries(client):
+    found, bad = _survey(client)
+    for fp, eid in bad:  # an index key no publisher wrote so: corrupt (its chunks age out below)
+        known.add((fp, eid))
+        reports[fp].corrupt.append(eid)
+        if fix:
+            client.unlink(f"tkv:{fp}:e:{eid}", f"tkv:{fp}:t:{eid}")
+    for e in found:
         known.add((e.fingerprint, e.entry_id))
         tier = tiers.get(e.fingerprint)
         if tier is None:
@@ -96,20 +126,49 @@ def verify(
         if m and (m.group(1).decode(), m.group(2).decode()) not in known:
             reports[m.group(1).decode()].orphan_chunks += 1
             orphans.append(k)
-    if fix and orphans:
-        client.unlink(*orphans)
+    if fix and orphans:  # only those of a publish that died: a running one's are fresh
+        stale = [k for k, idle in zip(orphans, _idle(client, orphans), strict=True)
+                 if idle is not None and idle >= ORPHAN_GRACE_SECONDS]  # fmt: skip
+        if stale:
+            client.unlink(*stale)
     for t in tiers.values():
         t.close()
     return dict(reports)
 
 
+def _idle(client: redis.Redis, names: list[bytes]) -> list[int | None]:
+    """Seconds since each key was last written or read (None where Redis does not track it:
+    an LFU eviction policy, or the key gone)."""
+    pipe = client.pipeline(transaction=False)
+    for k in names:
+        pipe.object("idletime", k)
+    return [v if isinstance(v, int) else None for v in pipe.execute(raise_on_error=False)]
+
+
 def _check_one(client: redis.Redis, tier: SharedTier, e: EntryInfo) -> str:
-    """"ok", "incomplete" (a chunk is missing) or "corrupt" — read-only."""
-    if e.nchunks != -(-e.nbytes // max(1, e.chunk_bytes)) or e.nbytes > tier.max_bytes:
+    """"ok", "incomplete" (a chunk is missing) or "corrupt" — read-only. Nothing is allocated
+    for bytes Redis does not hold (a forged size)."""
+    if not consistent(e.nbytes, e.chunk_bytes, e.nchunks) or e.nbytes > tier.max_bytes:
+        return "corrupt"
+    if e.nchunks > MAX_CHUNKS:
+        return "corrupt"
+    names = [tier.key("c", e.entry_id, i) for i in range(e.nchunks)]
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.strlen(name)
+    lengths = pipe.execute(raise_on_error=False)
+    if any(not isinstance(n, int) for n in lengths):  # WRONGTYPE: not a string
+        return "corrupt"
+    if not all(lengths):
+        return "incomplete"
+    if sum(lengths) != e.nbytes:
         return "corrupt"
     buf = bytearray(e.nbytes)
-    for i in range(e.nchunks):
-        part = client.get(tier.key("c", e.entry_id, i))
+    for i, name in enumerate(names):
+        try:
+            part = client.get(name)
+        except redis.exceptions.ResponseError:
+            return "corrupt"
         if not isinstance(part, bytes):
             return "incomplete"
         lo = i * e.chunk_bytes
@@ -120,5 +179,8 @@ def _check_one(client: redis.Redis, tier: SharedTier, e: EntryInfo) -> str:
         tokens = tier.check(memoryview(buf))
     except ValueError:
         return "corrupt"
-    stored = client.get(tier.key("t", e.entry_id))
+    try:
+        stored = client.get(tier.key("t", e.entry_id))
+    except redis.exceptions.ResponseError:
+        return "corrupt"
     return "ok" if tokens.tobytes() == stored else "corrupt"

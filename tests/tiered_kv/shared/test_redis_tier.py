@@ -266,3 +266,65 @@ def test_a_full_chunk_costs_redis_no_more_than_its_bytes(redis_server):
     assert usage is not None and usage <= redis_tier.CHUNK_BYTES * 1.01
     got = t.fetch(hit)
     assert got is not None and bytes(got.data) == data
+
+
+def test_a_forged_size_allocates_only_what_redis_holds(redis_server):
+    """Another writer sets an entry's size facts to 150 GiB (consistent with each other, under a
+    200 GB disk budget): the fetch allocated them — a MemoryError out of the request, a 500 —
+    before the first chunk showed the bytes were not there. The chunks' lengths come first."""
+    t = SharedTier(redis_server.url, "fp-a", BLOCK, check, timeout=0.5, chunk_bytes=1000,
+                   max_bytes=200 << 30)  # fmt: skip
+    toks = ids(31, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    size, chunk = 150 << 30, 512 << 20
+    redis_server.client().hset(t.key("e", hit.entry_id), mapping={
+        "nbytes": size, "chunk_bytes": chunk, "nchunks": -(-size // chunk)})  # fmt: skip
+    hit = t.lookup(toks)
+    assert hit is not None and hit.nbytes == size
+    assert t.fetch(hit) is None and t.stats()["misses_evicted"] == 1  # chunks 1.. are not there
+
+
+def test_an_evicted_chunk_unlinks_its_entry_so_it_can_be_published_again(redis_server):
+    """A chunk evicted (allkeys-lru): the entry's index stayed, each lookup found it and missed,
+    and a publish of the same entry was skipped as "already there" — for good."""
+    t = tier(redis_server.url)
+    toks = ids(32, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    redis_server.client().delete(t.key("c", hit.entry_id, 1))
+    assert t.publish(entry(toks), toks)  # not skipped: the old one is not whole
+    hit = t.lookup(toks)
+    assert hit is not None and t.fetch(hit) is not None
+    redis_server.client().delete(t.key("c", hit.entry_id, 2))
+    assert t.fetch(hit) is None and t.lookup(toks) is None  # the fetch unlinked it
+
+
+def test_a_forged_chunk_count_is_never_listed(redis_server):
+    """A superseded entry whose ``nchunks`` another writer set to 10**9: the publisher built a
+    list of 10**9 key names to unlink it (gigabytes, then a MemoryError)."""
+    t = tier(redis_server.url)
+    toks = ids(33, 64)
+    t.publish(entry(toks[:32]), toks[:32])
+    old = t.lookup(toks[:32])
+    assert old is not None
+    redis_server.client().hset(t.key("e", old.entry_id), "nchunks", 10**9)
+    t0 = time.monotonic()
+    assert t.publish(entry(toks), toks)  # a continuation: supersedes the forged one
+    assert time.monotonic() - t0 < 30 and t.stats()["superseded"] == 1
+    assert not redis_server.client().exists(t.key("e", old.entry_id))
+
+
+def test_a_read_past_its_deadline_stops_inside_a_chunk(redis_server):
+    """A trickling link never trips the socket's per-recv timeout: a one-chunk entry was read to
+    its end whatever the deadline (16 s for 4 MB at 256 KB/s, documented ~0.6 s)."""
+    from tiered_kv.shared import bulk
+
+    c = redis_server.client()
+    c.set("big", b"x" * (4 << 20))
+    out = memoryview(bytearray(4 << 20))
+    with pytest.raises(TimeoutError):
+        bulk.get_into(c, "big", out, deadline=time.monotonic() - 1)
+    assert bulk.get_into(c, "big", out, deadline=time.monotonic() + 30) == 4 << 20
