@@ -51,6 +51,16 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+class ShuttingDown(ApiError):
+    """The server stops before it served the request (or all of it): a 503 to retry elsewhere or
+    later. Raised by the worker for queued and running requests alike (a running one's cache is
+    stored first)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the server is shutting down; retry the request",
+                         code="server_shutting_down", type_="server_error")  # fmt: skip
+
+
 def invalid(message: str, param: str) -> ApiError:
     """A 400 for a value the client sent that the server cannot take."""
     return ApiError(400, message, param=param, code="invalid_value")

@@ -111,8 +111,8 @@ class BatchLoop:
         return Hold(min(held, default=None))
 
     def close(self) -> None:
-        """Cancel everything in flight: what each request computed is stored, listeners get
-        a "cancelled" finish."""
+        """At shutdown, everything in flight stops: what each request computed is stored, its
+        listener gets a 503 (``api.ShuttingDown``: a finish would read as a whole answer)."""
         self.leasing.close()
         self.prefill.close()
         self.decode.close()

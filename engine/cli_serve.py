@@ -1,8 +1,10 @@
 """`tiered-kv serve`: load a model (directory or hub id) and serve the OpenAI-compatible API with uvicorn.
 
-uvicorn handles SIGINT/SIGTERM: it stops accepting connections, waits a few seconds for open responses,
-then runs the app's lifespan shutdown, which cancels queued work and closes the engine (flushing the
-spill queue to disk), so a restart on the same ``TIERED_KV_DIR`` warm-starts from the disk tier.
+On SIGINT/SIGTERM the worker first ends its jobs (queued and running: each a 503 after what it
+computed is stored), so every open response ends whole; then uvicorn stops accepting connections,
+waits a few seconds for open responses and runs the app's lifespan shutdown, which closes the engine
+(flushing the spill queue to disk), so a restart on the same ``TIERED_KV_DIR`` warm-starts from the
+disk tier.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from tiered_kv import ConfigError
 
@@ -118,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
     soft, hard = conn.raise_nofile_limit()
     log.info("open-file limit: %s (hard %s)", soft, hard)
-    server = uvicorn.Server(
+    server = _server(
+        worker,
         uvicorn.Config(
             app,
             host=args.host,
@@ -132,3 +136,18 @@ def run(args: argparse.Namespace) -> int:
     conn.install_repeat_filter(conn.RepeatFilter())  # after uvicorn set up its log handlers
     server.run()
     return 0
+
+
+def _server(worker: Any, config: Any) -> Any:
+    """uvicorn's server, whose SIGTERM / SIGINT first ends the worker's jobs (each a 503 after
+    its cache is stored), so every open response ends whole — a stream with its error event —
+    before uvicorn waits on them (it cut them when its graceful timeout ran out, and a request
+    cut so could read as a whole answer)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            worker.begin_close()
+            super().handle_exit(sig, frame)
+
+    return Server(config)

@@ -264,9 +264,12 @@ class Decoding:
             self._decode(group)
 
     def close(self) -> None:
-        """Every decoding request ends "cancelled", its cache stored."""
+        """At shutdown: every decoding request's cache is stored and its listener told it was
+        cut short (:meth:`Ends.stop`)."""
         for group in self.groups():
-            self._leave(group, list(range(len(group.seqs))), ["cancelled"] * len(group.seqs))
+            for i, seq in enumerate(group.seqs):
+                caches = group.gen.prompt_cache
+                self.ends.stop(seq, [c.extract(i) for c in caches] if group.batched else caches)
         self.batch, self.solo = None, []
 
     def _decode(self, group: Group) -> None:

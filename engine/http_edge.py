@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from engine import messages
-from engine.api import ApiError
+from engine.api import ApiError, ShuttingDown
 
 
 def anthropic_route(path: str) -> bool:
@@ -71,10 +71,8 @@ class ShutdownGuard:
         except asyncio.CancelledError:
             if started:
                 raise
-            e = ApiError(503, "the server is shutting down; retry the request",
-                         code="server_shutting_down", type_="server_error")  # fmt: skip
             headers = {"connection": "close", "retry-after": "1"}
-            await error_response(scope["path"], e, headers)(scope, receive, send)
+            await error_response(scope["path"], ShuttingDown(), headers)(scope, receive, send)
 
 
 async def hangup(request: Request) -> None:

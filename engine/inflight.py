@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from engine import sampler as sampling
+from engine.api import ShuttingDown
 from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams, Usage
 from tiered_kv import Lease
 
@@ -143,6 +144,13 @@ class Ends:
         stop = getattr(seq.text, "stopped_by", None)
         seq.sink.emit(Chunk(tail, None, reason, seq.usage(time.perf_counter()), stop_sequence=stop))
         self.store(seq, caches)
+        seq.sink.emit(END)
+
+    def stop(self, seq: Seq, caches: list[Any] | None) -> None:
+        """At shutdown: store what the request computed, then tell its listener it was not
+        served whole (a 503; a finish would read as a complete answer)."""
+        self.store(seq, caches)
+        seq.sink.emit(Failed(ShuttingDown()))
         seq.sink.emit(END)
 
     def fail(self, seq: Seq, error: Exception, caches: list[Any] | None) -> None:

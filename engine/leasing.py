@@ -96,14 +96,14 @@ class Leasing:
                 self._fetch_once(seq)
 
     def close(self) -> None:
-        """Waiting requests end without output; reads in flight stop ("cancelled")."""
+        """At shutdown: waiting requests and reads in flight stop, each listener told (a 503)."""
         for seq in self.waiting:
-            seq.sink.emit(END)
+            self.ends.stop(seq, None)
         self.waiting.clear()
         for seq in self.loading:
             assert seq.fetch is not None
             seq.fetch.close()
-            self.ends.finish(seq, "cancelled", None)
+            self.ends.stop(seq, None)
         self.loading.clear()
 
     def _shares_with_prefilling(self, seq: Seq) -> bool:

@@ -84,8 +84,9 @@ class Prefilling:
             self.ends.finish(gone, "cancelled", gone.lease.caches if gone.lease else None)
 
     def close(self) -> None:
+        """At shutdown: each prefilling request's cache is stored, its listener told (a 503)."""
         for seq in self.seqs:
-            self.ends.finish(seq, "cancelled", seq.lease.caches if seq.lease else None)
+            self.ends.stop(seq, seq.lease.caches if seq.lease else None)
         self.seqs.clear()
 
     # -- shared forwards --------------------------------------------------------------------

@@ -82,7 +82,8 @@ class Server:
         if isinstance(e, ApiError):
             self.metrics.request(endpoint, e.status)
             body = messages.error_body(e) if anthropic else e.body()
-            return JSONResponse(body, status_code=e.status)
+            headers = {"retry-after": "1"} if e.status == 503 else None
+            return JSONResponse(body, status_code=e.status, headers=headers)
         log.exception("internal error on %s", endpoint)
         self.metrics.request(endpoint, 500)
         if anthropic:

@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.api import ShuttingDown
 from engine.batch import BatchLoop
 from engine.events import END, Event, Failed, SamplingParams
 
@@ -150,7 +151,8 @@ class Worker:
         self._lock = threading.Lock()
         self._queue: deque[Job] = deque()  # submitted, not yet taken by the engine thread
         self._queued = threading.Condition(self._lock)  # notified on a job queued, and on close
-        self._closed = False
+        self._closed = False  # no job is taken any more
+        self._closing = False  # close() ran (once)
         self._accepted = 0  # submitted and not ended: at most max_batch + max_queue
         self.batch_size = 0  # requests decoding together (written by the worker thread only)
         self.in_flight = 0  # requests in the loop: waiting to prefill, prefilling or decoding
@@ -193,7 +195,7 @@ class Worker:
             if arrival is not None:
                 arrival._leave_locked()
             if self._closed:
-                raise RuntimeError("server is shutting down")
+                raise ShuttingDown()
             if self._accepted >= self.max_batch + self.max_queue:
                 raise QueueFull(
                     f"{self.max_batch} requests are generating and {self.max_queue} waiting"
@@ -223,8 +225,16 @@ class Worker:
     def busy(self) -> bool:
         return self.in_flight > 0
 
+    def begin_close(self) -> None:
+        """Stop taking jobs and end the running and queued ones (each gets a 503, what it computed
+        is stored); returns at once. The server calls it on SIGTERM, before the HTTP side waits
+        for its open responses: they end now, whole (streams too), not cut by that wait."""
+        with self._lock:
+            self._closed = True
+            self._queued.notify_all()
+
     def close(self, timeout: float | None = None) -> None:
-        """Cancel the running and queued jobs, then let the thread close the engine and exit.
+        """:meth:`begin_close`, then wait for the thread to close the engine and exit.
 
         The default wait covers the cold tier's shutdown writes (``shutdown_seconds``) plus a
         minute for the job in flight to stop."""
@@ -232,9 +242,9 @@ class Worker:
             config = getattr(self.engine, "config", None)
             timeout = getattr(config, "shutdown_seconds", 240.0) + 60.0
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return
-            self._closed = True
+            self._closing = self._closed = True
             self._queued.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -322,5 +332,5 @@ class Worker:
         with self._lock:
             jobs, self._queue = list(self._queue), deque()
         for job in jobs:
-            job.emit(Failed(RuntimeError("server is shutting down")))
+            job.emit(Failed(ShuttingDown()))
             job.emit(END)

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from engine.api import ShuttingDown
 from engine.events import END, Chunk, Hit
 from engine.generate import Engine, SamplingParams
 from engine.inflight import SHORT_PREFILL
@@ -72,7 +73,7 @@ def test_close_rejects_new_jobs(make_engine):
     assert not worker.busy()
 
     async def main():
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ShuttingDown):  # a 503 at the HTTP edge
             worker.submit([1, 2, 3], SamplingParams())
 
     asyncio.run(main())

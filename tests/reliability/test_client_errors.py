@@ -154,3 +154,56 @@ def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
             assert r.json()["type"] == "error" and r.json()["error"]["type"] == "overloaded_error"
         else:
             assert r.json()["error"]["code"] == "server_shutting_down"
+
+
+def test_sigterm_ends_running_requests_whole_each_a_503(tiny_model_dir, tmp_path):
+    """``tiered-kv serve``'s SIGTERM (``cli_serve._server``'s handle_exit) ends the worker's jobs
+    before uvicorn waits on the open responses. Before, uvicorn's graceful timeout cut them: a
+    non-streamed request could come back as a complete 200 (``finish_reason: "stop"``, a third of
+    its tokens), a stream broke mid-body without its error or ``[DONE]``."""
+    import signal
+
+    from engine import cli_serve
+    from engine.server import batch_limits
+    from engine.worker import Worker
+
+    config = Config(cache_dir=tmp_path, tiers=("hot",), max_batch=2)
+
+    def engine() -> Engine:
+        e = Engine(tiny_model_dir, config)
+        e.tokenizer.eos_token_ids = []  # random weights: run to max_tokens
+        return e
+
+    worker = Worker(engine, **batch_limits(config))
+    app = create_app(worker, config)
+    port = free_port()
+    server = cli_serve._server(worker, uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                      log_level="critical", timeout_graceful_shutdown=5))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    body = {"messages": [USER], "max_tokens": 30000, "temperature": 0}
+    whole: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: whole.append(httpx.post(url + CHAT, json=body, timeout=120)))
+    sender.start()
+    lines: list[str] = []
+    with httpx.stream("POST", url + CHAT, json={**body, "stream": True}, timeout=120) as r:
+        it = r.iter_lines()
+        for line in it:  # generating: its first content
+            lines.append(line)
+            if '"content": "' in line and '"content": ""' not in line:
+                break
+        server.handle_exit(signal.SIGTERM, None)
+        lines += list(it)  # the rest, to its end (it raised "incomplete chunked read" before)
+    sender.join(120)
+    thread.join(120)
+    errors = [json.loads(x[6:]) for x in lines if x.startswith("data: {") and '"error"' in x]
+    assert [e["error"]["code"] for e in errors] == ["server_shutting_down"]
+    assert [x for x in lines if x][-1] == "data: [DONE]"
+    [reply] = whole
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "server_shutting_down"
+    assert reply.headers["retry-after"] == "1"
