@@ -106,9 +106,6 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-TEXT_PARTS = ("text", "input_text", "refusal")  # the chat content parts read (as text)
-
-
 class Message(RequestBody):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -132,7 +129,7 @@ class Message(RequestBody):
         answered as if it had seen it); the other endpoints refuse them so too."""
         for part in v if isinstance(v, list) else ():
             kind = part.get("type")
-            if kind not in TEXT_PARTS:
+            if kind not in chat.TEXT_PARTS:
                 raise ValueError(f"content parts of type {str(kind)[:40]!r} are not supported: "
                                  "the model reads text")  # fmt: skip
             if not isinstance(part.get("refusal" if kind == "refusal" else "text"), str):

@@ -36,6 +36,11 @@ HERMES_SYSTEM = (
 # --- messages -------------------------------------------------------------------------------------
 
 
+#: the chat content parts read, as text (a ``refusal`` part's text is its ``refusal``); the request
+#: model refuses any other (``engine.api.Message``)
+TEXT_PARTS = ("text", "input_text", "refusal")
+
+
 def content_text(content: Any) -> str:
     """OpenAI content (None, a string, or a list of parts) → plain text; non-text parts are dropped."""
     if content is None:
@@ -44,10 +49,8 @@ def content_text(content: Any) -> str:
         return content
     parts = []
     for part in content:
-        if isinstance(part, dict) and part.get("type") in ("text", "input_text"):
-            parts.append(str(part.get("text", "")))
-        elif isinstance(part, dict) and part.get("type") == "refusal":
-            parts.append(str(part.get("refusal", "")))
+        if isinstance(part, dict) and (kind := part.get("type")) in TEXT_PARTS:
+            parts.append(str(part.get("refusal" if kind == "refusal" else "text", "")))
         elif isinstance(part, str):
             parts.append(part)
     return "".join(parts)

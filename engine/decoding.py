@@ -268,8 +268,7 @@ class Decoding:
         cut short (:meth:`Ends.stop`)."""
         for group in self.groups():
             for i, seq in enumerate(group.seqs):
-                caches = group.gen.prompt_cache
-                self.ends.stop(seq, [c.extract(i) for c in caches] if group.batched else caches)
+                self.ends.stop(seq, _caches_of(group, i))
         self.batch, self.solo = None, []
 
     def _decode(self, group: Group) -> None:
@@ -296,13 +295,7 @@ class Decoding:
     def _leave(self, group: Group, idx: list[int], reasons: list[str]) -> None:
         """Finish ``group.seqs[idx]``: split their caches out, store them, drop them."""
         for i, reason in zip(idx, reasons, strict=True):
-            seq = group.seqs[i]
-            caches = (
-                [c.extract(i) for c in group.gen.prompt_cache]
-                if group.batched
-                else group.gen.prompt_cache
-            )
-            self.ends.finish(seq, reason, caches)
+            self.ends.finish(group.seqs[i], reason, _caches_of(group, i))
         keep = [i for i in range(len(group.seqs)) if i not in set(idx)]
         if not keep:
             self._drop(group)
@@ -315,3 +308,8 @@ class Decoding:
             self.batch = None
         else:
             self.solo.remove(group)
+
+
+def _caches_of(group: Group, i: int) -> list[Any]:
+    """Row ``i``'s caches, split out of a batched group's (a solo group's are its own)."""
+    return [c.extract(i) for c in group.gen.prompt_cache] if group.batched else group.gen.prompt_cache

@@ -80,7 +80,7 @@ def layout(path: Path, fingerprint: str, m: int, n: int) -> dict[str, tuple[str,
     dtype, token-major shape of its first ``n`` tokens, ``(1, n, heads, ...)``). The caller
     allocates destinations from it for ``read_range(..., m, n, into=)`` (see there). Raises as
     :func:`read_range` does."""
-    fd = _open(path)
+    fd = store.open_entry(path)
     try:
         header = store.read_header_fd(fd, fingerprint)
     finally:
@@ -92,10 +92,6 @@ def layout(path: Path, fingerprint: str, m: int, n: int) -> dict[str, tuple[str,
         shape[1] = n
         out[name] = (str(t["dtype"]), tuple(shape))
     return out
-
-
-def _open(path: Path) -> int:
-    return store.open_entry(path)
 
 
 def no_readahead(fd: int) -> None:
@@ -275,7 +271,7 @@ def _reading(path: Path, gpu: Upload | None) -> Iterator[tuple[int, Batch | None
     the batch its GPU copies go in (None without ``gpu``). On leaving, every copy of the batch
     has finished — on an error too: nothing stays in flight into memory the caller may free —
     and the descriptor is closed."""
-    fd = _open(path)
+    fd = store.open_entry(path)
     batch = gpu.batch() if gpu is not None else None
     try:
         no_readahead(fd)
