@@ -127,6 +127,17 @@ class Live:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="sekret", max_retries=0)
 
 
+def started(server: uvicorn.Server, timeout: float = 30.0) -> threading.Thread:
+    """``server`` running on a thread of its own, once it accepts connections (its thread)."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    return thread
+
+
 @contextmanager
 def serve(make_engine: Callable[[], Any], config: Config, keepalive: float = 0.2) -> Iterator[Live]:
     """Serve the engine that ``make_engine`` builds (on the server's engine thread): an Engine, or a
@@ -134,12 +145,7 @@ def serve(make_engine: Callable[[], Any], config: Config, keepalive: float = 0.2
     app = create_app(make_engine, config, keepalive_seconds=keepalive)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
+    thread = started(server)
     try:
         yield Live(app, port)
     finally:

@@ -16,7 +16,7 @@ import uvicorn
 from engine.generate import Engine
 from engine.server import create_app
 from tests.reliability.server import Server
-from tests.serving import TOOLS, clean_env, free_port
+from tests.serving import TOOLS, clean_env, free_port, started
 from tiered_kv.config import Config
 
 USER = {"role": "user", "content": "hi"}
@@ -122,13 +122,9 @@ def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
                                            timeout_graceful_shutdown=1))  # fmt: skip
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    thread = started(server)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
     replies: list[httpx.Response] = []
 
     def send(path: str) -> None:
@@ -179,13 +175,8 @@ def test_sigterm_ends_running_requests_whole_each_a_503(tiny_model_dir, tmp_path
     port = free_port()
     server = cli_serve._server(worker, uvicorn.Config(app, host="127.0.0.1", port=port,
                                                       log_level="critical", timeout_graceful_shutdown=5))  # fmt: skip
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    thread = started(server, timeout=60)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
     body = {"messages": [USER], "max_tokens": 30000, "temperature": 0}
     whole: list[httpx.Response] = []
     sender = threading.Thread(target=lambda: whole.append(httpx.post(url + CHAT, json=body, timeout=120)))
