@@ -63,7 +63,7 @@ _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
 _EID = re.compile(rb"^[0-9a-f]{32}$")  # entry ids read from Redis are data: checked
-_FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")
+FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")  # an entry's facts in its e: hash
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
 #: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
@@ -181,12 +181,12 @@ class SharedTier:
         pipe = self.client.pipeline(transaction=False)
         for eid in cands:
             pipe.getrange(self.key("t", eid), 0, 4 * len(tokens) - 1)
-            pipe.hmget(self.key("e", eid), list(_FIELDS))
+            pipe.hmget(self.key("e", eid), list(FIELDS))
         replies = pipe.execute()
         best: SharedHit | None = None
         for i, eid in enumerate(cands):
             raw, meta = replies[2 * i], replies[2 * i + 1]
-            facts = _ints(meta)
+            facts = facts_of(meta)
             if not raw or facts is None:
                 continue  # a pointer to an entry Redis evicted (or a half-deleted one): skip it
             stored = np.frombuffer(raw[: len(raw) // 4 * 4], dtype="<i4")
@@ -209,24 +209,17 @@ class SharedTier:
 
     def _fetch(self, hit: SharedHit) -> Fetched | None:
         size, chunk = hit.nbytes, hit.chunk_bytes
-        if not consistent(hit.nbytes, hit.chunk_bytes, hit.nchunks):
-            return self._corrupt(hit.entry_id, "entry meta is inconsistent")
         if size > self.max_bytes:
             self._count("too_large")
             return None
-        if hit.nchunks > MAX_CHUNKS:
-            return self._corrupt(hit.entry_id, f"{hit.nchunks} chunks")
-        names = [self.key("c", hit.entry_id, i) for i in range(hit.nchunks)]
-        pipe = self.client.pipeline(transaction=False)
-        for name in names:  # what Redis holds, before a byte is allocated for it
-            pipe.strlen(name)
-        lengths = pipe.execute()
-        if not all(lengths):  # Redis evicted a chunk: the entry is gone for every server
+        held = self.held(hit.entry_id, size, chunk, hit.nchunks)
+        if held == "incomplete":  # Redis evicted a chunk: the entry is gone for every server
             self._count("misses_evicted")
             self._unlink(hit.entry_id, hit.nchunks)
             return None
-        if sum(lengths) != size:
-            return self._corrupt(hit.entry_id, f"chunks of {sum(lengths)} bytes, not {size}")
+        if held == "corrupt":
+            return self._corrupt(hit.entry_id, "its facts or chunks are no entry's")
+        names = [self.key("c", hit.entry_id, i) for i in range(hit.nchunks)]
         try:
             buf = bytearray(size)
         except MemoryError:
@@ -275,7 +268,7 @@ class SharedTier:
     def _publish(self, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]) -> bool:
         old = self._lookup(tokens, hashes)
         if old is not None and old.tokens == old.entry_tokens == len(tokens):
-            if self._whole(old):
+            if self.held(old.entry_id, old.nbytes, old.chunk_bytes, old.nchunks) == "whole":
                 self._count("publish_skipped")  # the same entry is there (another server wrote it)
                 return False
             self._unlink(old.entry_id, old.nchunks)  # a chunk evicted: it blocked its own re-publish
@@ -306,12 +299,21 @@ class SharedTier:
             self._stats["publish_bytes"] += size
         return True
 
-    def _whole(self, hit: SharedHit) -> bool:
-        """Whether every chunk of ``hit``'s entry is still in Redis."""
-        if not 0 < hit.nchunks <= MAX_CHUNKS:
-            return False
-        n = self.client.exists(*(self.key("c", hit.entry_id, i) for i in range(hit.nchunks)))
-        return bool(n == hit.nchunks)
+    def held(self, eid: str, nbytes: int, chunk_bytes: int, nchunks: int) -> str:
+        """What Redis holds of an entry, asked before a byte is allocated for it (its facts are
+        data): "whole", "incomplete" (a chunk evicted) or "corrupt" (facts no entry has, chunks of
+        another type, or lengths that do not add up to its size). One round trip."""
+        if not consistent(nbytes, chunk_bytes, nchunks) or nchunks > MAX_CHUNKS:
+            return "corrupt"
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(nchunks):
+            pipe.strlen(self.key("c", eid, i))
+        lengths = pipe.execute(raise_on_error=False)
+        if any(not isinstance(n, int) for n in lengths):  # WRONGTYPE: not a string
+            return "corrupt"
+        if not all(lengths):
+            return "incomplete"
+        return "whole" if sum(lengths) == nbytes else "corrupt"
 
     def _unlink(self, eid: str, nchunks: int) -> None:
         """An entry's index and chunks; a count Redis gave that no entry can have (a forged
@@ -392,7 +394,7 @@ def consistent(nbytes: int, chunk_bytes: int, nchunks: int) -> bool:
     return 0 < chunk_bytes <= 512 << 20 and 0 < nbytes and nchunks == -(-nbytes // chunk_bytes)
 
 
-def _ints(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:
+def facts_of(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:
     try:
         n_tokens, nbytes, nchunks, chunk = (int(v) for v in meta)  # type: ignore[arg-type]
     except (TypeError, ValueError):

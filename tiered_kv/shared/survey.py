@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from tiered_kv.shared.redis_tier import MAX_CHUNKS, Check, SharedTier, consistent
+from tiered_kv.shared.redis_tier import FIELDS, Check, SharedTier, facts_of
 
 _E = re.compile(rb"^tkv:([^:]{1,128}):e:([0-9a-f]{32})$")
 _C = re.compile(rb"^tkv:([^:]{1,128}):c:([0-9a-f]{32}):\d+$")
@@ -62,7 +62,7 @@ def _survey(client: redis.Redis) -> tuple[list[EntryInfo], list[tuple[str, str]]
              for k in client.scan_iter(match="tkv:*:e:*", count=1000) if (m := _E.match(k))]  # fmt: skip
     pipe = client.pipeline(transaction=False)
     for fp, eid in found:
-        pipe.hmget(f"tkv:{fp}:e:{eid}", ["n_tokens", "nbytes", "nchunks", "chunk_bytes", "created"])
+        pipe.hmget(f"tkv:{fp}:e:{eid}", [*FIELDS, "created"])
     out, bad = [], []
     replies = pipe.execute(raise_on_error=False) if found else []
     for (fp, eid), meta in zip(found, replies, strict=True):
@@ -77,11 +77,14 @@ def _survey(client: redis.Redis) -> tuple[list[EntryInfo], list[tuple[str, str]]
 def _info(fp: str, eid: str, meta: Any) -> EntryInfo | None:
     if not isinstance(meta, list):  # WRONGTYPE: not a hash
         return None
+    facts = facts_of(meta[:4])  # the fields in redis_tier's order
     try:
-        n, size, nch, chunk = (int(v) for v in meta[:4])
         created = float(meta[4])
     except (TypeError, ValueError):
         return None
+    if facts is None:
+        return None
+    n, size, nch, chunk = facts
     if not (math.isfinite(created) and 0 <= created < 1e11):  # a time no clock gives
         return None
     return EntryInfo(fp, eid, n, size, nch, chunk, created)
@@ -148,23 +151,13 @@ def _idle(client: redis.Redis, names: list[bytes]) -> list[int | None]:
 def _check_one(client: redis.Redis, tier: SharedTier, e: EntryInfo) -> str:
     """"ok", "incomplete" (a chunk is missing) or "corrupt" — read-only. Nothing is allocated
     for bytes Redis does not hold (a forged size)."""
-    if not consistent(e.nbytes, e.chunk_bytes, e.nchunks) or e.nbytes > tier.max_bytes:
+    if e.nbytes > tier.max_bytes:
         return "corrupt"
-    if e.nchunks > MAX_CHUNKS:
-        return "corrupt"
-    names = [tier.key("c", e.entry_id, i) for i in range(e.nchunks)]
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.strlen(name)
-    lengths = pipe.execute(raise_on_error=False)
-    if any(not isinstance(n, int) for n in lengths):  # WRONGTYPE: not a string
-        return "corrupt"
-    if not all(lengths):
-        return "incomplete"
-    if sum(lengths) != e.nbytes:
-        return "corrupt"
+    held = tier.held(e.entry_id, e.nbytes, e.chunk_bytes, e.nchunks)
+    if held != "whole":
+        return held
     buf = bytearray(e.nbytes)
-    for i, name in enumerate(names):
+    for i, name in enumerate(tier.key("c", e.entry_id, i) for i in range(e.nchunks)):
         try:
             part = client.get(name)
         except redis.exceptions.ResponseError:
