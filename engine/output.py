@@ -317,15 +317,13 @@ class ChatOutput:
             self._held[channel] += text
 
     # -- calls -----------------------------------------------------------------------------------
-    def _close_call(self, out: Delta, closed: bool) -> bool:
-        """Parse the block just ended; False when it is shown as text instead."""
+    def _close_call(self, out: Delta, closed: bool) -> None:
+        """Parse the block just ended: its calls, or (not a call after all, or cut short) text."""
         text, self._tool_text = self._tool_text, ""
-        if not self._add_calls(text, out):  # not a call after all (or cut short): the block is text
+        if not self._add_calls(text, out):
             start, end = self.fmt.tool
             out.content += self._held[NORMAL] + start + text + (end if closed else "")
             self._held[NORMAL] = ""
-            return False
-        return True
 
     def _add_calls(self, text: str, out: Delta) -> bool:
         """The calls ``text`` holds into ``out``; False (nothing added) when it holds none."""
