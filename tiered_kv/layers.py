@@ -160,8 +160,12 @@ def _rot_view(c: C.RotatingKVCache, n: int, total: int) -> C.RotatingKVCache | N
         out.offset, out._idx = n, n
         return out
     if n == c.offset:
-        # Wrapped: only the exact state is valid; share the arrays (writes make new buffers).
-        out.keys, out.values, out.offset, out._idx = c.keys, c.values, c.offset, c._idx
+        # Wrapped: only the exact state is valid. Share the buffers, never the array objects:
+        # mlx-lm writes a token by slice assignment, which rebinds the array it is called on, so
+        # a shared object would carry the request's writes into the stored state. A slice is an
+        # array of its own (and a buffer still shared is copied, not written, by the update).
+        out.keys, out.values = _sl(c.keys, 0, c.keys.shape[2]), _sl(c.values, 0, c.values.shape[2])
+        out.offset, out._idx = c.offset, c._idx
         return out
     return None
 

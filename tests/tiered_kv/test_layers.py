@@ -188,6 +188,58 @@ def test_wrapped_rotating_cache_is_never_served_at_a_wrong_length():
     np.testing.assert_allclose(got, cold_logits(m, p[:30] + [5, 6]), rtol=2e-4, atol=2e-4)
 
 
+def _rotating_wrapped() -> RotatingKVCache:
+    """A window of 8 past its size, written by single tokens (mlx-lm's in-place path)."""
+    c = filled(lambda: RotatingKVCache(max_size=8), 12)
+    for i in range(4):
+        c.update_and_fetch(*kv(100 + i, 1))
+    mx.eval(c.state)
+    return c
+
+
+@pytest.mark.parametrize(
+    "make, at",
+    [
+        (lambda: filled(KVCache, 20), 20),
+        (lambda: filled(KVCache, 20), 12),
+        (lambda: filled(lambda: QuantizedKVCache(group_size=64, bits=8), 20, dim=64), 20),
+        (lambda: filled(lambda: RotatingKVCache(max_size=32), 20), 12),
+        (_rotating_wrapped, 16),
+    ],
+    ids=["kv-whole", "kv-part", "quantized", "rotating-unwrapped", "rotating-wrapped"],
+)  # fmt: skip
+def test_writes_into_a_view_never_reach_the_stored_state(make, at):
+    """A view shares the stored arrays; the request's own writes must not reach them. mlx-lm writes
+    a single token by slice assignment, which changes the Python array it is called on: a wrapped
+    sliding window handed out its own array objects, and two one-token writes changed a stored
+    checkpoint for every later hit on it (and on disk and Redis after it)."""
+    c = make()
+    stored = {k: np.array(v) for k, v in layers.encode([c])[0].items()}
+    (v,) = layers.view([c], at, c.offset)
+    dim = c.keys[0].shape[-1] * 32 // c.bits if isinstance(c, QuantizedKVCache) else 16
+    for i in range(3):
+        v.update_and_fetch(*kv(200 + i, 1, dim))
+        mx.eval(v.state)
+    after = layers.encode([c])[0]
+    assert after.keys() == stored.keys()
+    for k, x in stored.items():
+        np.testing.assert_array_equal(np.array(after[k]), x, err_msg=k)
+
+
+def test_a_hit_on_a_wrapped_window_leaves_its_checkpoint_to_the_next_request():
+    """A request restored from a wrapped window's checkpoint and fed one token at a time (a run of
+    end-of-message tokens, each cut for a checkpoint) must not change what the next hit gets."""
+    m = gemma()
+    tc = TieredCache(Config(tiers=("hot",)), lambda: make_prompt_cache(m))
+    p = [t if t != EOS else 3 for t in tokens(9, 40)]
+    checkpointed_turn(tc, m, p)
+    _, hit = checkpointed_turn(tc, m, p + [EOS, EOS, EOS, 5])
+    assert hit == 40
+    got, hit = checkpointed_turn(tc, m, p + [6, 7])
+    assert hit == 40
+    np.testing.assert_allclose(got, cold_logits(m, p + [6, 7]), rtol=2e-4, atol=2e-4)
+
+
 def test_encode_and_decode_leave_no_reference_cycle():
     """What they return is freed when its last reference goes, not at the next cyclic garbage
     collection: a recursive closure over the arrays kept a whole reloaded entry (1 GB in
