@@ -1,7 +1,7 @@
 """open_cache: the one place that decides which tiers are on and builds them for one model.
 
 Owner of construction and wiring: the fingerprint (model identity + stored-KV format + layer
-layout + salt), the cold tier (``TIERED_KV_TIERS`` has ``cold``), the shared tier behind it
+layout + salt + MLX and mlx-lm versions), the cold tier (``TIERED_KV_TIERS`` has ``cold``), the shared tier behind it
 (``TIERED_KV_SHARED``), and the restore planner with this machine's learned costs (given a
 ``compute`` function). Call it on the thread that owns MLX: it makes a probe cache, and a
 calibration (first start with disk entries and no learned costs) prefills on the calling thread.
@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 
 from tiered_kv import keys, layers
 from tiered_kv.config import Config
@@ -35,8 +36,16 @@ def fingerprint(config: Config, model_identity: Mapping[str, str], probe: list[A
         "kv_bits": str(config.kv_bits),
         "layout": layers.layout(probe),
         "salt": config.cache_salt,
+        **code_versions(),
     }
     return keys.fingerprint(parts)
+
+
+def code_versions() -> dict[str, str]:
+    """The code that computes the KV: an upgrade of MLX or mlx-lm (a fixed RoPE, a changed
+    attention) must not be served the KV the old code computed, here or by servers sharing the
+    directory or Redis. One cache flush per upgrade."""
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
 
 
 def open_cache(

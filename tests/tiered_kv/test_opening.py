@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
+import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -34,11 +36,22 @@ def test_a_restorer_comes_with_a_compute_function(small_model, tmp_path):
 
 
 def test_the_fingerprint_keeps_the_engines_parts(small_model):
-    """The same parts as before the door (existing cache directories keep hitting)."""
+    """The same parts as before the door, and the versions of the code computing the KV."""
     probe = make_prompt_cache(small_model)
-    parts = {**IDENTITY, "kv_bits": "0", "layout": layers.layout(probe), "salt": ""}
+    parts = {**IDENTITY, "kv_bits": "0", "layout": layers.layout(probe), "salt": "",
+             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}  # fmt: skip
     assert fingerprint(Config(), IDENTITY, probe) == keys.fingerprint(parts)
     assert fingerprint(Config(cache_salt="s"), IDENTITY, probe) != keys.fingerprint(parts)
+
+
+@pytest.mark.parametrize("module", [mx, mlx_lm], ids=["mlx", "mlx_lm"])
+def test_an_upgrade_of_mlx_or_mlx_lm_is_another_fingerprint(small_model, monkeypatch, module):
+    """KV computed by the old code (before a fixed RoPE or attention) is not served after an
+    upgrade: an entry on disk or in Redis stays with the versions that computed it."""
+    probe = make_prompt_cache(small_model)
+    before = fingerprint(Config(), IDENTITY, probe)
+    monkeypatch.setattr(module, "__version__", module.__version__ + ".post1")
+    assert fingerprint(Config(), IDENTITY, probe) != before
 
 
 def test_an_unusable_cache_dir_is_one_typed_error(small_model, tmp_path):
