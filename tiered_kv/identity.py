@@ -2,7 +2,7 @@
 
 Owner of the model half of the fingerprint; :func:`tiered_kv.opening.open_cache` adds the cache half
 (stored-KV quantisation, layer layout, salt). Reads the directory's small files, the weight files'
-headers and a few hundred bytes of each tensor; never loads weights, never writes.
+headers and 1 KiB of each tensor; never loads weights, never writes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import json
 import os
 from pathlib import Path
 
-_SAMPLE = 256  # bytes read from the middle of each tensor
+_PIECES = 16  # samples of each tensor, spread evenly from its first bytes to its last
+_PIECE = 64  # bytes a sample
 _MAX_HEADER = 100 << 20
 
 
@@ -21,9 +22,12 @@ def _file_digest(path: Path) -> str:
 
 
 def _weights_digest(path: Path) -> str:
-    """A weight file's header and :data:`_SAMPLE` bytes from the middle of each tensor it holds
-    (a fine-tune, or a merged adapter, changes every tensor it touches). Reads a few hundred bytes
-    a tensor, never the weights; a file that is no safetensors gives its first and last 64 KiB."""
+    """A weight file's header and :data:`_PIECES` samples of :data:`_PIECE` bytes spread over each
+    tensor it holds, its first and last bytes included (a fine-tune or a merged adapter changes
+    every tensor it touches; an edit of a tensor's first rows, or any run longer than 1/15 of it,
+    is seen). Reads 1 KiB a tensor, never the weights: an edit of a few scattered rows can still
+    go unseen (set ``TIERED_KV_CACHE_SALT`` per model version there). A file that is no
+    safetensors gives its first and last 64 KiB."""
     digest = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -44,11 +48,19 @@ def _weights_digest(path: Path) -> str:
                 continue
             a, b = span
             if 0 <= a < b:
-                start = 8 + n + max(a, (a + b) // 2 - _SAMPLE // 2)
-                digest.update(os.pread(fd, min(_SAMPLE, b - a), start))
+                for start in _samples(a, b):
+                    digest.update(os.pread(fd, min(_PIECE, b - start), 8 + n + start))
     finally:
         os.close(fd)
     return digest.hexdigest()
+
+
+def _samples(a: int, b: int) -> list[int]:
+    """Offsets of the samples of a tensor at bytes [a, b): the whole of it when it is short."""
+    if b - a <= _PIECES * _PIECE:
+        return list(range(a, b, _PIECE))
+    last = b - _PIECE
+    return [a + (last - a) * i // (_PIECES - 1) for i in range(_PIECES)]
 
 
 def model_identity(model_dir: str | Path) -> dict[str, str]:

@@ -70,3 +70,19 @@ def test_a_plain_copy_of_the_weights_keeps_the_identity(tmp_path):
     shutil.copytree(a, b, copy_function=shutil.copy)
     os.utime(b / "model.safetensors", ns=(10**18, 10**18))
     assert model_identity(a) == model_identity(b)
+
+
+def test_an_edit_of_a_tensors_first_or_last_rows_is_another_model(tmp_path):
+    """Only a sample of each tensor is read: one from its middle missed an edit of its first rows
+    (a hit on the old model's KV gave other tokens). Samples run from its first bytes to its last."""
+    base = {"embed": np.arange(512 * 64, dtype=np.float32).reshape(512, 64)}
+    a = model_dir(tmp_path / "a")
+    _weights(a / "model.safetensors", base)
+    seen = {model_identity(a)["model"]}
+    for rows in (slice(0, 4), slice(508, 512), slice(200, 240)):
+        edited = base["embed"].copy()
+        edited[rows] += 1
+        d = model_dir(tmp_path / f"e{rows.start}")
+        _weights(d / "model.safetensors", {"embed": edited})
+        seen.add(model_identity(d)["model"])
+    assert len(seen) == 4
