@@ -8,7 +8,13 @@ per-user default) and reused across runs; skipped only when ``pip download`` its
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+# float32 matmuls in full precision on GPUs, whose default is TF32 (a 10-bit mantissa): the tests
+# compare a cache hit's logits with a cold prefill's, to float32 rounding. No effect on the CPU.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+from pathlib import Path  # noqa: E402
 
 import pytest
 from mlx_lm.models import llama

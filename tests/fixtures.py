@@ -349,6 +349,15 @@ def intact(p: Path, size: int = 4096) -> bool:
 # --- network --------------------------------------------------------------------------------------
 
 
+def dead_pid() -> int:
+    """A process id no process can have (one past the kernel's ``pid_max``): a dead writer's.
+    A small constant (123) was a live process on the device machine."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    except (OSError, ValueError):
+        return (1 << 22) + 1
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:

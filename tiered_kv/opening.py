@@ -45,7 +45,7 @@ def code_versions() -> dict[str, str]:
     """The code that computes the KV: an upgrade of MLX or mlx-lm (a fixed RoPE, a changed
     attention) must not be served the KV the old code computed, here or by servers sharing the
     directory or Redis. One cache flush per upgrade."""
-    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
+    return {"mlx": getattr(mx, "__version__", "?"), "mlx_lm": mlx_lm.__version__}
 
 
 def open_cache(

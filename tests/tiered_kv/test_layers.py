@@ -215,7 +215,9 @@ def test_writes_into_a_view_never_reach_the_stored_state(make, at):
     checkpoint for every later hit on it (and on disk and Redis after it)."""
     c = make()
     stored = {k: np.array(v) for k, v in layers.encode([c])[0].items()}
-    (v,) = layers.view([c], at, c.offset)
+    view = layers.view([c], at, c.offset)
+    assert view is not None
+    (v,) = view
     dim = c.keys[0].shape[-1] * 32 // c.bits if isinstance(c, QuantizedKVCache) else 16
     for i in range(3):
         v.update_and_fetch(*kv(200 + i, 1, dim))

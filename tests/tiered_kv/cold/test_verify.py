@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.fixtures import cold_tier, flip_byte, kv_cache
+from tests.fixtures import cold_tier, dead_pid, flip_byte, kv_cache
 
 
 def test_reopen_reconciles_orphans_and_missing_files(tmp_path):
@@ -15,7 +15,7 @@ def test_reopen_reconciles_orphans_and_missing_files(tmp_path):
     files = sorted(tier.dir.glob("*.safetensors"))
     files[0].unlink()
     (tier.dir / "stray.safetensors").write_bytes(b"x")
-    (tier.dir / ".partial.123.tmp").write_bytes(b"x")
+    (tier.dir / f".partial.{dead_pid()}.tmp").write_bytes(b"x")
     tier = cold_tier(tmp_path)
     assert tier.stats()["entries"] == 1
     assert {p.name for p in tier.dir.iterdir()} == {"index", files[1].name}
