@@ -102,11 +102,22 @@ class OutputFormat:
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
         return cls(think, tool, parser, parser.__module__.rsplit(".", 1)[-1])
 
-    def opens_reasoning(self, prompt_text: str) -> bool:
-        """Whether the prompt ends inside a think block (templates that open one for the model)."""
+    def opens_reasoning(self, prompt_text: str, continued: str = "") -> bool:
+        """Whether the model starts inside a think block: the generation prompt opens one (the
+        prompt ends with the opener: GLM-4.7, MiniMax-M2, DeepSeek-R1), or the assistant message
+        it continues (``continued``: its text) left one open. A marker in the conversation's own
+        text — a user message or a tool result quoting ``<think>`` — opens nothing."""
         if self.think is None:
             return False
-        return prompt_text.rfind(self.think[0]) > prompt_text.rfind(self.think[1])
+        start, end = self.think
+        head = prompt_text
+        if continued:
+            s, e = continued.rfind(start), continued.rfind(end)
+            if s != e:  # the continued text has a marker: its last one decides
+                return s > e
+            cut = prompt_text.rfind(continued.strip())
+            head = prompt_text[:cut] if cut >= 0 else ""
+        return head.rstrip().endswith(start)
 
     def forced_prefix(self, tool_choice: Any) -> str:
         """Text after the generation prompt that makes the model call (``required``) or call one

@@ -217,7 +217,8 @@ def chat_prompt(
             f"the model's chat template rejected chat_template_kwargs: {e}",
             param="chat_template_kwargs",
         ) from None
-    reasoning = fmt.opens_reasoning(text) and not prefix
+    continued = chat.content_text(req.messages[-1].content) if req.continue_final_message else ""
+    reasoning = fmt.opens_reasoning(text, continued) and not prefix
     parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")

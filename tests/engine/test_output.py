@@ -226,6 +226,39 @@ def test_reasoning_start_state_from_prompt(family_dirs):
     assert (got.reasoning, got.content, finish) == ("Let me think.", "It is sunny.", "stop")
 
 
+def test_a_think_marker_quoted_in_the_conversation_opens_nothing(family_dirs):
+    """A user message quoting the opener (an agent reading code about reasoning models) put the
+    whole answer in reasoning, content empty: only the generation prompt opens a think block."""
+    checked = 0
+    for family in family_dirs:
+        fmt, _ = _fmt_and_prompt(family_dirs, family)
+        if fmt.think is None:
+            continue
+        tok = load_tokenizer(family_dirs[family])
+        quoting = [{"role": "user", "content": f"Why is THINK_START = '{fmt.think[0]}' here?"}]
+        prompt = tok.apply_chat_template(quoting, tools=TOOLS, tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+        assert fmt.think[0] in prompt, family
+        assert fmt.opens_reasoning(prompt) == _opens(family_dirs, family), family
+        checked += 1
+    assert checked >= 5
+
+
+@pytest.mark.parametrize(
+    "prompt, continued, opened",
+    [
+        ("<|user|>hi<|assistant|><think>Let me", "<think>Let me", True),  # the prefill opened it
+        ("<|user|>hi<|assistant|><think>a</think>It is", "<think>a</think>It is", False),
+        ("<|user|>hi<|assistant|><think>\nLet me", "Let me", True),  # the template opened it
+        ("<|user|>hi<|assistant|><think>\na</think>It is", "a</think>It is", False),
+        ("<|user|>what is <think>?<|assistant|>Sure", "Sure", False),
+    ],
+)  # fmt: skip
+def test_a_continued_assistant_message_decides_by_its_own_markers(prompt, continued, opened):
+    fmt = OutputFormat(think=("<think>", "</think>"))
+    assert fmt.opens_reasoning(prompt, continued) is opened
+
+
 def _opens(family_dirs: dict, family: str) -> bool:
     fmt, prompt = _fmt_and_prompt(family_dirs, family)
     return fmt.opens_reasoning(prompt)
