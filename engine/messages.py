@@ -27,7 +27,8 @@ from engine import api, output
 from engine.api import ApiError, ChatRequest
 from engine.events import Chunk, Hit, Usage
 
-#: engine finish reason → Anthropic's ``stop_reason`` (a called tool wins, as OpenAI's "tool_calls")
+#: engine finish reason → Anthropic's ``stop_reason`` (a called tool wins, as OpenAI's "tool_calls", unless
+#: the output was cut: max_tokens)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
 _UNSUPPORTED = ("image", "document", "search_result", "container_upload")
 BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # output.Items channel → block
@@ -237,7 +238,9 @@ class MessagesOutput:
             out += self._delta(tail)
             out += self._close()
             self.usage = chunk.usage
-            if any(b["type"] == "tool_use" for b in self.blocks):
+            if chunk.finish_reason == "length":
+                self.stop_reason = "max_tokens"  # cut: a call before the cut does not end the turn
+            elif any(b["type"] == "tool_use" for b in self.blocks):
                 self.stop_reason = "tool_use"
             elif chunk.stop_sequence is not None:
                 self.stop_reason, self.stop_sequence = "stop_sequence", chunk.stop_sequence

@@ -234,9 +234,12 @@ class ChatOutput:
         start_in_reasoning: bool = False,
     ) -> None:
         self.fmt, self.tools, self.parallel = fmt, tools, parallel_tool_calls
+        self._names = {t["function"].get("name") for t in tools or ()
+                       if isinstance(t, dict) and isinstance(t.get("function"), dict)}  # fmt: skip
         self._sm = fmt.machine(parse_tools).make_state(REASONING if start_in_reasoning else NORMAL)
         self._state = self._sm[0]
         self._tool_text = ""
+        self._space = ""  # the whitespace before the open call block
         # trailing whitespace per channel, shown once more text follows (it might precede a
         # marker); with no marker to parse, nothing is held: a first "\n" token streams at once
         self._held = {NORMAL: "", REASONING: ""}
@@ -284,7 +287,10 @@ class ChatOutput:
         if rest:
             self._segment(self._state, rest, out)
         if self._state == TOOL:
-            self._close_call(out, closed=bool(not self.fmt.tool[1]))
+            if self.fmt.tool[1] and engine_reason == "length":
+                self._cut_call(out)  # its end never came: lenient parsers made calls of halves
+            else:
+                self._close_call(out, closed=not self.fmt.tool[1])
             self._state = NORMAL
         if not self.n_calls and self._state == NORMAL:
             out.content += self._held[NORMAL]  # plain text keeps its trailing whitespace
@@ -303,7 +309,8 @@ class ChatOutput:
         if old == TOOL:
             self._close_call(out, closed=True)
         elif old in self._held:
-            self._held[old] = ""  # whitespace before a marker is not text
+            # whitespace before a marker is not text, unless the block turns out to be text
+            self._space, self._held[old] = self._held[old], ""
         if new == TOOL:
             self._tool_text = ""
         elif old == REASONING or new == REASONING:
@@ -329,12 +336,17 @@ class ChatOutput:
 
     # -- calls -----------------------------------------------------------------------------------
     def _close_call(self, out: Delta, closed: bool) -> None:
-        """Parse the block just ended: its calls, or (not a call after all, or cut short) text."""
+        """Parse the block just ended: its calls, or (not a call after all) text."""
+        if self._add_calls(self._tool_text, out):
+            self._tool_text = self._space = ""
+        else:
+            self._cut_call(out, self.fmt.tool[1] if closed else "")
+
+    def _cut_call(self, out: Delta, end: str = "") -> None:
+        """The block shown as the text it is (a block cut short is never parsed)."""
         text, self._tool_text = self._tool_text, ""
-        if not self._add_calls(text, out):
-            start, end = self.fmt.tool
-            out.content += self._held[NORMAL] + start + text + (end if closed else "")
-            self._held[NORMAL] = ""
+        out.content += self._held[NORMAL] + self._space + self.fmt.tool[0] + text + end
+        self._held[NORMAL] = self._space = ""
 
     def _add_calls(self, text: str, out: Delta) -> bool:
         """The calls ``text`` holds into ``out``; False (nothing added) when it holds none."""
@@ -359,7 +371,14 @@ class ChatOutput:
         for item in items:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return None
-            calls.append(_openai_call(item, self.fmt.parser_name))
+            if self._names and item["name"] not in self._names:
+                # lenient parsers (GLM's) make a call of any text in a block: "unknown", "I"
+                log.info("model output names %r, none of the request's tools", item["name"])
+                return None
+            call = _openai_call(item, self.fmt.parser_name)
+            if call is None:
+                return None
+            calls.append(call)
         return calls or None
 
 
@@ -370,12 +389,22 @@ def new_call_id(parser_name: str) -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any]:
-    args = parsed.get("arguments")
+def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any] | None:
+    """A parsed call as OpenAI's, its arguments a JSON object's text (``arguments``, or
+    ``parameters`` as some models write it); None where they are no object."""
+    args = parsed.get("arguments", parsed.get("parameters"))
     if args is None:
         args = {}
-    if not isinstance(args, str):
+    if isinstance(args, str):
+        try:
+            if not isinstance(json.loads(args), dict):
+                return None
+        except ValueError:
+            return None
+    elif isinstance(args, dict):
         args = json.dumps(args, ensure_ascii=False)
+    else:
+        return None
     cid = parsed.get("id")
     return {
         "id": cid if isinstance(cid, str) and cid else new_call_id(parser_name),

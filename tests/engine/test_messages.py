@@ -344,3 +344,13 @@ def test_unknown_paths_and_methods_under_messages_are_anthropic_shaped(guarded):
     _anthropic_error(httpx.post(guarded.url + "/v1/messages/nothing", headers=AUTH), 404, "not_found_error")
     r = httpx.get(guarded.url + "/v1/nothing", headers=AUTH)  # elsewhere: OpenAI's
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_a_length_cut_after_a_call_is_max_tokens():
+    """The output was cut: ``tool_use`` won over ``max_tokens`` (a client ran the calls as the
+    turn's end, the cut text lost)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    out, events = _run([call, "\nAnd then I will"], reason="length")
+    assert [b["type"] for b in out.body()["content"]] == ["tool_use", "text"]
+    assert out.body()["stop_reason"] == "max_tokens"
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"

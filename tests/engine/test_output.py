@@ -409,10 +409,13 @@ def test_hermes_single_call_with_text():
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
 
 
+AB = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in "ab"]
+
+
 def test_hermes_parallel_calls_string_arguments():
     one = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
     two = '<tool_call>\n{"name": "b", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
-    got, _ = _hermes([one + "\n" + two + "\n"])
+    got, _ = _run(ChatOutput(OutputFormat(), AB), [one + "\n" + two + "\n"])
     assert got.content == "" and [c["function"]["name"] for c in got.tool_calls] == ["a", "b"]
     assert json.loads(got.tool_calls[1]["function"]["arguments"]) == {"x": 1}
 
@@ -424,7 +427,7 @@ def test_hermes_invalid_block_stays_text():
 
 
 def test_hermes_streaming_holds_text_from_opener():
-    out = ChatOutput(OutputFormat(), TOOLS)
+    out = ChatOutput(OutputFormat(), AB)
     pieces = [
         "Sure",
         " <tool",
@@ -460,3 +463,61 @@ def test_whitespace_streams_at_once_when_no_marker_can_follow():
     assert plain.feed("\n").content == "\n" and plain.feed("\n Hi").content == "\n Hi"
     parsing = ChatOutput(OutputFormat(), TOOLS)
     assert parsing.feed("\n").content == "" and parsing.feed("Hi").content == "\nHi"
+
+
+@pytest.mark.parametrize(
+    "family, text",
+    [
+        ("glm-4.7", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Par"),
+        ("glm-4.6", "<tool_call>get_wea"),
+        ("kimi-k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+                    '<|tool_call_argument_begin|>{"city": "Par'),
+        ("qwen3", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
+    ],
+)  # fmt: skip
+def test_a_call_cut_by_max_tokens_is_text_never_a_call(family_dirs, family, text):
+    """Lenient parsers (GLM's, Kimi's) made calls of a block whose end never came: a write_file
+    without its content, a call to ``get_wea``; the client ran them."""
+    fmt, _ = _fmt_and_prompt(family_dirs, family)
+    for pieces in ([text], _pieces(text, 5)):
+        got, finish = _run(ChatOutput(fmt, TOOLS), ["Let me look. ", *pieces], "length")
+        assert (got.tool_calls, finish) == ([], "length")
+        assert got.content == "Let me look. " + text, family
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Use the <tool_call></tool_call> tags like this.",
+     "<tool_call>I will now look it up</tool_call>",
+     "<tool_call>rm_rf\n<arg_key>path</arg_key><arg_value>/</arg_value></tool_call>"],
+)  # fmt: skip
+def test_a_block_naming_none_of_the_requests_tools_is_text(family_dirs, text):
+    """GLM's parser makes a call of any text in a block (``unknown``, ``I``, a tool never offered)."""
+    fmt, _ = _fmt_and_prompt(family_dirs, "glm-4.6")
+    got, finish = _run(ChatOutput(fmt, TOOLS), [text])
+    assert (got.tool_calls, finish) == ([], "stop")
+    assert "tool_call>" in got.content
+    real = "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+    assert _calls(_run(ChatOutput(fmt, TOOLS), [real])[0]) == [{"name": "get_weather",
+                                                                "arguments": {"city": "Paris"}}]
+
+
+@pytest.mark.parametrize(
+    "call, args",
+    [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', {"city": "Paris"}),
+        ('{"name": "get_weather", "arguments": "Paris"}', None),
+        ('{"name": "get_weather", "arguments": ["Paris"]}', None),
+        ('{"name": "get_weather", "arguments": "[1]"}', None),
+    ],
+)  # fmt: skip
+def test_call_arguments_are_a_json_object_or_the_block_is_text(family_dirs, call, args):
+    """mlx-lm's json_tools (Qwen3) passes ``parameters`` through, so the call lost its arguments
+    (``{}``), and a non-object reached the client as arguments that are no JSON object."""
+    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3")
+    assert fmt.parser_name == "json_tools"
+    got, finish = _run(ChatOutput(fmt, TOOLS), [f"<tool_call>\n{call}\n</tool_call>"])
+    if args is None:
+        assert got.tool_calls == [] and call in got.content and finish == "stop"
+    else:
+        assert _calls(got) == [{"name": "get_weather", "arguments": args}] and finish == "tool_calls"

@@ -113,8 +113,9 @@ def test_a_namespace_whose_tools_are_no_list_holds_none():
 
 def _run(pieces: list[str], reason: str = "stop", think: bool = False, **chat) -> tuple[responses.ResponsesOutput, list]:
     fmt = output.OutputFormat(think=("<think>", "</think>") if think else None)
-    parser = output.ChatOutput(fmt, [{"type": "function", "function": FN}], True)
-    out = responses.ResponsesOutput("m", parser, 40, _chat(tools=TOOLS, **chat))
+    req = _chat(tools=TOOLS, **chat)
+    parser = output.ChatOutput(fmt, req.tool_dicts(), True)
+    out = responses.ResponsesOutput("m", parser, 40, req)
     events = out.start()
     usage = Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=30, cache_tier="hot", ttft_seconds=0.1,
                   prefill_seconds=0.1, decode_seconds=0.1, load_seconds=0.0)  # fmt: skip
