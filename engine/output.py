@@ -31,6 +31,8 @@ from engine import chat
 
 log = logging.getLogger(__name__)
 NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
+THINK_TOOL = "think_tool"  # a call block opened inside a think block: it closes back into reasoning
+CALLS = (TOOL, THINK_TOOL)
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
 Parser = Callable[[str, Any], Any]
@@ -140,9 +142,12 @@ class OutputFormat:
             edges[REASONING] = [(self.think[1], NORMAL)]
         if tools and not self.whole:
             edges[NORMAL].append((self.tool[0], TOOL))
-            if self.think is not None:
-                edges[REASONING].append((self.tool[0], TOOL))
             edges[TOOL] = [(self.tool[1], NORMAL)] if self.tool[1] else []
+            if self.think is not None:  # GLM and Qwen3 call from inside a think block
+                edges[REASONING].append((self.tool[0], THINK_TOOL))
+                edges[THINK_TOOL] = [(self.think[1], NORMAL)]  # the block did not close
+                if self.tool[1]:
+                    edges[THINK_TOOL].append((self.tool[1], REASONING))
         return TextStateMachine(edges)
 
 
@@ -245,6 +250,7 @@ class ChatOutput:
         self._held = {NORMAL: "", REASONING: ""}
         self._markers = fmt.think is not None or parse_tools
         self._lstrip = {NORMAL: False, REASONING: start_in_reasoning}
+        self._said = {NORMAL: False, REASONING: False}  # whether a channel has shown text
         # formats whose calls are the whole output: the output so far while it may be one
         self._lead: str | None = "" if fmt.whole and parse_tools and not start_in_reasoning else None
         self.n_calls = 0
@@ -286,7 +292,7 @@ class ChatOutput:
         self._sm, rest, _ = TextStateMachine.flush(self._sm)
         if rest:
             self._segment(self._state, rest, out)
-        if self._state == TOOL:
+        if self._state in CALLS:
             if self.fmt.tool[1] and engine_reason == "length":
                 self._cut_call(out)  # its end never came: lenient parsers made calls of halves
             else:
@@ -300,26 +306,29 @@ class ChatOutput:
     def _segment(self, state: str, piece: str, out: Delta) -> None:
         if state != self._state:
             self._transition(self._state, state, out)
-        if state == TOOL:
+        if state in CALLS:
             self._tool_text += piece
         elif state in (NORMAL, REASONING):
             self._show(state, piece, out)
 
     def _transition(self, old: str, new: str, out: Delta) -> None:
-        if old == TOOL:
-            self._close_call(out, closed=True)
+        if old in CALLS:  # closed, or a think block ended inside it (a mention, or unclosed)
+            self._close_call(out, closed=(old, new) != (THINK_TOOL, NORMAL))
         elif old in self._held:
             # whitespace before a marker is not text, unless the block turns out to be text
             self._space, self._held[old] = self._held[old], ""
-        if new == TOOL:
+        if new in CALLS:
             self._tool_text = ""
-        elif old == REASONING or new == REASONING:
+        elif old in (REASONING, THINK_TOOL) or new == REASONING:
             self._lstrip[new] = True  # nor is whitespace just inside or after a think block
         self._state = new
 
     def _show(self, channel: str, text: str, out: Delta) -> None:
         if self._lstrip[channel]:
-            text = text.lstrip()
+            stripped = text.lstrip()
+            if self._said[channel]:  # a channel resumed (interleaved thinking): one separator
+                self._held[channel] += text[: len(text) - len(stripped)]
+            text = stripped
             if not text:
                 return
             self._lstrip[channel] = False
@@ -327,6 +336,7 @@ class ChatOutput:
         if body:
             shown = self._held[channel] + body
             self._held[channel] = text[len(body) :]
+            self._said[channel] = True
             if channel == NORMAL:
                 out.content += shown
             else:
@@ -345,8 +355,16 @@ class ChatOutput:
     def _cut_call(self, out: Delta, end: str = "") -> None:
         """The block shown as the text it is (a block cut short is never parsed)."""
         text, self._tool_text = self._tool_text, ""
-        out.content += self._held[NORMAL] + self._space + self.fmt.tool[0] + text + end
-        self._held[NORMAL] = self._space = ""
+        channel = REASONING if self._state == THINK_TOOL else NORMAL
+        if channel == REASONING and not end:
+            text = text.rstrip()  # before the think block's end: not text
+        shown = self._held[channel] + self._space + self.fmt.tool[0] + text + end
+        if channel == NORMAL:
+            out.content += shown
+        else:
+            out.reasoning += shown
+        self._held[channel] = self._space = ""
+        self._said[channel] = True
 
     def _add_calls(self, text: str, out: Delta) -> bool:
         """The calls ``text`` holds into ``out``; False (nothing added) when it holds none."""

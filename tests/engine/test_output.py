@@ -521,3 +521,32 @@ def test_call_arguments_are_a_json_object_or_the_block_is_text(family_dirs, call
         assert got.tool_calls == [] and call in got.content and finish == "stop"
     else:
         assert _calls(got) == [{"name": "get_weather", "arguments": args}] and finish == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "text, reasoning, content, calls",
+    [
+        ("<think>\nI should answer with a <tool_call> block? No, just answer.\n</think>\n\nParis is sunny.",
+         "I should answer with a <tool_call> block? No, just answer.", "Paris is sunny.", []),
+        ('<think>\nCall it.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+         "</tool_call>\nThen answer.\n</think>\n\nDone.", "Call it.\nThen answer.", "Done.", [OSLO]),
+    ],
+)  # fmt: skip
+def test_a_call_block_opened_inside_reasoning_closes_back_into_it(family_dirs, text, reasoning, content, calls):
+    """A think block mentioning the call opener sent the rest of the reasoning and ``</think>``
+    into content; a call made while thinking (GLM, Qwen3) left ``</think>`` in content."""
+    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3")
+    for n in (len(text), 1, 4):
+        got, _ = _run(ChatOutput(fmt, TOOLS), _pieces(text, n))
+        assert (got.reasoning, got.content, _calls(got)) == (reasoning, content, calls), n
+
+
+def test_interleaved_thinking_keeps_each_channel_readable(family_dirs):
+    """MiniMax-M2, Kimi-K2-Thinking and GLM-4.7 think again mid-answer: the whitespace around the
+    second think block was dropped on both sides ("…files.Now the answer.", "Plan A.Check B.")."""
+    fmt, prompt = _fmt_and_prompt(family_dirs, "minimax-m2")
+    text = "Plan A.\n</think>\n\nI read the files.\n\n<think>\nCheck B.\n</think>\n\nNow the answer."
+    for n in (len(text), 1, 3):
+        got, _ = _run(ChatOutput(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt)),
+                      _pieces(text, n))  # fmt: skip
+        assert (got.reasoning, got.content) == ("Plan A.\nCheck B.", "I read the files.\n\nNow the answer.")
