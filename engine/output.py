@@ -168,29 +168,56 @@ _NAMED = {
 
 @dataclass
 class Delta:
-    """What to show now; ``tool_calls`` are complete OpenAI calls carrying their stream ``index``."""
+    """What to show now; ``tool_calls`` are complete OpenAI calls carrying their stream ``index``.
+    ``parts``: the same in the order it came (``("reasoning" | "content", text)``, ``("tool",
+    call)``), for APIs whose items keep it (a text after a call is after it)."""
 
     content: str = ""
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    parts: list[tuple[str, Any]] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.parts:  # made of its fields: reasoning, content, then the calls
+            kinds = [("reasoning", self.reasoning), ("content", self.content)]
+            self.parts = [(k, x) for k, x in kinds if x] + [("tool", c) for c in self.tool_calls]
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
 
+    def say(self, channel: str, text: str) -> None:
+        """Text of ``channel`` (NORMAL / REASONING)."""
+        if not text:
+            return
+        kind = "content" if channel == NORMAL else "reasoning"
+        setattr(self, kind, getattr(self, kind) + text)
+        if self.parts and self.parts[-1][0] == kind:
+            self.parts[-1] = (kind, self.parts[-1][1] + text)
+        else:
+            self.parts.append((kind, text))
+
+    def call(self, call: dict[str, Any]) -> None:
+        self.tool_calls.append(call)
+        self.parts.append(("tool", call))
+
     def merge(self, other: Delta) -> None:
-        self.content += other.content
-        self.reasoning += other.reasoning
-        self.tool_calls += other.tool_calls
+        for kind, x in other.parts:
+            if kind == "tool":
+                self.call(x)
+            else:
+                self.say(NORMAL if kind == "content" else REASONING, x)
 
     def sse_deltas(self) -> list[dict[str, Any]]:
-        """OpenAI ``delta`` objects: reasoning (as ``reasoning_content``, the field OpenAI-compatible
-        clients read, and ``reasoning``, mlx_lm.server's), then content, then each call."""
+        """OpenAI ``delta`` objects in the order they came: reasoning (as ``reasoning_content``, the
+        field OpenAI-compatible clients read, and ``reasoning``, mlx_lm.server's), content, calls."""
         out: list[dict[str, Any]] = []
-        if self.reasoning:
-            out.append({"reasoning_content": self.reasoning, "reasoning": self.reasoning})
-        if self.content:
-            out.append({"content": self.content})
-        out.extend({"tool_calls": [call]} for call in self.tool_calls)
+        for kind, x in self.parts:
+            if kind == "reasoning":
+                out.append({"reasoning_content": x, "reasoning": x})
+            elif kind == "content":
+                out.append({"content": x})
+            else:
+                out.append({"tool_calls": [x]})
         return out
 
 
@@ -206,17 +233,16 @@ class Items:
 
     def steps(self, d: Delta) -> list[tuple[str, str, Any]]:
         out: list[tuple[str, str, Any]] = []
-        for channel, text in (("reasoning", d.reasoning), ("content", d.content)):
-            if not text:
-                continue
-            if self.open != channel:
+        for kind, x in d.parts:
+            if kind == "tool":
                 out += self.close()
-                out.append(("open", channel, None))
-                self.open = channel
-            out.append(("text", channel, text))
-        for call in d.tool_calls:
-            out += self.close()
-            out.append(("call", "tool", call))
+                out.append(("call", "tool", x))
+                continue
+            if self.open != kind:
+                out += self.close()
+                out.append(("open", kind, None))
+                self.open = kind
+            out.append(("text", kind, x))
         return out
 
     def close(self) -> list[tuple[str, str, Any]]:
@@ -299,7 +325,7 @@ class ChatOutput:
                 self._close_call(out, closed=not self.fmt.tool[1])
             self._state = NORMAL
         if not self.n_calls and self._state == NORMAL:
-            out.content += self._held[NORMAL]  # plain text keeps its trailing whitespace
+            out.say(NORMAL, self._held[NORMAL])  # plain text keeps its trailing whitespace
         self.result.merge(out)
         return out, _finish_reason(engine_reason, self.n_calls > 0)
 
@@ -337,10 +363,7 @@ class ChatOutput:
             shown = self._held[channel] + body
             self._held[channel] = text[len(body) :]
             self._said[channel] = True
-            if channel == NORMAL:
-                out.content += shown
-            else:
-                out.reasoning += shown
+            out.say(channel, shown)
         else:
             self._held[channel] += text
 
@@ -359,10 +382,7 @@ class ChatOutput:
         if channel == REASONING and not end:
             text = text.rstrip()  # before the think block's end: not text
         shown = self._held[channel] + self._space + self.fmt.tool[0] + text + end
-        if channel == NORMAL:
-            out.content += shown
-        else:
-            out.reasoning += shown
+        out.say(channel, shown)
         self._held[channel] = self._space = ""
         self._said[channel] = True
 
@@ -374,7 +394,7 @@ class ChatOutput:
         for call in calls:
             if self.n_calls and not self.parallel:
                 continue
-            out.tool_calls.append({"index": self.n_calls, **call})
+            out.call({"index": self.n_calls, **call})
             self.n_calls += 1
         return True
 

@@ -354,3 +354,12 @@ def test_a_length_cut_after_a_call_is_max_tokens():
     assert [b["type"] for b in out.body()["content"]] == ["tool_use", "text"]
     assert out.body()["stop_reason"] == "max_tokens"
     assert events[-2]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_text_after_a_call_in_one_chunk_comes_after_its_tool_use_block():
+    """A chunk holding a call's end and the text after it: the text block came before the call."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call'
+    out, _ = _run(["Checking.\n", call, ">\nAfter the call."])
+    blocks = out.body()["content"]
+    assert [b["type"] for b in blocks] == ["text", "tool_use", "text"]
+    assert blocks[0]["text"] == "Checking." and blocks[2]["text"].strip() == "After the call."
