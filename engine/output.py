@@ -121,9 +121,10 @@ class OutputFormat:
             head = prompt_text[:cut] if cut >= 0 else ""
         return head.rstrip().endswith(start)
 
-    def forced_prefix(self, tool_choice: Any) -> str:
+    def forced_prefix(self, tool_choice: Any, calls_before: int = 0) -> str:
         """Text after the generation prompt that makes the model call (``required``) or call one
-        named function; formats we cannot name a function in get the call opener only."""
+        named function; formats we cannot name a function in get the call opener only.
+        ``calls_before``: the calls in the conversation so far (Kimi numbers its call ids by it)."""
         if tool_choice == "required":
             if self.whole:
                 return '{"name": "'
@@ -132,7 +133,7 @@ class OutputFormat:
             return ""
         name = str(tool_choice["function"]["name"])
         named = _NAMED.get(self.parser_name)
-        return named.format(start=self.tool[0], name=name) if named else self.tool[0]
+        return named.format(start=self.tool[0], name=name, index=calls_before) if named else self.tool[0]
 
     def machine(self, tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
@@ -157,7 +158,7 @@ _NAMED = {
     "json_tools": '{start}\n{{"name": "{name}", "arguments": ',
     "qwen3_coder": "{start}\n<function={name}>\n",
     "glm47": "{start}{name}",
-    "kimi_k2": "{start}<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+    "kimi_k2": "{start}<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>",
     "minimax_m2": '{start}\n<invoke name="{name}">\n',
     "mistral": "{start}{name}[ARGS]",
     "gemma4": "{start}call:{name}{{",

@@ -196,7 +196,8 @@ def chat_prompt(
     tools = req.tool_dicts()
     fmt = output.OutputFormat.of(tokenizer)
     parse = bool(tools) and req.tool_choice != "none"
-    prefix = fmt.forced_prefix(req.tool_choice) if parse else ""
+    calls_before = sum(len(m.tool_calls or ()) for m in req.messages)
+    prefix = fmt.forced_prefix(req.tool_choice, calls_before) if parse else ""
     extra = req.template_args(template_defaults or {})
     if req.continue_final_message and req.messages[-1].role != "assistant":
         raise ApiError(400, "continue_final_message continues the last message, which must be the "

@@ -381,6 +381,23 @@ def test_forced_prefixes(family_dirs):
     assert _calls(got) == [OSLO] and finish == "tool_calls"
 
 
+def test_a_forced_kimi_call_is_numbered_after_the_calls_before_it(family_dirs):
+    """Kimi's call ids are ``functions.NAME:N``, N counting the conversation's calls: every forced
+    call was ``:0``, so tool results in the history named one id for several calls."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    fmt, _ = _fmt_and_prompt(family_dirs, "kimi-k2")
+    assert fmt.parser_name == "kimi_k2"
+    ids = []
+    for before in (0, 2):
+        prefix = fmt.forced_prefix(named, before)
+        assert f"functions.get_weather:{before}" in prefix
+        got, _ = _run(ChatOutput(fmt, TOOLS), [prefix, '{"city": "Oslo"}<|tool_call_end|>'
+                                               "<|tool_calls_section_end|>"])  # fmt: skip
+        assert _calls(got) == [OSLO]
+        ids.append(got.tool_calls[0]["id"])
+    assert ids[0] != ids[1]
+
+
 def test_sse_deltas_shape():
     d = Delta("hi", "why", [{"index": 0, "id": "call_1", "type": "function", "function": {}}])
     assert d.sse_deltas() == [
