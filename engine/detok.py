@@ -20,11 +20,12 @@ class IncrementalDecoder:
     """Feed ids one at a time; get the new text each brings (held back while a UTF-8 sequence
     is incomplete)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, after: int | None = None) -> None:
+        """``after``: an id the text continues (the prompt's last), decoded as context only."""
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = [] if after is None else [after]
         self.prefix = 0  # start of the decode window
-        self.read = 0  # ids whose text has been emitted
+        self.read = len(self.ids)  # ids whose text has been emitted
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids))
@@ -56,15 +57,16 @@ class TokenBytes:
     ``▁`` is a space and ``<0xNN>`` a byte; byte-level BPE: GPT-2's byte alphabet); a tokenizer
     with neither falls back to decoding the id alone. As ``decode`` strips one leading space from
     a SentencePiece sequence (and so the completion's text), the first token of a completion
-    loses it here too: its tokens concatenate to its text."""
+    loses it here too: its tokens concatenate to its text (``trim_first`` False: a text that
+    continues the prompt keeps it)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, trim_first: bool = True) -> None:
         self._tokenizer = tokenizer
         detok: Any = getattr(tokenizer, "detokenizer", None)
         self._spm = isinstance(detok, tu.SPMStreamingDetokenizer)
         self._bpe = isinstance(detok, tu.BPEStreamingDetokenizer)
         self._map = detok.tokenmap if self._spm or self._bpe else []
-        self._trim = self._spm and bool(getattr(detok, "trim_space", False))
+        self._trim = trim_first and self._spm and bool(getattr(detok, "trim_space", False))
 
     def __call__(self, token: int, first: bool = False) -> bytes:
         if not (self._spm or self._bpe):

@@ -36,6 +36,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     #: -1: no log-probabilities; n >= 0: each token's, with the n likeliest tokens' at its place
     logprobs: int = -1
+    #: the prompt's last id where the text continues the prompt (completions, a continued assistant
+    #: message): the text is decoded after it, so a SentencePiece first token keeps its space
+    after: int | None = None
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,7 @@ def chat_prompt(
     parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")
-    texts = TokenBytes(tokenizer) if req.logprob_count() >= 0 else None
+    texts = TokenBytes(tokenizer, not continues(req)) if req.logprob_count() >= 0 else None
     return encode(text + prefix), ChatOutput(model, req.include_usage, parser, texts)
 
 
@@ -239,13 +239,19 @@ def completion_prompt(
     ids = encode(req.prompt_text())
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
-    texts = TokenBytes(tokenizer) if tokenizer is not None and req.logprob_count() >= 0 else None
+    texts = TokenBytes(tokenizer, False) if tokenizer is not None and req.logprob_count() >= 0 else None
     return ids, CompletionOutput(model, req.include_usage, texts)
+
+
+def continues(req: Any) -> bool:
+    """Whether the generated text continues the prompt's text (a completion, or a continued
+    assistant message) rather than starting a turn of its own."""
+    return isinstance(req, CompletionRequest) or bool(getattr(req, "continue_final_message", False))
 
 
 def sampling(
     req: Any,
-    prompt_tokens: int,
+    ids: list[int],
     context_length: int,
     vocab_size: int,
     default_max: int = 0,
@@ -256,7 +262,7 @@ def sampling(
     of the whole vocabulary is off (it keeps every token); a penalty's context size is at most
     the context (mlx-lm slices the last tokens with a 32-bit index: 3e9 was a 500 of every
     request in its decode step); ``xtc_keep``: the model's tokens XTC never cuts."""
-    max_tokens = api.check_length(prompt_tokens, req.requested_max(), context_length, default_max)
+    max_tokens = api.check_length(len(ids), req.requested_max(), context_length, default_max)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=req.temperature,
@@ -278,6 +284,7 @@ def sampling(
         frequency_context_size=min(req.frequency_context_size, context_length),
         logit_bias=req.bias(vocab_size),
         logprobs=req.logprob_count(),
+        after=ids[-1] if continues(req) and ids else None,
     )
 
 

@@ -118,7 +118,7 @@ class Server:
                 req = await self._off_loop(parse, body)
                 ids, out = await self._off_loop(prepare, req)
                 params = respond.sampling(
-                    req, len(ids), self.engine.context_length, self.engine.vocab_size,
+                    req, ids, self.engine.context_length, self.engine.vocab_size,
                     self.config.max_tokens, self.engine.xtc_keep,
                 )  # fmt: skip
                 job = self.worker.submit(ids, params, endpoint, arrival)

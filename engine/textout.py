@@ -18,7 +18,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Any, params: SamplingParams, eos: Iterable[int]) -> None:
         self.p = params
-        self.detok = IncrementalDecoder(tokenizer)
+        self.detok = IncrementalDecoder(tokenizer, params.after)
         self.eos = set(eos)
         self.completion = 0  # tokens that became text (an end-of-sequence token does not)
         self.text = ""

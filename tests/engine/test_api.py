@@ -273,14 +273,14 @@ def test_sampling_fields_reach_the_engine_and_a_bias_names_a_real_token():
             "repetition_penalty": 1.1, "repetition_context_size": 64, "presence_penalty": 1.5,
             "frequency_penalty": -0.5, "frequency_context_size": 32, "logit_bias": {"7": -100},
             "xtc_probability": 0.5, "xtc_threshold": 0.2}
-    p = sampling(parse(body), 10, 4096, 100, xtc_keep=(2, 9))
+    p = sampling(parse(body), [1] * 10, 4096, 100, xtc_keep=(2, 9))
     assert (p.xtc_probability, p.xtc_threshold, p.xtc_keep) == (0.5, 0.2, (2, 9))
     assert (p.top_k, p.min_p, p.repetition_penalty, p.repetition_context_size) == (20, 0.05, 1.1, 64)
     assert (p.presence_penalty, p.frequency_penalty, p.frequency_context_size) == (1.5, -0.5, 32)
     assert p.logit_bias == ((7, -100.0),) and p.presence_context_size == 20
     body["logit_bias"] = {"100": 5}
     with pytest.raises(ApiError) as e:
-        sampling(parse(body), 10, 4096, 100)
+        sampling(parse(body), [1] * 10, 4096, 100)
     assert e.value.status == 400 and e.value.param == "logit_bias"
 
 
@@ -289,7 +289,7 @@ def test_a_top_k_of_the_whole_vocabulary_is_off():
     from engine.respond import sampling
 
     body = {"messages": [{"role": "user", "content": "x"}]}
-    tops = [sampling(parse({**body, "top_k": k}), 10, 4096, 100).top_k for k in (99, 100, 10**9)]
+    tops = [sampling(parse({**body, "top_k": k}), [1] * 10, 4096, 100).top_k for k in (99, 100, 10**9)]
     assert tops == [99, 0, 0]
 
 
@@ -300,7 +300,7 @@ def test_a_penalty_context_size_is_at_most_the_context():
 
     body = {"messages": [{"role": "user", "content": "x"}], "repetition_context_size": 3_000_000_000,
             "presence_context_size": 4096, "frequency_context_size": 64}  # fmt: skip
-    p = sampling(parse(body), 10, 4096, 100)
+    p = sampling(parse(body), [1] * 10, 4096, 100)
     assert (p.repetition_context_size, p.presence_context_size, p.frequency_context_size) == (4096, 4096, 64)
 
 

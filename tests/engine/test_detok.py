@@ -92,3 +92,19 @@ def test_piece_text_escapes_a_part_of_a_character():
 def test_an_id_the_tokenizer_does_not_name_adds_no_bytes(tokenizer):
     token_bytes = TokenBytes(tokenizer)
     assert token_bytes(10**7) == b"" and token_bytes(-1) == b""
+
+
+def test_a_text_that_continues_the_prompt_keeps_its_first_space(tokenizer):
+    """A completion, or a continued assistant message (an Anthropic prefill): SentencePiece's
+    decode strips the first token's space, right for a turn of its own, but the prompt 'prompt'
+    went on as 'promptthe world'. Decoded after the prompt's last id, the text
+    and its tokens' bytes join the prompt as decode(prompt + generated)."""
+    whole = tokenizer.encode("prompt the world", add_special_tokens=False)
+    text = tokenizer.decode(whole)
+    cut = next(i for i in range(1, len(whole)) if text.startswith(tokenizer.decode(whole[:i]) + " "))
+    prompt, gen = whole[:cut], whole[cut:]
+    d = IncrementalDecoder(tokenizer, after=prompt[-1])
+    text = "".join(d.add(t) for t in gen) + d.flush()
+    assert tokenizer.decode(prompt) + text == tokenizer.decode(whole)
+    token_bytes = TokenBytes(tokenizer, trim_first=False)
+    assert b"".join(token_bytes(t, first=i == 0) for i, t in enumerate(gen)).decode() == text
