@@ -203,7 +203,9 @@ def _arr_view(c: C.ArraysCache, n: int, total: int) -> C.ArraysCache | None:
     if n != total:
         return None
     out = C.ArraysCache(len(c.cache))
-    out.cache = list(c.cache)
+    # state arrays of its own (sharing the buffers): mlx-lm's recurrent layers rebind their state
+    # today, but a slice assignment into a shared array object would reach the stored entry
+    out.cache = [x if x is None or x.ndim == 0 else x[0 : x.shape[0]] for x in c.cache]
     return out
 
 

@@ -189,11 +189,18 @@ class TieredCache:
             elif hit is not None and cold_n > hot_n:
                 loaded = yield from self._restore(hit, prompt, hot_n, background)
                 if loaded is not None and loaded.entry is not None:
-                    cand = loaded
-                elif loaded is not None:  # computing beats loading: the plan rides along
+                    return loaded
+                # the batch went on while the disk was read: the hot candidate may have been
+                # taken (and written into) by another request, or evicted; look again
+                cand = self._hot_candidate(prompt)
+                if loaded is not None:  # computing beats loading: the plan rides along
                     cand = cand or loaded
                     cand.restore = loaded.restore
         return cand
+
+    def _hot_candidate(self, prompt: TokenArray) -> _Candidate | None:
+        best = self.hot.best(prompt, count=False) if self.config.hot_enabled else None
+        return _Candidate(best[0], best[1], "hot") if best else None
 
     # -- issue 15: load, compute or both ----------------------------------------------------
     def _restore(
@@ -265,7 +272,9 @@ class TieredCache:
     def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
         entry, total = cand.entry, len(cand.entry.tokens)
         n = policy.servable(cand.common, len(prompt), total, entry.trimmable, entry.checkpoints)
-        stored = self.hot.holds(entry)
+        stored = self.hot.entries.get(entry.id) is entry
+        if cand.tier == "hot" and not stored:
+            return None  # taken by another request, evicted or replaced: never serve it twice
         taken: Entry | None = None
         caches: list[Any] | None = None
         if n == 0:

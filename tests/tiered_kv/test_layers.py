@@ -228,6 +228,21 @@ def test_writes_into_a_view_never_reach_the_stored_state(make, at):
         np.testing.assert_array_equal(np.array(after[k]), x, err_msg=k)
 
 
+def test_writes_into_a_recurrent_view_never_reach_the_stored_state():
+    """mlx-lm's recurrent layers rebind their state; a layer writing into it in place would have
+    reached the stored entry and its checkpoints through a view's shared array objects."""
+    c = ArraysCache(2)
+    c[0], c[1] = mx.ones((1, 3, 4)), mx.zeros((1, 2))
+    mx.eval(c.state)
+    view = layers.view([c], 5, 5)
+    assert view is not None
+    (v,) = view
+    v.cache[0][..., 0] = 7.0
+    v.cache[1][...] = 2.0
+    mx.eval(v.cache)
+    assert mx.array_equal(c[0], mx.ones((1, 3, 4))) and mx.array_equal(c[1], mx.zeros((1, 2)))
+
+
 def test_a_hit_on_a_wrapped_window_leaves_its_checkpoint_to_the_next_request():
     """A request restored from a wrapped window's checkpoint and fed one token at a time (a run of
     end-of-message tokens, each cut for a checkpoint) must not change what the next hit gets."""

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from tests.fixtures import cold_logits, feed, hot_only, prefill_turn, store_turn, tokens
+from tests.fixtures import cold_logits, feed, flip_byte, hot_only, prefill_turn, store_turn, tokens
 from tiered_kv.config import Config
 from tiered_kv.opening import open_cache
 from tiered_kv.tiered import TieredCache
@@ -261,3 +261,48 @@ def test_disabled_cache_never_hits(small_model, tmp_path):
     p = tokens(55, 30)
     prefill_turn(tc, small_model, p)
     assert prefill_turn(tc, small_model, p)[1].tokens == 0
+
+
+def test_a_hot_entry_taken_while_a_disk_read_failed_is_never_served_twice(small_model, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """A request found its hot candidate, then read a longer disk hit beside the batch's steps;
+    meanwhile another request took that entry over (and wrote into its arrays). The read failed
+    (a corrupt file) and the first request fell back to the entry it had found: both wrote into
+    one entry's arrays, and the second's answer came from the first's tokens."""
+    from tiered_kv.cold import codec
+
+    real = codec.load_steps
+
+    def not_read_yet(*a: Any, **k: Any) -> Any:
+        yield  # the reader thread has not read the file yet: the batch goes on
+        return (yield from real(*a, **k))
+
+    monkeypatch.setattr(codec, "load_steps", not_read_yet)
+    x, g = tokens(60, 48), tokens(62, 8)
+    tc = open_tc(small_model, tmp_path, min_continuation_tokens=0)
+    store_turn(tc, small_model, x, extra=g)  # the hot entry E = x + g (the disk is empty)
+    c = x + g[:4] + tokens(61, 40)
+    other = open_tc(small_model, tmp_path)  # a second server on the directory writes C
+    prefill_turn(other, small_model, c)
+    other.close()
+    (path,) = [p for p in tmp_path.rglob("*.safetensors") if not p.name.startswith(".")]
+    flip_byte(path, -100)
+    a = c[: len(x) + 12]  # E serves len(x) + 4 of it, the corrupt C more
+    steps = tc.fetch_steps(a, background=True)
+    next(steps)  # A: reading C
+    b = x + g + tokens(63, 3)
+    lease_b = tc.fetch(b)  # B continues E: takes it over
+    assert lease_b.hit.tier == "hot" and lease_b.hit.tokens == len(x) + len(g)
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        lease_a = done.value
+    assert tc.stats()["cold_quarantined"] == 1
+    shared = [x is y for ca, cb in zip(lease_a.caches, lease_b.caches, strict=True)
+              for x, y in ((ca.keys, cb.keys), (ca.values, cb.values)) if x is not None]  # fmt: skip
+    assert not any(shared)
+    feed(small_model, lease_a.caches, lease_a.remaining)  # A writes its tokens
+    got = feed(small_model, lease_b.caches, lease_b.remaining)
+    np.testing.assert_allclose(got, cold_logits(small_model, b), rtol=1e-4, atol=1e-4)
+    tc.close()
