@@ -231,6 +231,7 @@ class Items:
 
     def __init__(self) -> None:
         self.open: str | None = None  # "reasoning" / "content"
+        self.seen: set[str] = set()  # the channels an item was opened for
 
     def steps(self, d: Delta) -> list[tuple[str, str, Any]]:
         out: list[tuple[str, str, Any]] = []
@@ -240,9 +241,14 @@ class Items:
                 out.append(("call", "tool", x))
                 continue
             if self.open != kind:
+                if kind in self.seen:  # a channel resumed: its separator joins text, not items
+                    x = x.lstrip()
+                    if not x:
+                        continue
                 out += self.close()
                 out.append(("open", kind, None))
                 self.open = kind
+                self.seen.add(kind)
             out.append(("text", kind, x))
         return out
 
@@ -264,8 +270,11 @@ class ChatOutput:
         parse_tools: bool = True,
         parallel_tool_calls: bool = True,
         start_in_reasoning: bool = False,
+        taken_ids: set[str] | None = None,
     ) -> None:
+        """``taken_ids``: call ids the conversation already holds (never given to a new call)."""
         self.fmt, self.tools, self.parallel = fmt, tools, parallel_tool_calls
+        self.ids = set(taken_ids or ())
         self._names = {t["function"].get("name") for t in tools or ()
                        if isinstance(t, dict) and isinstance(t.get("function"), dict)}  # fmt: skip
         self._sm = fmt.machine(parse_tools).make_state(REASONING if start_in_reasoning else NORMAL)
@@ -326,7 +335,8 @@ class ChatOutput:
                 self._close_call(out, closed=not self.fmt.tool[1])
             self._state = NORMAL
         if not self.n_calls and self._state == NORMAL:
-            out.say(NORMAL, self._held[NORMAL])  # plain text keeps its trailing whitespace
+            if not self._lstrip[NORMAL]:  # (a separator no text followed is nothing)
+                out.say(NORMAL, self._held[NORMAL])  # plain text keeps its trailing whitespace
         self.result.merge(out)
         return out, _finish_reason(engine_reason, self.n_calls > 0)
 
@@ -339,8 +349,10 @@ class ChatOutput:
             self._show(state, piece, out)
 
     def _transition(self, old: str, new: str, out: Delta) -> None:
-        if old in CALLS:  # closed, or a think block ended inside it (a mention, or unclosed)
-            self._close_call(out, closed=(old, new) != (THINK_TOOL, NORMAL))
+        if (old, new) == (THINK_TOOL, NORMAL):
+            self._cut_call(out)  # the think block ended inside it: a mention, never parsed
+        elif old in CALLS:
+            self._close_call(out, closed=True)
         elif old in self._held:
             # whitespace before a marker is not text, unless the block turns out to be text
             self._space, self._held[old] = self._held[old], ""
@@ -388,13 +400,17 @@ class ChatOutput:
         self._said[channel] = True
 
     def _add_calls(self, text: str, out: Delta) -> bool:
-        """The calls ``text`` holds into ``out``; False (nothing added) when it holds none."""
+        """The calls ``text`` holds into ``out``; False (nothing added) when it holds none. A call
+        id the model gave that is already taken (Kimi numbers its own) gets a fresh one."""
         calls = self._parse(text)
         if calls is None:
             return False
         for call in calls:
             if self.n_calls and not self.parallel:
                 continue
+            if call["id"] in self.ids:
+                call["id"] = new_call_id(self.fmt.parser_name)
+            self.ids.add(call["id"])
             out.call({"index": self.n_calls, **call})
             self.n_calls += 1
         return True

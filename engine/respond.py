@@ -220,7 +220,8 @@ def chat_prompt(
         ) from None
     continued = chat.content_text(req.messages[-1].content) if req.continue_final_message else ""
     reasoning = fmt.opens_reasoning(text, continued) and not prefix
-    parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning)
+    ids = {str(c.get("id")) for m in req.messages for c in m.tool_calls or () if c.get("id")}
+    parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning, ids)
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")
     texts = TokenBytes(tokenizer, not continues(req)) if req.logprob_count() >= 0 else None

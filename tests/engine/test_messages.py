@@ -363,3 +363,14 @@ def test_text_after_a_call_in_one_chunk_comes_after_its_tool_use_block():
     blocks = out.body()["content"]
     assert [b["type"] for b in blocks] == ["text", "tool_use", "text"]
     assert blocks[0]["text"] == "Checking." and blocks[2]["text"].strip() == "After the call."
+
+
+def test_thinking_at_the_end_leaves_no_whitespace_block_and_a_resumed_block_no_separator():
+    """The whitespace after a last think block became a text block of its own ('\\n\\n': Anthropic
+    refuses such a block sent back in history); a block resumed after thinking began with it."""
+    out, _ = _run(["Hi.<think>hmm</think>\n\n"], think=True)
+    assert [(b["type"], b.get("text", b.get("thinking"))) for b in out.body()["content"]] == [
+        ("text", "Hi."), ("thinking", "hmm")]  # fmt: skip
+    out, _ = _run(["Plan.\n<think>\nCheck B.\n</think>\n\nMore."], think=True)
+    assert [(b["type"], b.get("text", b.get("thinking"))) for b in out.body()["content"]] == [
+        ("text", "Plan."), ("thinking", "Check B."), ("text", "More.")]  # fmt: skip

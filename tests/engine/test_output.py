@@ -567,3 +567,30 @@ def test_interleaved_thinking_keeps_each_channel_readable(family_dirs):
         got, _ = _run(ChatOutput(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt)),
                       _pieces(text, n))  # fmt: skip
         assert (got.reasoning, got.content) == ("Plan A.\nCheck B.", "I read the files.\n\nNow the answer.")
+
+
+def test_glm_unclosed_call_block_ended_by_the_think_block_is_reasoning(family_dirs):
+    """GLM's lenient parser made a call of a mention of the opener the think block ended inside
+    (``read_file {'raw': 'with the path, then wait.'}``): a tool the model never called."""
+    fmt, prompt = _fmt_and_prompt(family_dirs, "glm-4.7")
+    tools = TOOLS + [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    text = "I should emit <tool_call>read_file with the path, then wait.</think>I'll read it."
+    for n in (len(text), 1, 5):
+        got, finish = _run(ChatOutput(fmt, tools, start_in_reasoning=fmt.opens_reasoning(prompt)),
+                           _pieces(text, n))  # fmt: skip
+        assert (got.tool_calls, finish, got.content) == ([], "stop", "I'll read it.")
+        assert got.reasoning == "I should emit <tool_call>read_file with the path, then wait."
+
+
+def test_call_ids_the_model_repeats_are_made_unique(family_dirs):
+    """Kimi numbers its own call ids: two calls numbered alike (or like one in the history) shared
+    an id; the openai SDK's Responses stream state raised, and tool results were ambiguous."""
+    fmt, _ = _fmt_and_prompt(family_dirs, "kimi-k2")
+    call = ('<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "%s"}'
+            "<|tool_call_end|>")  # fmt: skip
+    text = "<|tool_calls_section_begin|>" + call % "Paris" + call % "Oslo" + "<|tool_calls_section_end|>"
+    got, _ = _run(ChatOutput(fmt, TOOLS), [text])
+    ids = [c["id"] for c in got.tool_calls]
+    assert len(ids) == 2 and len(set(ids)) == 2 and ids[0] == "functions.get_weather:0"
+    got, _ = _run(ChatOutput(fmt, TOOLS, taken_ids={"functions.get_weather:0"}), [text])
+    assert "functions.get_weather:0" not in {c["id"] for c in got.tool_calls}
