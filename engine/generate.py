@@ -112,9 +112,12 @@ class Engine:
         every prefill teaches the restore cost model, and a planned disk restore learns its outcome."""
         if self.restorer is None:
             return
-        self.restorer.costs.observe_prefill(new, start, seconds)
-        if lease.hit.restore is not None:
-            self.restorer.outcome(lease.hit.restore, lease.hit.load_seconds + seconds)
+        try:  # advice: a failure to learn costs a calibration, never the request or the worker
+            self.restorer.costs.observe_prefill(new, start, seconds)
+            if lease.hit.restore is not None:
+                self.restorer.outcome(lease.hit.restore, lease.hit.load_seconds + seconds)
+        except Exception:
+            log.exception("restore costs not learned from this prefill")
 
     def logits(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, HitInfo]:
         """Next-token logits after ``prompt_ids`` through the cache (stores the entry)."""

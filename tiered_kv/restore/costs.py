@@ -61,6 +61,35 @@ def machine_id(device: str = "") -> tuple[str, dict[str, Any]]:
     return hashlib.sha256(raw).hexdigest()[:16], desc
 
 
+_MAX_TOKENS, _MAX_BYTES, _MAX_SECONDS = 1e9, 1e15, 1e6  # beyond any real observation
+
+
+def valid(kind: str, obs: list[float]) -> bool:
+    """An observation a real prefill, read or restore can make: finite, positive sizes and
+    seconds within bounds no machine reaches (a planted or damaged file's rows made the fit
+    overflow or ``log2`` fail: a server that did not start, or a worker that died)."""
+    if len(obs) != (2 if kind == "join" else 3) or not all(math.isfinite(x) for x in obs):
+        return False
+    if kind == "prefill":
+        k, c, sec = obs
+        return 0 < k <= _MAX_TOKENS and 0 <= c <= _MAX_TOKENS and 0 < sec <= _MAX_SECONDS
+    if kind == "outcome":
+        way, predicted, actual = obs
+        return way in (1, 2, 3) and 0 < predicted <= _MAX_SECONDS and 0 < actual <= _MAX_SECONDS
+    ok = 0 < obs[0] <= _MAX_BYTES and 0 < obs[1] <= _MAX_SECONDS
+    return ok and (kind == "join" or -1 <= obs[2] <= 1)
+
+
+def _row(r: Any, width: int) -> list[float] | None:
+    """A row of the file as floats, or None (not a list of ``width`` numbers, or past float)."""
+    if not (isinstance(r, list) and len(r) == width and all(isinstance(x, (int, float)) for x in r)):
+        return None
+    try:
+        return [float(x) for x in r]
+    except OverflowError:
+        return None
+
+
 def _bucket(kind: str, obs: list[float]) -> tuple[int, ...]:
     if kind == "outcome":
         return (int(obs[0]), round(math.log2(max(obs[1] * 1e3, 1))))
@@ -196,6 +225,8 @@ class CostBook:
             self._add("join", [float(nbytes), seconds])
 
     def _add(self, kind: str, obs: list[float]) -> None:
+        if not valid(kind, obs):
+            return
         rows = self.obs[kind]
         key = _bucket(kind, obs)
         same = [i for i, r in enumerate(rows) if _bucket(kind, r) == key]
@@ -210,6 +241,14 @@ class CostBook:
 
     # -- fitting -----------------------------------------------------------------------------
     def _refit(self) -> None:
+        try:
+            self._learned = self._fitted()
+        except (ArithmeticError, ValueError, np.linalg.LinAlgError) as e:
+            log.warning("restore costs could not be fitted, starting afresh: %s", e)
+            self.obs = {k: [] for k in KINDS}
+            self._learned = Learned()
+
+    def _fitted(self) -> Learned:
         def reads(kind: str, warm: bool) -> ReadCost | None:
             rows = [r for r in self.obs[kind] if (r[2] >= WARM) == warm]
             if warm:  # a copy out of the page cache: the machine's speed, as a prefill's
@@ -219,7 +258,7 @@ class CostBook:
 
         join = [r for r in self.obs["join"]]
         join_bw = sum(r[0] for r in join) / sum(r[1] for r in join) if join else None
-        self._learned = Learned(
+        return Learned(
             prefill=fit_prefill(fastest_per_bucket("prefill", self.obs["prefill"])),
             load_cold=reads("load", False),
             load_warm=reads("load", True),
@@ -267,15 +306,9 @@ class CostBook:
             for kind in KINDS:
                 rows = raw.get("observations", {}).get(kind, [])
                 width = 2 if kind == "join" else 3
-                clean = [
-                    [float(x) for x in r] for r in rows
-                    if isinstance(r, list) and len(r) == width
-                    and all(isinstance(x, (int, float)) and math.isfinite(x) for x in r)
-                ][-_MAX_PER_KIND:]  # fmt: skip
-                self.obs[kind] = [
-                    r for r in clean if r[0] > 0 and r[1 if kind != "prefill" else 2] > 0
-                ]
-        except (AttributeError, TypeError, ValueError) as e:
+                kept = [_row(r, width) for r in rows]
+                self.obs[kind] = [r for r in kept if r is not None and valid(kind, r)][-_MAX_PER_KIND:]
+        except (AttributeError, TypeError, ValueError, OverflowError) as e:
             log.warning("restore costs %s malformed, starting afresh: %s", path, e)
             self.obs = {k: [] for k in KINDS}
 
@@ -303,4 +336,4 @@ class CostBook:
         self._saved_at = now
 
 
-__all__ = ["CostBook", "corrections", "fastest_per_bucket", "fit_prefill", "fit_read", "machine_id"]
+__all__ = ["CostBook", "corrections", "fastest_per_bucket", "fit_prefill", "fit_read", "machine_id", "valid"]

@@ -120,6 +120,36 @@ def test_bad_file_starts_afresh(tmp_path, body):
     assert CostBook(path, "fp").learned.prefill is not None
 
 
+@pytest.mark.parametrize(
+    "kind, row",
+    [
+        ("prefill", [64, -5, 0.01]),  # log2 of a negative context: the server did not start
+        ("prefill", [1e300, 0, 1.0]),  # features overflow: "SVD did not converge", no start
+        ("load", [1e308, 1e-300, 0]),
+        ("outcome", [1, 1e306, 1.0]),  # log2(inf) at the next restore: the worker died
+        ("outcome", [7, 1.0, 1.0]),
+        ("load", [1000, 1.0, 5.0]),
+        ("prefill", [10**400, 0, 1.0]),  # no float at all
+    ],
+)
+def test_rows_no_machine_makes_are_dropped_and_the_rest_kept(tmp_path, kind, row):
+    """Finite but hostile rows got past the file check: they failed the server's start (a
+    ValueError or LinAlgError out of the fit) or killed the engine worker at its next restore."""
+    path = CostBook.file_for(tmp_path)
+    good = [[1000, 0, 0.5], [2000, 0, 1.0]]
+    obs = {"prefill": good + ([row] if kind == "prefill" else [])}
+    if kind != "prefill":
+        obs[kind] = [row]
+    path.write_text(json.dumps({"version": 2, "fingerprint": "fp", "observations": obs}))
+    book = CostBook(path, "fp")
+    assert book.learned.prefill is not None and len(book.obs["prefill"]) == 2
+    assert book.obs[kind] == ([] if kind != "prefill" else good)
+    book.observe_outcome("both", float("inf"), 1.0)  # a plan priced at inf: ignored, no raise
+    book.observe_outcome("load", 1e306, 1.0)
+    book.observe_prefill(100, 2000, 0.1)
+    assert book.learned.prefill is not None
+
+
 def test_version_1_file_starts_afresh(tmp_path):
     """Version 1 priced the join per byte read, of the three-copy join: its rows would mislead."""
     path = CostBook.file_for(tmp_path)
