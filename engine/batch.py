@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.decoding import Decoding, Group, batchable
 from engine.events import SamplingParams
-from engine.inflight import Ends, Hold, Progress, Seq, Sink
+from engine.inflight import End, Ends, Hold, Progress, Seq, Sink
 from engine.leasing import Leasing
 from engine.prefilling import Prefilling
 
@@ -34,7 +34,7 @@ class BatchLoop:
         self.engine, self.max_batch = engine, max_batch
         # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
         self.prefill_budget = engine.config.prefill_chunk
-        ends = Ends(engine)
+        ends = self.ends = Ends(engine)
         self.decode = Decoding(engine.model, ends)
         self.prefill = Prefilling(engine, ends, self.decode.start, self.decode.join)
         decode = self.decode  # not ``self``: a lambda over the loop, kept by its own leasing, is a cycle
@@ -110,9 +110,14 @@ class BatchLoop:
         held = [h for h in (self.decode.text_hold(), self.prefill.ready_hold()) if h is not None]
         return Hold(min(held, default=None))
 
-    def close(self) -> None:
+    def close(self, end: End | None = None) -> None:
         """At shutdown, everything in flight stops: what each request computed is stored, its
         listener gets a 503 (``api.ShuttingDown``: a finish would read as a whole answer)."""
-        self.leasing.close()
-        self.prefill.close()
-        self.decode.close()
+        self.leasing.close(end)
+        self.prefill.close(end)
+        self.decode.close(end)
+
+    def abort(self, error: Exception) -> None:
+        """After an error out of :meth:`step` itself: every request in flight fails with it,
+        nothing it computed stored (its caches may be cut mid-write). The loop is done."""
+        self.close(lambda seq, caches: self.ends.fail(seq, error, None))

@@ -22,7 +22,7 @@ from mlx_lm.models import cache as C
 
 from engine import sampler as sampling
 from engine import shapes
-from engine.inflight import Ends, Seq
+from engine.inflight import End, Ends, Seq
 
 log = logging.getLogger(__name__)
 NO_LIMIT = 1 << 62  # GenerationBatch's own max_tokens: ours (TextStream) ends requests
@@ -263,12 +263,13 @@ class Decoding:
         for group in self.groups():
             self._decode(group)
 
-    def close(self) -> None:
+    def close(self, end: End | None = None) -> None:
         """At shutdown: every decoding request's cache is stored and its listener told it was
-        cut short (:meth:`Ends.stop`)."""
+        cut short (:meth:`Ends.stop`; ``end``: another ending)."""
+        end = end or self.ends.stop
         for group in self.groups():
             for i, seq in enumerate(group.seqs):
-                self.ends.stop(seq, _caches_of(group, i))
+                end(seq, _caches_of(group, i))
         self.batch, self.solo = None, []
 
     def _decode(self, group: Group) -> None:

@@ -132,6 +132,10 @@ class Seq:
         )
 
 
+#: how one request in flight ends: (the request, its caches or None)
+End = Callable[[Seq, list[Any] | None], None]
+
+
 class Ends:
     """How requests end: their caches go into ``engine.cache`` (the tiered cache)."""
 

@@ -23,7 +23,7 @@ import numpy as np
 from engine import prefill_batch
 from engine import sampler as sampling
 from engine.events import END, Hit
-from engine.inflight import NO_HOLD, Ends, Hold, Seq, short
+from engine.inflight import NO_HOLD, End, Ends, Hold, Seq, short
 
 #: prompt tokens a waiting request must gain from a prefilling one's published prompt to wait for it
 SHARE_GAIN = 64
@@ -95,15 +95,17 @@ class Leasing:
             else:
                 self._fetch_once(seq)
 
-    def close(self) -> None:
-        """At shutdown: waiting requests and reads in flight stop, each listener told (a 503)."""
+    def close(self, end: End | None = None) -> None:
+        """At shutdown: waiting requests and reads in flight stop, each listener told (a 503;
+        ``end``: another ending, e.g. :meth:`BatchLoop.abort`'s)."""
+        end = end or self.ends.stop
         for seq in self.waiting:
-            self.ends.stop(seq, None)
+            end(seq, None)
         self.waiting.clear()
         for seq in self.loading:
             assert seq.fetch is not None
             seq.fetch.close()
-            self.ends.stop(seq, None)
+            end(seq, None)
         self.loading.clear()
 
     def _shares_with_prefilling(self, seq: Seq) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine import prefill_batch, shapes
-from engine.inflight import NO_HOLD, Ends, Hold, Seq, short
+from engine.inflight import NO_HOLD, End, Ends, Hold, Seq, short
 
 
 class Prefilling:
@@ -83,10 +83,12 @@ class Prefilling:
             self.seqs.remove(gone)
             self.ends.finish(gone, "cancelled", gone.lease.caches if gone.lease else None)
 
-    def close(self) -> None:
-        """At shutdown: each prefilling request's cache is stored, its listener told (a 503)."""
+    def close(self, end: End | None = None) -> None:
+        """At shutdown: each prefilling request's cache is stored, its listener told (a 503;
+        ``end``: another ending)."""
+        end = end or self.ends.stop
         for seq in self.seqs:
-            self.ends.stop(seq, seq.lease.caches if seq.lease else None)
+            end(seq, seq.lease.caches if seq.lease else None)
         self.seqs.clear()
 
     # -- shared forwards --------------------------------------------------------------------

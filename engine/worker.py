@@ -267,7 +267,12 @@ class Worker:
             self._prefetch()
             loop = BatchLoop(self.engine, self.max_batch)
             while self._admit(loop):
-                loop.step()
+                try:
+                    loop.step()
+                except Exception as e:  # a defect: its requests fail, the next ones are served
+                    log.exception("batch step failed: the requests in flight fail")
+                    loop.abort(e)
+                    loop = BatchLoop(self.engine, self.max_batch)
                 self.batch_size, self.in_flight = loop.decoding, loop.active
             loop.close()
             self.batch_size = self.in_flight = 0

@@ -181,3 +181,32 @@ async def events_of(job):
     while (item := await job.get(30)) is not END:
         assert item is not None, "worker stalled"
         yield item
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_worker_goes_on(make_engine, monkeypatch):
+    """An error out of a batch step itself (a restore-costs row made ``log2`` fail there) ended
+    the worker thread: the request in flight and every later one waited for ever."""
+    from engine.batch import BatchLoop
+    from engine.events import Failed
+
+    real, calls = BatchLoop.step, []
+
+    def fails_once(self: BatchLoop) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("math domain error")
+        real(self)
+
+    monkeypatch.setattr(BatchLoop, "step", fails_once)
+    worker = Worker(make_engine)
+    worker.start()
+    ids = worker.engine.encode_text("the cache holds the prompt " * 4)
+
+    async def main():
+        first = await drain(worker.submit(ids, SamplingParams(max_tokens=3)))
+        return first, await drain(worker.submit(ids, SamplingParams(max_tokens=3)))
+
+    first, second = asyncio.run(main())
+    worker.close()
+    assert [type(e) for e in first][-1] is Failed and str(first[-1].error) == "math domain error"
+    assert second[-1].finish_reason == "length"
