@@ -11,6 +11,7 @@ entry stays unchanged: MLX writes make new buffers) or a whole entry taken out o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -221,6 +222,8 @@ class TieredCache:
             if got is not None:
                 entry = new_entry(got.tokens, got.caches, {}, persisted=True)
                 return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d)
+        if d.kind == "both":  # it fell back: the load's time is no outcome of a both
+            d = dataclasses.replace(d, kind="load", informed=False)
         cand = yield from self._load(hit, prompt, background)
         if cand is not None:
             r.observe_load(hit.entry_id, cand.load_bytes, cand.load_seconds)

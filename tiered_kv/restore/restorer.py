@@ -154,6 +154,8 @@ class Restorer:
         d = Decision(p.kind, n, p.m, restore_s, restore_s + suffix if known else 0.0, p.reason,
                      raw + suffix if known else 0.0, p.informed)  # fmt: skip
         self._count(f"restore_{p.kind}")
+        if self.mode == "both" and p.kind != "both":
+            _ = self._fell_back(p.reason)  # forced, but this entry cannot be split: said, counted
         log.debug("restore plan %s (n=%d m=%d warm=%s): %s; load %s compute %s both %s", p.kind,
                   n, p.m, warm, p.reason, p.load_s, p.compute_s, p.both_s)  # fmt: skip
         return d
@@ -215,7 +217,11 @@ class Restorer:
         up = gpu.shared() if self.landing == "tail" else None  # CUDA: copied in by the GPU
         future = self._pool.submit(self.reader, path, cold.fingerprint, m, n, into=views, gpu=up)
         del views  # the I/O thread's now; `full` is not touched until the read returned
-        computed = self.compute(np.asarray(prompt[:m]).tolist())
+        try:
+            computed = self.compute(np.asarray(prompt[:m]).tolist())
+        except Exception as e:  # the file may still serve: load it (after the read let `full` go)
+            _wait_out(future)
+            return self._fell_back(f"head: {type(e).__name__}: {e}")
         t_head = time.perf_counter()
         try:
             rr = future.result()
@@ -332,3 +338,12 @@ def calibrate(compute: Compute, costs: CostBook, budget_s: float = 2.0) -> int:
         if time.perf_counter() - t_all + 8 * dt > budget_s:
             break  # the next one is 4x longer, run twice
     return done
+
+
+def _wait_out(future: Any) -> None:
+    """Until the I/O thread is done with the arrays it reads into; its outcome does not matter."""
+    try:
+        future.result()
+    except Exception:
+        pass
+

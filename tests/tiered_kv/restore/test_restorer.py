@@ -166,6 +166,7 @@ def test_both_unavailable_falls_back_to_load_and_says_so(tmp_path, factory):
     ref = feed(model, make_prompt_cache(model), ids)
     np.testing.assert_allclose(out, ref, rtol=10 * TOL, atol=10 * TOL)
     assert r.counters["restore_both"] == 0
+    assert r.counters["restore_both_fallbacks"] == 1  # forced, not done: counted (it was not)
     tc.close()
     s.cold.close()
 
@@ -240,6 +241,28 @@ def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
     lease = tc.fetch(s.ids + [1])
     assert lease.hit.tier == "none"  # the load found it corrupt too: quarantined, a miss
     assert tc.stats()["cold_quarantined"] == 1
+    tc.close()
+    s.cold.close()
+
+
+def test_a_head_that_fails_falls_back_to_a_load_of_the_intact_file(tmp_path):
+    """An error in the computed head failed the request (a 500) though the file was intact;
+    the read in flight into the landing arrays is waited out before they are dropped."""
+    s = Setup(make_llama(seed=4), tmp_path)
+    r = s.restorer("both")
+
+    def broken(ids):
+        raise RuntimeError("out of memory in the head")
+
+    r.compute = broken
+    tc = s.tiered(r)
+    ids = s.ids + [1, 2]
+    lease = tc.fetch(ids)
+    assert lease.hit.tier == "cold" and lease.hit.tokens == N
+    assert lease.hit.restore.kind == "load" and not lease.hit.restore.informed  # no both outcome
+    assert r.counters["restore_both_fallbacks"] == 1
+    out = np.array(prefill(s.model, lease, ids[:N], 64))
+    np.testing.assert_allclose(out, feed(s.model, make_prompt_cache(s.model), ids), rtol=TOL, atol=TOL)
     tc.close()
     s.cold.close()
 
