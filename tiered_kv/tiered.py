@@ -218,7 +218,7 @@ class TieredCache:
         if d.kind == "compute":
             return _Candidate(None, 0, "none", restore=d)  # type: ignore[arg-type]
         if d.kind == "both":
-            got = r.both(self.cold, hit, prompt, d)
+            got = yield from r.both_steps(self.cold, hit, prompt, d, background)
             if got is not None:
                 entry = new_entry(got.tokens, got.caches, {}, persisted=True)
                 return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d)

@@ -36,6 +36,7 @@ from tiered_kv.cold.landing import allocate
 from tiered_kv.restore import buffers
 from tiered_kv.restore.costs import CostBook
 from tiered_kv.restore.plan import KINDS, Hit, Mode, Plan, plan, worth_spilling
+from tiered_kv.steps import Steps, drain
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +196,18 @@ class Restorer:
     def both(
         self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision
     ) -> BothResult | None:
+        """:meth:`both_steps` run to its end (nothing else to do meanwhile)."""
+        return drain(self.both_steps(cold, hit, prompt, d, background=False))
+
+    def both_steps(
+        self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision,
+        background: bool = True,
+    ) -> Steps[BothResult | None]:  # fmt: skip
         """Compute ``[0, m)`` here while the I/O thread reads ``[m, n)`` into the final arrays;
         join. None when the file cannot serve the range (gone, corrupt, unsplittable): the caller
-        loads instead, and the cold tier's own load then quarantines what is corrupt."""
+        loads instead, and the cold tier's own load then quarantines what is corrupt. With
+        ``background``, each ``next()`` once the head is computed returns at once until the read
+        is done: the batch loop's decode steps go on beside it."""
         desc = cold.describe(hit)
         if desc is None:
             return self._fell_back("entry vanished")
@@ -223,6 +233,8 @@ class Restorer:
             _wait_out(future)
             return self._fell_back(f"head: {type(e).__name__}: {e}")
         t_head = time.perf_counter()
+        while background and not future.done():
+            yield
         try:
             rr = future.result()
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError, gpu.DeviceError) as e:

@@ -188,6 +188,40 @@ def test_tiered_cache_serves_both_as_cold(plain, tmp_path):
     tc.cold.close()
 
 
+def test_a_both_beside_the_batch_waits_for_its_read_step_by_step(plain):
+    """A both blocked the batch loop for its whole read (the decode streams beside it froze for
+    as long as the disk took): once its head is computed, each step returns while the read goes on."""
+    import threading
+
+    from tiered_kv.cold import ranged
+
+    release = threading.Event()
+
+    def held_reader(*a, **kw):
+        release.wait(10)  # a slow disk, until the test lets it go
+        return ranged.read_range(*a, **kw)
+
+    r = plain.restorer("both", reader=held_reader)
+    tc = plain.tiered(r)
+    ids = plain.ids + [1, 2, 3]
+    steps = tc.fetch_steps(ids, background=True)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        next(steps)  # returns: the read is still held
+    assert time.perf_counter() - t0 < 5 and not release.is_set()
+    release.set()
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        lease = done.value
+    assert lease.hit.tier == "cold" and lease.hit.restore.kind == "both"
+    out = np.array(prefill(plain.model, lease, ids[:N], 64))
+    np.testing.assert_allclose(out, feed(plain.model, make_prompt_cache(plain.model), ids),
+                               rtol=TOL, atol=TOL)  # fmt: skip
+    tc.hot.entries.clear()
+
+
 @pytest.mark.parametrize("mode", ["both", "auto"])
 def test_both_computes_whole_prefill_steps(plain, mode):
     """m is a multiple of the compute's prefill step: a head of whole steps runs only chunk
