@@ -13,18 +13,21 @@ sinks it emits into must be safe to call from that thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import numpy as np
 
 from engine.decoding import Decoding, Group, batchable
-from engine.events import SamplingParams
+from engine.events import END, Failed, SamplingParams
 from engine.inflight import End, Ends, Hold, Progress, Seq, Sink
 from engine.leasing import Leasing
 from engine.prefilling import Prefilling
 
 __all__ = ["BatchLoop", "Progress", "Sink", "batchable"]
+
+log = logging.getLogger(__name__)
 
 
 class BatchLoop:
@@ -119,5 +122,18 @@ class BatchLoop:
 
     def abort(self, error: Exception) -> None:
         """After an error out of :meth:`step` itself: every request in flight fails with it,
-        nothing it computed stored (its caches may be cut mid-write). The loop is done."""
-        self.close(lambda seq, caches: self.ends.fail(seq, error, None))
+        nothing it computed stored (its caches may be cut mid-write; a request the step had
+        already ended is not ended again). The loop is done; nothing raises out of here."""
+
+        def fail(seq: Seq, caches: list[Any] | None) -> None:
+            try:
+                seq.sink.emit(Failed(error))
+                seq.sink.emit(END)
+            except Exception:
+                log.exception("ending a request after a failed step")
+
+        for part in (self.leasing, self.prefill, self.decode):
+            try:
+                part.close(fail)
+            except Exception:
+                log.exception("closing the batch after a failed step")

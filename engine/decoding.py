@@ -266,10 +266,12 @@ class Decoding:
     def close(self, end: End | None = None) -> None:
         """At shutdown: every decoding request's cache is stored and its listener told it was
         cut short (:meth:`Ends.stop`; ``end``: another ending)."""
-        end = end or self.ends.stop
         for group in self.groups():
             for i, seq in enumerate(group.seqs):
-                end(seq, _caches_of(group, i))
+                if end is None:
+                    self.ends.stop(seq, _caches_of(group, i))
+                else:  # another ending (an abort): the group's caches are not touched
+                    end(seq, None)
         self.batch, self.solo = None, []
 
     def _decode(self, group: Group) -> None:

@@ -58,11 +58,16 @@ class Job:
     enqueued: float = field(default_factory=time.perf_counter)
     on_end: Callable[[], None] | None = field(default=None, repr=False)
     on_stop: Callable[[Job], None] | None = field(default=None, repr=False)
+    ended: bool = False  # END was emitted: nothing after it is (an abort ends what a step ended)
 
     def emit(self, event: Event) -> None:
         """Worker side: hand an event to the request's loop (a closed loop means nobody listens)."""
-        if event is END and self.on_end is not None:
-            self.on_end()
+        if self.ended:
+            return
+        if event is END:
+            self.ended = True
+            if self.on_end is not None:
+                self.on_end()
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:

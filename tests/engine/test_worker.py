@@ -210,3 +210,38 @@ def test_a_step_that_raises_fails_its_requests_and_the_worker_goes_on(make_engin
     worker.close()
     assert [type(e) for e in first][-1] is Failed and str(first[-1].error) == "math domain error"
     assert second[-1].finish_reason == "length"
+
+
+def test_an_abort_after_a_request_ended_ends_it_once_and_fails_the_rest(make_engine, monkeypatch):
+    """A step that raised after it had ended a request: the abort sent that request Failed and a
+    second END (the worker counted it out twice: its queue bound loosened by one each time); a
+    request still decoding fails, and the next one is served."""
+    from engine.events import Failed
+    from engine.inflight import Ends
+
+    real, calls = Ends.finish, []
+
+    def finish_then_raise(self: Ends, seq, reason, caches) -> None:
+        calls.append(1)
+        real(self, seq, reason, caches)
+        if len(calls) == 1:
+            raise RuntimeError("the rest of the step failed")
+
+    monkeypatch.setattr(Ends, "finish", finish_then_raise)
+    worker = Worker(make_engine)
+    worker.start()
+    ids = worker.engine.encode_text("the cache holds the prompt " * 4)
+
+    async def main():
+        short = worker.submit(ids, SamplingParams(max_tokens=2))
+        long = worker.submit(ids, SamplingParams(max_tokens=50))
+        got = [await drain(short), await drain(long)]
+        assert short.events.empty() and long.events.empty()  # nothing after END
+        return got, await drain(worker.submit(ids, SamplingParams(max_tokens=3)))
+
+    (short, long), after = asyncio.run(main())
+    assert short[-1].finish_reason == "length"  # ended by the step, before it raised
+    assert isinstance(long[-1], Failed) and "rest of the step" in str(long[-1].error)
+    assert after[-1].finish_reason == "length"
+    assert worker._accepted == 0
+    worker.close()
