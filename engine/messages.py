@@ -234,7 +234,7 @@ class MessagesOutput:
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         out = self._delta(self.parser.feed(chunk.text))
         if chunk.finish_reason is not None:
-            tail, _ = self.parser.finish(chunk.finish_reason)
+            tail, _ = self.parser.finish(chunk.finish_reason, chunk.stop_sequence is not None)
             out += self._delta(tail)
             out += self._close()
             self.usage = chunk.usage

@@ -316,9 +316,10 @@ class ChatOutput:
         text, self._lead = self._lead, None
         return text
 
-    def finish(self, engine_reason: str | None) -> tuple[Delta, str | None]:
+    def finish(self, engine_reason: str | None, cut: bool = False) -> tuple[Delta, str | None]:
         """End of output: pending text, an open call block parsed (formats without an end marker run
-        to the end; whole-output calls parsed, or shown as text), and the OpenAI finish reason
+        to the end; whole-output calls parsed, or shown as text; one whose end never came —
+        ``length``, or ``cut`` by a stop string — shown as text), and the OpenAI finish reason
         (``tool_calls`` when a call ended the output)."""
         out = Delta()
         if self._lead is not None:
@@ -329,7 +330,7 @@ class ChatOutput:
         if rest:
             self._segment(self._state, rest, out)
         if self._state in CALLS:
-            if self.fmt.tool[1] and engine_reason == "length":
+            if self.fmt.tool[1] and (cut or engine_reason == "length"):
                 self._cut_call(out)  # its end never came: lenient parsers made calls of halves
             else:
                 self._close_call(out, closed=not self.fmt.tool[1])
@@ -409,11 +410,21 @@ class ChatOutput:
             if self.n_calls and not self.parallel:
                 continue
             if call["id"] in self.ids:
-                call["id"] = new_call_id(self.fmt.parser_name)
+                call["id"] = self._fresh_id(call["function"]["name"])
             self.ids.add(call["id"])
             out.call({"index": self.n_calls, **call})
             self.n_calls += 1
         return True
+
+    def _fresh_id(self, name: str) -> str:
+        """An id no call of the conversation has, in the format's own form where it has one
+        (Kimi's ``functions.NAME:N``, which its template writes back to the model)."""
+        if self.fmt.parser_name != "kimi_k2":
+            return new_call_id(self.fmt.parser_name)
+        n = 0
+        while f"functions.{name}:{n}" in self.ids:
+            n += 1
+        return f"functions.{name}:{n}"
 
     def _parse(self, text: str) -> list[dict[str, Any]] | None:
         try:

@@ -159,7 +159,7 @@ class ChatOutput(_Base):
         if self.logprobs is not None:
             self.logprobs.add(chunk.logprob)
         if chunk.finish_reason is not None:
-            tail, self.finish = self.parser.finish(chunk.finish_reason)
+            tail, self.finish = self.parser.finish(chunk.finish_reason, chunk.stop_sequence is not None)
             out += [self._delta(d) for d in tail.sse_deltas()]
             self.usage = chunk.usage
             out.append(self._delta({}, self.finish))

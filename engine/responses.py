@@ -231,7 +231,7 @@ class ResponsesOutput:
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         out = self._render(self.items.steps(self.parser.feed(chunk.text)))
         if chunk.finish_reason is not None:
-            tail, _ = self.parser.finish(chunk.finish_reason)
+            tail, _ = self.parser.finish(chunk.finish_reason, chunk.stop_sequence is not None)
             out += self._render(self.items.steps(tail))
             if chunk.finish_reason == "length":  # the item cut short is incomplete, as OpenAI's
                 self.closing = "incomplete"

@@ -108,10 +108,6 @@ class HotTier:
     def touch(self, entry: Entry) -> None:
         entry.last_used = next(self._clock)
 
-    def holds(self, entry: Entry) -> bool:
-        """True when ``entry`` is stored here (not taken, evicted or discarded)."""
-        return entry.id in self.entries
-
     # -- membership ------------------------------------------------------------------------
     def take(self, entry: Entry) -> Entry:
         """Remove ``entry`` without spilling: the caller now owns its caches."""

@@ -374,3 +374,13 @@ def test_thinking_at_the_end_leaves_no_whitespace_block_and_a_resumed_block_no_s
     out, _ = _run(["Plan.\n<think>\nCheck B.\n</think>\n\nMore."], think=True)
     assert [(b["type"], b.get("text", b.get("thinking"))) for b in out.body()["content"]] == [
         ("text", "Plan."), ("thinking", "Check B."), ("text", "More.")]  # fmt: skip
+
+
+def test_a_call_block_cut_by_a_stop_string_is_text():
+    """A stop string that lands inside a call block cuts it as max_tokens does: a lenient parser
+    made a half call of it, and the turn ended in tool_use."""
+    half = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    out, _ = _run(["Let me look.\n", half], stop="\n</tool_call>")
+    assert [b["type"] for b in out.body()["content"]] == ["text"]
+    assert out.body()["content"][0]["text"].endswith(half)
+    assert out.body()["stop_reason"] == "stop_sequence"

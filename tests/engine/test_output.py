@@ -591,6 +591,6 @@ def test_call_ids_the_model_repeats_are_made_unique(family_dirs):
     text = "<|tool_calls_section_begin|>" + call % "Paris" + call % "Oslo" + "<|tool_calls_section_end|>"
     got, _ = _run(ChatOutput(fmt, TOOLS), [text])
     ids = [c["id"] for c in got.tool_calls]
-    assert len(ids) == 2 and len(set(ids)) == 2 and ids[0] == "functions.get_weather:0"
+    assert ids == ["functions.get_weather:0", "functions.get_weather:1"]  # Kimi's own form
     got, _ = _run(ChatOutput(fmt, TOOLS, taken_ids={"functions.get_weather:0"}), [text])
-    assert "functions.get_weather:0" not in {c["id"] for c in got.tool_calls}
+    assert [c["id"] for c in got.tool_calls] == ["functions.get_weather:1", "functions.get_weather:2"]

@@ -62,6 +62,7 @@ def machine_id(device: str = "") -> tuple[str, dict[str, Any]]:
 
 
 _MAX_TOKENS, _MAX_BYTES, _MAX_SECONDS = 1e9, 1e15, 1e6  # beyond any real observation
+_MAX_TOKENS_PER_S, _MAX_BYTES_PER_S = 1e8, 1e12  # nor does a prefill or a read run faster
 
 
 def valid(kind: str, obs: list[float]) -> bool:
@@ -72,11 +73,12 @@ def valid(kind: str, obs: list[float]) -> bool:
         return False
     if kind == "prefill":
         k, c, sec = obs
-        return 0 < k <= _MAX_TOKENS and 0 <= c <= _MAX_TOKENS and 0 < sec <= _MAX_SECONDS
+        return (0 < k <= _MAX_TOKENS and 0 <= c <= _MAX_TOKENS and 0 < sec <= _MAX_SECONDS
+                and k / sec <= _MAX_TOKENS_PER_S)  # fmt: skip
     if kind == "outcome":
         way, predicted, actual = obs
         return way in (1, 2, 3) and 0 < predicted <= _MAX_SECONDS and 0 < actual <= _MAX_SECONDS
-    ok = 0 < obs[0] <= _MAX_BYTES and 0 < obs[1] <= _MAX_SECONDS
+    ok = 0 < obs[0] <= _MAX_BYTES and 0 < obs[1] <= _MAX_SECONDS and obs[0] / obs[1] <= _MAX_BYTES_PER_S
     return ok and (kind == "join" or -1 <= obs[2] <= 1)
 
 

@@ -139,7 +139,9 @@ class Restorer:
             return Decision("load", n, 0, 0.0, 0.0, "entry vanished")  # load turns it into a miss
         path, nbytes = desc
         warm = ranged.resident_share(path)
-        self._warm = {hit.entry_id: warm}  # only the plan in flight is observed
+        if len(self._warm) >= 64:  # plans whose read never came (a compute, a miss)
+            self._warm.clear()
+        self._warm[hit.entry_id] = warm  # popped by the read it prices
         entry_tokens = max(1, int(hit.entry_tokens))
         blocker = self.blocker or ("memory holds a shorter prefix" if start else "")
         h = Hit(n, nbytes, nbytes / entry_tokens, warm, blocker, self.step)
@@ -230,6 +232,8 @@ class Restorer:
         try:
             computed = self.compute(np.asarray(prompt[:m]).tolist())
         except Exception as e:  # the file may still serve: load it (after the read let `full` go)
+            while background and not future.done():
+                yield
             _wait_out(future)
             return self._fell_back(f"head: {type(e).__name__}: {e}")
         t_head = time.perf_counter()
@@ -297,7 +301,7 @@ class Restorer:
 
     def _fell_back(self, why: str) -> BothResult | None:
         """Count and log a `both` that could not be done; None (the caller loads instead)."""
-        log.info("restore by both fell back to load: %s", why)
+        log.info("restore by both not taken: %s", why)
         self._count("restore_both_fallbacks")
         return None
 

@@ -130,6 +130,8 @@ def test_bad_file_starts_afresh(tmp_path, body):
         ("outcome", [7, 1.0, 1.0]),
         ("load", [1000, 1.0, 5.0]),
         ("prefill", [10**400, 0, 1.0]),  # no float at all
+        ("load", [1e15, 1e-300, 0]),  # an infinite rate: loads priced at 0 s, /metrics inf
+        ("prefill", [1e8, 0, 1e-6]),
     ],
 )
 def test_rows_no_machine_makes_are_dropped_and_the_rest_kept(tmp_path, kind, row):

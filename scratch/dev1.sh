@@ -1,0 +1,11 @@
+set -x
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+df -h /tmp | tail -1
+git log --oneline -1 2>/dev/null
+timeout 260 python3 -m bench.sizes --shape 8b --tokens 8192,32768,131072 --dir /tmp/sz --json $OUT/sizes8b.json 2>&1 | grep --line-buffered -v "INFO\|^\s*$"
+rm -rf /tmp/sz
+python3 -m engine.cli model tiny /tmp/models/1b --size 1b 2>&1 | tail -1
+timeout 150 python3 -m engine.cli smoke /tmp/models/1b --prefix-words 6000 --max-tokens 64 2>&1 | grep --line-buffered -v '^\s*$' | tail -25
+timeout 170 python3 scratch/rb.py --size 8b --models-dir /tmp/models --tokens 65536 --dir /tmp/r8 2>&1 | grep --line-buffered -v "^INFO\|HTTP"
+mkdir -p $OUT/costs64 && find /tmp/r8 -name 'costs-*.json' -exec cp {} $OUT/costs64/ \;
+rm -rf /tmp/r8
