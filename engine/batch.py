@@ -37,7 +37,7 @@ class BatchLoop:
         self.engine, self.max_batch = engine, max_batch
         # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
         self.prefill_budget = engine.config.prefill_chunk
-        ends = self.ends = Ends(engine)
+        ends = Ends(engine)
         self.decode = Decoding(engine.model, ends)
         self.prefill = Prefilling(engine, ends, self.decode.start, self.decode.join)
         decode = self.decode  # not ``self``: a lambda over the loop, kept by its own leasing, is a cycle
