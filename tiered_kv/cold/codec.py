@@ -239,16 +239,36 @@ def _load_uploading(path: Path, header: store.Header, up: gpu.Upload,
     except ValueError as e:
         raise store.CorruptEntry(f"tensor layout: {e}") from None
     dests = {n: np.frombuffer(a, dtype=np.uint8) for n, a in arrays.items()}  # type: ignore[call-overload]
+    try:
+        yield from _read_uploading(path, header, dests, up, step_bytes)
+    except gpu.DeviceError:
+        # a stream that failed to synchronise may still copy into them: never freed, never
+        # reused (the upload is off after a failed call: at most once per process)
+        _STRANDED.append(arrays)
+        raise
+    del dests
+    return _logical(arrays, header)
+
+
+#: arrays a failed GPU upload may still write into (kept, never reused)
+_STRANDED: list[dict[str, mx.array]] = []
+
+
+def _read_uploading(path: Path, header: store.Header, dests: dict[str, np.ndarray],
+                    up: gpu.Upload, step_bytes: int | None) -> Steps[None]:  # fmt: skip
     if step_bytes is None:
         ranged.read_tensors(path, header, dests, up)
     else:
-        with ThreadPoolExecutor(1, thread_name_prefix="tkv-upload") as pool:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tkv-upload")
+        try:
             done = pool.submit(ranged.read_tensors, path, header, dests, up)
             while not done.done():
                 yield
             done.result()
-    del dests
-    return _logical(arrays, header)
+        finally:
+            # closed by a cancelled request: the read runs out on its thread, which holds the
+            # arrays it writes into (``dests`` are views of them); the engine thread goes on
+            pool.shutdown(wait=False)
 
 
 def _logical(arrays: dict[str, mx.array], header: store.Header) -> dict[str, mx.array]:

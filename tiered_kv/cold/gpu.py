@@ -137,8 +137,14 @@ class Batch:
             used = list(self._used)
         if used:
             up._call("cuCtxSetCurrent", up._context)
-        for s in used:
-            up._call("cuStreamSynchronize", s.stream)
+        failed: DeviceError | None = None
+        for s in used:  # every stream, whatever one of them says: no copy may land after this
+            try:
+                up._call("cuStreamSynchronize", s.stream)
+            except DeviceError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
 
 _SHARED: list[Upload | None] = []

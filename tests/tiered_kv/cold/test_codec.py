@@ -192,3 +192,31 @@ def test_a_failed_gpu_copy_falls_back_to_the_scan_and_blames_no_file(tmp_path, m
     monkeypatch.setattr(gpu, "shared", lambda: HostUpload(slot_bytes=16 << 20, fail_after=2))
     got = drain(codec.load_steps(path, header, host=False))
     assert mx.array_equal(got["1.keys"], caches[1].keys[..., :12_000, :]).item()
+
+
+def test_a_closed_step_wise_cuda_load_leaves_its_read_to_run_out(tmp_path, monkeypatch):
+    """A cancelled request closes its load: the engine thread waited there for the rest of the
+    read (every decode stream with it: ~3 s for a 4 GiB entry at 1.5 GB/s). The read runs out on
+    its own thread, which holds the arrays it writes into."""
+    import threading
+    import time
+
+    from tiered_kv.cold import gpu, ranged
+
+    path, header, _ = big_entry(tmp_path)
+    monkeypatch.setattr(gpu, "shared", lambda: HostUpload(slot_bytes=16 << 20))
+    release, real = threading.Event(), ranged.read_tensors
+
+    def held(*a, **kw):
+        release.wait(20)  # a slow disk, until the test lets it go
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ranged, "read_tensors", held)
+    steps = codec.load_steps(path, header, 8 << 20, host=False)
+    next(steps)
+    next(steps)
+    t0 = time.perf_counter()
+    steps.close()
+    waited = time.perf_counter() - t0
+    release.set()
+    assert waited < 10  # it returned while the read was still held

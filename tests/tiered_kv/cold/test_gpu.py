@@ -19,9 +19,10 @@ from tiered_kv.cold.landing import allocate
 from tiered_kv.steps import drain
 
 _cuda = getattr(mx, "cuda", None)
-pytestmark = pytest.mark.skipif(_cuda is None or not _cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(_cuda is None or not _cuda.is_available(), reason="needs CUDA")
 
 
+@needs_cuda
 def test_slots_filled_on_other_threads_are_copied_into_mlx_arrays():
     mx.eval(mx.ones((4,)) + 1)  # MLX's context is current on this (the engine) thread
     up = gpu.shared()
@@ -67,6 +68,7 @@ def entry(tmp_path, tokens=9000):
     return path, store.read_header(path, "fp"), caches
 
 
+@needs_cuda
 def test_a_load_on_cuda_goes_through_the_upload_and_equals_the_caches(tmp_path):
     path, header, caches = entry(tmp_path)
     before = gpu.uploaded_bytes()
@@ -79,6 +81,7 @@ def test_a_load_on_cuda_goes_through_the_upload_and_equals_the_caches(tmp_path):
     assert gpu.uploaded_bytes() - before == 2 * header.data_len
 
 
+@needs_cuda
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_a_flipped_byte_fails_a_cuda_load(tmp_path, where):
     path, header, _ = entry(tmp_path)
@@ -88,6 +91,7 @@ def test_a_flipped_byte_fails_a_cuda_load(tmp_path, where):
         drain(codec.load_steps(path, header))
 
 
+@needs_cuda
 def test_a_ranged_read_through_the_upload_equals_the_host_read(tmp_path):
     path, _, caches = entry(tmp_path)
     m, n = 3000, 9000
@@ -101,6 +105,7 @@ def test_a_ranged_read_through_the_upload_equals_the_host_read(tmp_path):
         assert mx.array_equal(mx.swapaxes(tail[f"{i}.keys"], 1, 2), c.keys[..., m:n, :]).item()
 
 
+@needs_cuda
 def test_the_upload_opens_from_a_thread_that_never_ran_mlx():
     """The first disk hit may be loaded on a thread with no CUDA context current yet (the
     driver's contexts are per thread): the upload then takes MLX's device's primary context."""
@@ -109,3 +114,32 @@ def test_the_upload_opens_from_a_thread_that_never_ran_mlx():
     t.start()
     t.join()
     assert isinstance(got[0], gpu.Upload)
+
+
+def test_a_failed_stream_sync_still_waits_on_every_other_stream():
+    """``Batch.wait`` stopped at the first stream that failed to synchronise: copies on the
+    others could still land in arrays the caller then freed and the fallback reused. (The
+    driver here is a stand-in that records calls: runs without CUDA.)"""
+
+    class Driver:
+        def __init__(self) -> None:
+            self.synced: list[int] = []
+
+        def cuCtxSetCurrent(self, ctx: object) -> int:
+            return 0
+
+        def cuStreamSynchronize(self, stream: int) -> int:
+            self.synced.append(stream)
+            return 700 if stream != 2 else 0  # two of the three fail
+
+    class Slot:
+        def __init__(self, stream: int) -> None:
+            self.stream = stream
+
+    up = gpu.Upload.__new__(gpu.Upload)
+    up._lib, up._context, up._lock, up.ok = Driver(), 1, threading.Lock(), True
+    batch = gpu.Batch(up)
+    batch._used = {Slot(i) for i in (1, 2, 3)}
+    with pytest.raises(gpu.DeviceError, match="cuStreamSynchronize"):
+        batch.wait()
+    assert sorted(up._lib.synced) == [1, 2, 3] and not up.ok
