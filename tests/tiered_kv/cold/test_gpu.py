@@ -6,6 +6,7 @@ as ``mx.load`` builds it. Needs CUDA (the CI machine has none: skipped there; ru
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -136,10 +137,11 @@ def test_a_failed_stream_sync_still_waits_on_every_other_stream():
         def __init__(self, stream: int) -> None:
             self.stream = stream
 
-    up = gpu.Upload.__new__(gpu.Upload)
-    up._lib, up._context, up._lock, up.ok = Driver(), 1, threading.Lock(), True
-    batch = gpu.Batch(up)
+    driver = Driver()
+    up: Any = gpu.Upload.__new__(gpu.Upload)
+    up._lib, up._context, up._lock, up.ok = driver, 1, threading.Lock(), True
+    batch: Any = gpu.Batch(up)
     batch._used = {Slot(i) for i in (1, 2, 3)}
     with pytest.raises(gpu.DeviceError, match="cuStreamSynchronize"):
         batch.wait()
-    assert sorted(up._lib.synced) == [1, 2, 3] and not up.ok
+    assert sorted(driver.synced) == [1, 2, 3] and not up.ok
