@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -407,3 +408,60 @@ def test_read_tensors_refuses_a_file_that_changed_size_and_a_wrong_layout(tmp_pa
     with pytest.raises(store.CorruptEntry, match="size"):
         ranged.read_tensors(path, h, into)
 
+
+
+# --- through the real gpu.Upload, over a copy engine that runs later (tests/cuda_driver.py) ----
+
+
+def _upload(monkeypatch, slot_bytes: int, slots: int, **driver: Any) -> tuple[gpu.Upload, Any]:
+    from tests.cuda_driver import FakeDriver
+
+    monkeypatch.setattr(gpu, "SLOT_BYTES", slot_bytes)
+    monkeypatch.setattr(gpu.Batch, "slot_bytes", slot_bytes)
+    lib = FakeDriver(**driver)
+    return gpu.Upload(lib, 1, slots=slots), lib
+
+
+@pytest.mark.parametrize(
+    "chunk, slot, slots, workers",
+    [(1000, 1000, 1, 1), (1000, 1999, 2, 4), (1000, 3017, 3, 4), (64, 640, 8, 4), (5000, 5000, 2, 1)],
+)  # fmt: skip
+def test_reads_through_the_upload_land_exactly_and_wait_for_every_copy(
+    tmp_path, monkeypatch, chunk, slot, slots, workers
+):
+    """HostUpload copies at once, so a slot reused before its copy ran, or a wait that missed a
+    stream, passed every CPU test: here each copy runs later on its stream and reads its slot
+    then. Ranges and whole tensors land byte for byte, and no copy is left when a read returns."""
+    path, _ = write(tmp_path, chunk=chunk)
+    up, lib = _upload(monkeypatch, slot, slots)
+    for m in (0, 1, 299, N - 1):
+        lay = ranged.layout(path, "fp", m, N)
+        dev = {k: np.zeros((1, N - m, s[2], s[3] * 4), np.uint8) for k, (_, s) in lay.items()}
+        host = {k: np.zeros_like(v) for k, v in dev.items()}
+        ranged.read_range(path, "fp", m, N, into=dev, gpu=up, workers=workers)
+        assert lib.pending == 0
+        ranged.read_range(path, "fp", m, N, into=host)
+        assert all(np.array_equal(dev[k], host[k]) for k in host), m
+    header = store.read_header(path, "fp")
+    whole = {k: np.zeros(t["data_offsets"][1] - t["data_offsets"][0], np.uint8)
+             for k, t in header.tensors.items()}  # fmt: skip
+    ranged.read_tensors(path, header, whole, up)
+    assert lib.pending == 0
+    raw = path.read_bytes()
+    for k, t in header.tensors.items():
+        a, b = (header.data_start + x for x in t["data_offsets"])
+        assert whole[k].tobytes() == raw[a:b], k
+
+
+@pytest.mark.parametrize("call", ["cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuEventSynchronize"])
+def test_a_failed_driver_call_fails_the_read_after_every_copy_ran(tmp_path, monkeypatch, call):
+    """A failed call turns the upload off and fails the read (the caller falls back): never
+    before the copies already issued ran, whose destinations the caller then lets go. (A stream
+    whose synchronisation fails may still copy: the caller keeps those arrays, codec._STRANDED.)"""
+    path, _ = write(tmp_path)
+    up, lib = _upload(monkeypatch, 2000, 3, fail={call: {1}})
+    lay = ranged.layout(path, "fp", 100, N)
+    dev = {k: np.zeros((1, N - 100, s[2], s[3] * 4), np.uint8) for k, (_, s) in lay.items()}
+    with pytest.raises(gpu.DeviceError):
+        ranged.read_range(path, "fp", 100, N, into=dev, gpu=up, workers=4)
+    assert lib.pending == 0 and not up.ok
