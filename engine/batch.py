@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from engine.decoding import Decoding, Group, batchable
-from engine.events import END, Failed, SamplingParams
+from engine.events import SamplingParams
 from engine.inflight import End, Ends, Hold, Progress, Seq, Sink
 from engine.leasing import Leasing
 from engine.prefilling import Prefilling
@@ -37,7 +37,7 @@ class BatchLoop:
         self.engine, self.max_batch = engine, max_batch
         # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
         self.prefill_budget = engine.config.prefill_chunk
-        ends = Ends(engine)
+        ends = self.ends = Ends(engine)
         self.decode = Decoding(engine.model, ends)
         self.prefill = Prefilling(engine, ends, self.decode.start, self.decode.join)
         decode = self.decode  # not ``self``: a lambda over the loop, kept by its own leasing, is a cycle
@@ -127,8 +127,7 @@ class BatchLoop:
 
         def fail(seq: Seq, caches: list[Any] | None) -> None:
             try:
-                seq.sink.emit(Failed(error))
-                seq.sink.emit(END)
+                self.ends.fail(seq, error, None)
             except Exception:
                 log.exception("ending a request after a failed step")
 

@@ -46,12 +46,18 @@ def parse_hermes(text: str, tools: Any = None) -> dict[str, Any]:
     return {"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", {}))}
 
 
+def tool_names(tools: Any) -> set[str]:
+    """The function names of a request's (chat-form) tools."""
+    return {t["function"].get("name") for t in tools or ()
+            if isinstance(t, dict) and isinstance(t.get("function"), dict)}  # fmt: skip
+
+
 def parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
     """Llama 3.x calls: the whole output is one or more JSON objects ``{"name": …, "parameters":
     {…}}`` (after an optional ``<|python_tag|>``, separated by ``;`` or whitespace), each naming one
     of the request's tools (a JSON answer that names none is an answer). Raises ValueError."""
     body, at, calls = text.strip().removeprefix(PYTHON_TAG), 0, []
-    names = {t["function"].get("name") for t in tools or () if isinstance(t.get("function"), dict)}
+    names = tool_names(tools)
     decoder = json.JSONDecoder()
     while True:
         while at < len(body) and (body[at].isspace() or body[at] == ";"):
@@ -275,8 +281,7 @@ class ChatOutput:
         """``taken_ids``: call ids the conversation already holds (never given to a new call)."""
         self.fmt, self.tools, self.parallel = fmt, tools, parallel_tool_calls
         self.ids = set(taken_ids or ())
-        self._names = {t["function"].get("name") for t in tools or ()
-                       if isinstance(t, dict) and isinstance(t.get("function"), dict)}  # fmt: skip
+        self._names = tool_names(tools)
         self._sm = fmt.machine(parse_tools).make_state(REASONING if start_in_reasoning else NORMAL)
         self._state = self._sm[0]
         self._tool_text = ""

@@ -196,8 +196,8 @@ def chat_prompt(
     tools = req.tool_dicts()
     fmt = output.OutputFormat.of(tokenizer)
     parse = bool(tools) and req.tool_choice != "none"
-    calls_before = sum(len(m.tool_calls or ()) for m in req.messages)
-    prefix = fmt.forced_prefix(req.tool_choice, calls_before) if parse else ""
+    history = [c for m in req.messages for c in m.tool_calls or ()]  # the conversation's calls
+    prefix = fmt.forced_prefix(req.tool_choice, len(history)) if parse else ""
     extra = req.template_args(template_defaults or {})
     if req.continue_final_message and req.messages[-1].role != "assistant":
         raise ApiError(400, "continue_final_message continues the last message, which must be the "
@@ -220,7 +220,7 @@ def chat_prompt(
         ) from None
     continued = chat.content_text(req.messages[-1].content) if req.continue_final_message else ""
     reasoning = fmt.opens_reasoning(text, continued) and not prefix
-    ids = {str(c.get("id")) for m in req.messages for c in m.tool_calls or () if c.get("id")}
+    ids = {str(c["id"]) for c in history if c.get("id")}
     parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning, ids)
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")
@@ -240,7 +240,8 @@ def completion_prompt(
     ids = encode(req.prompt_text())
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
-    texts = TokenBytes(tokenizer, False) if tokenizer is not None and req.logprob_count() >= 0 else None
+    texts = (TokenBytes(tokenizer, not continues(req))
+             if tokenizer is not None and req.logprob_count() >= 0 else None)  # fmt: skip
     return ids, CompletionOutput(model, req.include_usage, texts)
 
 

@@ -176,9 +176,8 @@ class TieredCache:
         return policy.servable_tokens(best[1], len(prompt)) if best else 0
 
     def _find(self, prompt: TokenArray, background: bool) -> Steps[_Candidate | None]:
-        best = self.hot.best(prompt) if self.config.hot_enabled else None
-        hot_n = policy.servable_tokens(best[1], len(prompt)) if best else 0
-        cand = _Candidate(best[0], best[1], "hot") if best else None
+        cand = self._hot_candidate(prompt, count=True)
+        hot_n = policy.servable_tokens(cand.common, len(prompt)) if cand else 0
         if self.cold is not None and hot_n < len(prompt) - 1:
             hit = self.cold.lookup(prompt)
             cold_n = policy.servable_tokens(hit.tokens, len(prompt)) if hit is not None else 0
@@ -193,14 +192,15 @@ class TieredCache:
                     return loaded
                 # the batch went on while the disk was read: the hot candidate may have been
                 # taken (and written into) by another request, or evicted; look again
-                cand = self._hot_candidate(prompt)
+                cand = self._hot_candidate(prompt, count=False)
                 if loaded is not None:  # computing beats loading: the plan rides along
                     cand = cand or loaded
                     cand.restore = loaded.restore
         return cand
 
-    def _hot_candidate(self, prompt: TokenArray) -> _Candidate | None:
-        best = self.hot.best(prompt, count=False) if self.config.hot_enabled else None
+    def _hot_candidate(self, prompt: TokenArray, count: bool) -> _Candidate | None:
+        """The hot tier's best entry for ``prompt`` (``count``: as a hit or a miss)."""
+        best = self.hot.best(prompt, count=count) if self.config.hot_enabled else None
         return _Candidate(best[0], best[1], "hot") if best else None
 
     # -- issue 15: load, compute or both ----------------------------------------------------

@@ -82,9 +82,9 @@ def valid(kind: str, obs: list[float]) -> bool:
     return ok and (kind == "join" or -1 <= obs[2] <= 1)
 
 
-def _row(r: Any, width: int) -> list[float] | None:
-    """A row of the file as floats, or None (not a list of ``width`` numbers, or past float)."""
-    if not (isinstance(r, list) and len(r) == width and all(isinstance(x, (int, float)) for x in r)):
+def _row(r: Any) -> list[float] | None:
+    """A row of the file as floats, or None (not a list of numbers, or past float)."""
+    if not (isinstance(r, list) and all(isinstance(x, (int, float)) for x in r)):
         return None
     try:
         return [float(x) for x in r]
@@ -307,8 +307,7 @@ class CostBook:
                 return  # another format or model: start afresh
             for kind in KINDS:
                 rows = raw.get("observations", {}).get(kind, [])
-                width = 2 if kind == "join" else 3
-                kept = [_row(r, width) for r in rows]
+                kept = [_row(r) for r in rows]
                 self.obs[kind] = [r for r in kept if r is not None and valid(kind, r)][-_MAX_PER_KIND:]
         except (AttributeError, TypeError, ValueError, OverflowError) as e:
             log.warning("restore costs %s malformed, starting afresh: %s", path, e)

@@ -229,16 +229,17 @@ class Restorer:
         up = gpu.shared() if self.landing == "tail" else None  # CUDA: copied in by the GPU
         future = self._pool.submit(self.reader, path, cold.fingerprint, m, n, into=views, gpu=up)
         del views  # the I/O thread's now; `full` is not touched until the read returned
+        head_error: Exception | None = None
         try:
             computed = self.compute(np.asarray(prompt[:m]).tolist())
         except Exception as e:  # the file may still serve: load it (after the read let `full` go)
-            while background and not future.done():
-                yield
-            _wait_out(future)
-            return self._fell_back(f"head: {type(e).__name__}: {e}")
+            head_error = e
         t_head = time.perf_counter()
         while background and not future.done():
             yield
+        if head_error is not None:
+            _wait_out(future)
+            return self._fell_back(f"head: {type(head_error).__name__}: {head_error}")
         try:
             rr = future.result()
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError, gpu.DeviceError) as e:
@@ -362,4 +363,3 @@ def _wait_out(future: Any) -> None:
         future.result()
     except Exception:
         pass
-
