@@ -1,6 +1,0 @@
-set -x
-git log --oneline -1 2>/dev/null
-timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/tiered_kv/cold/test_gpu.py tests/tiered_kv/cold/test_codec.py 2>&1 | grep -v "^\s*$" | tail -4
-python3 -m engine.cli model tiny /tmp/models/1b --size 1b 2>&1 | tail -1
-timeout 150 python3 -m engine.cli smoke /tmp/models/1b --prefix-words 6000 --max-tokens 64 --no-peer 2>&1 | grep --line-buffered -v '^\s*$\|httpx' | tail -9
-timeout 150 python3 scratch/gil.py /tmp/models/1b 65536 2>&1 | grep -v INFO

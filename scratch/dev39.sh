@@ -1,5 +1,0 @@
-set -x
-git log --oneline -1 2>/dev/null || true
-python3 -m engine.cli model tiny /tmp/models/tiny-1b --size 1b 2>&1 | tail -1
-timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/tiered_kv/cold/test_landing.py tests/tiered_kv/cold/test_gpu.py tests/tiered_kv/cold/test_codec.py tests/tiered_kv/restore 2>&1 | tail -2
-timeout 200 python3 -m engine.cli smoke /tmp/models/tiny-1b --prefix-words 6000 --max-tokens 64 --no-peer 2>&1 | grep -v httpx | tail -14

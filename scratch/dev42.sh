@@ -1,5 +1,0 @@
-python3 -m engine.cli model tiny /tmp/models/tiny-1b --size 1b 2>&1 | tail -1
-timeout 100 python3 scratch/hot64.py /tmp/models/tiny-1b 2>&1 | grep -v Warn
-timeout 100 python3 scratch/hot64.py /tmp/models/tiny-1b 2>&1 | grep -v Warn | grep -E "warm-up|hot 0|hot 1"
-timeout 200 python3 -m engine.cli smoke /tmp/models/tiny-1b --prefix-words 6000 --max-tokens 64 --no-peer 2>&1 | grep -v httpx | tail -5
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/tiered_kv/cold/test_landing.py 2>&1 | tail -1

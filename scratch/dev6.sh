@@ -1,7 +1,0 @@
-set -x
-git log --oneline -1 2>/dev/null
-timeout 150 python3 scratch/shapes.py /tmp/models 2>&1 | grep --line-buffered -v "^INFO"
-timeout 260 python3 scratch/rb.py --size 8b --models-dir /tmp/models --tokens 8192,32768 --dir /tmp/r8 2>&1 | grep --line-buffered -v "^INFO\|HTTP"
-rm -rf /tmp/r8
-timeout 100 python3 scratch/rb.py --size 1b --models-dir /tmp/models --tokens 8192,32768 --dir /tmp/r1 2>&1 | grep --line-buffered -v "^INFO\|HTTP"
-rm -rf /tmp/r1
