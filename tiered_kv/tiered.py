@@ -31,8 +31,6 @@ from tiered_kv.steps import Steps, drain
 log = logging.getLogger(__name__)
 #: [shared tier] at shutdown, how long queued publishes may take before they are dropped (counted)
 _SHARED_CLOSE_SECONDS = 30.0
-#: a disk hit loaded beside running streams builds at most this many bytes of arrays per step
-_BESIDE_STEP_BYTES = 256 << 20
 
 
 class ColdHitLike(Protocol):
@@ -247,11 +245,11 @@ class TieredCache:
         return _Candidate(entry, common, "cold", seconds, entry.nbytes)
 
     def _load_beside(self, hit: ColdHitLike) -> Steps[Any]:
-        """The cold tier's load step by step: its scan thread reads and verifies the file while
-        the caller's other work goes on; the arrays are built here a slice at a time."""
+        """The cold tier's load step by step: a thread of the load reads and verifies the file
+        into the arrays while the caller's other work goes on."""
         assert self.cold is not None
         cold: Any = self.cold
-        return (yield from cold.load_steps(hit, _BESIDE_STEP_BYTES))
+        return (yield from cold.load_steps(hit, beside=True))
 
     def _load_shared(self, prompt: TokenArray, floor: int) -> _Candidate | None:
         """[shared tier, issue 17] The shared tier's longest hit when it serves more than

@@ -44,9 +44,9 @@ def test_requests_sharing_a_new_prompt_wait_for_the_first_ones_prefill():
 
 def test_a_disk_hit_is_read_beside_the_running_streams(tmp_path, monkeypatch):
     """A request whose prefix comes from the cold tier does not stop another stream: the file is
-    read by the scan thread (here a disk made slow) while the running request keeps decoding, and
-    the arrays built a slice at a time give what the load of a request alone gives."""
-    from tiered_kv.cold import scan
+    read into its arrays by the load's thread (here a disk made slow) while the running request
+    keeps decoding, and gives what the load of a request alone gives."""
+    from tiered_kv.cold import ranged
     from tiered_kv.cold.tier import ColdTier
 
     model = make_llama(seed=4)
@@ -74,7 +74,7 @@ def test_a_disk_hit_is_read_beside_the_running_streams(tmp_path, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(scan, "read_into", slow(scan.read_into))  # every read of the scan
+    monkeypatch.setattr(ranged, "_preadv_all", slow(ranged._preadv_all))  # every read of a load
     engine = restarted()
     loop, running, restored = BatchLoop(engine), Sink(), Sink()
     loop.add(running, tokens(92, 8), SamplingParams(max_tokens=100_000))

@@ -3,14 +3,12 @@
 * :func:`prepare` turns caches (+ checkpoints) into :class:`store.Tensor` views of *evaluated*
   arrays — the only MLX work of a spill, done on the request thread before the job crosses to
   the writer, which then reads bytes only;
-* :func:`load_file` builds the arrays of an entry file. Where their memory is host memory (the
-  CPU, unified memory) ``mx.load`` builds them and the hashing pool checks every chunk digest
-  over the arrays themselves while the kernel reads ahead. On CUDA the arrays are allocated
-  unwritten and :func:`ranged.read_tensors` reads every tensor through pinned slots, each
-  verified piece copied in by the GPU (:mod:`gpu`: 13 GB/s from the page cache on the H200,
-  where ``mx.load`` builds managed arrays at ~4); without the driver, ``mx.load`` trails a
-  sequential :class:`scan.Scan` that checks the digests as the bytes arrive. Every way reads
-  the disk once and copies nothing through Python;
+* :func:`load_file` builds the arrays of an entry file: allocated unwritten, then every tensor
+  read whole into their memory by :func:`ranged.read_tensors`, each chunk checked as it lands —
+  by the readers themselves where the memory is host memory (the CPU, unified memory); on CUDA
+  through pinned slots, each verified piece copied in by the GPU (:mod:`gpu`: 13 GB/s from the
+  page cache on the H200, where ``mx.load`` builds managed arrays at ~4). Every way reads the
+  disk once and copies nothing through Python;
 * :func:`load_buffer` does the same from a whole entry in memory (a backend without files);
 * every load hands back the token-major tensors of the file (``store`` module doc) as
   ``mx.swapaxes(a, 1, 2)``: a strided view of the loaded array, no copy (:func:`_logical`). The
@@ -31,13 +29,11 @@ import mlx.core as mx
 import numpy as np
 
 from tiered_kv import checkpoints, layers
-from tiered_kv.cold import gpu, ranged, scan, store
+from tiered_kv.cold import gpu, ranged, store
 from tiered_kv.cold.landing import MX_DTYPES as _MX
 from tiered_kv.cold.landing import allocate
 from tiered_kv.steps import Steps, drain
 
-#: bytes of arrays built before their digests are checked, while the next group loads
-GROUP_BYTES = 256 << 20
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -97,42 +93,35 @@ def _numpy(x: Any) -> np.ndarray:
 
 
 def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
-    """Every tensor of ``path`` (whose checked header is ``header``), verified.
-
-    A :class:`scan.Scan` reads the file once, sequentially, checking every chunk digest on the
-    hashing pool; ``mx.load`` builds the arrays trailing it, each step evaluating what the scan
-    has verified (the page cache serves it: the disk is read once, and the arrays go straight to
-    the device's memory, never through Python). Raises store.CorruptEntry (also when the file
-    changed since ``header``), FileNotFoundError, OSError."""
+    """Every tensor of ``path`` (whose checked header is ``header``), verified (see
+    :func:`load_steps`). Raises store.CorruptEntry (also when the file changed since ``header``),
+    FileNotFoundError, OSError."""
     return drain(load_steps(path, header))
 
 
 def load_steps(
-    path: Path, header: store.Header, step_bytes: int | None = None, host: bool | None = None
+    path: Path, header: store.Header, beside: bool = False, host: bool | None = None
 ) -> Steps[dict[str, mx.array]]:
-    """:func:`load_file` step by step, for a thread with other work to keep going: a ``next()``
-    returns at once while the scan has not read the next tensor, and otherwise builds at most
-    ``step_bytes`` of arrays (None: everything the scan has read, waiting for it).
+    """:func:`load_file`; ``beside`` (a thread with other work to keep going, e.g. decode steps):
+    the read runs on a thread of its own and each ``next()`` returns at once until it is done.
 
-    Where the arrays live in host memory (``host``; default :func:`host_arrays`) a whole load
-    (``step_bytes`` None) checks the digests over the arrays themselves instead: the kernel reads
-    ahead (:class:`scan.Prefetch`), ``mx.load`` builds the arrays, the hashing pool reads their
-    memory, nothing is copied twice — the scan's copy into its buffers costs as much as the load
-    on a small CPU. Arrays that fail are never returned."""
+    The arrays are allocated unwritten (:func:`landing.allocate`, here: the engine thread) and
+    :func:`ranged.read_tensors` reads every tensor whole into their memory, a few threads at once,
+    each chunk's digest checked as soon as it lands: the disk is read once and the page cache's
+    bytes are copied once, straight into the arrays (``mx.load`` copies as much, and hashing on
+    the same threads cost 5 % beside it; hashing the loaded arrays afterwards cost 20 % on the
+    2-core machine). Where the arrays are host memory (``host``; default :func:`host_arrays`) the
+    readers write them; on CUDA each verified piece is staged in pinned memory and copied in by
+    the GPU (:mod:`gpu`), or, without the driver, written by the CPU into the managed memory.
+    Arrays that fail are never returned."""
     host = host_arrays() if host is None else host
-    if step_bytes is None and host:
-        return _load_checking_arrays(path, header)  # never yields: one blocking load
     up = None if host else gpu.shared()
     if up is not None:
         try:
-            return (yield from _load_uploading(path, header, up, step_bytes))
+            return (yield from _load_into(path, header, up, beside))
         except gpu.DeviceError:  # logged, and the upload is off: the file is not to blame
             pass
-    reader = scan.Scan(path, header)
-    try:
-        return (yield from _load_trailing(path, header, reader, step_bytes))
-    finally:
-        reader.close()
+    return (yield from _load_into(path, header, None, beside, one_buffer=not host))
 
 
 def host_arrays() -> bool:
@@ -141,106 +130,20 @@ def host_arrays() -> bool:
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
-def _open(path: Path, header: store.Header) -> tuple[dict[str, mx.array], list[str], list[int]]:
-    """``mx.load``'s lazy arrays of ``path`` matched against ``header``; their names and ends in
-    file order. Raises FileNotFoundError, store.CorruptEntry."""
-    try:
-        loaded = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as e:
-        if not path.exists():
-            raise FileNotFoundError(path) from None
-        raise store.CorruptEntry(f"mx.load failed: {e}") from None
-    assert isinstance(loaded, tuple)
-    arrays: dict[str, mx.array] = loaded[0]
-    meta = {k: v for k, v in loaded[1].items() if k != "header_xxh"}
-    if meta != header.metadata or set(arrays) != set(header.tensors):
-        raise store.CorruptEntry("file changed since its header was checked")
-    for name, t in header.tensors.items():
-        x = arrays[name]
-        if list(x.shape) != t["shape"] or store.DTYPES.get(_dtype(x)) != t["dtype"]:
-            raise store.CorruptEntry(f"tensor {name!r} does not match its header")
-    order = sorted(header.tensors, key=lambda n: header.tensors[n]["data_offsets"][0])
-    return arrays, order, [header.tensors[n]["data_offsets"][1] for n in order]
-
-
-def _load_trailing(
-    path: Path, header: store.Header, reader: scan.Scan, step_bytes: int | None
-) -> Steps[dict[str, mx.array]]:
-    arrays, order, ends = _open(path, header)
-    starts = [header.tensors[n]["data_offsets"][0] for n in order]
-    i = 0
-    try:
-        while i < len(order):
-            if step_bytes is not None:
-                while not reader.has_read(ends[i]):
-                    yield  # the scan thread reads; the caller's other work goes on
-            # everything the scan has read by now, at least the next tensor: a warm file is read
-            # far ahead (few large evals, as mlx-lm's load), a cold one is followed closely
-            reached = reader.wait_read(ends[i])
-            if step_bytes is not None:
-                reached = min(reached, max(ends[i], starts[i] + step_bytes))
-            j = i + 1
-            while j < len(order) and ends[j] <= reached:
-                j += 1
-            reader.wait(ends[j - 1])  # raises store.CorruptEntry
-            mx.eval([arrays[n] for n in order[i:j]])
-            i = j
-            if step_bytes is not None and i < len(order):
-                yield
-    except (RuntimeError, ValueError) as e:
-        if isinstance(e, store.CorruptEntry):
-            raise
-        raise store.CorruptEntry(f"mx.load failed: {e}") from None
-    reader.wait(store.data_end(header))
-    return _logical(arrays, header)
-
-
-def _load_checking_arrays(path: Path, header: store.Header) -> dict[str, mx.array]:
-    """Build every array (groups of :data:`GROUP_BYTES`, the kernel reading ahead), hashing each
-    group's memory on the pool while the next one loads; return once every digest matched."""
-    arrays, order, ends = _open(path, header)
-    ahead = scan.Prefetch(path, header)
-    checks = []
-    try:
-        i = 0
-        while i < len(order):
-            j = i + 1
-            base = header.tensors[order[i]]["data_offsets"][0]
-            while j < len(order) and ends[j] - base <= GROUP_BYTES:
-                j += 1
-            ahead.advance(ends[j - 1])
-            group = [arrays[n] for n in order[i:j]]
-            mx.eval(group)
-            checks += [store.pool().submit(store.check_buffer, n, store.flat_bytes(x), header)
-                       for n, x in zip(order[i:j], group, strict=True)]  # fmt: skip
-            i = j
-        for f in checks:
-            f.result()  # raises store.CorruptEntry
-    except (RuntimeError, ValueError) as e:
-        if isinstance(e, store.CorruptEntry):
-            raise
-        raise store.CorruptEntry(f"mx.load failed: {e}") from None
-    finally:
-        for f in checks:
-            f.cancel()
-        ahead.close()
-    return _logical(arrays, header)
-
-
-def _load_uploading(path: Path, header: store.Header, up: gpu.Upload,
-                    step_bytes: int | None) -> Steps[dict[str, mx.array]]:  # fmt: skip
-    """CUDA: the arrays allocated unwritten in GPU memory, every tensor read whole by
-    :func:`ranged.read_tensors` through pinned slots, each verified piece copied in by the GPU —
-    the disk read once, the page cache's bytes copied once by the CPU. With ``step_bytes`` the
-    read runs on a thread of its own and each ``next()`` returns at once until it is done."""
+def _load_into(path: Path, header: store.Header, up: gpu.Upload | None, beside: bool,
+               one_buffer: bool = True) -> Steps[dict[str, mx.array]]:  # fmt: skip
+    """The arrays of ``header`` allocated unwritten (``one_buffer``: views of few allocations,
+    :func:`landing.allocate`, as on CUDA; host memory gets arrays of their own, which a cache may
+    update in place), filled by :func:`ranged.read_tensors` (through ``up``'s pinned slots when
+    given)."""
     layout = {n: (t["dtype"], tuple(int(x) for x in t["shape"])) for n, t in header.tensors.items()}
     try:
-        arrays = allocate(layout, one_buffer=True)
+        arrays = allocate(layout, one_buffer=one_buffer)
     except ValueError as e:
         raise store.CorruptEntry(f"tensor layout: {e}") from None
     dests = {n: np.frombuffer(a, dtype=np.uint8) for n, a in arrays.items()}  # type: ignore[call-overload]
     try:
-        yield from _read_uploading(path, header, dests, up, step_bytes)
+        yield from _read_into(path, header, dests, up, beside)
     except gpu.DeviceError:
         # a stream that failed to synchronise may still copy into them: never freed, never
         # reused (the upload is off after a failed call: at most once per process)
@@ -254,21 +157,21 @@ def _load_uploading(path: Path, header: store.Header, up: gpu.Upload,
 _STRANDED: list[dict[str, mx.array]] = []
 
 
-def _read_uploading(path: Path, header: store.Header, dests: dict[str, np.ndarray],
-                    up: gpu.Upload, step_bytes: int | None) -> Steps[None]:  # fmt: skip
-    if step_bytes is None:
+def _read_into(path: Path, header: store.Header, dests: dict[str, np.ndarray],
+               up: gpu.Upload | None, beside: bool) -> Steps[None]:  # fmt: skip
+    if not beside:
         ranged.read_tensors(path, header, dests, up)
-    else:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="tkv-upload")
-        try:
-            done = pool.submit(ranged.read_tensors, path, header, dests, up)
-            while not done.done():
-                yield
-            done.result()
-        finally:
-            # closed by a cancelled request: the read runs out on its thread, which holds the
-            # arrays it writes into (``dests`` are views of them); the engine thread goes on
-            pool.shutdown(wait=False)
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="tkv-load")
+    try:
+        done = pool.submit(ranged.read_tensors, path, header, dests, up)
+        while not done.done():
+            yield
+        done.result()
+    finally:
+        # closed by a cancelled request: the read runs out on its thread, which holds the
+        # arrays it writes into (``dests`` are views of them); the engine thread goes on
+        pool.shutdown(wait=False)
 
 
 def _logical(arrays: dict[str, mx.array], header: store.Header) -> dict[str, mx.array]:

@@ -142,10 +142,10 @@ class ColdTier:
         corrupt / too slow). The caller trims to ``hit.tokens``. Request thread only."""
         return drain(self.load_steps(hit))
 
-    def load_steps(self, hit: ColdHit, step_bytes: int | None = None) -> Steps[Loaded | None]:
-        """:meth:`load` for a request thread with other work to keep going (the batch loop's
-        decode steps): each ``next()`` returns at once while the scan thread reads, and builds at
-        most ``step_bytes`` of arrays (None: all that is read). Request thread."""
+    def load_steps(self, hit: ColdHit, beside: bool = False) -> Steps[Loaded | None]:
+        """:meth:`load`; ``beside``, for a request thread with other work to keep going (the
+        batch loop's decode steps): each ``next()`` returns at once while a thread of the load
+        reads the file (``codec.load_steps``). Request thread."""
         found = self._ask(lambda: self._locate(hit.entry_id), None)
         if found is None:
             return None
@@ -158,7 +158,7 @@ class ColdTier:
             return None
         t0 = time.perf_counter()
         try:
-            arrays = yield from codec.load_steps(path, header, step_bytes)
+            arrays = yield from codec.load_steps(path, header, beside)
             tokens = codec.tokens_of(arrays)
             if not np.array_equal(stored, tokens):
                 raise store.CorruptEntry("file tokens differ from the index")
@@ -169,7 +169,7 @@ class ColdTier:
         except (store.CorruptEntry, layers.CorruptState, layers.UnsupportedCache) as e:
             self._bad(rec, path, e)
             return None
-        except OSError as e:  # the scan thread's read failed
+        except OSError as e:  # the read failed
             self._bad(rec, path, e)
             return None
         self.faults.add_load(rec.nbytes, time.perf_counter() - t0)
