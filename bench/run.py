@@ -37,10 +37,10 @@ def _model_dir(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
     if args.real:
-        out = args.config.models_dir / "smollm2-135m-instruct"
-        if not (out / "config.json").is_file():
-            from engine.models import smollm2
+        from engine.models import smollm2
 
+        out = smollm2.default_dir(args.config.models_dir)
+        if not (out / "config.json").is_file():
             smollm2.fetch(out)
         return out
     out = args.config.models_dir / "tiny-bench"

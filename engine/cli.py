@@ -1,4 +1,4 @@
-"""`tiered-kv` command line: one sub-command family per module (cli_model, cli_cache, cli_serve, cli_bench).
+"""`tiered-kv` command line: one sub-command family per module (cli_model, cli_cache, cli_serve, cli_bench, smoke).
 
 Each family module exposes ``register(subparsers) -> None`` and sets ``func(args) -> int`` on its parsers.
 Configuration enters here: ``tiered_kv.Config.from_env()`` is called once and passed down as ``args.config``.
@@ -23,13 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in FAMILIES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue  # family not built yet
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine.models.smollm2 import DEFAULT_NAME as DEFAULT_MODEL
 from tiered_kv import ConfigError
 
 log = logging.getLogger(__name__)
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -41,9 +41,9 @@ class Prefilling:
         self.seqs: list[Seq] = []
         # rows ride along only where they cost little (a GPU); on the CPU a forward's cost grows
         # with its rows, and riding rows only delay the first request's first token
-        self.share = bool(getattr(engine, "share_prefill", True))
+        self.share = bool(engine.share_prefill)
         # the prefill step when a request's steps run in few attention shapes (CUDA), else 0
-        self.step_shapes = engine.prefill_chunk if getattr(engine, "step_shapes", False) else 0
+        self.step_shapes = engine.prefill_chunk if engine.step_shapes else 0
 
     def next(self, hold: Hold = NO_HOLD) -> Seq | None:
         """The request to prefill next: the fewest prompt tokens left (arrival order on a tie),

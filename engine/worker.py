@@ -31,6 +31,7 @@ import mlx.core as mx
 from engine.api import ShuttingDown
 from engine.batch import BatchLoop
 from engine.events import END, Event, Failed, SamplingParams
+from tiered_kv import Config
 
 log = logging.getLogger(__name__)
 __all__ = ["END", "Job", "QueueFull", "Worker"]
@@ -244,8 +245,8 @@ class Worker:
         The default wait covers the cold tier's shutdown writes (``shutdown_seconds``) plus a
         minute for the job in flight to stop."""
         if timeout is None:
-            config = getattr(self.engine, "config", None)
-            timeout = getattr(config, "shutdown_seconds", 240.0) + 60.0
+            config = getattr(self.engine, "config", None)  # None: no engine was made
+            timeout = getattr(config, "shutdown_seconds", Config.shutdown_seconds) + 60.0
         with self._lock:
             if self._closing:
                 return

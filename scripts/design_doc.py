@@ -3,7 +3,7 @@
     python scripts/design_doc.py           # rewrite docs/DESIGN.md in place
     python scripts/design_doc.py --check   # exit 1 (and say so) when DESIGN.md is out of date
 
-The module table: one row per module of ``tiered_kv/``, ``engine/``, ``bench/``, ``benchmarks/`` and
+The module table: one row per module of ``tiered_kv/``, ``engine/``, ``bench/`` and
 ``examples/`` — what it owns (the first paragraph of its docstring) and the project modules it imports
 (read from its code, function-level imports included). The door: the signature of every name
 ``tiered_kv`` exports. Each generated part sits between ``<!-- generated: NAME -->`` and
@@ -21,7 +21,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "DESIGN.md"
-PACKAGES = ("tiered_kv", "engine", "bench", "benchmarks", "examples")
+PACKAGES = ("tiered_kv", "engine", "bench", "examples")
 PROJECT = ("tiered_kv", "engine", "bench")
 
 

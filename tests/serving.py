@@ -155,13 +155,9 @@ def serve(make_engine: Callable[[], Any], config: Config, keepalive: float = 0.2
 
 # --- a subprocess: `tiered-kv serve` ---------------------------------------------------------------
 
-# the soak switch is not a TIERED_KV_* setting of the server: never pass it to one
-_PASS = ("TIERED_KV_BLAS_REEXEC",)
-
-
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any ``TIERED_KV_*`` setting, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERED_KV_") or k in _PASS}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERED_KV_")}
     env.update(extra)
     return env
 

@@ -20,8 +20,6 @@ NO_TEST_FILE = {
     "tiered_kv/shared/entry.py": "the shared tier's entry check: corrupt entries in shared/test_link.py",
     "tiered_kv/shared/survey.py": "read only by `tiered-kv cache` (engine/cli_shared.py): test_cli_shared.py",
 }
-# benchmarks still inside the packages until they move to bench/ (issue 16.4)
-BENCHMARKS = ("engine/bench/", "tiered_kv/cold/bench_lookup.py")
 
 
 def modules() -> list[str]:
@@ -29,7 +27,7 @@ def modules() -> list[str]:
     for pkg in PACKAGES:
         for p in sorted((ROOT / pkg).rglob("*.py")):
             rel = p.relative_to(ROOT).as_posix()
-            if p.name != "__init__.py" and not rel.startswith(BENCHMARKS):
+            if p.name != "__init__.py":
                 found.append(rel)
     return found
 

@@ -81,14 +81,14 @@ def open_cache(
 
 
 def _open_cold(config: Config, fp: str) -> Any:
-    from tiered_kv.cold import codec, gpu
+    from tiered_kv.cold import gpu, landing
     from tiered_kv.cold.tier import ColdTier
 
     try:
         cold = ColdTier(config.cache_dir, fp, config)
     except OSError as e:  # misconfiguration at start: say which setting, not a traceback
         raise CacheDirError(f"TIERED_KV_DIR={config.cache_dir}: {e.strerror or e}") from e
-    if not codec.host_arrays():
+    if not landing.host_arrays():
         gpu.shared()  # CUDA: the pinned slots opened now, not on the first disk hit (~40 ms)
     return cold
 

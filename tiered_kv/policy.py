@@ -26,6 +26,12 @@ def servable_tokens(common_prefix: int, prompt_len: int) -> int:
     return max(0, min(common_prefix, prompt_len - 1))
 
 
+def serves_all(tokens: int, prompt_len: int) -> bool:
+    """Whether a hit serving ``tokens`` serves all that any hit may (:func:`servable_tokens`):
+    no other tier can do better."""
+    return tokens >= servable_tokens(prompt_len, prompt_len)
+
+
 def servable(
     common_prefix: int, prompt_len: int, entry_len: int, trimmable: bool, positions=()
 ) -> int:

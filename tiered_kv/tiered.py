@@ -176,11 +176,11 @@ class TieredCache:
     def _find(self, prompt: TokenArray, background: bool) -> Steps[_Candidate | None]:
         cand = self._hot_candidate(prompt, count=True)
         hot_n = policy.servable_tokens(cand.common, len(prompt)) if cand else 0
-        if self.cold is not None and hot_n < len(prompt) - 1:
+        if self.cold is not None and not policy.serves_all(hot_n, len(prompt)):
             hit = self.cold.lookup(prompt)
             cold_n = policy.servable_tokens(hit.tokens, len(prompt)) if hit is not None else 0
             shared = None
-            if self.shared is not None and max(hot_n, cold_n) < len(prompt) - 1:
+            if self.shared is not None and not policy.serves_all(max(hot_n, cold_n), len(prompt)):
                 shared = self._load_shared(prompt, max(hot_n, cold_n))  # [shared tier]
             if shared is not None:
                 cand = shared

@@ -63,6 +63,9 @@ class Recorded:
 class ModelEngine:
     """What the batch loop needs of an Engine, over a bare mlx-lm model and a TieredCache."""
 
+    share_prefill = True  # requests prefilling together share forwards (the tests exercise it)
+    step_shapes = False
+
     def __init__(self, model: Any, config: Config) -> None:
         self.model, self.config = Recorded(model), replace(config, prefill_chunk=8)
         make = model.make_cache if hasattr(model, "make_cache") else None

@@ -219,7 +219,7 @@ def test_held_prompts_do_not_ride_along_in_shared_forwards():
     shared forward of a shorter one (forwards are shared here, as on a GPU) — also when its
     prefill was under way before the hold began."""
     engine = Holding(make_llama(seed=4), Config(tiers=("hot",), min_continuation_tokens=16))
-    assert getattr(engine, "share_prefill", True)  # Prefilling shares forwards for this engine
+    assert engine.share_prefill  # Prefilling shares forwards for this engine
     alone(engine, SHARED + [5], 1)
     events: list[tuple[str, Any]] = []
     fed = lambda name: lambda done, total: events.append((f"{name} prefill", done))  # noqa: E731

@@ -96,7 +96,7 @@ def test_without_shared_forwards_a_request_is_looked_up_when_it_prefills_next():
     from tests.engine.batching import PROMPTS, warmed
 
     engine = warmed(make_llama(seed=4), {})
-    engine.share_prefill = False  # type: ignore[attr-defined]
+    engine.share_prefill = False
     order: list[str] = []
     fetch = engine.cache.fetch_steps
 

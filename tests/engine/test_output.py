@@ -558,11 +558,14 @@ def test_a_call_block_opened_inside_reasoning_closes_back_into_it(family_dirs, t
         assert (got.reasoning, got.content, _calls(got)) == (reasoning, content, calls), n
 
 
-def test_interleaved_thinking_keeps_each_channel_readable(family_dirs):
+@pytest.mark.parametrize("family", ["minimax-m2", "kimi-k2-thinking", "glm-4.7"])
+def test_interleaved_thinking_keeps_each_channel_readable(family_dirs, family):
     """MiniMax-M2, Kimi-K2-Thinking and GLM-4.7 think again mid-answer: the whitespace around the
     second think block was dropped on both sides ("…files.Now the answer.", "Plan A.Check B.")."""
-    fmt, prompt = _fmt_and_prompt(family_dirs, "minimax-m2")
+    fmt, prompt = _fmt_and_prompt(family_dirs, family)
     text = "Plan A.\n</think>\n\nI read the files.\n\n<think>\nCheck B.\n</think>\n\nNow the answer."
+    if not fmt.opens_reasoning(prompt):  # Kimi's generation prompt leaves the opener to the model
+        text = "<think>" + text
     for n in (len(text), 1, 3):
         got, _ = _run(ChatOutput(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt)),
                       _pieces(text, n))  # fmt: skip

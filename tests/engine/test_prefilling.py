@@ -107,7 +107,7 @@ def test_without_shared_forwards_each_prompt_has_its_own():
     prompts = [SHARED + tokens(130 + i, SHORT_PREFILL + 5 + 3 * i) for i in range(3)]
     ref = [alone(warmed(model, {}), p, 6).ids for p in prompts]
     engine = warmed(model, {})
-    engine.share_prefill = False  # type: ignore[attr-defined]
+    engine.share_prefill = False
     loop, sinks = BatchLoop(engine), [Sink() for _ in prompts]
     for sink, p in zip(sinks, prompts, strict=True):
         loop.add(sink, p, SamplingParams(max_tokens=6))
@@ -125,7 +125,7 @@ def test_without_shared_forwards_short_prompts_still_share_one():
     prompts = [SHARED + tokens(140 + i, 3) for i in range(3)]
     ref = [alone(warmed(model, {}), p, 6).ids for p in prompts]
     engine = warmed(model, {})
-    engine.share_prefill = False  # type: ignore[attr-defined]
+    engine.share_prefill = False
     engine.model.shapes.clear()
     loop, sinks = BatchLoop(engine), [Sink() for _ in prompts]
     for sink, p in zip(sinks, prompts, strict=True):

@@ -12,7 +12,7 @@ import tiered_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the library's users: everything here goes through the door
-USERS = ("engine", "examples", "bench", "benchmarks")
+USERS = ("engine", "examples", "bench")
 #: a benchmark that measures one module alone may import it: file name → the modules it measures
 MEASURED_ALONE = {
     "micro.py": {"tiered_kv.cold.tier"},  # cold tier write / reload throughput

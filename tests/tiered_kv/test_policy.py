@@ -1,4 +1,11 @@
-from tiered_kv.policy import Item, is_continuation, lru_victims, prompt_resent, servable_tokens
+from tiered_kv.policy import (
+    Item,
+    is_continuation,
+    lru_victims,
+    prompt_resent,
+    servable_tokens,
+    serves_all,
+)
 
 
 def test_full_hit_still_recomputes_last_token():
@@ -6,6 +13,12 @@ def test_full_hit_still_recomputes_last_token():
     assert servable_tokens(150, 100) == 99
     assert servable_tokens(40, 100) == 40
     assert servable_tokens(0, 1) == 0
+
+
+def test_a_hit_serves_all_once_only_the_last_prompt_token_is_left():
+    assert serves_all(9, 10) and serves_all(12, 10)
+    assert not serves_all(8, 10)
+    assert serves_all(0, 1) and serves_all(0, 0)  # nothing any hit could serve
 
 
 def test_continuation_needs_long_hit_and_half_the_prompt():

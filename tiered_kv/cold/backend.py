@@ -25,8 +25,8 @@ already (no ``head``).
 
 Errors are ``OSError`` (ENOSPC, EROFS, ENOENT of the directory ... counted by the tier).
 A shared backend (e.g. a key-value server) implements these four; :class:`FileBackend` adds
-``path(key)`` so the tier can hand a local file to ``mx.load`` (reads straight into the arrays'
-memory). Keys are ``[0-9A-Za-z_-]{1,64}`` (entry ids), never paths.
+``path(key)`` so the tier can hand a local file to its readers (``ranged.read_tensors``: reads
+straight into the arrays' memory). Keys are ``[0-9A-Za-z_-]{1,64}`` (entry ids), never paths.
 """
 
 from __future__ import annotations

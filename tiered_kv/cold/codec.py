@@ -3,7 +3,7 @@
 * :func:`prepare` turns caches (+ checkpoints) into :class:`store.Tensor` views of *evaluated*
   arrays — the only MLX work of a spill, done on the request thread before the job crosses to
   the writer, which then reads bytes only;
-* :func:`load_file` builds the arrays of an entry file: allocated unwritten, then every tensor
+* :func:`load_steps` builds the arrays of an entry file: allocated unwritten, then every tensor
   read whole into their memory by :func:`ranged.read_tensors`, each chunk checked as it lands —
   by the readers themselves where the memory is host memory (the CPU, unified memory); on CUDA
   through pinned slots, each verified piece copied in by the GPU (:mod:`gpu`: 13 GB/s from the
@@ -31,8 +31,8 @@ import numpy as np
 from tiered_kv import checkpoints, layers
 from tiered_kv.cold import gpu, ranged, store
 from tiered_kv.cold.landing import MX_DTYPES as _MX
-from tiered_kv.cold.landing import allocate
-from tiered_kv.steps import Steps, drain
+from tiered_kv.cold.landing import allocate, host_arrays
+from tiered_kv.steps import Steps
 
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -92,18 +92,13 @@ def _numpy(x: Any) -> np.ndarray:
         return np.array(x)
 
 
-def load_file(path: Path, header: store.Header) -> dict[str, mx.array]:
-    """Every tensor of ``path`` (whose checked header is ``header``), verified (see
-    :func:`load_steps`). Raises store.CorruptEntry (also when the file changed since ``header``),
-    FileNotFoundError, OSError."""
-    return drain(load_steps(path, header))
-
-
 def load_steps(
     path: Path, header: store.Header, beside: bool = False, host: bool | None = None
 ) -> Steps[dict[str, mx.array]]:
-    """:func:`load_file`; ``beside`` (a thread with other work to keep going, e.g. decode steps):
-    the read runs on a thread of its own and each ``next()`` returns at once until it is done.
+    """Every tensor of ``path`` (whose checked header is ``header``), verified; ``beside`` (for a
+    thread with other work to keep going, e.g. decode steps): the read runs on a thread of its own
+    and each ``next()`` returns at once until it is done. Raises store.CorruptEntry (also when the
+    file changed since ``header``), FileNotFoundError, OSError.
 
     The arrays are allocated unwritten (:func:`landing.allocate`, here: the engine thread) and
     :func:`ranged.read_tensors` reads every tensor whole into their memory, a few threads at once,
@@ -122,12 +117,6 @@ def load_steps(
         except gpu.DeviceError:  # logged, and the upload is off: the file is not to blame
             pass
     return (yield from _load_into(path, header, None, beside, one_buffer=not host))
-
-
-def host_arrays() -> bool:
-    """Whether the default device's arrays are host memory that bytes-only threads can read in
-    place (the CPU; Apple silicon's unified memory), not memory that reading would migrate (CUDA)."""
-    return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
 def _load_into(path: Path, header: store.Header, up: gpu.Upload | None, beside: bool,
@@ -182,10 +171,6 @@ def _logical(arrays: dict[str, mx.array], header: store.Header) -> dict[str, mx.
     out = {k: mx.swapaxes(a, 1, 2) if k in header.token_major else a for k, a in arrays.items()}
     mx.eval([out[k] for k in header.token_major])
     return out
-
-
-def _dtype(x: mx.array) -> str:
-    return str(x.dtype).removeprefix("mlx.core.")
 
 
 def load_buffer(buf: memoryview, header: store.Header) -> dict[str, mx.array]:

@@ -14,8 +14,7 @@ It calls the CUDA driver library that MLX links (``libcuda.so.1``) through ctype
 context MLX uses (its device's primary context). :func:`shared` opens one :class:`Upload` per
 process (its slots are pinned once and reused: ``SLOTS`` x ``SLOT_BYTES``, 128 MiB); it is None
 where there is no CUDA, no driver or no context, and after a driver call failed (logged once):
-loads then take ``mx.load`` behind a verifying scan, and `both` readers write the landing from
-the CPU. A failed call raises :class:`DeviceError`: the bytes did not reach the GPU, the file is
+loads and `both`'s readers then write the (managed) arrays from the CPU. A failed call raises :class:`DeviceError`: the bytes did not reach the GPU, the file is
 not to blame.
 
 Threads: :func:`shared`, :meth:`Upload.batch` and the :class:`Batch` methods run on any thread

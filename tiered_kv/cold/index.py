@@ -224,14 +224,6 @@ class Index:
     def meta(self) -> dict | None:
         return self._meta
 
-    def set_meta(self, meta: dict) -> None:
-        with self._tx() as c:
-            c.execute("INSERT OR REPLACE INTO meta VALUES('meta', ?)", (json.dumps(meta),))
-        self._meta = meta
-
-    def refresh(self) -> None:
-        """Kept for callers of the old mirror: every read is a query now."""
-
     # -- reads (any thread) ------------------------------------------------------------------
     def records(self) -> list[Record]:
         rows = self._conn().execute(f"SELECT {self._read} FROM entries").fetchall()

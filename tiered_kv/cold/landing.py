@@ -79,6 +79,13 @@ _MAX_DIM = 1 << 31
 _ALIGN = 4096
 
 
+def host_arrays() -> bool:
+    """Whether the default device's arrays are host memory that bytes-only threads can read and
+    write in place (the CPU; Apple silicon's unified memory), not memory that the CPU's touch would
+    migrate (CUDA's managed memory, filled through pinned slots and the GPU's copy: :mod:`gpu`)."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
+
 def allocate(layout: Layout, one_buffer: bool = False) -> dict[str, mx.array]:
     """Evaluated arrays of ``layout`` (name → (safetensors dtype, shape)) with unwritten
     contents (see the module doc). Engine thread. ValueError for a dtype MLX cannot hold.

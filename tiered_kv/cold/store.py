@@ -36,8 +36,8 @@ Threads: :func:`encode` runs on the writer thread and reads only buffers (numpy 
 evaluated arrays; token-major tensors are transposed by numpy, block by block, and every block
 hashed, on the hashing pool one block ahead of the writer); :func:`check_buffer` checks bytes already in memory (request thread,
 hashing on a small pool of byte-only threads); :func:`read_header` /
-:func:`read_tokens` are plain file reads usable from any thread (verify, CLI). The threads that read a
-whole data section beside a loader are :mod:`tiered_kv.cold.scan`'s.
+:func:`read_tokens` are plain file reads usable from any thread (verify, CLI). A load reads the data
+section with :func:`tiered_kv.cold.ranged.read_tensors`; ``cache verify`` with :mod:`tiered_kv.cold.scan`.
 """
 
 from __future__ import annotations

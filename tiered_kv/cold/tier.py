@@ -12,7 +12,7 @@
 
 Threads and ownership:
 
-* the **request thread** owns MLX: it calls ``lookup``, ``load`` (``mx.load`` + checksums),
+* the **request thread** owns MLX: it calls ``lookup``, ``load`` (verified reads into allocated arrays, ``codec.load_steps``),
   ``spill`` / ``persist`` (encodes the caches and ``mx.eval``-s them *before* they cross to the
   writer), ``recent``, ``stats``. It never waits on the disk without a bound: index queries and
   entry headers go through the reader thread with ``cold_deadline`` seconds (past it: a miss,

@@ -34,13 +34,13 @@ from collections.abc import Mapping
 import mlx.core as mx
 import numpy as np
 
-from tiered_kv.cold.landing import Layout
+from tiered_kv.cold.landing import Layout, host_arrays
 
 
 def landing() -> str:
-    """The landing that suits this machine: ``tail`` on CUDA, ``full`` elsewhere (module doc)."""
-    cuda = getattr(mx, "cuda", None)
-    return "tail" if cuda is not None and cuda.is_available() else "full"
+    """The landing that suits this machine: ``full`` where arrays are host memory, ``tail`` on
+    CUDA (module doc)."""
+    return "full" if host_arrays() else "tail"
 
 
 def shapes(layout: Layout, m: int, n: int, way: str) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -145,21 +145,14 @@ def load_seconds(hit: Hit, learned: Learned) -> float | None:
     return _mix(hit.warm, learned.load_cold, learned.load_warm, hit.entry_bytes)
 
 
-#: until a ranged read from the page cache is measured, it is priced this many times faster than
-#: the whole load from it: it copies bytes and hashes them, where the load also builds arrays (and
-#: on CUDA moves them to the GPU). H200, 8B shape, 64k tokens: whole load 2.6 GB/s, ranged 7–9;
-#: here (2-core CPU): ~2×. Priced as the load, the first warm `both` computed far too much.
-WARM_RANGE_SPEEDUP = 2.0
-
-
 def range_seconds(hit: Hit, learned: Learned, tokens: int) -> float | None:
-    """Reading ``tokens`` tokens of every layer by ranges (falls back on the load path's cost;
-    from the page cache, :data:`WARM_RANGE_SPEEDUP` times faster)."""
+    """Reading ``tokens`` tokens of every layer by ranges; until ranged reads of a page kind are
+    measured, at the whole load's rate of that kind: a whole load runs the same readers
+    (``ranged.read_tensors``). (When loads still built arrays by ``mx.load``, a warm ranged read
+    was priced 2x faster than the load: H200 8B 64k, load 2.6 GB/s, ranged 7-9; the H100's 1B
+    8k warm load is now 7.8 GB/s, its ranged read 6.6.)"""
     cold = learned.range_cold or learned.load_cold
-    warm = learned.range_warm
-    if warm is None and learned.load_warm is not None:
-        load = learned.load_warm
-        warm = ReadCost(load.overhead, load.bytes_per_s * WARM_RANGE_SPEEDUP)
+    warm = learned.range_warm or learned.load_warm
     return _mix(hit.warm, cold, warm, tokens * hit.bytes_per_token)
 
 

@@ -86,7 +86,7 @@ def test_symlinked_index_db_is_not_followed(tmp_path, name):
     index_dir.mkdir(parents=True)
     (index_dir / name).symlink_to(victim)  # an existing target: chmod'ed or overwritten before
     idx = Index(index_dir)
-    idx.set_meta({"schema": 1})
+    idx.claim_meta({"schema": 1})
     idx.close()
     assert intact(victim)  # neither chmod'ed to 0600 nor written by sqlite
     assert (index_dir / "cache.db").is_file() and not (index_dir / "cache.db").is_symlink()

@@ -1,5 +1,5 @@
-"""tiered_kv/cold/scan.py: the byte-only threads that read a whole entry file beside a loader —
-the scan verifies every piece as it reads it, and refuses what follows a bad one."""
+"""tiered_kv/cold/scan.py: the whole-file check of ``cache verify`` reads every byte of the data
+section once and refuses a corrupt piece, naming its tensor, and a short file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.fixtures import big_kv
+from tests.fixtures import big_kv, flip_byte
 from tiered_kv.cold import codec, scan, store
 from tiered_kv.cold.backend import FileBackend
 
@@ -22,47 +22,44 @@ def _entry(tmp_path, tokens=6_000):
     return path, store.read_header(path, "fp")
 
 
-def test_scan_reads_in_ring_buffers_and_verifies_every_piece(tmp_path):
+def test_a_check_reads_every_byte_once_in_pieces(tmp_path, monkeypatch):
     path, header = _entry(tmp_path)
-    reader = scan.Scan(path, header, step=store.CHUNK_BYTES, ring=2)  # many pieces, buffers reused
-    reader.wait(store.data_end(header))
-    reader.close()
+    read: list[tuple[int, int]] = []
+    real = scan.read_into
+
+    def counted(fd: int, view: memoryview, offset: int) -> int:
+        read.append((offset, len(view)))
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(scan, "read_into", counted)
+    scan.check_data(path, header, step=store.CHUNK_BYTES)  # many pieces, both buffers reused
+    assert len(read) > 4 and sum(n for _, n in read) == store.data_end(header)
+    assert len(set(read)) == len(read)
 
 
 @pytest.mark.parametrize("piece", [0, 1, -1])
-def test_scan_verifies_the_prefix_before_a_corrupt_piece_and_refuses_past_it(tmp_path, piece):
+def test_a_corrupt_piece_anywhere_is_refused_by_its_tensor_name(tmp_path, piece):
     path, header = _entry(tmp_path)
     name = "1.values" if piece == -1 else "0.keys"
     start, stop = header.tensors[name]["data_offsets"]
     bad = start + piece * store.CHUNK_BYTES + 3 if piece >= 0 else stop - 1
-    with open(path, "r+b") as f:
-        f.seek(header.data_start + bad)
-        b = f.read(1)
-        f.seek(header.data_start + bad)
-        f.write(bytes([b[0] ^ 0x80]))
-    reader = scan.Scan(path, header, step=store.CHUNK_BYTES, ring=2)
-    try:
-        piece_start = start + (bad - start) // store.CHUNK_BYTES * store.CHUNK_BYTES
-        reader.wait(piece_start)  # everything before the bad piece is fine
-        with pytest.raises(store.CorruptEntry, match=name):
-            reader.wait(store.data_end(header))
-    finally:
-        reader.close()
+    flip_byte(path, header.data_start + bad)
+    with pytest.raises(store.CorruptEntry, match=name):
+        scan.check_data(path, header, step=store.CHUNK_BYTES)
+    with pytest.raises(store.CorruptEntry, match=name):
+        scan.check_data(path, header)  # one piece per tensor
+
+
+def test_a_truncated_file_is_corrupt(tmp_path):
+    path, header = _entry(tmp_path)
+    os.truncate(path, path.stat().st_size - 100)
     with pytest.raises(store.CorruptEntry):
         scan.check_data(path, header)
 
 
-def test_scan_of_a_truncated_file_is_corrupt(tmp_path):
+def test_a_symlink_is_never_followed(tmp_path):
     path, header = _entry(tmp_path)
-    os.truncate(path, path.stat().st_size - 100)
-    reader = scan.Scan(path, header)
+    link = path.with_name("link.safetensors")
+    link.symlink_to(path)
     with pytest.raises(store.CorruptEntry):
-        reader.wait(store.data_end(header))
-    reader.close()
-
-
-def test_scan_closed_early_stops_its_thread(tmp_path):
-    path, header = _entry(tmp_path)
-    reader = scan.Scan(path, header, step=store.CHUNK_BYTES, ring=1)
-    reader.close()
-    assert not reader._thread.is_alive()
+        scan.check_data(link, header)

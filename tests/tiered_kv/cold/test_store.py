@@ -18,6 +18,7 @@ from tiered_kv.cold import codec, scan, store
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
+from tiered_kv.steps import drain
 
 
 def test_file_is_standard_safetensors_with_chunk_digests(tmp_path):
@@ -61,7 +62,7 @@ def test_splittable_tensors_are_token_major_on_disk(tmp_path):
     assert json.loads(head["__metadata__"]["token_major"]) == ["0.keys", "0.values"]
     header = store.read_header(b.path("e1"), "fp")
     scan.check_data(b.path("e1"), header)  # digests are over the bytes as written
-    loaded = codec.load_file(b.path("e1"), header)
+    loaded = drain(codec.load_steps(b.path("e1"), header))
     assert loaded["0.keys"].shape == (1, 3, 300, 8)
     assert mx.array_equal(loaded["0.keys"], c.keys[..., :300, :]).item()
 

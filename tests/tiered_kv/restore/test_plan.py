@@ -138,21 +138,17 @@ def test_admission_assumes_the_best_page_cache_state():
     assert worth_spilling(N, N * BPT, BPT, costs)
 
 
-def test_a_warm_ranged_read_not_yet_measured_is_priced_faster_than_the_warm_load():
-    """Issue 15, 8B 64k page-cache warm on the H200: the first warm `both` priced its ranged read
-    at the whole load's rate (which also builds arrays and moves them to the GPU), chose m far
-    too large (head 2.85 s against a 0.46 s read) and lost to `load`. Until a warm ranged read is
-    measured it is priced WARM_RANGE_SPEEDUP times faster; a measured one is used as it is."""
-    from tiered_kv.restore.plan import WARM_RANGE_SPEEDUP, load_seconds, range_seconds
+def test_a_ranged_read_not_yet_measured_is_priced_as_the_load_of_its_page_kind():
+    """A whole load runs the same readers as a ranged read (``ranged.read_tensors``): until ranged
+    reads are measured, one is priced at the load's rate of its page kind (warm at the warm
+    load's, not the cold one's); a measured one is used as it is."""
+    from tiered_kv.restore.plan import load_seconds, range_seconds
 
     warm_hit = replace(HIT, warm=1.0)
     costs = Learned(prefill=PREFILL_FAST, load_cold=reads(1.5), load_warm=reads(2.6))
     whole = load_seconds(warm_hit, costs)
     assert whole is not None
-    assert range_seconds(warm_hit, costs, N) == pytest.approx(whole / WARM_RANGE_SPEEDUP)
-    priced_as_load = split(warm_hit, replace(costs, range_warm=reads(2.6)))
-    first = split(warm_hit, costs)
-    assert first is not None and priced_as_load is not None and first[0] < priced_as_load[0]
+    assert range_seconds(warm_hit, costs, N) == pytest.approx(whole)
     measured = replace(costs, range_warm=reads(9.0))
     assert range_seconds(warm_hit, measured, N) == pytest.approx(N * BPT / (9.0 * GB))
     # cold pages keep the cold rates
