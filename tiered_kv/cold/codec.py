@@ -19,8 +19,8 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tiered_kv import checkpoints, layers
+from tiered_kv import background, checkpoints, layers
 from tiered_kv.cold import gpu, ranged, store
 from tiered_kv.cold.landing import MX_DTYPES as _MX
 from tiered_kv.cold.landing import allocate, host_arrays
@@ -151,16 +151,18 @@ def _read_into(path: Path, header: store.Header, dests: dict[str, np.ndarray],
     if not beside:
         ranged.read_tensors(path, header, dests, up)
         return
-    pool = ThreadPoolExecutor(1, thread_name_prefix="tkv-load")
+    stop = threading.Event()
+    read = background.Call(lambda: ranged.read_tensors(path, header, dests, up, stop=stop),
+                           "tkv-load")  # fmt: skip
     try:
-        done = pool.submit(ranged.read_tensors, path, header, dests, up)
-        while not done.done():
+        while not read.done():
             yield
-        done.result()
+        read.result()
     finally:
-        # closed by a cancelled request: the read runs out on its thread, which holds the
-        # arrays it writes into (``dests`` are views of them); the engine thread goes on
-        pool.shutdown(wait=False)
+        # closed by a cancelled request: its readers stop before their next read (the engine
+        # thread does not wait for them; they hold the arrays they write into, ``dests`` being
+        # views of them, until they end)
+        stop.set()
 
 
 def _logical(arrays: dict[str, mx.array], header: store.Header) -> dict[str, mx.array]:

@@ -27,9 +27,9 @@ import ctypes.util
 import functools
 import mmap
 import os
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from tiered_kv import background
 from tiered_kv.cold import fsafe, store
 from tiered_kv.cold.gpu import Batch, Upload
 
@@ -45,6 +46,14 @@ _HEX = 16
 
 class Unsplittable(ValueError):
     """The entry cannot be read by token ranges (layers without one row per token)."""
+
+
+class Cancelled(Exception):
+    """The read was called off (``stop`` set: its request went away). Nobody waits for it; it is
+    no fault of the file's."""
+
+
+Stop = threading.Event | None
 
 
 @dataclass
@@ -114,7 +123,7 @@ def _check_bounds(m: int, n: int, total: int) -> None:
 
 def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
                into: dict[str, np.ndarray] | None = None,
-               gpu: Upload | None = None) -> RangeRead:  # fmt: skip
+               gpu: Upload | None = None, stop: Stop = None) -> RangeRead:  # fmt: skip
     """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor, token-major.
 
     ``into`` (optional): per tensor, a writable C-contiguous uint8 array ``(1, n - m, heads, row
@@ -129,9 +138,9 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
     Raises gpu.DeviceError when a copy failed.
 
     Raises store.CorruptEntry (checksum, short file, a symlink), store.ForeignEntry,
-    Unsplittable, FileNotFoundError, ValueError (range, or ``into`` of another layout). Files
-    and numpy only: safe on any thread (``workers`` threads of its own read the tensors, and
-    never touch MLX either).
+    Unsplittable, FileNotFoundError, ValueError (range, or ``into`` of another layout),
+    Cancelled (``stop`` set: no further read starts). Files and numpy only: safe on any thread
+    (``workers`` daemon threads of its own read the tensors, and never touch MLX either).
     """
     t0 = time.perf_counter()
     with _reading(path, gpu if into is not None else None) as (fd, batch):
@@ -148,7 +157,8 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
             base = header.data_start + int(t["data_offsets"][0])
             size = int(t["data_offsets"][1]) - int(t["data_offsets"][0])
             per = dst[0].nbytes // max(1, dst.shape[1])  # bytes of one token
-            return read_span(fd, base, size, first * per, dst, header.digests(name), chunk, name, to)
+            return read_span(fd, base, size, first * per, dst, header.digests(name), chunk, name, to,
+                             stop)  # fmt: skip
 
         def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray], int]:
             shape = (1, n - m, int(t["shape"][2]), _row_bytes(t))
@@ -164,8 +174,7 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
         tok = np.empty((1, n, 4), dtype=np.uint8)
         read = span("tokens", header.tensors["tokens"], tok, 0)
         # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
-        with ThreadPoolExecutor(max(1, min(workers, len(tensors)))) as pool:
-            done = list(pool.map(lambda kv: one(*kv), tensors.items()))
+        done = background.each(lambda kv: one(*kv), list(tensors.items()), workers, "tkv-range")
     out = {name: value for name, value, _ in done}
     read += sum(got for _, _, got in done)
     tokens = tok.reshape(-1).view("<i4").copy()
@@ -178,7 +187,7 @@ _IOV_MAX = 512
 
 
 def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, digests: str,
-              chunk: int, name: str, gpu: Batch | None = None) -> int:  # fmt: skip
+              chunk: int, name: str, gpu: Batch | None = None, stop: Stop = None) -> int:  # fmt: skip
     """Fill ``dest`` (a writable contiguous uint8 array) with the bytes from ``first`` of the
     tensor of ``size`` bytes at file offset ``base``. The whole checksum chunks covering them are
     read, a few per ``preadv``, straight into ``dest`` (the chunk bytes before and after it land
@@ -187,18 +196,21 @@ def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, diges
 
     With ``gpu`` (``dest`` is a view of GPU memory: its address is all that is used) the chunks
     are read into a pinned slot instead, hashed there, and the GPU copies the part that belongs
-    to ``dest`` — only verified bytes are sent. Raises gpu.DeviceError when a copy failed."""
+    to ``dest`` — only verified bytes are sent. Raises gpu.DeviceError when a copy failed, and
+    Cancelled before a read once ``stop`` is set."""
     end = first + dest.nbytes
     if end > size:
         raise store.CorruptEntry(f"short tensor {name}")
     if not dest.nbytes:
         return 0
     if gpu is not None and chunk <= gpu.slot_bytes:
-        return _span_via(gpu, fd, base, size, first, dest.ctypes.data, end, digests, chunk, name)
+        return _span_via(gpu, fd, base, size, first, dest.ctypes.data, end, digests, chunk, name,
+                         stop)  # fmt: skip
     d = dest.data.cast("B")
     c0, c1 = first // chunk, -(-end // chunk)
     read = 0
     for g0 in range(c0, c1, _GROUP_CHUNKS):
+        _check_stop(stop)
         g1 = min(c1, g0 + _GROUP_CHUNKS)
         lo, hi = g0 * chunk, min(size, g1 * chunk)
         pieces = _pieces(lo, hi, first, d)
@@ -217,13 +229,14 @@ def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, diges
 
 
 def _span_via(gpu: Batch, fd: int, base: int, size: int, first: int, dst: int, end: int,
-              digests: str, chunk: int, name: str) -> int:  # fmt: skip
+              digests: str, chunk: int, name: str, stop: Stop) -> int:  # fmt: skip
     """:func:`read_span`'s bytes ``[first, end)`` of a tensor to device address ``dst`` through
     pinned slots: as many whole chunks per read as a slot holds, verified, then copied."""
     c0, c1 = first // chunk, -(-end // chunk)
     per = gpu.slot_bytes // chunk
     read = 0
     for g0 in range(c0, c1, per):
+        _check_stop(stop)
         g1 = min(c1, g0 + per)
         lo, hi = g0 * chunk, min(size, g1 * chunk)
         with gpu.slot() as slot:
@@ -237,15 +250,21 @@ def _span_via(gpu: Batch, fd: int, base: int, size: int, first: int, dst: int, e
     return read
 
 
+def _check_stop(stop: Stop) -> None:
+    if stop is not None and stop.is_set():
+        raise Cancelled("read called off")
+
+
 def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
-                 gpu: Upload | None = None, workers: int = 4) -> int:  # fmt: skip
+                 gpu: Upload | None = None, workers: int = 4, stop: Stop = None) -> int:  # fmt: skip
     """Every tensor of the entry at ``path`` whole, verified chunk by chunk against ``header``
     (checked already, e.g. by the index lookup): ``into`` maps each name to a writable contiguous
     uint8 array of its bytes as stored; with ``gpu``, views of GPU memory the GPU copies into
-    (:func:`read_span`), waited for before this returns, on an error too. ``workers`` threads
-    read a tensor each. Returns the bytes read. Raises store.CorruptEntry (a checksum, a file
-    whose size changed since ``header``, a symlink), FileNotFoundError, OSError, gpu.DeviceError.
-    Files, bytes and numpy only: any thread."""
+    (:func:`read_span`), waited for before this returns, on an error too. ``workers`` daemon
+    threads read a tensor each. Returns the bytes read. Raises store.CorruptEntry (a checksum, a
+    file whose size changed since ``header``, a symlink), FileNotFoundError, OSError,
+    gpu.DeviceError, Cancelled (``stop`` set: no further read starts). Files, bytes and numpy
+    only: any thread."""
     if set(into) != set(header.tensors):
         raise ValueError("destinations differ from the entry's tensors")
     with _reading(path, gpu) as (fd, batch):
@@ -253,16 +272,15 @@ def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
             raise store.CorruptEntry("file size changed since its header was read")
 
         def one(name: str) -> int:
-            start, stop = (int(x) for x in header.tensors[name]["data_offsets"])
+            start, end = (int(x) for x in header.tensors[name]["data_offsets"])
             dst = into[name]
-            if dst.nbytes != stop - start or not dst.flags.c_contiguous:
-                raise ValueError(f"destination of {name} does not hold its {stop - start} bytes")
-            return read_span(fd, header.data_start + start, stop - start, 0, dst,
-                             header.digests(name), header.chunk_bytes, name, batch)  # fmt: skip
+            if dst.nbytes != end - start or not dst.flags.c_contiguous:
+                raise ValueError(f"destination of {name} does not hold its {end - start} bytes")
+            return read_span(fd, header.data_start + start, end - start, 0, dst,
+                             header.digests(name), header.chunk_bytes, name, batch, stop)  # fmt: skip
 
         order = sorted(header.tensors, key=lambda k: header.tensors[k]["data_offsets"][0])
-        with ThreadPoolExecutor(max(1, min(workers, len(order)))) as pool:
-            return sum(pool.map(one, order))
+        return sum(background.each(one, order, workers, "tkv-read"))
 
 
 @contextlib.contextmanager

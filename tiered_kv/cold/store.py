@@ -43,6 +43,7 @@ section with :func:`tiered_kv.cold.ranged.read_tensors`; ``cache verify`` with :
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -82,7 +83,7 @@ ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4,
 
 def nbytes(dtype: str, shape: Sequence[int]) -> int:
     """Bytes of a tensor of safetensors ``dtype`` and ``shape``."""
-    return int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype]
+    return math.prod(int(d) for d in shape) * ITEMSIZE[dtype]
 
 
 class CorruptEntry(ValueError):
@@ -481,12 +482,13 @@ def _check_tensors(tensors: dict[str, Any]) -> int:
     spans = []
     for name, t in tensors.items():
         try:
-            count = int(np.prod(t["shape"], dtype=np.int64))
+            dims = [int(d) for d in t["shape"]]
             start, stop = (int(v) for v in t["data_offsets"])
             width = ITEMSIZE[t["dtype"]]
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptEntry(f"tensor {name!r}: {e!r}") from None
-        if stop - start != count * width or count < 0:
+        # Python's ints: a product of int64s wraps (2^22 x 2^22 x 2^20 elements passed as 0 bytes)
+        if any(d < 0 for d in dims) or stop - start != math.prod(dims) * width:
             raise CorruptEntry(f"tensor {name!r}: offsets do not match shape")
         spans.append((start, stop))
     spans.sort()

@@ -172,6 +172,10 @@ class ColdTier:
         except OSError as e:  # the read failed
             self._bad(rec, path, e)
             return None
+        except RuntimeError as e:  # MLX refused the arrays' memory (CUDA: out of memory): a miss
+            self.faults.count("load_errors")
+            self.faults.once("load:memory", "cold entry %s not loaded: %s", rec.file, e)
+            return None
         self.faults.add_load(rec.nbytes, time.perf_counter() - t0)
         now = time.time()
         self._touched[rec.entry_id] = now  # seen by recent() before the queued touch commits

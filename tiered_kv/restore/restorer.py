@@ -17,12 +17,12 @@ CostBook it feeds is saved at most every few seconds and at :meth:`close`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered_kv import layers
+from tiered_kv.background import Call
 from tiered_kv.cold import gpu, ranged, store
 from tiered_kv.cold.landing import allocate
 from tiered_kv.restore import buffers
@@ -116,7 +117,6 @@ class Restorer:
         self.reader = reader
         #: where `both`'s read lands: "full" or "tail" arrays (buffers.landing(); "" → that)
         self.landing = landing or buffers.landing()
-        self._pool: ThreadPoolExecutor | None = None
         self._warm: dict[str, float | None] = {}
         self._lock = threading.Lock()  # counters are read by metrics scrapes
         self.counters: dict[str, float] = {
@@ -224,24 +224,29 @@ class Restorer:
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")
         t_alloc = time.perf_counter()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="restore-io")
         up = gpu.shared() if self.landing == "tail" else None  # CUDA: copied in by the GPU
-        future = self._pool.submit(self.reader, path, cold.fingerprint, m, n, into=views, gpu=up)
+        stop = threading.Event()
+        read = Call(functools.partial(self.reader, path, cold.fingerprint, m, n, into=views,
+                                      gpu=up, stop=stop), "restore-io")  # fmt: skip
         del views  # the I/O thread's now; `full` is not touched until the read returned
         head_error: Exception | None = None
         try:
-            computed = self.compute(np.asarray(prompt[:m]).tolist())
-        except Exception as e:  # the file may still serve: load it (after the read let `full` go)
-            head_error = e
-        t_head = time.perf_counter()
-        while background and not future.done():
-            yield
+            try:
+                computed = self.compute(np.asarray(prompt[:m]).tolist())
+            except Exception as e:  # the file may still serve: load it (once the read let `full` go)
+                head_error = e
+                stop.set()
+            t_head = time.perf_counter()
+            while background and not read.done():
+                yield
+        finally:  # closed by a cancelled request: the read stops before its next piece
+            if not read.done():
+                stop.set()
         if head_error is not None:
-            _wait_out(future)
+            _wait_out(read)
             return self._fell_back(f"head: {type(head_error).__name__}: {head_error}")
         try:
-            rr = future.result()
+            rr = read.result()
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError, gpu.DeviceError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")  # `full` (unverified) is dropped
         t_read = time.perf_counter()
@@ -318,9 +323,6 @@ class Restorer:
         return out
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
         self.costs.save(force=True)
 
 

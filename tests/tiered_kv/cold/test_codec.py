@@ -183,6 +183,69 @@ def test_a_load_reads_every_byte_of_the_file_once_into_the_arrays(tmp_path, monk
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["whole", "beside"])
+def test_a_load_stuck_on_a_frozen_disk_never_keeps_the_process_from_exiting(tmp_path, beside):
+    """The readers ran on ``concurrent.futures`` threads, which the interpreter joins at exit:
+    a SIGTERM-ed server whose load a stalled disk held stayed until the read returned (81 s in a
+    reviewer's run; forever on a frozen disk). Here every read blocks for good: the load is
+    abandoned (closed beside streams; on a daemon thread like the engine's) and the process
+    exits."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path, _, _ = big_entry(tmp_path)
+    code = textwrap.dedent(f"""
+        import threading, time
+        from pathlib import Path
+        from tiered_kv.cold import codec, ranged, store
+        ranged._preadv_all = lambda *a: threading.Event().wait()  # a frozen disk
+        path = Path({str(path)!r})
+        steps = codec.load_steps(path, store.read_header(path, "fp"), {beside})
+        if {beside}:
+            next(steps)
+            steps.close()
+        else:
+            threading.Thread(target=lambda: list(steps), daemon=True).start()
+        time.sleep(0.5)
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host", "upload"])
+def test_a_cancelled_load_stops_reading(tmp_path, monkeypatch, host):
+    """A cancelled request's load read the whole file on (and held the whole entry's memory)
+    after its generator was closed; 20 cancelled loads of a slow disk held 1.3 GB at once. Its
+    readers now stop before their next read."""
+    import threading
+    import time
+
+    from tiered_kv.cold import gpu, ranged, store
+
+    path, header, _ = big_entry(tmp_path)
+    if not host:
+        monkeypatch.setattr(gpu, "shared", lambda: HostUpload(slot_bytes=4 << 20))
+    read: list[int] = []
+    real = ranged._preadv_all
+
+    def slow(fd: int, views: list[memoryview], offset: int) -> None:
+        time.sleep(0.1)
+        real(fd, views, offset)
+        read.append(sum(len(v) for v in views))
+
+    monkeypatch.setattr(ranged, "_preadv_all", slow)
+    before = {t.name for t in threading.enumerate()}
+    steps = codec.load_steps(path, header, True, host=host)
+    next(steps)
+    next(steps)
+    steps.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and {t.name for t in threading.enumerate()} - before:
+        time.sleep(0.05)
+    assert not {t.name for t in threading.enumerate()} - before  # every reader ended
+    assert sum(read) < store.data_end(header) // 2
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["whole", "beside"])
 def test_a_cuda_load_reads_through_the_gpu_upload(tmp_path, monkeypatch, beside):
     """CUDA (``host=False`` with an upload): the arrays are allocated unwritten and every tensor
     is read whole through pinned slots, verified there, copied in. (The CPU has no GPU:

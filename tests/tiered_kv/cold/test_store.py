@@ -164,6 +164,27 @@ def test_header_claiming_huge_chunks_is_refused(tmp_path):
         store.parse_buffer(memoryview(struct.pack("<Q", len(new)) + new + raw[8 + n :]))
 
 
+
+def test_a_header_whose_element_count_wraps_is_refused(tmp_path):
+    """A re-signed header (its checksum is public) with a tensor of 2^22 x 2^22 x 2^20 elements
+    and no bytes: the element count, a product of int64s, wrapped to 0 and matched its empty
+    span, and the load served an array of 2^64 elements over an empty buffer (segfault)."""
+    import json
+
+    job = codec.prepare(np.arange(32, dtype=np.int32), [big_kv(32)], None, "fp")
+    raw = store.encode(job.tokens, job.tensors, job.metadata).join()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
+    end = max(t["data_offsets"][1] for t in head.values())
+    head["zz.wrap"] = {"dtype": "U8", "shape": [1 << 22, 1 << 22, 1 << 20], "data_offsets": [end, end]}
+    sums = json.loads(meta["xxh3"])
+    sums["zz.wrap"] = ""
+    meta["xxh3"] = json.dumps(sums, separators=(",", ":"))
+    new = store.header_bytes(head, meta)
+    with pytest.raises(store.CorruptEntry, match="offsets do not match shape"):
+        store.parse_buffer(memoryview(struct.pack("<Q", len(new)) + new + raw[8 + n :]))
+
 # -- one pass: each byte made once, the header written last over reserved bytes, same bytes ----
 EXAMPLE = Path(__file__).resolve().parents[3] / "cache_dir.example"
 _DERIVED = {"format_version", "n_tokens", "chunk_bytes", "token_major", "xxh3"}

@@ -324,3 +324,22 @@ def test_an_entry_grown_past_its_indexed_size_is_refused_before_it_is_read(tmp_p
     assert hit is None or tier.load(hit) is None
     assert loads == [] and tier.stats()["quarantined"] == 1
     tier.close()
+
+
+def test_arrays_mlx_cannot_allocate_are_a_miss_not_a_failed_request(tmp_path, monkeypatch):
+    """On CUDA an entry larger than the free GPU memory fails its allocation (RuntimeError): that
+    reached the request as a 500. It is a miss, counted; the file is kept."""
+    from tiered_kv.cold import codec
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+
+    def refused(*a, **k):
+        raise RuntimeError("[cuda::malloc] out of memory")
+
+    monkeypatch.setattr(codec, "allocate", refused)
+    assert tier.load(tier.lookup(list(range(8)))) is None
+    assert tier.stats()["load_errors"] == 1 and tier.stats()["quarantined"] == 0
+    monkeypatch.undo()
+    assert tier.load(tier.lookup(list(range(8)))) is not None
+    tier.close()
