@@ -222,6 +222,34 @@ def test_a_both_beside_the_batch_waits_for_its_read_step_by_step(plain):
     tc.hot.entries.clear()
 
 
+def test_a_both_closed_by_its_cancelled_request_stops_its_read(plain):
+    """A cancelled request's `both` read on to the end of its range, holding the landing arrays;
+    closing its steps now sets the read's stop flag, and the read ends before its next piece."""
+    import threading
+
+    from tiered_kv.cold import ranged
+
+    release, seen = threading.Event(), []
+
+    def held_reader(*a, **kw):
+        seen.append(kw["stop"])
+        release.wait(10)  # a slow disk, until the test lets it go
+        return ranged.read_range(*a, **kw)
+
+    r = plain.restorer("both", reader=held_reader)
+    tc = plain.tiered(r)
+    steps = tc.fetch_steps(plain.ids + [1, 2, 3], background=True)
+    for _ in range(3):
+        next(steps)
+    steps.close()
+    assert seen and seen[0].is_set()
+    release.set()
+    with pytest.raises(ranged.Cancelled):
+        ranged.read_range(plain.cold.describe(plain.cold.lookup(plain.ids))[0],
+                          plain.cold.fingerprint, 0, N, stop=seen[0])  # fmt: skip
+    tc.hot.entries.clear()
+
+
 @pytest.mark.parametrize("mode", ["both", "auto"])
 def test_both_computes_whole_prefill_steps(plain, mode):
     """m is a multiple of the compute's prefill step: a head of whole steps runs only chunk
