@@ -239,9 +239,9 @@ class Restorer:
             t_head = time.perf_counter()
             while background and not read.done():
                 yield
-        finally:  # closed by a cancelled request: the read stops before its next piece
-            if not read.done():
-                stop.set()
+        except BaseException:  # closed by a cancelled request: the read stops before its next piece
+            stop.set()
+            raise
         if head_error is not None:
             _wait_out(read)
             return self._fell_back(f"head: {type(head_error).__name__}: {head_error}")

@@ -222,6 +222,24 @@ def test_a_both_beside_the_batch_waits_for_its_read_step_by_step(plain):
     tc.hot.entries.clear()
 
 
+def test_a_both_whose_read_outlasts_its_head_waits_for_it(plain):
+    """Run to its end (not beside a batch), a both whose head was computed before its read
+    finished called the read off (the stop flag was set on leaving the compute, not only on a
+    close) and failed: every `both` on the H100, whose compute beats its disk."""
+    import time
+
+    from tiered_kv.cold import ranged
+
+    def slow_reader(*a, **kw):
+        time.sleep(0.5)  # a slow disk: the head is computed long before
+        return ranged.read_range(*a, **kw)
+
+    r = plain.restorer("both", reader=slow_reader)
+    hit = plain.cold.lookup(plain.ids)
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 64, 0.0, 0.0, "test"))
+    assert got is not None and r.counters["restore_both_fallbacks"] == 0
+
+
 def test_a_both_closed_by_its_cancelled_request_stops_its_read(plain):
     """A cancelled request's `both` read on to the end of its range, holding the landing arrays;
     closing its steps now sets the read's stop flag, and the read ends before its next piece."""
