@@ -49,6 +49,7 @@ def _engine_turn(engine: Engine, on: bool, ids: list[int], first: bool) -> tuple
         usage = chunk.usage or usage
         out += [chunk.token] if chunk.token is not None else []
     assert usage is not None and (first or usage.cache_tier == "hot"), usage  # a hot hit
+    assert usage.ttft_seconds is not None, usage  # it sampled tokens
     return usage.ttft_seconds, out
 
 

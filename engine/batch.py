@@ -96,6 +96,7 @@ class BatchLoop:
         join the decode batch together at its end, their last prompt tokens one forward."""
         self.decode.step()
         self.leasing.poll()
+        self.leasing.drop_cancelled()
         self.prefill.drop_cancelled()
         budget = self.prefill_budget
         while budget > 0:

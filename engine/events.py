@@ -47,7 +47,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     cache_tier: str
-    ttft_seconds: float
+    ttft_seconds: float | None  # None: it ended before its first token (cancelled, failed)
     prefill_seconds: float
     decode_seconds: float
     load_seconds: float

@@ -9,7 +9,7 @@ import hmac
 from collections.abc import Mapping
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from engine import messages
@@ -83,7 +83,8 @@ async def hangup(request: Request) -> None:
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, bounded in size (413) and in time (408: a client that trickles its body)."""
+    """The body, bounded in size (413) and in time (408: a client that trickles its body); a
+    client that closed the connection before sending all of it is a 499, not a server error."""
     too_big = ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
@@ -103,3 +104,5 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     except asyncio.TimeoutError:
         msg = f"request body not received within {timeout:g} s"
         raise ApiError(408, msg, code="request_timeout") from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client closed the request", code="client_closed") from None

@@ -118,7 +118,7 @@ class Seq:
 
     def usage(self, now: float) -> Usage:
         t = now - self.started
-        first = self.t_first or t
+        first = self.t_first or None
         return Usage(
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=self.text.completion if self.text else 0,
@@ -126,7 +126,7 @@ class Seq:
             cache_tier=self.hit.tier,
             ttft_seconds=first,
             prefill_seconds=self.t_prefill,
-            decode_seconds=max(0.0, t - first),
+            decode_seconds=max(0.0, t - first) if first is not None else 0.0,
             load_seconds=self.hit.load_seconds,
             queue_seconds=max(0.0, self.started - self.enqueued),
         )

@@ -95,6 +95,14 @@ class Leasing:
             else:
                 self._fetch_once(seq)
 
+    def drop_cancelled(self) -> None:
+        """Waiting requests whose client went away leave at once (nothing computed, nothing
+        stored): each held a batch place until its turn to be leased came — a request behind a
+        long prefill, for as long as that prefill took."""
+        for seq in [s for s in self.waiting if s.sink.cancelled()]:
+            self.waiting.remove(seq)
+            seq.sink.emit(END)
+
     def close(self, end: End | None = None) -> None:
         """At shutdown: waiting requests and reads in flight stop, each listener told (a 503;
         ``end``: another ending, e.g. :meth:`BatchLoop.abort`'s)."""

@@ -151,21 +151,23 @@ class Metrics:
 
     def generation(self, usage: Any) -> None:
         """Record a finished generation's engine Usage (and log it: one line per request)."""
+        ttft = usage.ttft_seconds
         log.info(
-            "generation: prompt %d tokens, cached %d (tier %s), ttft %.3fs, completion %d tokens",
+            "generation: prompt %d tokens, cached %d (tier %s), ttft %s, completion %d tokens",
             usage.prompt_tokens,
             usage.cached_tokens,
             usage.cache_tier,
-            usage.ttft_seconds,
+            "-" if ttft is None else f"{ttft:.3f}s",  # None: no first token (cancelled before)
             usage.completion_tokens,
         )
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
         if usage.cached_tokens:
             self.cached_tokens.labels(tier=usage.cache_tier).inc(usage.cached_tokens)
-        self.ttft.observe(usage.ttft_seconds)
         self.queue_wait.observe(usage.queue_seconds)
-        self.ttft_total.observe(usage.queue_seconds + usage.ttft_seconds)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            self.ttft_total.observe(usage.queue_seconds + ttft)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

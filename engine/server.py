@@ -144,8 +144,9 @@ class Server:
         first = await anext(rest, END)  # the cache hit (or a failure): headers name the tier
         headers = respond.hit_headers(first)
         if req.stream:
-            self.metrics.request(endpoint, 200)
-            stream = sse.pump(job, out, first, rest, self.metrics.generation)
+            # the status is counted when the stream ends: 499 when its client went away first
+            stream = sse.pump(job, out, first, rest, self.metrics.generation,
+                              lambda status: self.metrics.request(endpoint, status))  # fmt: skip
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={**sse.HEADERS, **headers}
             )

@@ -35,10 +35,13 @@ async def events(job: Job, keepalive: float) -> AsyncIterator[Event | None]:
 
 
 async def pump(
-    job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage
+    job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage,
+    on_status: Callable[[int], None] = lambda status: None,
 ) -> AsyncIterator[bytes]:
-    """Streaming: ``out``'s chunks, keep-alives, a mid-stream error object, then (OpenAI) [DONE]."""
+    """Streaming: ``out``'s chunks, keep-alives, a mid-stream error object, then (OpenAI) [DONE].
+    ``on_status`` gets 200 once the stream is sent whole, 499 when its client went away first."""
     named = out.named_events
+    sent = False
     try:
         for obj in out.start(first if isinstance(first, Hit) else None):
             yield encode(obj, named)
@@ -57,16 +60,18 @@ async def pump(
             ev = await anext(rest, END)
         if not named:
             yield DONE
+        sent = True
     finally:
         job.stop()  # no-op after the end; stops the request if the client went away
+        on_status(200 if sent else 499)
 
 
 async def collect(
     job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage
 ) -> dict[str, Any]:
     """Non-streaming: every chunk through ``out``, then its body (a client that goes away stops
-    the job: the HTTP edge watches for it). A failure is re-raised for the HTTP edge; a job that
-    ended before it started, its client gone, is a 499."""
+    the job: the HTTP edge watches for it). A failure is re-raised for the HTTP edge; a job whose
+    client went away, before it started or during it, is a 499."""
     try:
         ev = first
         while True:
@@ -80,6 +85,8 @@ async def collect(
                 out.feed(ev)
                 if ev.finish_reason is not None:
                     on_usage(ev.usage)
+                    if ev.finish_reason == "cancelled":  # its client went away: nobody reads it
+                        raise ApiError(499, "the client closed the request", code="client_closed")
                     return out.body()
             ev = await anext(rest, END)
     finally:

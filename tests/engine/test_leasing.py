@@ -118,3 +118,19 @@ def test_without_shared_forwards_a_request_is_looked_up_when_it_prefills_next():
     loop.add(cached, PROMPTS[0], SamplingParams(max_tokens=2))  # shared prompt cached: 9 left
     run_until(loop, lambda: fresh.done and cached.done)
     assert order[:3] == [f"fetch {len(PROMPTS[0])}", "first token", f"fetch {len(fresh_ids)}"]
+
+
+def test_a_waiting_request_whose_client_left_gives_its_place_back_at_once():
+    """With prompts not sharing forwards, a request behind a long prefill waits unleased; its
+    client went away, yet it held its batch place until the prefill ahead of it ended (20 s on
+    the CPU for a 6.5k-token prompt: a third request waited that long for a place)."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=("hot",)))
+    engine.share_prefill = False
+    loop, long, gone = BatchLoop(engine, max_batch=2), Sink(), Sink()
+    loop.add(long, tokens(60, 200), SamplingParams(max_tokens=2))
+    loop.add(gone, tokens(61, 300), SamplingParams(max_tokens=2))
+    loop.step()
+    assert gone in [s.sink for s in loop.leasing.waiting]  # behind the long prefill
+    gone.cancel = True
+    loop.step()
+    assert gone.done and not gone.chunks and loop.active == 1 and not long.done

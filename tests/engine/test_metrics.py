@@ -3,6 +3,8 @@ cache's own stats (with /v1/models and /health, the other read-only endpoints)."
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from tests.serving import USER
@@ -34,3 +36,48 @@ def test_models_health_metrics(live):
         "tiered_kv_queue_length",
     ):
         assert name in text, name
+
+
+def _count(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_request_whose_client_went_away_is_a_499_not_a_200(live):
+    """Streamed, the status was counted 200 when the stream started; collected, 200 for a body
+    whose generation its client's leaving had cut. Both are 499 now."""
+    before = httpx.get(live.url + "/metrics").text
+    body = {"model": "tiny", "messages": USER, "max_tokens": 4000, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)  # a few events, then the client goes away
+    body["stream"] = False
+    try:
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.3)
+    except httpx.TimeoutException:
+        pass
+    name = 'tiered_kv_requests_total{endpoint="chat",status="499"}'
+    for _ in range(100):  # the server notices at its next token
+        after = httpx.get(live.url + "/metrics").text
+        if _count(after, name) - _count(before, name) >= 2:
+            break
+        time.sleep(0.1)
+    assert _count(after, name) - _count(before, name) == 2
+    ok = 'tiered_kv_requests_total{endpoint="chat",status="200"}'
+    assert _count(after, ok) == _count(before, ok)
+
+
+def test_a_generation_without_a_first_token_observes_no_ttft():
+    """A request cancelled before its first token reported the time until it was cancelled as
+    its TTFT (2.7 s in a reviewer's run, for a request that produced nothing)."""
+    from engine.events import Usage
+    from engine.metrics import Metrics
+
+    m = Metrics()
+    usage = Usage(prompt_tokens=4849, completion_tokens=0, cached_tokens=0, cache_tier="none",
+                  ttft_seconds=None, prefill_seconds=2.6, decode_seconds=0.0, load_seconds=0.0)  # fmt: skip
+    m.generation(usage)
+    text = m.render().decode()
+    assert _count(text, "tiered_kv_ttft_seconds_count") == 0
+    assert _count(text, "tiered_kv_prompt_tokens_total") == 4849

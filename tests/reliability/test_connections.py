@@ -130,3 +130,22 @@ def test_soft_file_limit_raised_at_start(make):
     want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
     s = make(nofile=(256, hard))
     assert s.proc is not None and nofile(s.proc.pid) == (want, hard)
+
+
+def test_a_client_gone_in_the_middle_of_its_body_is_no_server_error(make):
+    """A client that closes the connection while sending its request body (an agent aborting the
+    upload of a large prompt) was counted as a 500 with an ERROR traceback in the log."""
+    s = make()
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 4000
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n")  # fmt: skip
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
+            c.sendall(head + body)
+            time.sleep(0.3)
+    time.sleep(0.5)
+    metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
+    assert 'status="500"' not in metrics, [x for x in metrics.splitlines() if "requests_total" in x]
+    assert "internal error" not in s.log.read_text(errors="replace")
+    ok = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{s.url}/v1/chat/completions", json=ok, timeout=60).status_code == 200
