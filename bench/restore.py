@@ -55,10 +55,10 @@ class Bench:
         self.suffix_s = 0.0
         self.phases: dict[str, float] = {}
 
-    def compute(self, ids: list[int]) -> list[Any]:
-        """What Engine.compute_prefix does (whole steps, no logits)."""
+    def compute(self, ids: list[int]) -> tiered_kv.Steps[list[Any]]:
+        """What Engine.compute_prefix does (whole steps, no logits; step by step)."""
         lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
-        fill(self.model, lease, self.chunk)
+        yield from fill(self.model, lease, self.chunk)
         return lease.caches
 
     def open(self, tokens: int, mode: str) -> TieredCache:

@@ -25,7 +25,7 @@ from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
 from engine.loading import context_length, load_model, vocab_size, xtc_keep
 from engine.prefill import Progress, checkpoint_positions, fill, prefill, prefill_steps
 from engine.textout import TextStream
-from tiered_kv import CacheDirError, Config, HitInfo, Lease, model_identity
+from tiered_kv import CacheDirError, Config, HitInfo, Lease, Steps, model_identity
 
 __all__ = ["CacheDirError", "Chunk", "Engine", "SamplingParams", "Usage"]
 
@@ -81,11 +81,12 @@ class Engine:
         """Tokens per prefill step (``config.prefill_chunk``, resolved at start)."""
         return self.config.prefill_chunk
 
-    def compute_prefix(self, ids: list[int]) -> list[Any]:
+    def compute_prefix(self, ids: list[int]) -> Steps[list[Any]]:
         """Fresh caches holding exactly ``ids`` (whole prefill steps, no logits: a restore's
-        computed head, the calibration), computed here, on the engine thread."""
+        computed head, the calibration), computed here, on the engine thread, step by step
+        (:func:`engine.prefill.fill`; ``tiered_kv.drain`` runs it through)."""
         lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
-        fill(self.model, lease, self.prefill_chunk)
+        yield from fill(self.model, lease, self.prefill_chunk)
         return lease.caches
 
     # -- prompts ---------------------------------------------------------------------------

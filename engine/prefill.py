@@ -80,14 +80,18 @@ def prefill_steps(
     return logits
 
 
-def fill(model: nn.Module, lease: Lease, chunk_size: int) -> None:
+def fill(model: nn.Module, lease: Lease, chunk_size: int) -> Generator[None, None, None]:
     """Feed ``lease.remaining`` into ``lease.caches`` in whole steps of ``chunk_size`` from its
     start, with no logits (no last-token step): KV only, for a restore's computed head and the
     calibration. Its steps are the shapes of a long prefill's body steps; on CUDA the first
     forward of a new (step length, offset) compiles and allocates (1B shape: a 2048-token head fed
-    as 2047 + 1 tokens took 0.55 s the first time; a 4096-token head in whole steps, 0.03 s)."""
+    as 2047 + 1 tokens took 0.55 s the first time; a 4096-token head in whole steps, 0.03 s).
+    Step-wise: it yields between its steps (a `both`'s head beside running streams: the batch
+    loop decodes between them, and a cancel closes it there)."""
     rem, fed = lease.remaining, list[int]()
     for i in range(0, len(rem), chunk_size):
+        if i:
+            yield
         _step(model, lease, fed, rem[i : i + chunk_size], [], None, len(rem))
         if len(rem) > chunk_size:
             mx.clear_cache()

@@ -114,8 +114,10 @@ def door() -> str:
     lines = ["```python"]
     for name in tiered_kv.__all__:
         obj = getattr(tiered_kv, name)
-        home = obj.__module__
-        if inspect.isclass(obj) and issubclass(obj, BaseException):
+        home = getattr(obj, "__module__", "")
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):  # a type alias
+            lines.append(f"{name} = {obj!r}  # {tiered_kv._HOME[name]}")
+        elif inspect.isclass(obj) and issubclass(obj, BaseException):
             lines.append(f"class {name}({obj.__bases__[0].__name__})  # {home}")
         elif inspect.isclass(obj):
             lines.append(f"class {name}{_sig(obj)}  # {home}")

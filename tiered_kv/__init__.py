@@ -62,6 +62,8 @@ _HOME = {
     "HitInfo": "tiered_kv.tiered",
     "Lease": "tiered_kv.tiered",
     "TieredCache": "tiered_kv.tiered",
+    "Steps": "tiered_kv.steps",
+    "drain": "tiered_kv.steps",
 }
 
 __all__ = [
@@ -74,9 +76,11 @@ __all__ = [
     "NotAFingerprint",
     "SharedAdmin",
     "SharedUnreachable",
+    "Steps",
     "TieredCache",
     "UnsafeCacheDir",
     "checkpoint_positions",
+    "drain",
     "model_identity",
     "open_cache",
     "parse_size",

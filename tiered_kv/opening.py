@@ -17,10 +17,13 @@ import mlx_lm
 
 from tiered_kv import keys, layers
 from tiered_kv.config import Config
+from tiered_kv.steps import Steps
 from tiered_kv.tiered import TieredCache
 
 #: prefill(ids) → fresh model caches holding exactly ``ids`` (the engine thread)
-Compute = Callable[[list[int]], list[Any]]
+#: prefills fresh caches holding exactly the ids given, step by step (a generator; see
+#: ``restore.restorer.Compute``)
+Compute = Callable[[list[int]], Steps[list[Any]]]
 
 
 class CacheDirError(OSError):

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.prefill import PrefillStopped, fill, prefill
 from tests import fixtures
 from tests.fixtures import tokens
+from tiered_kv import drain
 from tiered_kv.config import Config
 from tiered_kv.tiered import TieredCache
 
@@ -49,7 +50,7 @@ def test_fill_feeds_whole_steps_and_holds_the_same_kv(small_model):
     ids = tokens(92, 32)
     model = fixtures.Steps(small_model)
     lease = lease_of(model, ids)
-    fill(model, lease, 16)
+    drain(fill(model, lease, 16))
     assert model.lengths == [16, 16] and lease.caches[0].offset == 32
     ref = lease_of(small_model, ids)
     prefill(small_model, ref, [], 16)

@@ -14,6 +14,7 @@ import pytest
 from engine.generate import Engine, SamplingParams, default_prefill_chunk
 from tests.fixtures import Steps
 from tests.serving import serve
+from tiered_kv import drain
 from tiered_kv.config import Config
 
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex jolly boxers".split()
@@ -160,6 +161,6 @@ def test_the_engine_plans_with_its_own_prefill_step(tiny_model_dir, tmp_path):
 def test_the_engines_computed_prefix_is_whole_steps(tiny_model_dir, tmp_path):
     engine = Engine(tiny_model_dir, Config(cache_dir=tmp_path, prefill_chunk=16))
     engine.model = Steps(engine.model)  # type: ignore[assignment]
-    caches = engine.compute_prefix(list(range(3, 35)))
+    caches = drain(engine.compute_prefix(list(range(3, 35))))
     assert engine.model.lengths == [16, 16] and caches[0].offset == 32
     engine.cache.close()

@@ -42,7 +42,8 @@ from tiered_kv.steps import Steps, drain
 log = logging.getLogger(__name__)
 
 #: prefill(ids) → model caches holding exactly ``ids`` (engine thread)
-Compute = Callable[[list[int]], list[Any]]
+#: (step by step: it yields between prefill steps, and a close stops it there)
+Compute = Callable[[list[int]], Steps[list[Any]]]
 #: ``ranged.read_range``'s signature: (path, fingerprint, m, n, into=destinations, gpu=upload or None)
 Reader = Callable[..., ranged.RangeRead]
 #: where a `both` spends its time (seconds), in order: landing arrays allocated, the head computed
@@ -232,7 +233,9 @@ class Restorer:
         head_error: Exception | None = None
         try:
             try:
-                computed = self.compute(np.asarray(prompt[:m]).tolist())
+                head = self.compute(np.asarray(prompt[:m]).tolist())
+                # beside a batch its steps are the loop's: the other streams decode between them
+                computed = (yield from head) if background else drain(head)
             except Exception as e:  # the file may still serve: load it (once the read let `full` go)
                 head_error = e
                 stop.set()
@@ -342,14 +345,14 @@ def calibrate(compute: Compute, costs: CostBook, budget_s: float = 2.0) -> int:
     first run may compile kernels: on CUDA 256 tokens took 0.47 s once and 0.11 s after, and the
     slow one made every long prefill predicted ~1.7x too slow). Returns the prefills recorded.
     Engine thread."""
-    compute([1] * 8)  # warm-up: first-call overheads are not the machine's speed
+    drain(compute([1] * 8))  # warm-up: first-call overheads are not the machine's speed
     done, t_all = 0, time.perf_counter()
     for k in (64, 256, 1024, 4096):
         ids = [(i * 7919) % 200 + 3 for i in range(k)]
         runs = []
         for _ in range(2):
             t0 = time.perf_counter()
-            compute(ids)
+            drain(compute(ids))
             runs.append(time.perf_counter() - t0)
         dt = min(runs)
         costs.observe_prefill(k, 0, dt)

@@ -4,6 +4,7 @@ where layers cannot be split (sliding window, recurrent), and TieredCache follow
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -29,7 +30,8 @@ from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.restore.costs import CostBook
 from tiered_kv.restore.restorer import Decision, Restorer, blocker_of
-from tiered_kv.tiered import HitInfo, Lease, TieredCache
+from tiered_kv.steps import drain
+from tiered_kv.tiered import TieredCache
 
 N = 600  # ranges start at any token (reads round out to whole checksum chunks)
 #: float32 logits of two prefill paths agree to 1e-4 on the CPU; a GPU's float32 matmuls (TF32 on
@@ -41,11 +43,19 @@ def llama_kv8():
     return make_llama(seed=5, **HEAD_DIM_64)
 
 
-def compute_with(model):
+def compute_with(model, steps=None):
+    """The Restorer's compute (step by step: ``steps`` counts its steps as they run)."""
+
     def compute(ids):
-        lease = Lease(make_prompt_cache(model), list(ids), HitInfo())
-        prefill(model, lease, [], 64)
-        return lease.caches
+        caches = make_prompt_cache(model)
+        for i in range(0, len(ids), 64):
+            if i:
+                yield
+            if steps is not None:
+                steps.append(i)
+            model(mx.array([ids[i : i + 64]]), cache=caches)
+            mx.eval([c.state for c in caches])
+        return caches
 
     return compute
 
@@ -220,6 +230,29 @@ def test_a_both_beside_the_batch_waits_for_its_read_step_by_step(plain):
     np.testing.assert_allclose(out, feed(plain.model, make_prompt_cache(plain.model), ids),
                                rtol=TOL, atol=TOL)  # fmt: skip
     tc.hot.entries.clear()
+
+
+def test_a_both_beside_the_batch_computes_its_head_step_by_step(plain):
+    """The head ran in one blocking call on the engine thread: every other stream stopped for it
+    (4.9 s in a reviewer's run) and its request could not be cancelled before it was done.
+    Beside a batch, its steps now return between the head's prefill steps; closed there (a
+    cancel), it stops computing."""
+    ran: list[int] = []
+    r = Restorer("both", CostBook(None), compute_with(plain.model, ran),
+                 blocker_of(make_prompt_cache(plain.model)), plain.cfg.kv_bits,
+                 plain.cfg.kv_group_size)  # fmt: skip
+    hit = plain.cold.lookup(plain.ids)
+    d = Decision("both", N - 1, 192, 0.0, 0.0, "test")
+    steps = r.both_steps(plain.cold, hit, plain.ids, d)
+    next(steps)
+    assert ran == [0]  # one prefill step of the head, then back to the loop
+    got = drain(steps)
+    assert got is not None and ran == [0, 64, 128]
+    ran.clear()
+    steps = r.both_steps(plain.cold, hit, plain.ids, d)
+    next(steps)
+    steps.close()
+    assert ran == [0]
 
 
 def test_a_both_whose_read_outlasts_its_head_waits_for_it(plain):
@@ -460,10 +493,11 @@ def test_calibration_records_each_length_after_its_first_run():
 
     seen: set[int] = set()
 
-    def compute(ids: list[int]) -> None:
+    def compute(ids: list[int]) -> Any:
         if len(ids) not in seen:
             seen.add(len(ids))
             time.sleep(0.3)
+        yield from ()
 
     costs = CostBook(None, "fp")
     done = calibrate(compute, costs, budget_s=30.0)
