@@ -12,7 +12,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -149,6 +149,8 @@ class Message(RequestBody):
 
 
 class _Sampling(RequestBody):
+    #: the body field that holds the prompt (named by a context_length_exceeded error)
+    prompt_param: ClassVar[str] = "messages"
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -324,6 +326,7 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    prompt_param: ClassVar[str] = "prompt"
     prompt: str | list[str]
     #: the prompt's text (and log-probabilities) before the completion: not served, a 400 (it was
     #: ignored: a client scoring prompts, lm-eval's loglikelihood, read a completion as the prompt's)
@@ -424,7 +427,8 @@ def check_chars(n_chars: int, context_length: int, max_token_chars: int, param: 
 
 
 def check_length(
-    prompt_tokens: int, requested_max: int | None, context_length: int, default: int = 0
+    prompt_tokens: int, requested_max: int | None, context_length: int, default: int = 0,
+    param: str = "messages",
 ) -> int:
     """Max new tokens for a prompt: the request's (else the server's ``default``; 0: no bound of
     its own), capped by what the context leaves.
@@ -437,7 +441,7 @@ def check_length(
             400,
             f"this model's maximum context length is {context_length} tokens; "
             f"the prompt has {prompt_tokens} tokens",
-            param="messages",
+            param=param,
             code="context_length_exceeded",
         )
     return min(requested_max or default or room, room)

@@ -264,7 +264,8 @@ def sampling(
     of the whole vocabulary is off (it keeps every token); a penalty's context size is at most
     the context (mlx-lm slices the last tokens with a 32-bit index: 3e9 was a 500 of every
     request in its decode step); ``xtc_keep``: the model's tokens XTC never cuts."""
-    max_tokens = api.check_length(len(ids), req.requested_max(), context_length, default_max)
+    max_tokens = api.check_length(len(ids), req.requested_max(), context_length, default_max,
+                                  req.prompt_param)  # fmt: skip
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=req.temperature,

@@ -15,7 +15,7 @@ refused (a client sends the whole input, as Codex does with ``store: false``); h
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
@@ -53,6 +53,7 @@ class ResponsesChat(ChatRequest):
     """The chat request a Responses body asks for, with the Codex tool namespace of each function
     that one holds (a call of such a function names its namespace)."""
 
+    prompt_param: ClassVar[str] = "input"
     namespaces: dict[str, str] = {}
     instructions: str | None = None  # echoed in the response, as OpenAI's
 

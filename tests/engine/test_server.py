@@ -492,6 +492,18 @@ def test_context_length_code(guarded):
     body = {"messages": [{"role": "user", "content": "word " * 200}]}
     r = httpx.post(guarded.url + "/v1/chat/completions", json=body, headers=AUTH)
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages"
+
+
+def test_a_completion_too_long_for_the_context_names_its_prompt():
+    """/v1/completions named ``messages``, a field its body does not have."""
+    from engine.api import ApiError, CompletionRequest
+    from engine.respond import sampling
+
+    req = CompletionRequest(prompt="word " * 200)
+    with pytest.raises(ApiError) as e:
+        sampling(req, list(range(300)), 256, 1000)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
 
 
 def test_unknown_path_and_method(guarded):
