@@ -61,6 +61,14 @@ class ShuttingDown(ApiError):
                          code="server_shutting_down", type_="server_error")  # fmt: skip
 
 
+class ClientClosed(ApiError):
+    """The client went away (before its body was whole, before its job started, or while it ran):
+    a 499 nobody reads, counted as such."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the request", code="client_closed")
+
+
 def invalid(message: str, param: str) -> ApiError:
     """A 400 for a value the client sent that the server cannot take."""
     return ApiError(400, message, param=param, code="invalid_value")

@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from engine import messages
-from engine.api import ApiError, ShuttingDown
+from engine.api import ApiError, ClientClosed, ShuttingDown
 
 
 def anthropic_route(path: str) -> bool:
@@ -105,4 +105,4 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
         msg = f"request body not received within {timeout:g} s"
         raise ApiError(408, msg, code="request_timeout") from None
     except ClientDisconnect:
-        raise ApiError(499, "the client closed the request", code="client_closed") from None
+        raise ClientClosed() from None

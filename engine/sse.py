@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine import respond
-from engine.api import ApiError
+from engine.api import ClientClosed
 from engine.events import END, Chunk, Event, Failed, Hit, Usage
 from engine.worker import Job
 
@@ -77,7 +77,7 @@ async def collect(
         while True:
             if ev is END:
                 if job.cancelled():
-                    raise ApiError(499, "the client closed the request", code="client_closed")
+                    raise ClientClosed()
                 raise RuntimeError("generation ended without a final chunk")
             if isinstance(ev, Failed):
                 raise ev.error
@@ -86,7 +86,7 @@ async def collect(
                 if ev.finish_reason is not None:
                     on_usage(ev.usage)
                     if ev.finish_reason == "cancelled":  # its client went away: nobody reads it
-                        raise ApiError(499, "the client closed the request", code="client_closed")
+                        raise ClientClosed()
                     return out.body()
             ev = await anext(rest, END)
     finally:
