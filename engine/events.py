@@ -56,7 +56,8 @@ class Usage:
 
 @dataclass(frozen=True)
 class Hit:
-    """The cache lookup's result: prompt tokens served from the cache, and from which tier."""
+    """The cache lookup's result: prompt tokens served from the cache (not those a restore
+    computed on the way), and from which tier."""
 
     tokens: int = 0
     tier: str = "none"  # "hot" | "cold" | "none"

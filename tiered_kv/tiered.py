@@ -72,12 +72,20 @@ class SharedStore(Protocol):
 
 @dataclass(frozen=True)
 class HitInfo:
-    tokens: int = 0  # prompt tokens served from the cache
+    tokens: int = 0  # prompt tokens the lease's caches hold (the prefill starts after them)
     tier: str = "none"  # "hot" | "cold" | "shared" | "none"
     load_seconds: float = 0.0
     load_bytes: int = 0
     #: issue 15: the restore plan taken for a disk hit (a ``restore.restorer.Decision``)
     restore: Any = None
+    #: of ``tokens``, those the restore computed rather than read (a `both`'s head)
+    computed: int = 0
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens whose KV came from a tier, not from a computation: what a response's
+        ``cached_tokens`` counts."""
+        return self.tokens - self.computed
 
 
 @dataclass
@@ -104,6 +112,7 @@ class _Candidate:
     load_seconds: float = 0.0
     load_bytes: int = 0
     restore: Any = None  # issue 15: the Decision that produced / passed over this candidate
+    computed: int = 0  # of its tokens, those computed on the way (a `both`'s head)
 
 
 class TieredCache:
@@ -159,7 +168,7 @@ class TieredCache:
         if cand is not None and cand.entry is not None:
             lease = self._lease_from(cand, prompt)
             if lease is not None:
-                self.counters[f"hit_tokens_{lease.hit.tier}"] += lease.hit.tokens
+                self.counters[f"hit_tokens_{lease.hit.tier}"] += lease.hit.cached
                 return lease
         hit = HitInfo(restore=decision)
         return Lease(
@@ -219,7 +228,7 @@ class TieredCache:
             got = yield from r.both_steps(self.cold, hit, prompt, d, background)
             if got is not None:
                 entry = new_entry(got.tokens, got.caches, {}, persisted=True)
-                return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d)
+                return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d, d.m)
         if d.kind == "both":  # it fell back: the load's time is no outcome of a both
             d = dataclasses.replace(d, kind="load", informed=False)
         cand = yield from self._load(hit, prompt, background)
@@ -302,7 +311,8 @@ class TieredCache:
                 self.hot.touch(entry)
             elif self.config.hot_enabled:
                 self.hot.insert(entry)  # a reloaded cold entry stays in memory for the next turn
-        hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes, cand.restore)
+        hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes, cand.restore,
+                      min(cand.computed, n))
         inherited = checkpoints.inherit(entry.checkpoints, n, caches, self.needs_checkpoints)
         return Lease(
             caches, prompt[n:].tolist(), hit, taken, inherited, self.needs_checkpoints, len(prompt)

@@ -133,6 +133,15 @@ def test_forced_modes_give_identical_greedy_output(tiny_model_dir, tmp_path, mod
     assert usage["cache_tier"] == ("none" if mode == "compute" else "cold")
 
 
+def test_cached_tokens_are_the_tokens_read_not_a_boths_computed_head(tiny_model_dir, tmp_path):
+    run_once(tiny_model_dir, config(tmp_path))
+    _, loaded, _ = run_once(tiny_model_dir, config(tmp_path, restore="load"))
+    _, both, f = run_once(tiny_model_dir, config(tmp_path, restore="both"))
+    assert f["restore_both"] == 1 and both["cache_tier"] == "cold"
+    assert 0 < both["prompt_tokens_details"]["cached_tokens"]
+    assert both["prompt_tokens_details"]["cached_tokens"] < loaded["prompt_tokens_details"]["cached_tokens"]
+
+
 def test_admission_by_value_is_counted(tiny_model_dir, tmp_path):
     cfg = config(tmp_path)
     run_once(tiny_model_dir, cfg)  # learns prefill, spills the entry

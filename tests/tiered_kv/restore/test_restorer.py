@@ -188,6 +188,9 @@ def test_tiered_cache_serves_both_as_cold(plain, tmp_path):
     lease = tc.fetch(ids)
     assert lease.hit.tier == "cold" and lease.hit.tokens == N
     assert lease.hit.restore.kind == "both" and 0 < lease.hit.restore.m < N
+    # the head was computed, not served: only the tokens read from disk count as cached
+    assert lease.hit.cached == N - lease.hit.restore.m
+    assert tc.counters["hit_tokens_cold"] == N - lease.hit.restore.m
     fed = ids[: lease.hit.tokens]
     out = np.array(prefill(plain.model, lease, fed, 64))
     np.testing.assert_allclose(out, feed(plain.model, make_prompt_cache(plain.model), ids),
