@@ -24,6 +24,7 @@ from engine.events import SamplingParams
 from engine.inflight import End, Ends, Hold, Progress, Seq, Sink
 from engine.leasing import Leasing
 from engine.prefilling import Prefilling
+from tiered_kv import Config
 
 __all__ = ["BatchLoop", "Progress", "Sink", "batchable"]
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class BatchLoop:
     """The engine's requests in flight: ``add`` them, call ``step`` until ``active`` is 0."""
 
-    def __init__(self, engine: Any, max_batch: int = 8) -> None:
+    def __init__(self, engine: Any, max_batch: int = Config.max_batch) -> None:
         self.engine, self.max_batch = engine, max_batch
         # prompt tokens of prefill per step (the engine resolves TIERED_KV_PREFILL_CHUNK=0, auto)
         self.prefill_budget = engine.config.prefill_chunk

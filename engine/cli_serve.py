@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine import conn
 from engine.models.smollm2 import DEFAULT_NAME as DEFAULT_MODEL
 from tiered_kv import ConfigError
 
@@ -36,27 +37,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--keepalive",
         type=float,
-        default=5.0,
-        help="seconds between SSE keep-alive comments while waiting for tokens (default 5)",
+        default=conn.KEEPALIVE_SECONDS,
+        help=f"seconds between SSE keep-alive comments while waiting for tokens "
+        f"(default {conn.KEEPALIVE_SECONDS:g})",
     )
     p.add_argument(
         "--body-timeout",
         type=float,
-        default=30.0,
-        help="seconds a client may take to send its request body before a 408 (default 30)",
+        default=conn.BODY_TIMEOUT_SECONDS,
+        help=f"seconds a client may take to send its request body before a 408 "
+        f"(default {conn.BODY_TIMEOUT_SECONDS:g})",
     )
     p.add_argument(
         "--header-timeout",
         type=float,
-        default=10.0,
+        default=conn.HEADER_TIMEOUT_SECONDS,
         help="seconds a connection may take to send a request's headers before it is closed "
-        "(default 10)",
+        f"(default {conn.HEADER_TIMEOUT_SECONDS:g})",
     )
     p.add_argument(
         "--idle-timeout",
         type=float,
-        default=5.0,
-        help="seconds an idle keep-alive connection stays open between requests (default 5)",
+        default=conn.IDLE_TIMEOUT_SECONDS,
+        help=f"seconds an idle keep-alive connection stays open between requests "
+        f"(default {conn.IDLE_TIMEOUT_SECONDS:g})",
     )
     p.set_defaults(func=run)
 
@@ -117,8 +121,6 @@ def run(args: argparse.Namespace) -> int:
         body_timeout_seconds=args.body_timeout,
         model_id=model_id,
     )
-    from engine import conn
-
     soft, hard = conn.raise_nofile_limit()
     log.info("open-file limit: %s (hard %s)", soft, hard)
     server = _server(

@@ -13,6 +13,8 @@
   then counts it (out of file handles, asyncio logs every failed ``accept``, each with a traceback).
 
 Runs on the asyncio loop only; no MLX.
+
+It also owns the connection timings' defaults (the ``tiered-kv serve`` flags' and the app's).
 """
 
 from __future__ import annotations
@@ -29,11 +31,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
+#: seconds a connection may take to send a request's headers before it is closed (--header-timeout)
+HEADER_TIMEOUT_SECONDS = 10.0
+#: seconds an idle keep-alive connection stays open between requests (--idle-timeout)
+IDLE_TIMEOUT_SECONDS = 5.0
+#: seconds a client may take to send its request body before a 408 (--body-timeout)
+BODY_TIMEOUT_SECONDS = 30.0
+#: seconds between SSE keep-alive comments while a stream waits for tokens (--keepalive)
+KEEPALIVE_SECONDS = 5.0
+
 
 class _HeaderDeadline(H11Protocol):
     """H11Protocol that closes a connection whose request headers are not complete in time."""
 
-    header_timeout: float = 10.0
+    header_timeout: float = HEADER_TIMEOUT_SECONDS
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None

@@ -48,9 +48,6 @@ class Usage:
     cached_tokens: int
     cache_tier: str
     ttft_seconds: float | None  # None: it ended before its first token (cancelled, failed)
-    prefill_seconds: float
-    decode_seconds: float
-    load_seconds: float
     queue_seconds: float = 0.0
 
 
@@ -61,7 +58,6 @@ class Hit:
 
     tokens: int = 0
     tier: str = "none"  # "hot" | "cold" | "none"
-    load_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

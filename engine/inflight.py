@@ -9,7 +9,6 @@ Ownership: the thread that owns MLX (the batch loop's); the sinks must be safe t
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -116,18 +115,13 @@ class Seq:
             reason = "cancelled"
         return reason
 
-    def usage(self, now: float) -> Usage:
-        t = now - self.started
-        first = self.t_first or None
+    def usage(self) -> Usage:
         return Usage(
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=self.text.completion if self.text else 0,
             cached_tokens=self.hit.tokens,
             cache_tier=self.hit.tier,
-            ttft_seconds=first,
-            prefill_seconds=self.t_prefill,
-            decode_seconds=max(0.0, t - first) if first is not None else 0.0,
-            load_seconds=self.hit.load_seconds,
+            ttft_seconds=self.t_first or None,
             queue_seconds=max(0.0, self.started - self.enqueued),
         )
 
@@ -146,7 +140,7 @@ class Ends:
         """Last chunk (held-back text + usage), then store the request's cache as its entry."""
         tail = seq.text.tail() if seq.text is not None else ""
         stop = getattr(seq.text, "stopped_by", None)
-        seq.sink.emit(Chunk(tail, None, reason, seq.usage(time.perf_counter()), stop_sequence=stop))
+        seq.sink.emit(Chunk(tail, None, reason, seq.usage(), stop_sequence=stop))
         self.store(seq, caches)
         seq.sink.emit(END)
 

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, chat, messages, respond, responses, sse
+from engine import api, chat, conn, messages, respond, responses, sse
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.events import END
 from engine.http_edge import Auth, ShutdownGuard, error_response, hangup, read_body
@@ -56,9 +56,9 @@ class Server:
         self,
         worker: Worker,
         config: Config,
-        keepalive_seconds: float = 5.0,
+        keepalive_seconds: float = conn.KEEPALIVE_SECONDS,
         model_id: str | None = None,
-        body_timeout_seconds: float = 30.0,
+        body_timeout_seconds: float = conn.BODY_TIMEOUT_SECONDS,
     ):
         self.worker, self.config, self.keepalive = worker, config, keepalive_seconds
         self.body_timeout = body_timeout_seconds
@@ -231,9 +231,9 @@ def batch_limits(config: Config) -> dict[str, int]:
 def create_app(
     engine: Worker | Callable[[], Any],
     config: Config,
-    keepalive_seconds: float = 5.0,
+    keepalive_seconds: float = conn.KEEPALIVE_SECONDS,
     model_id: str | None = None,
-    body_timeout_seconds: float = 30.0,
+    body_timeout_seconds: float = conn.BODY_TIMEOUT_SECONDS,
 ) -> FastAPI:
     """The ASGI app over a :class:`Worker` (or a zero-argument engine factory, run on the worker's
     thread). Its lifespan starts the worker (the model loads there); shutdown cancels jobs and

@@ -144,8 +144,8 @@ class Worker:
         self,
         make_engine: Callable[[], Any],
         progress_interval: float = 2.0,
-        max_batch: int = 8,
-        max_queue: int = 64,
+        max_batch: int = Config.max_batch,
+        max_queue: int = Config.max_queue,
         gather_seconds: float = GATHER_SECONDS,
     ) -> None:
         self._make_engine = make_engine

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from tiered_kv import checkpoints, policy
+from tiered_kv.config import Config
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.prefix import TokenArray, common_prefix, entry_prompt_len
 
@@ -76,7 +77,7 @@ class HotTier:
         memory_threshold: float,
         on_evict: Callable[[Entry], None],
         probe: MemoryProbe | None = None,
-        checkpoint_share: float = 0.25,
+        checkpoint_share: float = Config.checkpoint_share,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.checkpoint_share = checkpoint_share

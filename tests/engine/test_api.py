@@ -10,7 +10,7 @@ from engine import api
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.generate import Usage
 
-USAGE = Usage(10, 3, 8, "hot", 0.1, 0.1, 0.1, 0.0)
+USAGE = Usage(10, 3, 8, "hot", 0.1)
 
 
 def parse(body: object, model=ChatRequest):

@@ -138,7 +138,7 @@ def test_max_tokens_is_required_but_not_to_count_tokens():
 
 def _usage(completion: int = 3) -> Usage:
     return Usage(prompt_tokens=40, completion_tokens=completion, cached_tokens=30, cache_tier="hot",
-                 ttft_seconds=0.1, prefill_seconds=0.1, decode_seconds=0.1, load_seconds=0.0)  # fmt: skip
+                 ttft_seconds=0.1)  # fmt: skip
 
 
 def _run(pieces: list[str], reason: str = "stop", think: bool = False,

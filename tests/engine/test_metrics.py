@@ -76,7 +76,7 @@ def test_a_generation_without_a_first_token_observes_no_ttft():
 
     m = Metrics()
     usage = Usage(prompt_tokens=4849, completion_tokens=0, cached_tokens=0, cache_tier="none",
-                  ttft_seconds=None, prefill_seconds=2.6, decode_seconds=0.0, load_seconds=0.0)  # fmt: skip
+                  ttft_seconds=None)  # fmt: skip
     m.generation(usage)
     text = m.render().decode()
     assert _count(text, "tiered_kv_ttft_seconds_count") == 0

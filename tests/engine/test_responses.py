@@ -117,8 +117,7 @@ def _run(pieces: list[str], reason: str = "stop", think: bool = False, **chat) -
     parser = output.ChatOutput(fmt, req.tool_dicts(), True)
     out = responses.ResponsesOutput("m", parser, 40, req)
     events = out.start()
-    usage = Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=30, cache_tier="hot", ttft_seconds=0.1,
-                  prefill_seconds=0.1, decode_seconds=0.1, load_seconds=0.0)  # fmt: skip
+    usage = Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=30, cache_tier="hot", ttft_seconds=0.1)  # fmt: skip
     for i, p in enumerate(pieces):
         last = i == len(pieces) - 1
         events += out.feed(Chunk(p, 1, reason if last else None, usage if last else None))

@@ -30,7 +30,6 @@ class VerifyReport:
     missing: list[str] = field(default_factory=list)  # records whose file is gone
     temp: list[str] = field(default_factory=list)  # leftover temp files
     unreadable: list[str] = field(default_factory=list)  # could not be read (EACCES, EIO): kept
-    fixed: bool = False
 
     @property
     def clean(self) -> bool:
@@ -170,7 +169,7 @@ def verify_dir(
     fp_dir: Path, fingerprint: str, index: Index | None, qdir: Path, fix: bool = False
 ) -> VerifyReport:
     """Full check: every file's header and data checksum, tokens against the index."""
-    report = VerifyReport(fingerprint, fixed=fix)
+    report = VerifyReport(fingerprint)
     by_file = {r.file: r for r in index.records()} if index is not None else {}
     report.temp = [p.name for p in temp_files(fp_dir) if stale_temp(p)]
     files = entry_files(fp_dir)

@@ -68,7 +68,6 @@ class Decision:
     kind: str
     tokens: int  # disk-hit tokens the plan restores
     m: int
-    predicted_restore_s: float
     predicted_total_s: float  # restore + the suffix prefill (0.0 when not known)
     reason: str
     #: the same before the learned correction of its way (what the outcome corrects)
@@ -137,7 +136,7 @@ class Restorer:
         memory already holds ``start`` of them (a shorter hot hit)."""
         desc = cold.describe(hit)
         if desc is None:
-            return Decision("load", n, 0, 0.0, 0.0, "entry vanished")  # load turns it into a miss
+            return Decision("load", n, 0, 0.0, "entry vanished")  # load turns it into a miss
         path, nbytes = desc
         warm = ranged.resident_share(path)
         if len(self._warm) >= 64:  # plans whose read never came (a compute, a miss)
@@ -155,7 +154,7 @@ class Restorer:
         restore_s = raw * p.factor
         suffix = learned.prefill.seconds(prompt_len - n, n) if learned.prefill else 0.0
         known = p.seconds > 0 and learned.prefill is not None
-        d = Decision(p.kind, n, p.m, restore_s, restore_s + suffix if known else 0.0, p.reason,
+        d = Decision(p.kind, n, p.m, restore_s + suffix if known else 0.0, p.reason,
                      raw + suffix if known else 0.0, p.informed)  # fmt: skip
         self._count(f"restore_{p.kind}")
         if self.mode == "both" and p.kind != "both":

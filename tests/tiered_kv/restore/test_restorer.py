@@ -102,7 +102,7 @@ class Setup:
     def both(self, m, n, landing=""):
         r = self.restorer(landing=landing)
         hit = self.cold.lookup(self.ids)
-        got = r.both(self.cold, hit, self.ids, Decision("both", n, m, 0.0, 0.0, "test"))
+        got = r.both(self.cold, hit, self.ids, Decision("both", n, m, 0.0, "test"))
         assert got is not None, r.counters
         return got
 
@@ -245,7 +245,7 @@ def test_a_both_beside_the_batch_computes_its_head_step_by_step(plain):
                  blocker_of(make_prompt_cache(plain.model)), plain.cfg.kv_bits,
                  plain.cfg.kv_group_size)  # fmt: skip
     hit = plain.cold.lookup(plain.ids)
-    d = Decision("both", N - 1, 192, 0.0, 0.0, "test")
+    d = Decision("both", N - 1, 192, 0.0, "test")
     steps = r.both_steps(plain.cold, hit, plain.ids, d)
     next(steps)
     assert ran == [0]  # one prefill step of the head, then back to the loop
@@ -272,7 +272,7 @@ def test_a_both_whose_read_outlasts_its_head_waits_for_it(plain):
 
     r = plain.restorer("both", reader=slow_reader)
     hit = plain.cold.lookup(plain.ids)
-    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 64, 0.0, 0.0, "test"))
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 64, 0.0, "test"))
     assert got is not None and r.counters["restore_both_fallbacks"] == 0
 
 
@@ -339,9 +339,9 @@ def test_only_informed_outcomes_correct_later_plans(plain):
     """An outcome of a plan that priced its read from the other page-cache kind is not kept as
     a correction (see test_plan's test of ``informed``); an informed one is."""
     r = plain.restorer("load")
-    r.outcome(Decision("load", N, 0, 10.0, 10.0, "forced", 10.0, informed=False), 4.0)
+    r.outcome(Decision("load", N, 0, 10.0, "forced", 10.0, informed=False), 4.0)
     assert r.costs.obs["outcome"] == [] and r.costs.learned.factor("load") == 1.0
-    r.outcome(Decision("load", N, 0, 4.0, 4.0, "forced", 4.0), 4.4)
+    r.outcome(Decision("load", N, 0, 4.0, "forced", 4.0), 4.4)
     assert len(r.costs.obs["outcome"]) == 1 and r.costs.learned.factor("load") == pytest.approx(1.1)
 
 
@@ -351,7 +351,7 @@ def test_corrupt_range_falls_back_to_load_which_quarantines(tmp_path):
     path, _ = s.cold.describe(hit)  # type: ignore[misc]
     flip_byte(path, -1000, 0xFF)  # a byte inside the last layer's values, in the range read
     r = s.restorer("both")
-    assert r.both(s.cold, hit, s.ids, Decision("both", N - 1, 100, 0, 0, "t")) is None
+    assert r.both(s.cold, hit, s.ids, Decision("both", N - 1, 100, 0, "t")) is None
     assert r.counters["restore_both_fallbacks"] == 1
     tc = s.tiered(r)
     lease = tc.fetch(s.ids + [1])
@@ -396,7 +396,7 @@ def test_io_thread_never_touches_mlx(plain):
 
     r = plain.restorer("both", reader=reader)
     hit = plain.cold.lookup(plain.ids)
-    assert r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t")) is not None
+    assert r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, "t")) is not None
     assert seen and set(seen) == {"numpy"}
 
 
@@ -413,7 +413,7 @@ def test_the_read_lands_in_the_served_arrays_and_phases_are_recorded(plain):
 
     r = plain.restorer("both", reader=reader, landing="full")
     hit = plain.cold.lookup(plain.ids)
-    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, 0, "t"))
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, "t"))
     assert got is not None and landed
     # the caches hold swapaxes views of the token-major landing arrays: swapped back, their memory
     stored = [mx.swapaxes(x, 1, 2) for c in got.caches for x in (c.keys, c.values)]
@@ -453,7 +453,7 @@ def test_a_tail_landing_is_copied_in_through_the_gpu_upload(plain, monkeypatch):
     n, m = N - 1, 256
     r = plain.restorer(landing="tail")
     hit = plain.cold.lookup(plain.ids)
-    got = r.both(plain.cold, hit, plain.ids, Decision("both", n, m, 0.0, 0.0, "test"))
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", n, m, 0.0, "test"))
     assert got is not None
     tail = sum(x[..., m:n, :].nbytes for c in got.caches for x in (c.keys, c.values))
     assert up.bytes == tail and up.waits == [len(up.copies)]
@@ -464,7 +464,7 @@ def test_a_tail_landing_is_copied_in_through_the_gpu_upload(plain, monkeypatch):
     # a full landing (CPU, unified memory) is written by the readers themselves
     copies = len(up.copies)
     assert plain.restorer(landing="full").both(
-        plain.cold, hit, plain.ids, Decision("both", n, m, 0.0, 0.0, "test")) is not None
+        plain.cold, hit, plain.ids, Decision("both", n, m, 0.0, "test")) is not None
     assert len(up.copies) == copies
 
 
@@ -474,7 +474,7 @@ def test_a_failed_gpu_copy_makes_both_fall_back(plain, monkeypatch):
     monkeypatch.setattr(gpu, "shared", lambda: HostUpload(slot_bytes=16 << 20, fail_after=1))
     r = plain.restorer(landing="tail")
     hit = plain.cold.lookup(plain.ids)
-    assert r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 256, 0.0, 0.0, "t")) is None
+    assert r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 256, 0.0, "t")) is None
     assert r.stats()["restore_both_fallbacks"] == 1
 
 
