@@ -121,7 +121,7 @@ class Server:
                     req, ids, self.engine.context_length, self.engine.vocab_size,
                     self.config.max_tokens, self.engine.xtc_keep,
                 )  # fmt: skip
-                job = self.worker.submit(ids, params, endpoint, arrival)
+                job = self.worker.submit(ids, params, endpoint, arrival, self.metrics.generation)
             except QueueFull as e:
                 raise ApiError(
                     429, f"server busy: {e}", type_="rate_limit_error", code="queue_full"
@@ -145,12 +145,12 @@ class Server:
         headers = respond.hit_headers(first)
         if req.stream:
             # the status is counted when the stream ends: 499 when its client went away first
-            stream = sse.pump(job, out, first, rest, self.metrics.generation,
+            stream = sse.pump(job, out, first, rest,
                               lambda status: self.metrics.request(endpoint, status))  # fmt: skip
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={**sse.HEADERS, **headers}
             )
-        result = await sse.collect(job, out, first, rest, self.metrics.generation)
+        result = await sse.collect(job, out, first, rest)
         self.metrics.request(endpoint, 200)
         return JSONResponse(result, headers=headers)
 

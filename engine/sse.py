@@ -14,12 +14,11 @@ from typing import Any
 
 from engine import respond
 from engine.api import ClientClosed
-from engine.events import END, Chunk, Event, Failed, Hit, Usage
+from engine.events import END, Chunk, Event, Failed, Hit
 from engine.worker import Job
 
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 KEEPALIVE, DONE = b": keep-alive\n\n", b"data: [DONE]\n\n"
-OnUsage = Callable[[Usage | None], None]
 
 
 def encode(obj: dict[str, Any], named: bool = False) -> bytes:
@@ -35,7 +34,7 @@ async def events(job: Job, keepalive: float) -> AsyncIterator[Event | None]:
 
 
 async def pump(
-    job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage,
+    job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any],
     on_status: Callable[[int], None] = lambda status: None,
 ) -> AsyncIterator[bytes]:
     """Streaming: ``out``'s chunks, keep-alives, a mid-stream error object, then (OpenAI) [DONE].
@@ -55,8 +54,6 @@ async def pump(
             elif isinstance(ev, Chunk):
                 for obj in out.feed(ev):
                     yield encode(obj, named)
-                if ev.usage is not None:
-                    on_usage(ev.usage)
             ev = await anext(rest, END)
         if not named:
             yield DONE
@@ -67,7 +64,7 @@ async def pump(
 
 
 async def collect(
-    job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any], on_usage: OnUsage
+    job: Job, out: respond.Output, first: Any, rest: AsyncIterator[Any]
 ) -> dict[str, Any]:
     """Non-streaming: every chunk through ``out``, then its body (a client that goes away stops
     the job: the HTTP edge watches for it). A failure is re-raised for the HTTP edge; a job whose
@@ -84,7 +81,6 @@ async def collect(
             elif isinstance(ev, Chunk):
                 out.feed(ev)
                 if ev.finish_reason is not None:
-                    on_usage(ev.usage)
                     if ev.finish_reason == "cancelled":  # its client went away: nobody reads it
                         raise ClientClosed()
                     return out.body()

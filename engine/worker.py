@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from engine.api import ShuttingDown
 from engine.batch import BatchLoop
-from engine.events import END, Event, Failed, SamplingParams
+from engine.events import END, Chunk, Event, Failed, SamplingParams, Usage
 from tiered_kv import Config
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,20 @@ class Job:
     enqueued: float = field(default_factory=time.perf_counter)
     on_end: Callable[[], None] | None = field(default=None, repr=False)
     on_stop: Callable[[Job], None] | None = field(default=None, repr=False)
+    #: hears the request's Usage when its generation ends (engine thread), whether or not
+    #: anyone reads its events any more: a client that went away still cost its tokens
+    on_usage: Callable[[Usage], None] | None = field(default=None, repr=False)
     ended: bool = False  # END was emitted: nothing after it is (an abort ends what a step ended)
 
     def emit(self, event: Event) -> None:
         """Worker side: hand an event to the request's loop (a closed loop means nobody listens)."""
         if self.ended:
             return
+        if isinstance(event, Chunk) and event.usage is not None and self.on_usage is not None:
+            try:
+                self.on_usage(event.usage)
+            except Exception:  # counting never ends a request
+                log.exception("usage not recorded")
         if event is END:
             self.ended = True
             if self.on_end is not None:
@@ -191,12 +199,13 @@ class Worker:
         params: SamplingParams,
         label: str = "",
         arrival: Arrival | None = None,
+        on_usage: Callable[[Usage], None] | None = None,
     ) -> Job:
-        """Queue a job (``arrival``, if given, has arrived). Must be called on the event loop that
-        will read the job's events. Raises QueueFull past ``max_queue`` waiting jobs,
-        RuntimeError after close()."""
+        """Queue a job (``arrival``, if given, has arrived; ``on_usage``: :attr:`Job.on_usage`).
+        Must be called on the event loop that will read the job's events. Raises QueueFull past
+        ``max_queue`` waiting jobs, RuntimeError after close()."""
         job = Job(prompt_ids, params, asyncio.get_running_loop(), label, on_end=self._ended,
-                  on_stop=self._withdraw)  # fmt: skip
+                  on_stop=self._withdraw, on_usage=on_usage)  # fmt: skip
         with self._lock:
             if arrival is not None:
                 arrival._leave_locked()

@@ -68,6 +68,28 @@ def test_a_request_whose_client_went_away_is_a_499_not_a_200(live):
     assert _count(after, ok) == _count(before, ok)
 
 
+def test_a_stream_whose_client_went_away_still_counts_its_tokens(live):
+    """The tokens a request computed count whether or not its client read its last chunk: a cut
+    stream's usage came in that chunk, which nobody read, so its prompt and completion tokens
+    were never counted."""
+    prompt = 'tiered_kv_prompt_tokens_total '
+    done = 'tiered_kv_requests_total{endpoint="chat",status="499"}'
+    before = httpx.get(live.url + "/metrics").text
+    body = {"model": "tiny", "messages": USER, "max_tokens": 4000, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    for _ in range(100):  # the server notices at its next token
+        after = httpx.get(live.url + "/metrics").text
+        if _count(after, done) > _count(before, done) and _count(after, prompt) > _count(before, prompt):
+            break
+        time.sleep(0.1)
+    assert _count(after, prompt) > _count(before, prompt)
+    completion = "tiered_kv_completion_tokens_total "
+    assert _count(after, completion) > _count(before, completion)
+
+
 def test_a_generation_without_a_first_token_observes_no_ttft():
     """A request cancelled before its first token reported the time until it was cancelled as
     its TTFT (2.7 s in a reviewer's run, for a request that produced nothing)."""
