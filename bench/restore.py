@@ -55,9 +55,10 @@ class Bench:
         self.suffix_s = 0.0
         self.phases: dict[str, float] = {}
 
-    def compute(self, ids: list[int]) -> tiered_kv.Steps[list[Any]]:
+    def compute(self, ids: list[int], held: list[Any] | None = None) -> tiered_kv.Steps[list[Any]]:
         """What Engine.compute_prefix does (whole steps, no logits; step by step)."""
-        lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
+        caches = held if held is not None else make_prompt_cache(self.model)
+        lease = Lease(caches, list(ids), HitInfo())
         yield from fill(self.model, lease, self.chunk)
         return lease.caches
 

@@ -81,11 +81,13 @@ class Engine:
         """Tokens per prefill step (``config.prefill_chunk``, resolved at start)."""
         return self.config.prefill_chunk
 
-    def compute_prefix(self, ids: list[int]) -> Steps[list[Any]]:
-        """Fresh caches holding exactly ``ids`` (whole prefill steps, no logits: a restore's
-        computed head, the calibration), computed here, on the engine thread, step by step
-        (:func:`engine.prefill.fill`; ``tiered_kv.drain`` runs it through)."""
-        lease = Lease(make_prompt_cache(self.model), list(ids), HitInfo())
+    def compute_prefix(self, ids: list[int], held: list[Any] | None = None) -> Steps[list[Any]]:
+        """Caches holding ``held``'s tokens (fresh ones when None) and then ``ids`` (whole
+        prefill steps, no logits: a restore's computed head, the calibration), computed here, on
+        the engine thread, step by step (:func:`engine.prefill.fill`; ``tiered_kv.drain`` runs it
+        through). ``tiered_kv.restore.restorer.Compute``."""
+        caches = held if held is not None else make_prompt_cache(self.model)
+        lease = Lease(caches, list(ids), HitInfo())
         yield from fill(self.model, lease, self.prefill_chunk)
         return lease.caches
 

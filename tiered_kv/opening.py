@@ -10,20 +10,17 @@ calibration (first start with disk entries and no learned costs) prefills on the
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx_lm
 
 from tiered_kv import keys, layers
 from tiered_kv.config import Config
-from tiered_kv.steps import Steps
 from tiered_kv.tiered import TieredCache
 
-#: prefill(ids) → fresh model caches holding exactly ``ids`` (the engine thread)
-#: prefills fresh caches holding exactly the ids given, step by step (a generator; see
-#: ``restore.restorer.Compute``)
-Compute = Callable[[list[int]], Steps[list[Any]]]
+if TYPE_CHECKING:  # the restorer's modules load when a cold tier is opened
+    from tiered_kv.restore.restorer import Compute
 
 
 class CacheDirError(OSError):

@@ -194,7 +194,7 @@ class TieredCache:
             if shared is not None:
                 cand = shared
             elif hit is not None and cold_n > hot_n:
-                loaded = yield from self._restore(hit, prompt, hot_n, background)
+                loaded = yield from self._restore(hit, prompt, cand, hot_n, background)
                 if loaded is not None and loaded.entry is not None:
                     return loaded
                 # the batch went on while the disk was read: the hot candidate may have been
@@ -212,10 +212,12 @@ class TieredCache:
 
     # -- issue 15: load, compute or both ----------------------------------------------------
     def _restore(
-        self, hit: ColdHitLike, prompt: TokenArray, hot_n: int, background: bool
-    ) -> Steps[_Candidate | None]:
+        self, hit: ColdHitLike, prompt: TokenArray, hot: _Candidate | None, hot_n: int,
+        background: bool,
+    ) -> Steps[_Candidate | None]:  # fmt: skip
         """The candidate of a disk hit restored the planned way; a candidate with no entry
-        when the plan is to recompute; None on a miss (vanished / corrupt)."""
+        when the plan is to recompute; None on a miss (vanished / corrupt). ``hot``: the hot
+        tier's candidate, which serves ``hot_n`` tokens (a `both` computes onto them)."""
         r = self.restorer
         if r is None:
             return (yield from self._load(hit, prompt, background))
@@ -225,10 +227,17 @@ class TieredCache:
         if d.kind == "compute":
             return _Candidate(None, 0, "none", restore=d)  # type: ignore[arg-type]
         if d.kind == "both":
-            got = yield from r.both_steps(self.cold, hit, prompt, d, background)
+            # views of the hot entry's first tokens, taken now (before any other request runs):
+            # the head's first step writes past them into arrays of its own
+            held = None
+            if hot is not None and d.start:
+                held = layers.view(hot.entry.caches, d.start, len(hot.entry.tokens))
+            got = yield from r.both_steps(self.cold, hit, prompt, d, background, held)
+            del held
             if got is not None:
                 entry = new_entry(got.tokens, got.caches, {}, persisted=True)
-                return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d, d.m)
+                return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d,
+                                  d.m - d.start)  # fmt: skip
         if d.kind == "both":  # it fell back: the load's time is no outcome of a both
             d = dataclasses.replace(d, kind="load", informed=False)
         cand = yield from self._load(hit, prompt, background)

@@ -17,7 +17,7 @@ IDENTITY = {"model": "m", "tokenizer": "t", "dtype": "bfloat16"}
 def test_the_tiers_are_decided_once_by_open_cache(small_model, tmp_path):
     make = lambda: make_prompt_cache(small_model)  # noqa: E731
     hot = open_cache(Config(cache_dir=tmp_path / "a", tiers=("hot",), shared_url="redis://nowhere:1"),
-                     IDENTITY, make, compute=lambda ids: make())  # fmt: skip
+                     IDENTITY, make, compute=lambda ids, held: make())  # fmt: skip
     assert hot.cold is None and hot.shared is None and hot.restorer is None
     assert not (tmp_path / "a").exists()  # an off cold tier touches no directory
     hot.close()
@@ -30,7 +30,7 @@ def test_the_tiers_are_decided_once_by_open_cache(small_model, tmp_path):
 
 def test_a_restorer_comes_with_a_compute_function(small_model, tmp_path):
     make = lambda: make_prompt_cache(small_model)  # noqa: E731
-    tc = open_cache(Config(cache_dir=tmp_path), IDENTITY, make, compute=lambda ids: make())
+    tc = open_cache(Config(cache_dir=tmp_path), IDENTITY, make, compute=lambda ids, held: make())
     assert tc.restorer is not None and tc.restorer.costs.fingerprint == tc.cold.fingerprint
     tc.close()
 

@@ -8,6 +8,9 @@ Given what this machine has measured (:class:`Learned`) and the facts of a hit (
 * ``both``    — prefill ``[0, m)`` on the MLX thread while an I/O thread reads ``[m, n)`` of every
   layer from the file, then join. ``m`` is chosen so that both finish together (Cake, 2024).
 
+When memory already holds the first ``start`` tokens (a shorter hot hit), the computing starts
+there: ``compute`` prefills ``[start, n)`` and ``both``'s head ``[start, m)``.
+
 The suffix prefill after the restore costs the same whichever way, so it does not enter the choice.
 When a cost is not known yet the plan is ``load`` (the behaviour before plans existed), which also
 teaches the read bandwidth. :func:`worth_spilling` is the admission rule built on the same costs.
@@ -99,8 +102,14 @@ class Hit:
     warm: float | None = None
     #: "" when `both` can serve this entry; else why not (e.g. "recurrent layers")
     both_blocker: str = ""
-    #: `m` is a multiple of this (1: ranged reads round to checksum chunks themselves)
+    #: `m` is a multiple of this from ``start`` (1: ranged reads round to checksum chunks)
     block: int = 1
+    #: tokens of the hit that memory holds already (a shorter hot hit): computing starts there
+    start: int = 0
+
+    def compute_seconds(self, prefill: PrefillCost, m: int) -> float:
+        """Computing tokens ``[start, m)`` onto the ``start`` that memory holds."""
+        return prefill.seconds(m - self.start, self.start)
 
 
 @dataclass(frozen=True)
@@ -157,29 +166,33 @@ def range_seconds(hit: Hit, learned: Learned, tokens: int) -> float | None:
 
 
 def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
-    """(m, predicted seconds) of `both`: the smallest block-aligned m where computing [0, m)
-    takes at least as long as reading [m, n), or the better of its neighbour; None if unknown.
-    The seconds include the join (allocation of the final arrays + writing the head into them),
-    priced per byte of the ``n`` tokens at the learned join rate."""
+    """(m, predicted seconds) of `both`: the smallest m, whole blocks from ``hit.start``, where
+    computing [start, m) takes at least as long as reading [m, n), or the better of its
+    neighbour; None if unknown. The seconds include the join (allocation of the final arrays +
+    writing the head into them), priced per byte of the ``n`` tokens at the learned join rate."""
     p = learned.prefill
     if p is None or range_seconds(hit, learned, 1) is None:
         return None
-    n, block = hit.tokens, max(1, hit.block)
+    n, s, block = hit.tokens, hit.start, max(1, hit.block)
 
     join = n * hit.bytes_per_token / (learned.join_bytes_per_s or DEFAULT_JOIN_BYTES_PER_S)
 
+    def at(b: int) -> int:
+        return s + b * block
+
     def cost(m: int) -> float:
         r = range_seconds(hit, learned, n - m) or 0.0
-        return max(p.seconds(m), r) + join
+        return max(hit.compute_seconds(p, m), r) + join
 
-    lo, hi = 0, n // block  # in blocks: compute(m) rises with m, read(n - m) falls
+    lo, hi = 0, (n - s) // block  # in blocks: compute rises with m, the read falls
     while lo < hi:
         mid = (lo + hi) // 2
-        if p.seconds(mid * block) >= (range_seconds(hit, learned, n - mid * block) or 0.0):
+        m = at(mid)
+        if hit.compute_seconds(p, m) >= (range_seconds(hit, learned, n - m) or 0.0):
             hi = mid
         else:
             lo = mid + 1
-    options = [b * block for b in (lo - 1, lo) if 0 < b * block < n]
+    options = [at(b) for b in (lo - 1, lo) if s < at(b) < n]
     if not options:
         return None
     m = min(options, key=cost)
@@ -193,7 +206,7 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
     fl, fc, fb = (learned.factor(k) for k in KINDS)
     raw_load = load_seconds(hit, learned)
     load_s = raw_load * fl if raw_load is not None else None
-    compute_s = learned.prefill.seconds(n) * fc if learned.prefill else None
+    compute_s = hit.compute_seconds(learned.prefill, n) * fc if learned.prefill else None
     both = split(hit, learned) if not hit.both_blocker else None
     if both is not None:
         both = (both[0], both[1] * fb)
@@ -208,9 +221,9 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
     if mode == "both":
         if both is not None:
             return Plan("both", both[0], both[1], "forced", **est, factor=fb, informed=both_ok)
-        block = max(1, hit.block)
-        m = max(block, (n // 2) // block * block)  # nothing learned: meet in the middle
-        if not hit.both_blocker and 0 < m < n:
+        block, s = max(1, hit.block), hit.start
+        m = s + max(block, ((n - s) // 2) // block * block)  # nothing learned: meet in the middle
+        if not hit.both_blocker and s < m < n:
             return Plan("both", m, 0.0, "forced, not learned", **est)
         # the entry cannot be split (or is too short to be): choose as auto does, and say why
         why = hit.both_blocker or "too short to split"

@@ -41,9 +41,11 @@ from tiered_kv.steps import Steps, drain
 
 log = logging.getLogger(__name__)
 
-#: prefill(ids) → model caches holding exactly ``ids`` (engine thread)
-#: (step by step: it yields between prefill steps, and a close stops it there)
-Compute = Callable[[list[int]], Steps[list[Any]]]
+#: prefill(ids, held) → model caches holding ``held``'s tokens and then ``ids`` (engine thread).
+#: ``held``: caches of the prompt's first tokens that memory holds (views of a hot entry: the
+#: compute writes past them, never into them), or None: fresh caches holding exactly ``ids``.
+#: Step by step: it yields between prefill steps, and a close stops it there.
+Compute = Callable[[list[int], list[Any] | None], Steps[list[Any]]]
 #: ``ranged.read_range``'s signature: (path, fingerprint, m, n, into=destinations, gpu=upload or None)
 Reader = Callable[..., ranged.RangeRead]
 #: where a `both` spends its time (seconds), in order: landing arrays allocated, the head computed
@@ -75,6 +77,8 @@ class Decision:
     #: priced from reads of its own page-cache kind (``Plan.informed``): only such outcomes
     #: correct later plans
     informed: bool = True
+    #: tokens memory held already (a shorter hot hit): a `both` computes ``[start, m)`` onto them
+    start: int = 0
 
 
 @dataclass
@@ -143,19 +147,14 @@ class Restorer:
             self._warm.clear()
         self._warm[hit.entry_id] = warm  # popped by the read it prices
         entry_tokens = max(1, int(hit.entry_tokens))
-        blocker = self.blocker or ("memory holds a shorter prefix" if start else "")
-        h = Hit(n, nbytes, nbytes / entry_tokens, warm, blocker, self.step)
+        h = Hit(n, nbytes, nbytes / entry_tokens, warm, self.blocker, self.step, start)
         learned = self.costs.learned
         p: Plan = plan(h, learned, self.mode)
-        if p.kind == "compute" and start:
-            raw = learned.prefill.seconds(n - start, start) if learned.prefill else 0.0
-        else:
-            raw = p.seconds / p.factor
-        restore_s = raw * p.factor
+        raw = p.seconds / p.factor
         suffix = learned.prefill.seconds(prompt_len - n, n) if learned.prefill else 0.0
         known = p.seconds > 0 and learned.prefill is not None
-        d = Decision(p.kind, n, p.m, restore_s + suffix if known else 0.0, p.reason,
-                     raw + suffix if known else 0.0, p.informed)  # fmt: skip
+        d = Decision(p.kind, n, p.m, p.seconds + suffix if known else 0.0, p.reason,
+                     raw + suffix if known else 0.0, p.informed, start)  # fmt: skip
         self._count(f"restore_{p.kind}")
         if self.mode == "both" and p.kind != "both":
             _ = self._fell_back(p.reason)  # forced, but this entry cannot be split: said, counted
@@ -196,25 +195,29 @@ class Restorer:
 
     # -- both --------------------------------------------------------------------------------
     def both(
-        self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision
-    ) -> BothResult | None:
+        self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision,
+        held: list[Any] | None = None,
+    ) -> BothResult | None:  # fmt: skip
         """:meth:`both_steps` run to its end (nothing else to do meanwhile)."""
-        return drain(self.both_steps(cold, hit, prompt, d, background=False))
+        return drain(self.both_steps(cold, hit, prompt, d, background=False, held=held))
 
     def both_steps(
         self, cold: ColdFiles, hit: Any, prompt: Sequence[int], d: Decision,
-        background: bool = True,
+        background: bool = True, held: list[Any] | None = None,
     ) -> Steps[BothResult | None]:  # fmt: skip
-        """Compute ``[0, m)`` here while the I/O thread reads ``[m, n)`` into the final arrays;
-        join. None when the file cannot serve the range (gone, corrupt, unsplittable): the caller
-        loads instead, and the cold tier's own load then quarantines what is corrupt. With
-        ``background``, each ``next()`` once the head is computed returns at once until the read
-        is done: the batch loop's decode steps go on beside it."""
+        """Compute ``[start, m)`` here (onto ``held``, caches of the ``d.start`` tokens memory
+        holds; None when it holds none) while the I/O thread reads ``[m, n)`` into the final
+        arrays; join. None when the file cannot serve the range (gone, corrupt, unsplittable):
+        the caller loads instead, and the cold tier's own load then quarantines what is corrupt.
+        With ``background``, each ``next()`` once the head is computed returns at once until the
+        read is done: the batch loop's decode steps go on beside it."""
+        if (held is None) != (d.start == 0):
+            return self._fell_back(f"{d.start} tokens planned as held, caches given: {held is not None}")
         desc = cold.describe(hit)
         if desc is None:
             return self._fell_back("entry vanished")
         path, _ = desc
-        n, m = d.tokens, d.m
+        n, m, start = d.tokens, d.m, d.start
         t0 = time.perf_counter()
         try:
             lay = ranged.layout(path, cold.fingerprint, m, n)
@@ -232,7 +235,8 @@ class Restorer:
         head_error: Exception | None = None
         try:
             try:
-                head = self.compute(np.asarray(prompt[:m]).tolist())
+                head = self.compute(np.asarray(prompt[start:m]).tolist(), held)
+                del held  # the compute's now (it writes past the held tokens)
                 # beside a batch its steps are the loop's: the other streams decode between them
                 computed = (yield from head) if background else drain(head)
             except Exception as e:  # the file may still serve: load it (once the read let `full` go)
@@ -252,7 +256,7 @@ class Restorer:
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError, gpu.DeviceError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")  # `full` (unverified) is dropped
         t_read = time.perf_counter()
-        self.costs.observe_prefill(m, 0, t_head - t_alloc)
+        self.costs.observe_prefill(m - start, start, t_head - t_alloc)
         # bytes served, not read: the learned range rate then prices in the whole-chunk overread
         served = sum(u8.nbytes for _, u8 in rr.tensors.values())
         rr.tensors.clear()  # the views into `full`: the join may update it in place
@@ -344,14 +348,14 @@ def calibrate(compute: Compute, costs: CostBook, budget_s: float = 2.0) -> int:
     first run may compile kernels: on CUDA 256 tokens took 0.47 s once and 0.11 s after, and the
     slow one made every long prefill predicted ~1.7x too slow). Returns the prefills recorded.
     Engine thread."""
-    drain(compute([1] * 8))  # warm-up: first-call overheads are not the machine's speed
+    drain(compute([1] * 8, None))  # warm-up: first-call overheads are not the machine's speed
     done, t_all = 0, time.perf_counter()
     for k in (64, 256, 1024, 4096):
         ids = [(i * 7919) % 200 + 3 for i in range(k)]
         runs = []
         for _ in range(2):
             t0 = time.perf_counter()
-            drain(compute(ids))
+            drain(compute(ids, None))
             runs.append(time.perf_counter() - t0)
         dt = min(runs)
         costs.observe_prefill(k, 0, dt)

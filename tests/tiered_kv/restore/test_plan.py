@@ -169,3 +169,33 @@ def test_a_plan_priced_from_the_other_page_kind_is_not_informed():
     both_kinds = replace(cold_only, load_warm=reads(4.0), range_warm=reads(7.0))
     assert plan(warm_hit, both_kinds, "load").informed
     assert plan(warm_hit, both_kinds, "both").informed
+
+
+def test_memory_held_prefix_prices_compute_from_it():
+    """With ``start`` tokens already in memory (a shorter hot hit), recomputing costs only the
+    rest: a load of the whole file that beats recomputing all of it loses to recomputing the
+    last quarter. The plan priced compute as all ``n`` tokens and chose the load."""
+    costs = learned(PREFILL_FAST, 5.0)  # load 0.86 s, compute of all 32k 1.6 s
+    assert plan(HIT, costs).kind == "load"
+    held = plan(replace(HIT, start=3 * N // 4), costs)
+    assert held.kind == "compute" and held.m == N
+    assert held.compute_s == pytest.approx(PREFILL_FAST.seconds(N // 4, 3 * N // 4))
+
+
+def test_both_after_a_memory_held_prefix_computes_from_it():
+    """`both` computes ``[start, m)`` onto what memory holds, in whole blocks from ``start``,
+    while ``[m, n)`` is read: the split finishes both together from there."""
+    start = 4096 + 100
+    hit = replace(HIT, start=start)
+    costs = learned(PREFILL_FAST, 2.7)
+    got = split(hit, costs)
+    assert got is not None
+    m, _ = got
+    assert start < m < N and (m - start) % hit.block == 0
+    one_block = max(PREFILL_FAST.seconds(256), 256 * BPT / (2.7 * GB))
+    assert abs(PREFILL_FAST.seconds(m - start, start) - (N - m) * BPT / (2.7 * GB)) <= one_block
+    assert m > split(HIT, costs)[0]  # type: ignore[index]  # the head starts later: it ends later
+    forced = plan(replace(hit, start=N - 200), Learned(), "both")
+    assert forced.kind == "load" and "too short" in forced.reason  # 200 tokens: under a block
+    middle = plan(hit, Learned(), "both")
+    assert middle.kind == "both" and start < middle.m < N and (middle.m - start) % 256 == 0

@@ -31,7 +31,7 @@ from tiered_kv.config import Config
 from tiered_kv.restore.costs import CostBook
 from tiered_kv.restore.restorer import Decision, Restorer, blocker_of
 from tiered_kv.steps import drain
-from tiered_kv.tiered import TieredCache
+from tiered_kv.tiered import TieredCache, new_entry
 
 N = 600  # ranges start at any token (reads round out to whole checksum chunks)
 #: float32 logits of two prefill paths agree to 1e-4 on the CPU; a GPU's float32 matmuls (TF32 on
@@ -46,8 +46,8 @@ def llama_kv8():
 def compute_with(model, steps=None):
     """The Restorer's compute (step by step: ``steps`` counts its steps as they run)."""
 
-    def compute(ids):
-        caches = make_prompt_cache(model)
+    def compute(ids, held=None):
+        caches = held if held is not None else make_prompt_cache(model)
         for i in range(0, len(ids), 64):
             if i:
                 yield
@@ -197,6 +197,36 @@ def test_tiered_cache_serves_both_as_cold(plain, tmp_path):
                                rtol=TOL, atol=TOL)  # fmt: skip
     tc.store(lease, fed)
     assert r.counters["restore_both"] == 1 and r.costs.obs["range"] and r.costs.obs["join"]
+    tc.hot.entries.clear()
+    tc.cold.close()
+
+
+@pytest.mark.parametrize("held", [64, 333])
+def test_both_computes_its_head_onto_what_memory_holds(plain, held):
+    """Memory holds a shorter prefix of the prompt (a hot entry of ``held`` tokens) and the disk
+    the whole of it: `both` computes ``[held, m)`` onto a view of the hot entry while ``[m, n)``
+    is read (it was refused as "memory holds a shorter prefix", and the plan's compute priced all
+    ``n`` tokens). The hot entry is not written into; the logits equal a cold prefill's; cached
+    tokens are the held ones and the ones read."""
+    r = plain.restorer("both")
+    tc = plain.tiered(r)
+    caches = make_prompt_cache(plain.model)
+    feed(plain.model, caches, plain.ids[:held])
+    entry = new_entry(plain.ids[:held], caches)
+    tc.hot.insert(entry)
+    before = [np.array(c.keys[..., :held, :]) for c in caches]
+    ids = plain.ids + [1, 2, 3]
+    lease = tc.fetch(ids)
+    d = lease.hit.restore
+    assert lease.hit.tier == "cold" and lease.hit.tokens == N, r.counters
+    assert d.kind == "both" and d.start > 0 and d.start < d.m < N, d
+    assert lease.hit.cached == d.start + N - d.m
+    fed = ids[: lease.hit.tokens]
+    out = np.array(prefill(plain.model, lease, fed, 64))
+    np.testing.assert_allclose(out, feed(plain.model, make_prompt_cache(plain.model), ids),
+                               rtol=TOL, atol=TOL)  # fmt: skip
+    for c, b in zip(caches, before, strict=True):  # the hot entry's KV is as it was
+        np.testing.assert_array_equal(np.array(c.keys[..., :held, :]), b)
     tc.hot.entries.clear()
     tc.cold.close()
 
@@ -496,7 +526,7 @@ def test_calibration_records_each_length_after_its_first_run():
 
     seen: set[int] = set()
 
-    def compute(ids: list[int]) -> Any:
+    def compute(ids: list[int], held: Any = None) -> Any:
         if len(ids) not in seen:
             seen.add(len(ids))
             time.sleep(0.3)
