@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -170,6 +171,15 @@ _NAMED = {
     "gemma4": "{start}call:{name}{{",
     "pythonic": "{start}[{name}(",
     "llama3_json": '{{"name": "{name}", "parameters": ',
+}
+
+
+# Formats whose call block holds several calls, each in markers of its own (Kimi's section of
+# ``<|tool_call_begin|>…<|tool_call_end|>``, MiniMax's ``<invoke …>…</invoke>``): the one call text
+# each parser reads alone.
+_EACH_CALL = {
+    "kimi_k2": re.compile(r"<\|tool_call_begin\|>.*?<\|tool_call_end\|>", re.DOTALL),
+    "minimax_m2": re.compile(r"<invoke name=.*?</invoke>", re.DOTALL),
 }
 
 
@@ -406,20 +416,37 @@ class ChatOutput:
         self._said[channel] = True
 
     def _add_calls(self, text: str, out: Delta) -> bool:
-        """The calls ``text`` holds into ``out``; False (nothing added) when it holds none. A call
-        id the model gave that is already taken (Kimi numbers its own) gets a fresh one."""
-        calls = self._parse(text)
-        if calls is None:
+        """The calls ``text`` holds into ``out``, in order with the text of those of its calls that
+        are none (:meth:`_calls_of`); False (nothing added) when it holds no call. A call id the
+        model gave that is already taken (Kimi numbers its own) gets a fresh one."""
+        parts = self._calls_of(text)
+        if not any(calls for _, calls in parts):
             return False
-        for call in calls:
-            if self.n_calls and not self.parallel:
+        for raw, calls in parts:
+            if calls is None:  # a call of the block that is none: the text it is
+                channel = REASONING if self._state == THINK_TOOL else NORMAL
+                out.say(channel, raw)
+                self._said[channel] = True
                 continue
-            if call["id"] in self.ids:
-                call["id"] = self._fresh_id(call["function"]["name"])
-            self.ids.add(call["id"])
-            out.call({"index": self.n_calls, **call})
-            self.n_calls += 1
+            for call in calls:
+                if self.n_calls and not self.parallel:
+                    continue
+                if call["id"] in self.ids:
+                    call["id"] = self._fresh_id(call["function"]["name"])
+                self.ids.add(call["id"])
+                out.call({"index": self.n_calls, **call})
+                self.n_calls += 1
         return True
+
+    def _calls_of(self, text: str) -> list[tuple[str, list[dict[str, Any]] | None]]:
+        """A block's calls: ``[(text, calls)]``, or, where the whole does not parse and its format
+        marks each call (:data:`_EACH_CALL`), each call judged alone: ``(its text, its calls or
+        None)``, so one call naming no offered tool costs only itself."""
+        calls = self._parse(text)
+        each = _EACH_CALL.get(self.fmt.parser_name)
+        if calls is not None or each is None:
+            return [(text, calls)]
+        return [(m.group(0), self._parse(m.group(0))) for m in each.finditer(text)]
 
     def _fresh_id(self, name: str) -> str:
         """An id no call of the conversation has, in the format's own form where it has one

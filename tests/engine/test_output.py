@@ -519,6 +519,41 @@ def test_a_block_naming_none_of_the_requests_tools_is_text(family_dirs, text):
                                                                 "arguments": {"city": "Paris"}}]
 
 
+KIMI_CALL = "<|tool_call_begin|>functions.%s:%d<|tool_call_argument_begin|>%s<|tool_call_end|>"
+MINIMAX_CALL = '\n<invoke name="%s">\n<parameter name="city">%s</parameter>\n</invoke>'
+
+
+@pytest.mark.parametrize(
+    "family, open_, bad, close",
+    [("kimi-k2", "<|tool_calls_section_begin|>", KIMI_CALL % ("rm_rf", 1, '{"path": "/"}'),
+      "<|tool_calls_section_end|>"),
+     ("kimi-k2", "<|tool_calls_section_begin|>", KIMI_CALL % ("get_weather", 1, '"Oslo"'),
+      "<|tool_calls_section_end|>"),
+     ("kimi-k2", "<|tool_calls_section_begin|>", "<|tool_call_begin|>get_weather<|tool_call_end|>",
+      "<|tool_calls_section_end|>"),
+     ("minimax-m2", "<minimax:tool_call>", MINIMAX_CALL % ("rm_rf", "/"), "\n</minimax:tool_call>")],
+    ids=["kimi-unknown-tool", "kimi-arguments-no-object", "kimi-no-parse", "minimax-unknown-tool"],
+)  # fmt: skip
+def test_a_block_of_several_calls_keeps_its_valid_ones(family_dirs, family, open_, bad, close):
+    """Kimi's section (and MiniMax's block) holds several calls, each in markers of its own: one
+    call naming no offered tool (or with no JSON object for arguments, or no parse) made the
+    whole section text, so the valid calls beside it were lost. Each call is judged alone: the
+    valid ones are calls, the bad one is the text it is (as a block naming no tool is)."""
+    fmt, _ = _fmt_and_prompt(family_dirs, family)
+    good = (KIMI_CALL % ("get_weather", 0, '{"city": "Paris"}') if family == "kimi-k2"
+            else MINIMAX_CALL % ("get_weather", "Paris"))  # fmt: skip
+    oslo = good.replace(":0", ":2").replace("Paris", "Oslo")
+    text = "Checking." + open_ + good + bad + oslo + close
+    for n in (len(text), 1, 6):
+        got, finish = _run(ChatOutput(fmt, TOOLS), _pieces(text, n))
+        assert _calls(got) == [{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Oslo")]
+        assert (got.content, finish) == ("Checking." + bad.strip(), "tool_calls"), n
+        assert [k for k, _ in got.parts] == ["content", "tool", "content", "tool"]  # in the order written
+        assert [c["index"] for c in got.tool_calls] == [0, 1]
+    got, _ = _run(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [text])
+    assert _calls(got) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+
 @pytest.mark.parametrize(
     "call, args",
     [
