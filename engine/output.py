@@ -36,6 +36,9 @@ THINK_TOOL = "think_tool"  # a call block opened inside a think block: it closes
 CALLS = (TOOL, THINK_TOOL)
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
+# What joins a channel's text across a break where the model wrote no whitespace: two think
+# blocks back to back are two thoughts; content gets nothing the model did not write.
+BREAK = {REASONING: "\n", NORMAL: ""}
 Parser = Callable[[str, Any], Any]
 
 
@@ -302,6 +305,9 @@ class ChatOutput:
         self._markers = fmt.think is not None or parse_tools
         self._lstrip = {NORMAL: False, REASONING: start_in_reasoning}
         self._said = {NORMAL: False, REASONING: False}  # whether a channel has shown text
+        # per channel, what joins its text when it resumes after a break with no whitespace of
+        # its own: the whitespace written before the break, else BREAK's
+        self._gap = {NORMAL: "", REASONING: ""}
         # formats whose calls are the whole output: the output so far while it may be one
         self._lead: str | None = "" if fmt.whole and parse_tools and not start_in_reasoning else None
         self.n_calls = 0
@@ -367,10 +373,12 @@ class ChatOutput:
     def _transition(self, old: str, new: str, out: Delta) -> None:
         if (old, new) == (THINK_TOOL, NORMAL):
             self._cut_call(out)  # the think block ended inside it: a mention, never parsed
+            self._gap[REASONING] = BREAK[REASONING]
         elif old in CALLS:
             self._close_call(out, closed=True)
         elif old in self._held:
             # whitespace before a marker is not text, unless the block turns out to be text
+            self._gap[old] = self._held[old] or BREAK[old]
             self._space, self._held[old] = self._held[old], ""
         if new in CALLS:
             self._tool_text = ""
@@ -387,6 +395,8 @@ class ChatOutput:
             if not text:
                 return
             self._lstrip[channel] = False
+            if self._said[channel] and not self._held[channel]:
+                self._held[channel] = self._gap[channel]  # none written after the break
         body = text.rstrip() if self._markers else text
         if body:
             shown = self._held[channel] + body
@@ -412,7 +422,7 @@ class ChatOutput:
             text = text.rstrip()  # before the think block's end: not text
         shown = self._held[channel] + self._space + self.fmt.tool[0] + text + end
         out.say(channel, shown)
-        self._held[channel] = self._space = ""
+        self._held[channel] = self._space = self._gap[channel] = ""  # its text goes on from here
         self._said[channel] = True
 
     def _add_calls(self, text: str, out: Delta) -> bool:

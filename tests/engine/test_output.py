@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engine.output import ChatOutput, Delta, OutputFormat
+from engine.output import ChatOutput, Delta, Items, OutputFormat
 from tests.serving import TOOLS
 
 USER = [
@@ -605,6 +605,37 @@ def test_interleaved_thinking_keeps_each_channel_readable(family_dirs, family):
         got, _ = _run(ChatOutput(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt)),
                       _pieces(text, n))  # fmt: skip
         assert (got.reasoning, got.content) == ("Plan A.\nCheck B.", "I read the files.\n\nNow the answer.")
+
+
+@pytest.mark.parametrize(
+    "text, reasoning, content",
+    [("<think>Plan A.</think><think>Check B.</think>The answer.", "Plan A.\nCheck B.", "The answer."),
+     ("<think>Plan A.</think>\n\n<think>Check B.</think>\n\nThe answer.", "Plan A.\nCheck B.", "The answer."),
+     ("<think>Plan A.\n\n</think><think>Check B.</think>The answer.", "Plan A.\n\nCheck B.", "The answer."),
+     ("<think>A.</think><think>B.</think><think>C.</think>", "A.\nB.\nC.", ""),
+     ("The answer is <think>Check.</think>42.", "Check.", "The answer is 42."),
+     ("The answer is<think>Check.</think>42.", "Check.", "The answer is42.")],
+)  # fmt: skip
+@pytest.mark.parametrize("family", ["qwen3", "glm-4.7"])
+def test_think_blocks_back_to_back_keep_a_separator(family_dirs, family, text, reasoning, content):
+    """Think blocks written back to back joined in ``reasoning_content`` ("Plan A.Check B."), and
+    the space before a think block in mid-answer was lost ("The answer is42."). A channel that
+    resumes keeps the whitespace the model wrote at the break (after it, else before it); two
+    think blocks with none are two thoughts: a newline. Content gets no whitespace the model did
+    not write. Typed items (Anthropic, Responses) carry the same reasoning."""
+    fmt, prompt = _fmt_and_prompt(family_dirs, family)
+    start = fmt.opens_reasoning(prompt)
+    if start:  # GLM-4.7's generation prompt opens the first block
+        text = text.removeprefix("<think>") if text.startswith("<think>") else "</think>" + text
+    for n in (len(text), 1, 3):
+        out, items, steps = ChatOutput(fmt, TOOLS, start_in_reasoning=start), Items(), []
+        for piece in _pieces(text, n):
+            steps += items.steps(out.feed(piece))
+        tail, finish = out.finish("stop")
+        steps += items.steps(tail) + items.close()
+        assert (out.result.reasoning, out.result.content, finish) == (reasoning, content, "stop"), n
+        # (a content item after a reasoning one starts without the separator: items are apart)
+        assert "".join(x for step, kind, x in steps if (step, kind) == ("text", "reasoning")) == reasoning
 
 
 def test_glm_unclosed_call_block_ended_by_the_think_block_is_reasoning(family_dirs):
