@@ -18,8 +18,11 @@ not parse shown as text, and ``parallel_tool_calls: false``.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
+import re
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +38,9 @@ THINK_TOOL = "think_tool"  # a call block opened inside a think block: it closes
 CALLS = (TOOL, THINK_TOOL)
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
+# What joins a channel's text across a break where the model wrote no whitespace: two think
+# blocks back to back are two thoughts; content gets nothing the model did not write.
+BREAK = {REASONING: "\n", NORMAL: ""}
 Parser = Callable[[str, Any], Any]
 
 
@@ -143,6 +149,10 @@ class OutputFormat:
 
     def machine(self, tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
+        return TextStateMachine(self.edges(tools))
+
+    def edges(self, tools: bool) -> dict[str, list[tuple[str, str]]]:
+        """State → ``[(marker, next state)]``; no two edges of a state lead to one state."""
         edges: dict[str, list[tuple[str, str]]] = {NORMAL: []}
         if self.think is not None:
             edges[NORMAL].append((self.think[0], REASONING))
@@ -155,7 +165,7 @@ class OutputFormat:
                 edges[THINK_TOOL] = [(self.think[1], NORMAL)]  # the block did not close
                 if self.tool[1]:
                     edges[THINK_TOOL].append((self.tool[1], REASONING))
-        return TextStateMachine(edges)
+        return edges
 
 
 # Forced named calls: the opening of a call to {name}, in each family's own syntax.
@@ -170,6 +180,15 @@ _NAMED = {
     "gemma4": "{start}call:{name}{{",
     "pythonic": "{start}[{name}(",
     "llama3_json": '{{"name": "{name}", "parameters": ',
+}
+
+
+# Formats whose call block holds several calls, each in markers of its own (Kimi's section of
+# ``<|tool_call_begin|>…<|tool_call_end|>``, MiniMax's ``<invoke …>…</invoke>``): the one call text
+# each parser reads alone.
+_EACH_CALL = {
+    "kimi_k2": re.compile(r"<\|tool_call_begin\|>.*?<\|tool_call_end\|>", re.DOTALL),
+    "minimax_m2": re.compile(r"<invoke name=.*?</invoke>", re.DOTALL),
 }
 
 
@@ -228,6 +247,29 @@ class Delta:
         return out
 
 
+class Spans:
+    """Sorted, disjoint ``[start, end)`` spans of positions (of the characters fed a ChatOutput)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        i = bisect.bisect_left(self.starts, start)
+        if i and self.ends[i - 1] == start:  # joins the one before (the usual case: the last)
+            self.ends[i - 1] = end
+            return
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+
+    def meets(self, start: int, end: int) -> bool:
+        """Whether a span holds a position of ``[start, end)``."""
+        i = bisect.bisect_left(self.starts, end)  # the spans before i start before ``end``
+        return i > 0 and self.ends[i - 1] > start
+
+
 class Items:
     """A request's deltas as the items of APIs that stream typed output items (Anthropic's content
     blocks, OpenAI's Responses output items): a run of reasoning or of content is one item, open
@@ -282,8 +324,17 @@ class ChatOutput:
         self.fmt, self.tools, self.parallel = fmt, tools, parallel_tool_calls
         self.ids = set(taken_ids or ())
         self._names = tool_names(tools)
-        self._sm = fmt.machine(parse_tools).make_state(REASONING if start_in_reasoning else NORMAL)
+        edges = fmt.edges(parse_tools)
+        self._sm = TextStateMachine(edges).make_state(REASONING if start_in_reasoning else NORMAL)
+        self._marker = {(src, dst): m for src, out in edges.items() for m, dst in out}
         self._state = self._sm[0]
+        # Where the text is: positions count characters fed (``fed``); ``shown`` holds the spans
+        # of them shown as content (engine/respond.py lists the log-probabilities of their tokens)
+        self.fed = 0
+        self.shown = Spans()
+        self._at = 0  # the first character the state machine has not given back (it may be a marker's)
+        self._block_at = 0  # where the open call block's opener starts
+        self._finished = False
         self._tool_text = ""
         self._space = ""  # the whitespace before the open call block
         # trailing whitespace per channel, shown once more text follows (it might precede a
@@ -292,6 +343,10 @@ class ChatOutput:
         self._markers = fmt.think is not None or parse_tools
         self._lstrip = {NORMAL: False, REASONING: start_in_reasoning}
         self._said = {NORMAL: False, REASONING: False}  # whether a channel has shown text
+        # per channel, what joins its text when it resumes after a break with no whitespace of
+        # its own: the whitespace written before the break, else BREAK's
+        self._gap = {NORMAL: "", REASONING: ""}
+        self._gap_at: dict[str, int | None] = {NORMAL: None, REASONING: None}  # (None: BREAK's)
         # formats whose calls are the whole output: the output so far while it may be one
         self._lead: str | None = "" if fmt.whole and parse_tools and not start_in_reasoning else None
         self.n_calls = 0
@@ -300,6 +355,7 @@ class ChatOutput:
     # -- feeding ---------------------------------------------------------------------------------
     def feed(self, text: str) -> Delta:
         out = Delta()
+        self.fed += len(text)
         self._feed(self._leading(text) if self._lead is not None else text, out)
         self.result.merge(out)
         return out
@@ -308,6 +364,8 @@ class ChatOutput:
         if text:
             self._sm, segments = TextStateMachine.split(self._sm, text)
             for state, piece in segments:
+                if state != self._state:  # past the marker between them
+                    self._at += len(self._marker[self._state, state])
                 self._segment(state, piece, out)
 
     def _leading(self, text: str) -> str:
@@ -342,9 +400,26 @@ class ChatOutput:
             self._state = NORMAL
         if not self.n_calls and self._state == NORMAL:
             if not self._lstrip[NORMAL]:  # (a separator no text followed is nothing)
-                out.say(NORMAL, self._held[NORMAL])  # plain text keeps its trailing whitespace
+                held = self._held[NORMAL]  # plain text keeps its trailing whitespace
+                self._say(NORMAL, held, out, (self._at - len(held), self._at))
+        self._finished = True
         self.result.merge(out)
         return out, _finish_reason(engine_reason, self.n_calls > 0)
+
+    @property
+    def settled(self) -> int:
+        """Characters before this position are settled: shown as content, or never to be."""
+        if self._finished:
+            return sys.maxsize
+        if self._lead is not None:  # all of it may yet be a call
+            return 0
+        at = self._at - len(self._held[NORMAL])  # (whitespace held may yet be shown)
+        if self._state == TOOL:  # the block may yet be text
+            at = min(at, self._block_at - len(self._space))
+        gap = self._gap_at[NORMAL]
+        if gap is not None and self._said[NORMAL] and (self._state != NORMAL or self._lstrip[NORMAL]):
+            at = min(at, gap)  # the content's whitespace before a break, shown should it go on
+        return at
 
     def _segment(self, state: str, piece: str, out: Delta) -> None:
         if state != self._state:
@@ -353,38 +428,59 @@ class ChatOutput:
             self._tool_text += piece
         elif state in (NORMAL, REASONING):
             self._show(state, piece, out)
+        self._at += len(piece)
 
     def _transition(self, old: str, new: str, out: Delta) -> None:
         if (old, new) == (THINK_TOOL, NORMAL):
             self._cut_call(out)  # the think block ended inside it: a mention, never parsed
+            self._gap[REASONING] = BREAK[REASONING]
         elif old in CALLS:
             self._close_call(out, closed=True)
         elif old in self._held:
             # whitespace before a marker is not text, unless the block turns out to be text
-            self._space, self._held[old] = self._held[old], ""
+            held, at = self._held[old], self._at - len(self._marker[old, new]) - len(self._held[old])
+            self._gap[old], self._gap_at[old] = (held, at) if held else (BREAK[old], None)
+            self._space, self._held[old] = held, ""
         if new in CALLS:
             self._tool_text = ""
+            self._block_at = self._at - len(self._marker[old, new])
         elif old in (REASONING, THINK_TOOL) or new == REASONING:
             self._lstrip[new] = True  # nor is whitespace just inside or after a think block
         self._state = new
 
     def _show(self, channel: str, text: str, out: Delta) -> None:
+        at = self._at  # where ``text`` is; the whitespace held ends there
+        held_at: int | None = at - len(self._held[channel])
         if self._lstrip[channel]:
             stripped = text.lstrip()
             if self._said[channel]:  # a channel resumed (interleaved thinking): one separator
                 self._held[channel] += text[: len(text) - len(stripped)]
+            at += len(text) - len(stripped)
             text = stripped
             if not text:
                 return
             self._lstrip[channel] = False
+            if self._said[channel] and not self._held[channel]:  # none written after the break
+                self._held[channel], held_at = self._gap[channel], self._gap_at[channel]
+            self._gap[channel], self._gap_at[channel] = "", None
         body = text.rstrip() if self._markers else text
         if body:
-            shown = self._held[channel] + body
+            held = self._held[channel]
             self._held[channel] = text[len(body) :]
             self._said[channel] = True
-            out.say(channel, shown)
+            spans = [(at, at + len(body))]
+            if held_at is not None:
+                spans.append((held_at, held_at + len(held)))
+            self._say(channel, held + body, out, *spans)
         else:
             self._held[channel] += text
+
+    def _say(self, channel: str, text: str, out: Delta, *spans: tuple[int, int]) -> None:
+        """``text`` shown in ``channel``; ``spans``: where it is in the text fed (content's kept)."""
+        out.say(channel, text)
+        if channel == NORMAL:
+            for start, end in spans:
+                self.shown.add(start, end)
 
     # -- calls -----------------------------------------------------------------------------------
     def _close_call(self, out: Delta, closed: bool) -> None:
@@ -401,25 +497,44 @@ class ChatOutput:
         if channel == REASONING and not end:
             text = text.rstrip()  # before the think block's end: not text
         shown = self._held[channel] + self._space + self.fmt.tool[0] + text + end
-        out.say(channel, shown)
-        self._held[channel] = self._space = ""
+        self._say(channel, shown, out, (self._block_at - len(self._space), self._at))
+        self._held[channel] = self._space = self._gap[channel] = ""  # its text goes on from here
+        self._gap_at[channel] = None
         self._said[channel] = True
 
     def _add_calls(self, text: str, out: Delta) -> bool:
-        """The calls ``text`` holds into ``out``; False (nothing added) when it holds none. A call
-        id the model gave that is already taken (Kimi numbers its own) gets a fresh one."""
-        calls = self._parse(text)
-        if calls is None:
+        """The calls ``text`` holds into ``out``, in order with the text of those of its calls that
+        are none (:meth:`_calls_of`); False (nothing added) when it holds no call. A call id the
+        model gave that is already taken (Kimi numbers its own) gets a fresh one."""
+        parts = self._calls_of(text)
+        if not any(calls for _, _, calls in parts):
             return False
-        for call in calls:
-            if self.n_calls and not self.parallel:
+        for start, end, calls in parts:
+            if calls is None:  # a call of the block that is none: the text it is
+                channel = REASONING if self._state == THINK_TOOL else NORMAL
+                at = self._block_at + len(self.fmt.tool[0])
+                self._say(channel, text[start:end], out, (at + start, at + end))
+                self._said[channel] = True
                 continue
-            if call["id"] in self.ids:
-                call["id"] = self._fresh_id(call["function"]["name"])
-            self.ids.add(call["id"])
-            out.call({"index": self.n_calls, **call})
-            self.n_calls += 1
+            for call in calls:
+                if self.n_calls and not self.parallel:
+                    continue
+                if call["id"] in self.ids:
+                    call["id"] = self._fresh_id(call["function"]["name"])
+                self.ids.add(call["id"])
+                out.call({"index": self.n_calls, **call})
+                self.n_calls += 1
         return True
+
+    def _calls_of(self, text: str) -> list[tuple[int, int, list[dict[str, Any]] | None]]:
+        """A block's calls: ``[(0, len(text), calls)]``, or, where the whole does not parse and its
+        format marks each call (:data:`_EACH_CALL`), each call judged alone: ``(where its text
+        starts and ends, its calls or None)``, so one call naming no offered tool costs only itself."""
+        calls = self._parse(text)
+        each = _EACH_CALL.get(self.fmt.parser_name)
+        if calls is not None or each is None:
+            return [(0, len(text), calls)]
+        return [(m.start(), m.end(), self._parse(m.group(0))) for m in each.finditer(text)]
 
     def _fresh_id(self, name: str) -> str:
         """An id no call of the conversation has, in the format's own form where it has one

@@ -11,6 +11,7 @@ decided once for both.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -42,26 +43,51 @@ class Output(Protocol):
 
 
 class _Logprobs:
-    """A request's token log-probabilities as they come: every one (the body), and those not yet
-    sent (the next streamed chunk)."""
+    """A request's token log-probabilities as they come: every one listed (the body), and those
+    not yet sent (the next streamed chunk). With a chat ``parser``, a token is listed when some of
+    its text is shown as content (OpenAI's ``logprobs.content`` is the message content's tokens:
+    reasoning, think markers and call markup are not), once the parser has settled its text."""
 
-    def __init__(self, token_bytes: TokenBytes) -> None:
+    def __init__(self, token_bytes: TokenBytes, parser: output.ChatOutput | None = None) -> None:
         self.token_bytes = token_bytes
+        self.parser = parser
         self.all: list[api.LogprobEntry] = []
         self.pending: list[api.LogprobEntry] = []
         self.sent = api.TextOffsets()  # where the next token starts in the completion's text
+        self.first = True
+        # chat: each token's characters in the text the parser was fed (after a forced call's
+        # opener), until the parser has settled them
+        self.base = parser.fed if parser is not None else 0
+        self.offsets = api.TextOffsets()
+        self.waiting: collections.deque[tuple[api.LogprobEntry, int, int]] = collections.deque()
 
     def add(self, lp: TokenLogprob | None) -> None:
-        if lp is not None:
-            first = not self.all
+        if lp is None:
+            return
+        first, self.first = self.first, False
 
-            def piece(token: int) -> api.Piece:
-                raw = self.token_bytes(token, first)
-                return api.Piece(piece_text(raw), raw)
+        def piece(token: int) -> api.Piece:
+            raw = self.token_bytes(token, first)
+            return api.Piece(piece_text(raw), raw)
 
-            entry = (piece(lp.token), lp.logprob, [(piece(t), v) for t, v in lp.top])
+        entry = (piece(lp.token), lp.logprob, [(piece(t), v) for t, v in lp.top])
+        if self.parser is None:
             self.all.append(entry)
             self.pending.append(entry)
+            return
+        start = self.offsets.advance(entry[0].raw)  # a part of a character: that character
+        end = max(self.offsets.chars, start + 1)
+        self.waiting.append((entry, self.base + start, self.base + end))
+
+    def settle(self) -> None:
+        """The tokens whose text the parser has settled: listed when shown as content."""
+        assert self.parser is not None
+        settled = self.parser.settled
+        while self.waiting and self.waiting[0][2] <= settled:
+            entry, start, end = self.waiting.popleft()
+            if self.parser.shown.meets(start, end):
+                self.all.append(entry)
+                self.pending.append(entry)
 
     def attach(self, chunks: list[dict[str, Any]], shape: Callable[..., dict[str, Any]]) -> None:
         """The pending entries onto the first of ``chunks`` that has a choice."""
@@ -145,8 +171,9 @@ class ChatOutput(_Base):
         parser: output.ChatOutput,
         token_bytes: TokenBytes | None = None,
     ) -> None:
-        super().__init__(model, include_usage, api.new_id("chatcmpl"), token_bytes)
+        super().__init__(model, include_usage, api.new_id("chatcmpl"), None)
         self.parser = parser
+        self.logprobs = None if token_bytes is None else _Logprobs(token_bytes, parser)
 
     def _delta(self, d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return api.chat_chunk(self.rid, self.created, self.model, d, finish)
@@ -164,6 +191,7 @@ class ChatOutput(_Base):
             self.usage = chunk.usage
             out.append(self._delta({}, self.finish))
         if self.logprobs is not None:  # with the next chunk sent (text may be held back)
+            self.logprobs.settle()
             self.logprobs.attach(out, api.chat_logprobs)
         return out + (self._usage_chunk() if chunk.finish_reason is not None else [])
 

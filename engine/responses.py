@@ -293,10 +293,9 @@ class ResponsesOutput:
         self.output.append(item)
         index = len(self.output) - 1
         out = [self._event("response.output_item.added", output_index=index, item=_copy(item))]
-        item["content"].append(part)
-        if kind == "message":
-            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                   content_index=0, part=dict(part)))  # fmt: skip
+        item["content"].append(part)  # (a reasoning item's reasoning_text part as a message's part)
+        out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                               content_index=0, part=dict(part)))  # fmt: skip
         return out
 
     def _done(self, item: dict[str, Any], index: int) -> list[dict[str, Any]]:
@@ -304,12 +303,12 @@ class ResponsesOutput:
         item["status"] = self.closing
         if item["type"] == "message":
             out = [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                               content_index=0, text=part["text"], logprobs=[]),
-                   self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                               content_index=0, part=dict(part))]  # fmt: skip
+                               content_index=0, text=part["text"], logprobs=[])]  # fmt: skip
         else:
             out = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                content_index=0, text=part["text"])]  # fmt: skip
+        out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                               content_index=0, part=dict(part)))  # fmt: skip
         return out + [self._event("response.output_item.done", output_index=index, item=_copy(item))]
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:

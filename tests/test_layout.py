@@ -15,7 +15,6 @@ NO_TEST_FILE = {
     "engine/cli_serve.py": "`tiered-kv serve` runs as a subprocess in test_server_restart.py and reliability/",
     "engine/cli_bench.py": "the benchmark driver: run by `make bench`, never asserted on (STYLE.md 12)",
     "engine/events.py": "typed values without behaviour",
-    "engine/respond.py": "the HTTP ⇄ engine glue: every route of test_server.py goes through it",
     "engine/models/templates.py": "downloads data; its family dirs drive test_output.py and test_server.py",
     "tiered_kv/shared/entry.py": "the shared tier's entry check: corrupt entries in shared/test_link.py",
     "tiered_kv/shared/survey.py": "read only by `tiered-kv cache` (engine/cli_shared.py): test_cli_shared.py",

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engine.output import ChatOutput, Delta, OutputFormat
+from engine.output import ChatOutput, Delta, Items, OutputFormat
 from tests.serving import TOOLS
 
 USER = [
@@ -519,6 +519,41 @@ def test_a_block_naming_none_of_the_requests_tools_is_text(family_dirs, text):
                                                                 "arguments": {"city": "Paris"}}]
 
 
+KIMI_CALL = "<|tool_call_begin|>functions.%s:%d<|tool_call_argument_begin|>%s<|tool_call_end|>"
+MINIMAX_CALL = '\n<invoke name="%s">\n<parameter name="city">%s</parameter>\n</invoke>'
+
+
+@pytest.mark.parametrize(
+    "family, open_, bad, close",
+    [("kimi-k2", "<|tool_calls_section_begin|>", KIMI_CALL % ("rm_rf", 1, '{"path": "/"}'),
+      "<|tool_calls_section_end|>"),
+     ("kimi-k2", "<|tool_calls_section_begin|>", KIMI_CALL % ("get_weather", 1, '"Oslo"'),
+      "<|tool_calls_section_end|>"),
+     ("kimi-k2", "<|tool_calls_section_begin|>", "<|tool_call_begin|>get_weather<|tool_call_end|>",
+      "<|tool_calls_section_end|>"),
+     ("minimax-m2", "<minimax:tool_call>", MINIMAX_CALL % ("rm_rf", "/"), "\n</minimax:tool_call>")],
+    ids=["kimi-unknown-tool", "kimi-arguments-no-object", "kimi-no-parse", "minimax-unknown-tool"],
+)  # fmt: skip
+def test_a_block_of_several_calls_keeps_its_valid_ones(family_dirs, family, open_, bad, close):
+    """Kimi's section (and MiniMax's block) holds several calls, each in markers of its own: one
+    call naming no offered tool (or with no JSON object for arguments, or no parse) made the
+    whole section text, so the valid calls beside it were lost. Each call is judged alone: the
+    valid ones are calls, the bad one is the text it is (as a block naming no tool is)."""
+    fmt, _ = _fmt_and_prompt(family_dirs, family)
+    good = (KIMI_CALL % ("get_weather", 0, '{"city": "Paris"}') if family == "kimi-k2"
+            else MINIMAX_CALL % ("get_weather", "Paris"))  # fmt: skip
+    oslo = good.replace(":0", ":2").replace("Paris", "Oslo")
+    text = "Checking." + open_ + good + bad + oslo + close
+    for n in (len(text), 1, 6):
+        got, finish = _run(ChatOutput(fmt, TOOLS), _pieces(text, n))
+        assert _calls(got) == [{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Oslo")]
+        assert (got.content, finish) == ("Checking." + bad.strip(), "tool_calls"), n
+        assert [k for k, _ in got.parts] == ["content", "tool", "content", "tool"]  # in the order written
+        assert [c["index"] for c in got.tool_calls] == [0, 1]
+    got, _ = _run(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [text])
+    assert _calls(got) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+
 @pytest.mark.parametrize(
     "call, args",
     [
@@ -570,6 +605,37 @@ def test_interleaved_thinking_keeps_each_channel_readable(family_dirs, family):
         got, _ = _run(ChatOutput(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt)),
                       _pieces(text, n))  # fmt: skip
         assert (got.reasoning, got.content) == ("Plan A.\nCheck B.", "I read the files.\n\nNow the answer.")
+
+
+@pytest.mark.parametrize(
+    "text, reasoning, content",
+    [("<think>Plan A.</think><think>Check B.</think>The answer.", "Plan A.\nCheck B.", "The answer."),
+     ("<think>Plan A.</think>\n\n<think>Check B.</think>\n\nThe answer.", "Plan A.\nCheck B.", "The answer."),
+     ("<think>Plan A.\n\n</think><think>Check B.</think>The answer.", "Plan A.\n\nCheck B.", "The answer."),
+     ("<think>A.</think><think>B.</think><think>C.</think>", "A.\nB.\nC.", ""),
+     ("The answer is <think>Check.</think>42.", "Check.", "The answer is 42."),
+     ("The answer is<think>Check.</think>42.", "Check.", "The answer is42.")],
+)  # fmt: skip
+@pytest.mark.parametrize("family", ["qwen3", "glm-4.7"])
+def test_think_blocks_back_to_back_keep_a_separator(family_dirs, family, text, reasoning, content):
+    """Think blocks written back to back joined in ``reasoning_content`` ("Plan A.Check B."), and
+    the space before a think block in mid-answer was lost ("The answer is42."). A channel that
+    resumes keeps the whitespace the model wrote at the break (after it, else before it); two
+    think blocks with none are two thoughts: a newline. Content gets no whitespace the model did
+    not write. Typed items (Anthropic, Responses) carry the same reasoning."""
+    fmt, prompt = _fmt_and_prompt(family_dirs, family)
+    start = fmt.opens_reasoning(prompt)
+    if start:  # GLM-4.7's generation prompt opens the first block
+        text = text.removeprefix("<think>") if text.startswith("<think>") else "</think>" + text
+    for n in (len(text), 1, 3):
+        out, items, steps = ChatOutput(fmt, TOOLS, start_in_reasoning=start), Items(), []
+        for piece in _pieces(text, n):
+            steps += items.steps(out.feed(piece))
+        tail, finish = out.finish("stop")
+        steps += items.steps(tail) + items.close()
+        assert (out.result.reasoning, out.result.content, finish) == (reasoning, content, "stop"), n
+        # (a content item after a reasoning one starts without the separator: items are apart)
+        assert "".join(x for step, kind, x in steps if (step, kind) == ("text", "reasoning")) == reasoning
 
 
 def test_glm_unclosed_call_block_ended_by_the_think_block_is_reasoning(family_dirs):

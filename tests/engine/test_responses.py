@@ -10,6 +10,14 @@ import json
 
 import httpx
 import pytest
+from openai import omit
+from openai._models import construct_type
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import (
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseStreamEvent,
+)
 
 from engine import output, responses
 from engine.api import ApiError
@@ -116,12 +124,18 @@ def _run(pieces: list[str], reason: str = "stop", think: bool = False, **chat) -
     req = _chat(tools=TOOLS, **chat)
     parser = output.ChatOutput(fmt, req.tool_dicts(), True)
     out = responses.ResponsesOutput("m", parser, 40, req)
-    events = out.start()
+    events = _sent(out.start())
     usage = Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=30, cache_tier="hot", ttft_seconds=0.1)  # fmt: skip
     for i, p in enumerate(pieces):
         last = i == len(pieces) - 1
-        events += out.feed(Chunk(p, 1, reason if last else None, usage if last else None))
+        events += _sent(out.feed(Chunk(p, 1, reason if last else None, usage if last else None)))
     return out, events
+
+
+def _sent(events: list[dict]) -> list[dict]:
+    """The events as they went out (the server writes each at once; the response they carry
+    goes on changing after)."""
+    return json.loads(json.dumps(events))
 
 
 def test_text_then_a_call_stream_as_a_message_item_and_a_function_call_item():
@@ -153,6 +167,34 @@ def test_a_namespaced_call_names_its_namespace_and_a_length_stop_is_incomplete()
     assert out.body()["output"][0]["content"][0]["text"] == "hmm"
     # the message the length cut short is incomplete (it said completed), the reasoning complete
     assert [i["status"] for i in out.body()["output"]] == ["completed", "incomplete"]
+
+
+def test_a_reasoning_item_streams_its_content_part_as_a_message_does():
+    """A reasoning item streamed ``reasoning_text.delta`` / ``.done`` with no
+    ``response.content_part.added`` / ``.done`` around them; OpenAI's stream has them for a
+    reasoning item's ``reasoning_text`` part as for a message's ``output_text`` part (the openai
+    SDK's part union holds both). Every event is one of the SDK's types, and its accumulator
+    (``ResponseStreamState``) takes the stream."""
+    out, events = _run(["<think>\nParis", " first.\n</think>\n\nIt is", " sunny."], think=True)
+    per_item: dict[int, list[str]] = {}
+    for e in events:
+        if "output_index" in e and per_item.get(e["output_index"], [""])[-1] != e["type"]:
+            per_item.setdefault(e["output_index"], []).append(e["type"])  # (deltas in a row as one)
+    for index, (item, text) in enumerate([("reasoning", "Paris first."), ("message", "It is sunny.")]):
+        delta = "reasoning_text" if item == "reasoning" else "output_text"
+        assert per_item[index] == ["response.output_item.added", "response.content_part.added",
+                                   f"response.{delta}.delta", f"response.{delta}.done",
+                                   "response.content_part.done", "response.output_item.done"]  # fmt: skip
+        added, done = (e for e in events if e["type"].startswith("response.content_part.") and e["output_index"] == index)
+        item_id = out.body()["output"][index]["id"]
+        assert (added["item_id"], added["content_index"], done["item_id"], done["content_index"]) == (item_id, 0, item_id, 0)
+        assert (added["part"]["type"], added["part"]["text"]) == (delta, "")
+        assert done["part"] == out.body()["output"][index]["content"][0] and done["part"]["text"] == text
+        ResponseContentPartAddedEvent.model_validate(added)  # the SDK's types, strictly
+        ResponseContentPartDoneEvent.model_validate(done)
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in events:  # as the SDK's stream reads them
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
 
 
 def test_instructions_are_echoed():
