@@ -62,7 +62,6 @@ from tiered_kv.cold import fsafe
 from tiered_kv.keys import FORMAT_VERSION
 
 SUFFIX = ".safetensors"
-TMP_SUFFIX = ".tmp"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 FORMAT = FORMAT_VERSION
