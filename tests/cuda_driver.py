@@ -21,18 +21,19 @@ from collections.abc import Callable
 from typing import Any
 
 CUDA_ERROR = 700  # what a failing call returns (CUDA_ERROR_ILLEGAL_ADDRESS)
+_INVALID = 400  # CUDA_ERROR_INVALID_HANDLE: a handle or pointer freed already, or never made
 
 
 class _Stream:
     """One stream: its operations run in order on a thread of its own."""
 
     def __init__(self) -> None:
-        self.ops: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.ops: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         threading.Thread(target=self._run, daemon=True, name="fake-cuda-stream").start()
 
     def _run(self) -> None:
-        while True:
-            self.ops.get()()
+        while (op := self.ops.get()) is not None:  # None: destroyed
+            op()
 
 
 class FakeDriver:
@@ -43,11 +44,21 @@ class FakeDriver:
         self.calls: collections.Counter[str] = collections.Counter()
         self.pending = 0  # copies issued and not yet run
         self.copied = 0  # bytes the copies moved
-        self._pinned: list[Any] = []
+        self._pinned: dict[int, Any] = {}  # address → buffer, until cuMemFreeHost
         self._streams: dict[int, _Stream] = {}
         self._events: dict[int, threading.Event] = {}
         self._next = 0
         self._lock = threading.Lock()
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory allocated and not freed."""
+        return sum(ctypes.sizeof(b) for b in self._pinned.values())
+
+    @property
+    def live(self) -> tuple[int, int, int]:
+        """(pinned buffers, streams, events) made and not freed / destroyed."""
+        return len(self._pinned), len(self._streams), len(self._events)
 
     def _result(self, name: str) -> int:
         with self._lock:
@@ -66,9 +77,28 @@ class FakeDriver:
         if err := self._result("cuMemAllocHost_v2"):
             return err
         buf = (ctypes.c_uint8 * size.value)()
-        self._pinned.append(buf)
+        self._pinned[ctypes.addressof(buf)] = buf
         out._obj.value = ctypes.addressof(buf)
         return 0
+
+    def cuMemFreeHost(self, ptr: Any) -> int:
+        if err := self._result("cuMemFreeHost"):
+            return err
+        return 0 if self._pinned.pop(int(ptr.value or 0), None) is not None else _INVALID
+
+    def cuStreamDestroy_v2(self, stream: Any) -> int:
+        if err := self._result("cuStreamDestroy_v2"):
+            return err
+        s = self._streams.pop(int(stream.value or 0), None)
+        if s is None:
+            return _INVALID
+        s.ops.put(None)  # its thread ends after what is queued on it
+        return 0
+
+    def cuEventDestroy_v2(self, event: Any) -> int:
+        if err := self._result("cuEventDestroy_v2"):
+            return err
+        return 0 if self._events.pop(int(event.value or 0), None) is not None else _INVALID
 
     def cuStreamCreate(self, out: Any, flags: int) -> int:
         if err := self._result("cuStreamCreate"):
@@ -125,3 +155,14 @@ class FakeDriver:
         self._streams[int(stream.value)].ops.put(done.set)
         done.wait()
         return 0
+
+
+def upload(monkeypatch: Any, slot_bytes: int, slots: int, **driver: Any) -> tuple[Any, FakeDriver]:
+    """A real :class:`tiered_kv.cold.gpu.Upload` of ``slots`` slots of ``slot_bytes`` over a
+    :class:`FakeDriver` made with ``driver`` (its arguments)."""
+    from tiered_kv.cold import gpu
+
+    monkeypatch.setattr(gpu, "SLOT_BYTES", slot_bytes)
+    monkeypatch.setattr(gpu.Batch, "slot_bytes", slot_bytes)
+    lib = FakeDriver(**driver)
+    return gpu.Upload(lib, 1, slots=slots), lib

@@ -331,6 +331,24 @@ def rewrite_meta(path: Path, **changes: str) -> None:
     path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
+def with_tensors(raw: bytes, extra: dict[str, bytes], **changes: str) -> bytes:
+    """The entry ``raw`` with one-dimensional U8 tensors ``extra`` appended (their chunk digests
+    added) and its metadata changed by ``changes``, re-signed: a header anyone who can write the
+    cache dir can make (its checksum is a public xxh3)."""
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
+    sums, chunk = json.loads(meta["xxh3"]), int(meta["chunk_bytes"])
+    end = max(t["data_offsets"][1] for t in head.values())
+    for name, data in extra.items():
+        head[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [end, end + len(data)]}
+        sums[name] = store.chunk_digests([memoryview(data)] if data else [], chunk)
+        end += len(data)
+    meta.update(changes, xxh3=json.dumps(sums, separators=(",", ":")))
+    new = store.header_bytes(head, meta)
+    return struct.pack("<Q", len(new)) + new + raw[8 + n :] + b"".join(extra.values())
+
+
 def precious(outside: Path, name: str = "model.safetensors", size: int = 4096) -> Path:
     """A file outside the cache dir that nothing may touch (old mtime: first in any LRU)."""
     outside.mkdir(parents=True, exist_ok=True)

@@ -30,12 +30,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from tiered_kv import layers
+from tiered_kv import declared, layers
 
 #: position → the snapshot taken there (one item per leaf; None for positional leaves)
 Checkpoints = dict[int, list[Any]]
-#: name prefix of checkpoint arrays in an entry file
-PREFIX = "ckpt."
+#: name prefix of checkpoint arrays in an entry file (its owner: what a file may hold)
+PREFIX = declared.CHECKPOINT_PREFIX
 
 
 # -- where ----------------------------------------------------------------------------------

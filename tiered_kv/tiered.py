@@ -31,6 +31,8 @@ from tiered_kv.steps import Steps, drain
 log = logging.getLogger(__name__)
 #: [shared tier] at shutdown, how long queued publishes may take before they are dropped (counted)
 _SHARED_CLOSE_SECONDS = 30.0
+#: disk entries one fetch may try to restore: one that fails to load gives way to the next best
+_DISK_TRIES = 3
 
 
 class ColdHitLike(Protocol):
@@ -183,26 +185,37 @@ class TieredCache:
         return policy.servable_tokens(best[1], len(prompt)) if best else 0
 
     def _find(self, prompt: TokenArray, background: bool) -> Steps[_Candidate | None]:
+        """The best candidate of the tiers for ``prompt``. A disk hit that turns out corrupt or
+        gone at load time left the index (quarantined / dropped by the cold tier), so the tiers
+        are asked again: the next lookup names the next best entry (at most
+        :data:`_DISK_TRIES` disk entries per fetch; one still indexed is not tried twice)."""
         cand = self._hot_candidate(prompt, count=True)
-        hot_n = policy.servable_tokens(cand.common, len(prompt)) if cand else 0
-        if self.cold is not None and not policy.serves_all(hot_n, len(prompt)):
+        tried: set[str] = set()
+        while self.cold is not None and len(tried) < _DISK_TRIES:
+            hot_n = policy.servable_tokens(cand.common, len(prompt)) if cand else 0
+            if policy.serves_all(hot_n, len(prompt)):
+                break
             hit = self.cold.lookup(prompt)
+            if hit is not None and hit.entry_id in tried:
+                hit = None  # still indexed (unreadable, out of memory): not read again
             cold_n = policy.servable_tokens(hit.tokens, len(prompt)) if hit is not None else 0
-            shared = None
             if self.shared is not None and not policy.serves_all(max(hot_n, cold_n), len(prompt)):
                 shared = self._load_shared(prompt, max(hot_n, cold_n))  # [shared tier]
-            if shared is not None:
-                cand = shared
-            elif hit is not None and cold_n > hot_n:
-                loaded = yield from self._restore(hit, prompt, cand, hot_n, background)
-                if loaded is not None and loaded.entry is not None:
-                    return loaded
-                # the batch went on while the disk was read: the hot candidate may have been
-                # taken (and written into) by another request, or evicted; look again
-                cand = self._hot_candidate(prompt, count=False)
-                if loaded is not None:  # computing beats loading: the plan rides along
-                    cand = cand or loaded
-                    cand.restore = loaded.restore
+                if shared is not None:
+                    return shared
+            if hit is None or cold_n <= hot_n:
+                break
+            loaded = yield from self._restore(hit, prompt, cand, hot_n, background)
+            if loaded is not None and loaded.entry is not None:
+                return loaded
+            # the batch went on while the disk was read: the hot candidate may have been
+            # taken (and written into) by another request, or evicted; look again
+            cand = self._hot_candidate(prompt, count=False)
+            if loaded is not None:  # computing beats loading: the plan rides along
+                cand = cand or loaded
+                cand.restore = loaded.restore
+                break
+            tried.add(hit.entry_id)
         return cand
 
     def _hot_candidate(self, prompt: TokenArray, count: bool) -> _Candidate | None:

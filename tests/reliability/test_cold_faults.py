@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from tests.fixtures import flip_byte, make_llama
 from tiered_kv import keys
-from tiered_kv.cold import store
+from tiered_kv.cold import backend
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.tiered import TieredCache
@@ -216,7 +216,7 @@ def test_disk_fault_keeps_answering_and_is_counted_once(
         key = "cold_disk_full" if fault == "enospc" else "cold_read_only"
         assert st[key] >= 5 and st["cold_write_errors"] == st[key], st
         assert len(msgs) == 1, msgs  # logged once however often it happens
-        assert not list(root.rglob(f"*{store.TMP_SUFFIX}"))
+        assert not list(root.rglob(f"*{backend.TMP_SUFFIX}"))
     answer(model, cache, ps[0])  # the fault is gone: spills work again
     cache.cold.flush()
     assert cache.stats()["cold_spills"] > st["cold_spills"]

@@ -15,6 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from tests.fixtures import cold_logits, feed, flip_byte, hot_only, prefill_turn, store_turn, tokens
 from tiered_kv.config import Config
 from tiered_kv.opening import open_cache
+from tiered_kv.prefix import as_tokens, common_prefix
+from tiered_kv.steps import drain
 from tiered_kv.tiered import TieredCache
 
 TOL: dict[str, Any] = dict(rtol=1e-4, atol=1e-4)
@@ -306,3 +308,35 @@ def test_a_hot_entry_taken_while_a_disk_read_failed_is_never_served_twice(small_
     got = feed(small_model, lease_b.caches, lease_b.remaining)
     np.testing.assert_allclose(got, cold_logits(small_model, b), rtol=1e-4, atol=1e-4)
     tc.close()
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["whole", "beside"])
+@pytest.mark.parametrize("damage", ["corrupt", "vanished"])
+def test_a_disk_hit_that_fails_to_load_gives_way_to_the_next_entry(small_model, tmp_path, damage,
+                                                                   beside):  # fmt: skip
+    """A disk lookup named only the longest entry: when its file turned out corrupt or gone at
+    load time the request got no disk hit at all, though a shorter entry on the disk shared a
+    prefix with the prompt too. The bad entry leaves the index (quarantined / dropped, counted as
+    before), and the next lookup names the next best."""
+    p = tokens(64, 40)
+    short, long = p + tokens(65, 8), p + tokens(66, 30)
+    a = open_tc(small_model, tmp_path)
+    prefill_turn(a, small_model, short)
+    prefill_turn(a, small_model, long)
+    a.close()  # both spilled: neither serves all the other served
+    files = [f for f in tmp_path.rglob("*.safetensors") if not f.name.startswith(".")]
+    assert len(files) == 2
+    bad = max(files, key=lambda f: f.stat().st_size)
+    b = open_tc(small_model, tmp_path)
+    if damage == "corrupt":
+        flip_byte(bad, -100)
+    else:  # after the open (which drops the records of missing files)
+        bad.unlink()
+    ids = long + tokens(67, 5)
+    lease = drain(b.fetch_steps(ids, background=beside))
+    assert lease.hit.tier == "cold" and lease.hit.tokens == common_prefix(as_tokens(short), as_tokens(ids)) >= len(p)
+    logits = feed(small_model, lease.caches, lease.remaining)
+    np.testing.assert_allclose(logits, cold_logits(small_model, ids), **TOL)
+    want = {"corrupt": "cold_quarantined", "vanished": "cold_misses_missing"}[damage]
+    assert b.stats()[want] == 1
+    b.close()

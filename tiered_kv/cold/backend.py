@@ -56,6 +56,30 @@ class Backend(Protocol):
     def delete(self, key: str) -> None: ...
 
 
+#: the end of a temp file's name (:func:`temp_path`)
+TMP_SUFFIX = ".tmp"
+
+
+def temp_path(path: Path, pid: int) -> Path:
+    """Where process ``pid`` writes ``path`` before publishing it: ``.<name>.<pid>.tmp`` beside
+    it (hidden: never an entry file; the pid tells :mod:`verify` whether its writer lives)."""
+    return path.with_name(f".{path.name}.{pid}{TMP_SUFFIX}")
+
+
+def is_temp(name: str) -> bool:
+    """A file name of :func:`temp_path`'s shape (its writer's pid may not parse)."""
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def temp_writer(name: str) -> int | None:
+    """The pid of the process that writes the temp file ``name`` (:func:`temp_path`); None
+    when ``name`` is not a temp file's or names no pid."""
+    if not is_temp(name):
+        return None
+    pid = name.removesuffix(TMP_SUFFIX).rsplit(".", 1)[-1]
+    return int(pid) if pid.isascii() and pid.isdigit() else None
+
+
 def is_key(key: str) -> bool:
     return bool(_KEY.match(key))
 
@@ -83,7 +107,7 @@ class FileBackend:
 
     def put(self, key: str, entry: store.Encoded) -> int:
         path = self.path(key)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}{store.TMP_SUFFIX}")
+        tmp = temp_path(path, os.getpid())
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(tmp, flags, store.FILE_MODE)

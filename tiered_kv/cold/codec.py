@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tiered_kv import background, checkpoints, layers
+from tiered_kv import background, checkpoints, declared, layers
 from tiered_kv.cold import gpu, ranged, store
 from tiered_kv.cold.landing import MX_DTYPES as _MX
 from tiered_kv.cold.landing import allocate, host_arrays
@@ -67,6 +67,8 @@ def prepare(
     arrays.update(ck_arrays)
     if tree is not None:
         meta["checkpoints"] = tree
+    # every name is one the reader accepts (store refuses undeclared tensors as corrupt)
+    assert declared.undeclared(arrays, meta) is None, declared.undeclared(arrays, meta)
     serves = checkpoints.exact_lengths(len(tokens), ckpts, layers.can_trim(caches))
     # same-width unsigned views: numpy has no bfloat16; a view shares the buffer (no copy)
     raw = {k: x.view(_UINT[x.itemsize]) if x.dtype == mx.bfloat16 else x for k, x in arrays.items()}

@@ -17,6 +17,13 @@ where there is no CUDA, no driver or no context, and after a driver call failed 
 loads and `both`'s readers then write the (managed) arrays from the CPU. A failed call raises :class:`DeviceError`: the bytes did not reach the GPU, the file is
 not to blame.
 
+Slots: made at the open (those made before a failing one are freed), taken by a reader for one
+piece and given back. Once the upload is off they are never used again, so they are freed (pinned
+memory is page-locked: out of the page cache's reach) as soon as no batch is open — the last one
+freeing them after its wait — each stream synchronised first, so no copy still reads its slot; a
+slot whose stream does not synchronise stays allocated. A batch asks for slots only before its
+wait, and none once the upload is off.
+
 Threads: :func:`shared`, :meth:`Upload.batch` and the :class:`Batch` methods run on any thread
 and touch bytes and device addresses only, never an MLX array; the caller waits for its batch
 (:meth:`Batch.wait`) before MLX uses (or frees) the arrays it was copying into.
@@ -69,11 +76,26 @@ class _Slot:
 
     def __init__(self, up: Upload) -> None:
         self.addr, self.stream, self.event = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        up._call("cuMemAllocHost_v2", ctypes.byref(self.addr), ctypes.c_size_t(SLOT_BYTES))
-        up._call("cuStreamCreate", ctypes.byref(self.stream), _NON_BLOCKING)
-        up._call("cuEventCreate", ctypes.byref(self.event), _NO_TIMING)
+        try:
+            up._call("cuMemAllocHost_v2", ctypes.byref(self.addr), ctypes.c_size_t(SLOT_BYTES))
+            up._call("cuStreamCreate", ctypes.byref(self.stream), _NON_BLOCKING)
+            up._call("cuEventCreate", ctypes.byref(self.event), _NO_TIMING)
+        except DeviceError:
+            self.free(up)  # what was made (nothing was copied yet)
+            raise
         self.base = int(self.addr.value or 0)
         self.buf = memoryview((ctypes.c_uint8 * SLOT_BYTES).from_address(self.base)).cast("B")
+
+    def free(self, up: Upload) -> bool:
+        """Destroy the event and stream and free the buffer, once the stream synchronised (no copy
+        reads the buffer any more); False, all kept, when it does not. The context is current."""
+        if self.stream.value and up._try("cuStreamSynchronize", self.stream):
+            return False
+        for name, handle in (("cuEventDestroy_v2", self.event), ("cuStreamDestroy_v2", self.stream),
+                             ("cuMemFreeHost", self.addr)):  # fmt: skip
+            if handle.value and up._try(name, handle):
+                log.info("GPU upload: %s failed while freeing a slot", name)
+        return True
 
 
 class Upload:
@@ -85,16 +107,49 @@ class Upload:
         self.ok = True
         self.bytes = 0  # bytes copied to the GPU
         self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        self._open = 0  # batches not yet waited for
+        self._released = False
         self._call("cuCtxSetCurrent", self._context)
-        for _ in range(slots):
-            self._free.put(_Slot(self))
+        try:
+            for _ in range(slots):
+                self._free.put(_Slot(self))
+        except DeviceError:
+            self._release()
+            raise
 
     def batch(self) -> Batch:
-        """The copies of one read, waited for together."""
+        """The copies of one read, waited for together (:meth:`Batch.wait` closes it)."""
+        with self._lock:
+            self._open += 1
         return Batch(self)
 
+    def _closed(self) -> None:
+        """A batch was waited for: when the upload is off and it was the last open one, nothing
+        will use the slots again — free them (module doc)."""
+        with self._lock:
+            self._open -= 1
+            last = not self.ok and self._open == 0 and not self._released
+            self._released = self._released or last
+        if last:
+            self._release()
+
+    def _release(self) -> None:
+        """Free every slot at home (all of them: no batch is open) that can be freed."""
+        slots: list[_Slot] = []
+        while not self._free.empty():
+            slots.append(self._free.get())
+        if self._try("cuCtxSetCurrent", self._context):
+            kept = len(slots)
+        else:
+            kept = sum(not s.free(self) for s in slots)
+        log.info("GPU upload: %d pinned slots freed, %d kept", len(slots) - kept, kept)
+
+    def _try(self, name: str, *args: object) -> int:
+        """A driver call's error code (0: done), changing nothing here (freeing, after a failure)."""
+        return int(getattr(self._lib, name)(*args))
+
     def _call(self, name: str, *args: object) -> None:
-        err = getattr(self._lib, name)(*args)
+        err = self._try(name, *args)
         if err:
             with self._lock:
                 if self.ok:
@@ -112,14 +167,21 @@ class Batch:
         self._up = up
         self._used: set[_Slot] = set()
         self._lock = threading.Lock()
+        self._waited = False
 
     @contextlib.contextmanager
     def slot(self) -> Iterator[Staging]:
         """A pinned buffer of ``SLOT_BYTES`` free to fill (its previous copy has finished);
-        :meth:`Staging.copy` from it before the block ends. Blocks while every slot is in use."""
+        :meth:`Staging.copy` from it before the block ends. Blocks while every slot is in use.
+        Only before :meth:`wait`. Raises DeviceError once the upload is off."""
         up = self._up
+        assert not self._waited, "a batch takes slots only before its wait"
+        if not up.ok:  # its slots may be freed: never waited for, never touched
+            raise DeviceError("GPU upload is off")
         s = up._free.get()
         try:
+            if not up.ok:  # turned off while this waited for a slot
+                raise DeviceError("GPU upload is off")
             up._call("cuCtxSetCurrent", up._context)  # per thread: readers are pool threads
             up._call("cuEventSynchronize", s.event)
             with self._lock:
@@ -130,20 +192,26 @@ class Batch:
 
     def wait(self) -> None:
         """Until every copy of this batch has finished (with copies of later users of the same
-        slots: they only wait longer). Raises DeviceError."""
+        slots: they only wait longer), once all its slots were given back; the batch is done
+        then (an upload that is off frees its slots after the last one). Raises DeviceError."""
         up = self._up
         with self._lock:
             used = list(self._used)
-        if used:
-            up._call("cuCtxSetCurrent", up._context)
-        failed: DeviceError | None = None
-        for s in used:  # every stream, whatever one of them says: no copy may land after this
-            try:
-                up._call("cuStreamSynchronize", s.stream)
-            except DeviceError as e:
-                failed = failed or e
-        if failed is not None:
-            raise failed
+            first, self._waited = not self._waited, True
+        try:
+            if used:
+                up._call("cuCtxSetCurrent", up._context)
+            failed: DeviceError | None = None
+            for s in used:  # every stream, whatever one of them says: no copy may land after this
+                try:
+                    up._call("cuStreamSynchronize", s.stream)
+                except DeviceError as e:
+                    failed = failed or e
+            if failed is not None:
+                raise failed
+        finally:
+            if first:
+                up._closed()
 
 
 _SHARED: list[Upload | None] = []
@@ -215,4 +283,7 @@ _SIGNATURES = {
     "cuEventSynchronize": [_P],
     "cuStreamSynchronize": [_P],
     "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, _P, ctypes.c_size_t, _P],
+    "cuMemFreeHost": [_P],
+    "cuStreamDestroy_v2": [_P],
+    "cuEventDestroy_v2": [_P],
 }

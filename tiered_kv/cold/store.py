@@ -5,7 +5,9 @@ Layout (readable by ``mx.load`` / ``safetensors``)::
     u64 LE header length N | N bytes JSON header (space padded to 8) | data section
 
 The header maps every tensor name to ``{dtype, shape, data_offsets}``; tensors are ``tokens``
-(int32 ids, first) then the ``layers.encode`` arrays, contiguous in that order. ``__metadata__``
+(int32 ids, first) then the ``layers.encode`` arrays, contiguous in that order; a name that the
+``layers`` / ``checkpoints`` metadata does not declare makes the header corrupt
+(:mod:`tiered_kv.declared`). ``__metadata__``
 holds ``format_version`` (:data:`FORMAT`), ``fingerprint``, ``n_tokens``, ``layout``, ``layers``
 (the encode tree), ``checkpoints`` (optional), ``created``, ``chunk_bytes``, ``token_major`` and
 ``xxh3``: a JSON object mapping each tensor name to the concatenated 16-hex-digit xxh3_64 digests
@@ -55,11 +57,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from tiered_kv import declared
 from tiered_kv.cold import fsafe
 from tiered_kv.keys import FORMAT_VERSION
 
 SUFFIX = ".safetensors"
-TMP_SUFFIX = ".tmp"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 FORMAT = FORMAT_VERSION
@@ -430,7 +432,8 @@ def _canon(header: Mapping[str, Any]) -> bytes:
 # -- parse / check ------------------------------------------------------------------------------
 def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Header:
     """Check the JSON header ``raw`` of a file of ``size`` bytes (checksum, offsets, size,
-    version, fingerprint). Raises CorruptEntry / ForeignEntry."""
+    version, fingerprint, every tensor declared by the layers / checkpoints metadata:
+    :mod:`tiered_kv.declared`). Raises CorruptEntry / ForeignEntry."""
     try:
         header = json.loads(raw)
         meta = dict(header.pop("__metadata__"))
@@ -447,6 +450,12 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
         raise ForeignEntry(f"fingerprint {meta.get('fingerprint')!r} is not {fingerprint!r}")
     data_len = _check_tensors(header)
+    try:  # before anything is allocated for them: the tensor count is the metadata's
+        stray = declared.undeclared(header, meta)
+    except ValueError as e:
+        raise CorruptEntry(f"bad layer metadata: {e}") from None
+    if stray is not None:
+        raise CorruptEntry(f"tensor {stray!r} is not declared by the layer metadata")
     n = len(raw)
     if size != 8 + n + data_len:
         raise CorruptEntry(f"file size {size} != {8 + n + data_len} (truncated or padded)")

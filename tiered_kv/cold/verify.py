@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered_kv import keys
-from tiered_kv.cold import fsafe, scan, store
+from tiered_kv.cold import backend, fsafe, scan, store
 from tiered_kv.cold.index import Index, Record
 from tiered_kv.prefix import entry_prompt_len
 
@@ -45,7 +45,7 @@ def entry_files(fp_dir: Path) -> list[Path]:
 
 
 def temp_files(fp_dir: Path) -> list[Path]:
-    return fsafe.regular_files(fp_dir, prefix=".", suffix=store.TMP_SUFFIX)
+    return [p for p in fsafe.regular_files(fp_dir) if backend.is_temp(p.name)]
 
 
 #: a temp file of a live process older than this is abandoned (no write takes that long)
@@ -65,7 +65,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def stale_temp(path: Path, now: float | None = None, mine_stale: bool = False) -> bool:
-    """A temp file (``.<name>.<pid>.tmp``) whose writer is dead, or older than the grace period.
+    """A temp file (:func:`backend.temp_path`) whose writer is dead, or older than the grace period.
     A live writer's fresh temp file — another process sharing the directory — is never stale.
     ``mine_stale``: the caller knows none of this process's writes is in flight (at open, or the
     writer thread between writes), so one named with this process's id is a dead one's — a
@@ -76,12 +76,12 @@ def stale_temp(path: Path, now: float | None = None, mine_stale: bool = False) -
         return False
     if age > TEMP_GRACE_SECONDS:
         return True
-    pid = path.name.removesuffix(store.TMP_SUFFIX).rsplit(".", 1)[-1]
-    if not pid.isdigit():
+    pid = backend.temp_writer(path.name)
+    if pid is None:
         return False  # not our naming: leave it to the grace period
-    if int(pid) == os.getpid():
+    if pid == os.getpid():
         return mine_stale
-    return not pid_alive(int(pid))
+    return not pid_alive(pid)
 
 
 def sweep_temp(fp_dir: Path) -> None:

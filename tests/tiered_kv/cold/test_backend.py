@@ -123,3 +123,34 @@ def test_keys_are_never_paths(tmp_path):
     for bad in ("../x", "a/b", "", ".hidden", "x" * 65):
         with pytest.raises(ValueError):
             b.path(bad)
+
+
+def test_the_temp_name_a_put_writes_is_the_one_its_parser_reads(tmp_path):
+    """``.<name>.<pid>.tmp`` was built in backend.py and parsed again in verify.py: one owner
+    now builds it (:func:`backend.temp_path`) and reads it (:func:`backend.temp_writer`); the
+    temp file a put writes is one verify lists, named with the writer's pid."""
+    import dataclasses
+    import os
+
+    from tiered_kv.cold import backend, verify
+
+    b = FileBackend(tmp_path)
+    seen: list[tuple[str, int | None, list[str]]] = []
+    enc = entry_pieces()[0]
+    real = enc.head
+    assert real is not None
+
+    def head() -> bytes:
+        (temp,) = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+        seen.append((temp.name, backend.temp_writer(temp.name),
+                     [p.name for p in verify.temp_files(tmp_path)]))  # fmt: skip
+        return real()
+
+    b.put("e1", dataclasses.replace(enc, head=head))
+    name = backend.temp_path(b.path("e1"), os.getpid()).name
+    assert seen == [(name, os.getpid(), [name])]
+    for path, pid in ((tmp_path / "a.b.safetensors", 1), (tmp_path / "x", 4194305)):
+        assert backend.temp_writer(backend.temp_path(path, pid).name) == pid
+    for other in ("e1.safetensors", ".e1.safetensors.tmp", ".e1.safetensors.x1.tmp",
+                  ".e1.safetensors.١٢.tmp", "e1.safetensors.12.tmp", ".e1.12.tmp.new"):  # fmt: skip
+        assert backend.temp_writer(other) is None, other

@@ -117,31 +117,101 @@ def test_the_upload_opens_from_a_thread_that_never_ran_mlx():
     assert isinstance(got[0], gpu.Upload)
 
 
-def test_a_failed_stream_sync_still_waits_on_every_other_stream():
+# --- the slots' lifecycle, through the real gpu.Upload over tests/cuda_driver.py (no CUDA) -----
+
+SLOT = 4096
+
+
+def _send(batch: Any, data: np.ndarray, dst: np.ndarray) -> None:
+    """What a reader thread does: ``data`` staged in a slot, copied to ``dst``'s address."""
+    with batch.slot() as s:
+        s.buf[: data.size] = data.data
+        s.copy(0, data.size, dst.ctypes.data)
+
+
+@pytest.mark.parametrize("call", ["cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuEventSynchronize",
+                                  "cuStreamSynchronize"])  # fmt: skip
+def test_a_failed_upload_frees_its_pinned_slots_once_its_reads_are_done(monkeypatch, call):
+    """After a failed driver call the upload is off for good (``shared()`` gives None), yet its
+    slots (128 MiB pinned: page-locked, out of the page cache's reach) stayed allocated for the
+    life of the process. They are freed once no read uses them — each stream synchronised
+    first, so no copy still reads the memory — and the upload hands out none again."""
+    from tests.cuda_driver import upload
+
+    up, lib = upload(monkeypatch, SLOT, 3, fail={call: {3}})
+    data, dst = np.arange(SLOT, dtype=np.uint8), np.zeros(SLOT, np.uint8)
+    batch = up.batch()
+    _send(batch, data, dst)  # calls 1 of each: fine
+    batch.wait()
+    assert lib.pinned_bytes == 3 * SLOT and lib.live == (3, 3, 3)  # a working upload keeps them
+    batch = up.batch()
+    with pytest.raises(gpu.DeviceError):
+        for _ in range(3):
+            _send(batch, data, dst)
+        batch.wait()
+    if call != "cuStreamSynchronize":
+        assert lib.pinned_bytes == 3 * SLOT  # the read is not done yet: the caller waits first
+        batch.wait()
+    assert not up.ok and lib.pending == 0
+    assert lib.pinned_bytes == 0 and lib.live == (0, 0, 0)
+    with pytest.raises(gpu.DeviceError):  # a caller holding the upload from before: refused
+        _send(up.batch(), data, dst)
+
+
+def test_the_slots_stay_while_another_read_still_uses_them(monkeypatch):
+    from tests.cuda_driver import upload
+
+    up, lib = upload(monkeypatch, SLOT, 2, fail={"cuMemcpyHtoDAsync_v2": {2}})
+    data, dst = np.arange(SLOT, dtype=np.uint8), np.zeros(SLOT, np.uint8)
+    other = up.batch()
+    _send(other, data, dst)
+    failed = up.batch()
+    with pytest.raises(gpu.DeviceError):
+        _send(failed, data, dst)
+    failed.wait()
+    assert lib.pinned_bytes == 2 * SLOT  # `other` has not waited for its copies yet
+    other.wait()
+    assert np.array_equal(dst, data) and lib.pinned_bytes == 0 and lib.live == (0, 0, 0)
+
+
+def test_a_slot_whose_stream_does_not_synchronise_stays_pinned(monkeypatch):
+    """A copy on a stream that fails to synchronise may still read its slot: never freed."""
+    from tests.cuda_driver import upload
+
+    up, lib = upload(monkeypatch, SLOT, 2, fail={"cuStreamSynchronize": set(range(1, 100))})
+    batch = up.batch()
+    _send(batch, np.ones(8, np.uint8), np.zeros(8, np.uint8))
+    with pytest.raises(gpu.DeviceError):
+        batch.wait()
+    assert not up.ok and lib.pinned_bytes == 2 * SLOT and lib.calls["cuStreamDestroy_v2"] == 0
+
+
+def test_a_failed_stream_sync_still_waits_on_every_other_stream(monkeypatch):
     """``Batch.wait`` stopped at the first stream that failed to synchronise: copies on the
-    others could still land in arrays the caller then freed and the fallback reused. (The
-    driver here is a stand-in that records calls: runs without CUDA.)"""
+    others could still land in arrays the caller then freed and the fallback reused. (Through
+    tests/cuda_driver.py: runs without CUDA.)"""
+    from tests.cuda_driver import upload
 
-    class Driver:
-        def __init__(self) -> None:
-            self.synced: list[int] = []
-
-        def cuCtxSetCurrent(self, ctx: object) -> int:
-            return 0
-
-        def cuStreamSynchronize(self, stream: int) -> int:
-            self.synced.append(stream)
-            return 700 if stream != 2 else 0  # two of the three fail
-
-    class Slot:
-        def __init__(self, stream: int) -> None:
-            self.stream = stream
-
-    driver = Driver()
-    up: Any = gpu.Upload.__new__(gpu.Upload)
-    up._lib, up._context, up._lock, up.ok = driver, 1, threading.Lock(), True
-    batch: Any = gpu.Batch(up)
-    batch._used = {Slot(i) for i in (1, 2, 3)}
+    up, lib = upload(monkeypatch, SLOT, 3, fail={"cuStreamSynchronize": {1, 3}})  # two of three
+    data, dst = np.arange(SLOT, dtype=np.uint8), np.zeros(SLOT, np.uint8)
+    held = up.batch()  # open: no slot is freed (and synchronised again) after the wait below
+    batch = up.batch()
+    for _ in range(3):  # one slot each, in turn
+        _send(batch, data, dst)
     with pytest.raises(gpu.DeviceError, match="cuStreamSynchronize"):
         batch.wait()
-    assert sorted(driver.synced) == [1, 2, 3] and not up.ok
+    assert lib.calls["cuStreamSynchronize"] == 3 and not up.ok and lib.pending == 0
+    held.wait()
+    assert lib.pinned_bytes == 0
+
+
+@pytest.mark.parametrize("call", ["cuMemAllocHost_v2", "cuStreamCreate", "cuEventCreate"])
+def test_an_upload_that_fails_to_open_frees_what_it_made(monkeypatch, call):
+    """``_open`` gives None when a slot cannot be made; the slots made before it stayed pinned."""
+    from tests.cuda_driver import FakeDriver
+
+    monkeypatch.setattr(gpu, "SLOT_BYTES", SLOT)
+    lib = FakeDriver(fail={call: {3}})  # the third slot fails
+    with pytest.raises(gpu.DeviceError):
+        gpu.Upload(lib, 1, slots=4)
+    assert lib.pinned_bytes == 0 and lib.live == (0, 0, 0)

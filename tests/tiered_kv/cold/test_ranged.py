@@ -8,13 +8,13 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from tests.cuda_driver import upload
 from tests.fixtures import HostUpload, flip_byte
 from tiered_kv.cold import codec, gpu, ranged, store
 from tiered_kv.cold.backend import FileBackend
@@ -413,15 +413,6 @@ def test_read_tensors_refuses_a_file_that_changed_size_and_a_wrong_layout(tmp_pa
 # --- through the real gpu.Upload, over a copy engine that runs later (tests/cuda_driver.py) ----
 
 
-def _upload(monkeypatch, slot_bytes: int, slots: int, **driver: Any) -> tuple[gpu.Upload, Any]:
-    from tests.cuda_driver import FakeDriver
-
-    monkeypatch.setattr(gpu, "SLOT_BYTES", slot_bytes)
-    monkeypatch.setattr(gpu.Batch, "slot_bytes", slot_bytes)
-    lib = FakeDriver(**driver)
-    return gpu.Upload(lib, 1, slots=slots), lib
-
-
 @pytest.mark.parametrize(
     "chunk, slot, slots, workers",
     [(1000, 1000, 1, 1), (1000, 1999, 2, 4), (1000, 3017, 3, 4), (64, 640, 8, 4), (5000, 5000, 2, 1)],
@@ -433,7 +424,7 @@ def test_reads_through_the_upload_land_exactly_and_wait_for_every_copy(
     stream, passed every CPU test: here each copy runs later on its stream and reads its slot
     then. Ranges and whole tensors land byte for byte, and no copy is left when a read returns."""
     path, _ = write(tmp_path, chunk=chunk)
-    up, lib = _upload(monkeypatch, slot, slots)
+    up, lib = upload(monkeypatch, slot, slots)
     for m in (0, 1, 299, N - 1):
         lay = ranged.layout(path, "fp", m, N)
         dev = {k: np.zeros((1, N - m, s[2], s[3] * 4), np.uint8) for k, (_, s) in lay.items()}
@@ -459,7 +450,7 @@ def test_a_failed_driver_call_fails_the_read_after_every_copy_ran(tmp_path, monk
     before the copies already issued ran, whose destinations the caller then lets go. (A stream
     whose synchronisation fails may still copy: the caller keeps those arrays, codec._STRANDED.)"""
     path, _ = write(tmp_path)
-    up, lib = _upload(monkeypatch, 2000, 3, fail={call: {1}})
+    up, lib = upload(monkeypatch, 2000, 3, fail={call: {1}})
     lay = ranged.layout(path, "fp", 100, N)
     dev = {k: np.zeros((1, N - 100, s[2], s[3] * 4), np.uint8) for k, (_, s) in lay.items()}
     with pytest.raises(gpu.DeviceError):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from tests.fixtures import (
     kv_cache,
     make_llama,
     rewrite_meta,
+    with_tensors,
 )
 from tiered_kv import keys
 from tiered_kv.cold import store
@@ -304,9 +306,11 @@ def test_an_entry_grown_past_its_indexed_size_is_refused_before_it_is_read(tmp_p
     tensors = json.loads(raw[8 : 8 + n])
     meta, data = tensors.pop("__metadata__"), raw[8 + n :]
     end, pad = max(t["data_offsets"][1] for t in tensors.values()), 1 << 30
-    tensors["zz.pad"] = {"dtype": "F32", "shape": [pad // 4], "data_offsets": [end, end + pad]}
+    tensors["1.s0"] = {"dtype": "F32", "shape": [pad // 4], "data_offsets": [end, end + pad]}
+    tree = json.loads(meta["layers"]) + [{"cls": "ArraysCache", "meta": {"size": 1}}]
+    meta["layers"] = json.dumps(tree)  # a layer that declares it
     sums = json.loads(meta["xxh3"])  # a valid header: its checksum is public
-    sums["zz.pad"] = "0" * store.n_digest_chars(pad, int(meta["chunk_bytes"]))
+    sums["1.s0"] = "0" * store.n_digest_chars(pad, int(meta["chunk_bytes"]))
     meta["xxh3"] = json.dumps(sums, separators=(",", ":"))
     head = store.header_bytes(tensors, meta)
     with open(path, "wb") as f:
@@ -323,6 +327,28 @@ def test_an_entry_grown_past_its_indexed_size_is_refused_before_it_is_read(tmp_p
     hit = tier.lookup(list(range(8)))
     assert hit is None or tier.load(hit) is None
     assert loads == [] and tier.stats()["quarantined"] == 1
+    tier.close()
+
+
+def test_a_file_listing_many_undeclared_tensors_is_refused_before_anything_is_allocated(tmp_path):
+    """A re-signed header (its checksum is public xxh3) listing ~200k one-byte tensors beside an
+    entry's own kept the engine thread in ``landing.allocate`` for ~14 s (on CUDA each got a
+    4 KiB-aligned slot: ~781 MiB of padding), then the load served the entry. Tensors that the
+    layers metadata does not declare make the header corrupt: the planted file is quarantined
+    where the tier first reads it (adopting an orphan at open), never loaded."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(8), [kv_cache(8)])
+    path = entry_file(tier)
+    tier.close()
+    planted = with_tensors(path.read_bytes(), {f"0.x{i}": b"\x01" for i in range(20_000)})
+    path.unlink()
+    path.with_name("planted" + store.SUFFIX).write_bytes(planted)
+    t0 = time.perf_counter()
+    tier = cold_tier(tmp_path)
+    hit = tier.lookup(list(range(8)))
+    assert hit is None or tier.load(hit) is None
+    assert tier.stats()["quarantined"] == 1 and tier.stats()["entries"] == 0
+    assert time.perf_counter() - t0 < 10
     tier.close()
 
 

@@ -1,0 +1,108 @@
+"""Which tensors an entry's metadata declares: the names a file may hold, from its ``layers`` tree
+and its ``checkpoints`` trees (JSON in, names out: no I/O, no MLX, so ``store`` checks them with
+the rest of the header, for the cache CLI too).
+
+A file's tensors are ``tokens``, then ``<path>.<array>`` for each layer of the ``layers`` tree
+(:func:`tiered_kv.layers.encode`: ``path`` is the layer's index, CacheList members
+``<index>.<member>``) and ``ckpt.<pos>.<path>.<array>`` for each checkpoint
+(:func:`tiered_kv.checkpoints.encode`). :data:`ARRAYS` says which arrays a layer of each cache
+class may store; a file holding any other name is corrupt. So the tensor count is bounded by what
+the metadata declares before anything is allocated for the tensors (a re-signed header listing
+200k one-byte tensors kept the engine thread allocating for 14 s, then was read and ignored).
+What is declared need not be present: an empty cache stores no arrays.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+#: name prefix of checkpoint arrays in an entry file
+CHECKPOINT_PREFIX = "ckpt."
+#: the one tensor that is no layer's
+TOKENS = "tokens"
+
+_KV = ("keys", "values")
+_QUANTIZED = tuple(f"{kv}.{i}" for kv in _KV for i in range(3))  # (weights, scales, biases)
+
+
+def _recurrent(meta: Mapping[str, Any], array: str) -> bool:
+    """``s<i>`` for ``i`` below the layer's ``size`` (no list is built: the size is data)."""
+    digits = array[1:]
+    size = meta.get("size")
+    return (array.startswith("s") and digits.isascii() and digits.isdigit()
+            and (digits == "0" or not digits.startswith("0")) and isinstance(size, int)
+            and int(digits) < size)  # fmt: skip
+
+
+#: cache class → whether a layer of it (with its metadata) may store an array of that name;
+#: every codec of :data:`tiered_kv.layers.CODECS` writes only these (checked where entries are
+#: prepared, ``cold.codec.prepare``)
+ARRAYS: dict[str, Callable[[Mapping[str, Any], str], bool]] = {
+    "KVCache": lambda meta, a: a in _KV,
+    "RotatingKVCache": lambda meta, a: a in _KV,
+    "ChunkedKVCache": lambda meta, a: a in _KV,
+    "ConcatenateKVCache": lambda meta, a: a in _KV,
+    "QuantizedKVCache": lambda meta, a: a in _QUANTIZED,
+    "ArraysCache": _recurrent,
+}
+
+
+def undeclared(names: Iterable[str], metadata: Mapping[str, str]) -> str | None:
+    """The first of ``names`` that ``metadata`` does not declare, None when it declares them all.
+    Raises ValueError when its ``layers`` or ``checkpoints`` tree is malformed."""
+    try:
+        leaves = _declared_leaves(metadata)
+    except RecursionError:  # a tree nested past Python's stack
+        raise ValueError("layer tree nested too deep") from None
+    for name in names:
+        if name != TOKENS and not _declared(name, leaves):
+            return name
+    return None
+
+
+def _declared_leaves(metadata: Mapping[str, str]) -> dict[str, tuple[str, Mapping[str, Any]]]:
+    leaves: dict[str, tuple[str, Mapping[str, Any]]] = {}
+    _leaves(_json(metadata.get("layers"), "layers"), "", leaves)
+    ckpts = _json(metadata.get("checkpoints", "{}"), "checkpoints")
+    if not isinstance(ckpts, dict):
+        raise ValueError("checkpoints is not an object")
+    for pos, tree in ckpts.items():
+        if not (pos.isascii() and pos.isdigit()):
+            raise ValueError(f"checkpoint position {pos!r}")
+        _leaves(_json(tree, "checkpoint"), f"{CHECKPOINT_PREFIX}{int(pos)}.", leaves)
+    return leaves
+
+
+def _declared(name: str, leaves: Mapping[str, tuple[str, Mapping[str, Any]]]) -> bool:
+    """``name`` is ``<leaf path>.<array>`` of a declared leaf whose class stores that array."""
+    at = name.find(".")
+    while at != -1:
+        leaf = leaves.get(name[:at])
+        if leaf is not None and ARRAYS[leaf[0]](leaf[1], name[at + 1 :]):
+            return True
+        at = name.find(".", at + 1)
+    return False
+
+
+def _json(raw: Any, what: str) -> Any:
+    if not isinstance(raw, str):
+        raise ValueError(f"no {what} metadata")
+    return json.loads(raw)
+
+
+def _leaves(items: Any, prefix: str, out: dict[str, tuple[str, Mapping[str, Any]]]) -> None:
+    """The layer leaves of the metadata tree ``items`` (``layers.encode``'s) by path, into ``out``;
+    a placeholder (``cls`` None) and a class without arrays here declare nothing."""
+    if not isinstance(items, list):
+        raise ValueError("a layer tree is not a list")
+    for i, node in enumerate(items):
+        if not isinstance(node, dict):
+            raise ValueError("a layer node is not an object")
+        path, cls = f"{prefix}{i}", node.get("cls")
+        if cls == "CacheList":
+            _leaves(node.get("items"), path + ".", out)
+        elif isinstance(cls, str) and cls in ARRAYS:
+            meta = node.get("meta")
+            out[path] = (cls, meta if isinstance(meta, dict) else {})
