@@ -33,7 +33,9 @@ from jinja2 import TemplateError
 from engine import chat
 from engine.generate import Engine
 from engine.models import templates, tiny
-from engine.output import ChatOutput, OutputFormat, new_call_id
+from engine.output import ChatOutput
+from engine.output_format import OutputFormat
+from engine.tool_calls import new_call_id
 from tiered_kv import Config
 from tiered_kv.prefix import as_tokens, common_prefix
 

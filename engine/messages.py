@@ -9,7 +9,7 @@ turns the chat template's ``enable_thinking`` on or off, ``output_config.effort`
 still taken where a client sends them. A request becomes the OpenAI chat request the rest of the
 server already serves (:func:`to_chat`: the same template, tool-call parsers, sampling and cache),
 and the chat output parser's deltas become content blocks (:class:`MessagesOutput`, through
-``output.Items``). No transport and no MLX.
+``items.Items``). No transport and no MLX.
 
 Usage is Anthropic's split: ``input_tokens`` are the prompt tokens computed,
 ``cache_read_input_tokens`` those served from the cache (either tier), ``cache_creation_input_tokens``
@@ -26,12 +26,13 @@ from pydantic import Field
 from engine import api, output
 from engine.api import ApiError, ChatRequest
 from engine.events import Chunk, Hit, Usage
+from engine.items import Items
 
 #: engine finish reason → Anthropic's ``stop_reason`` (a called tool wins, as OpenAI's "tool_calls", unless
 #: the output was cut: max_tokens)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
 _UNSUPPORTED = ("image", "document", "search_result", "container_upload")
-BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # output.Items channel → block
+BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # items.Items channel → block
 
 
 class CountTokensRequest(api.RequestBody):
@@ -218,7 +219,7 @@ class MessagesOutput:
         self.id, self.model, self.parser = api.new_id("msg"), model, parser
         self.prompt_tokens = prompt_tokens
         self.blocks: list[dict[str, Any]] = []  # the body's content, as streamed
-        self.items = output.Items()  # which block is open, streaming
+        self.items = Items()  # which block is open, streaming
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None

@@ -5,191 +5,30 @@ decoded text pieces the engine produces; each ``feed`` returns the :class:`Delta
 now, ``finish`` the rest and the OpenAI ``finish_reason``. Concatenating the deltas gives exactly what the
 non-streamed response carries, because that one is built by the same object fed the whole text at once.
 
-What the markers are comes from mlx-lm, which picks them from the model's chat template and vocabulary
-(``TokenizerWrapper.tool_parser`` / ``tool_call_start`` / ``tool_call_end``, ``think_start`` /
-``think_end``; ``mlx_lm/tool_parsers/`` holds one parser per family). The splitting is mlx-lm's
-``TextStateMachine`` (text-level, so a marker split over tokens or merged with the next byte still
-matches). Ours on top: the Hermes fallback for templates that ignore ``tools`` (the server injects the
-Hermes instructions, so it parses Hermes), Llama 3.x's calls (no markers: the whole answer is the call's
-JSON, as its template writes calls back; mlx-lm has no parser for them), whitespace next to markers kept
-out of ``content`` and ``reasoning`` (templates strip it when they re-render history), a call that does
-not parse shown as text, and ``parallel_tool_calls: false``.
+The markers come from the tokenizer (:mod:`engine.output_format`); a call block's text becomes calls
+in :mod:`engine.tool_calls`. The splitting is mlx-lm's ``TextStateMachine`` (text-level, so a marker
+split over tokens or merged with the next byte still matches). Ours on top: Llama 3.x's whole-output
+calls held until they can no longer be one, whitespace next to markers kept out of ``content`` and
+``reasoning`` (templates strip it when they re-render history), a call that does not parse shown as
+text, ``parallel_tool_calls: false``, and which characters fed were shown as content
+(:class:`Spans`).
 """
 
 from __future__ import annotations
 
 import bisect
-import json
-import logging
-import re
 import sys
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
-from engine import chat
+from engine.output_format import CALLS, NORMAL, REASONING, THINK_TOOL, TOOL, OutputFormat
+from engine.tool_calls import PYTHON_TAG, CallParser
 
-log = logging.getLogger(__name__)
-NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
-THINK_TOOL = "think_tool"  # a call block opened inside a think block: it closes back into reasoning
-CALLS = (TOOL, THINK_TOOL)
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
 # What joins a channel's text across a break where the model wrote no whitespace: two think
 # blocks back to back are two thoughts; content gets nothing the model did not write.
 BREAK = {REASONING: "\n", NORMAL: ""}
-Parser = Callable[[str, Any], Any]
-
-
-def parse_hermes(text: str, tools: Any = None) -> dict[str, Any]:
-    """The JSON inside one ``<tool_call>`` block (``arguments`` or ``parameters``). Raises ValueError."""
-    obj = json.loads(text.strip())
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise ValueError("not a tool call object")
-    return {"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", {}))}
-
-
-def tool_names(tools: Any) -> set[str]:
-    """The function names of a request's (chat-form) tools."""
-    return {t["function"].get("name") for t in tools or ()
-            if isinstance(t, dict) and isinstance(t.get("function"), dict)}  # fmt: skip
-
-
-def parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
-    """Llama 3.x calls: the whole output is one or more JSON objects ``{"name": …, "parameters":
-    {…}}`` (after an optional ``<|python_tag|>``, separated by ``;`` or whitespace), each naming one
-    of the request's tools (a JSON answer that names none is an answer). Raises ValueError."""
-    body, at, calls = text.strip().removeprefix(PYTHON_TAG), 0, []
-    names = tool_names(tools)
-    decoder = json.JSONDecoder()
-    while True:
-        while at < len(body) and (body[at].isspace() or body[at] == ";"):
-            at += 1
-        if at == len(body):
-            break
-        obj, at = decoder.raw_decode(body, at)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            raise ValueError("not a tool call object")
-        if names and obj["name"] not in names:
-            raise ValueError(f"{obj['name']!r} is none of the request's tools")
-        args = obj.get("parameters", obj.get("arguments", {}))
-        if not isinstance(args, (dict, str)):
-            raise ValueError("the call's parameters are not an object")
-        calls.append({"name": obj["name"], "arguments": args})
-    if not calls:
-        raise ValueError("no call")
-    return calls
-
-
-@dataclass(frozen=True)
-class OutputFormat:
-    """The markers of one tokenizer: think block, tool-call block (end "" = to the end of the output)
-    and the parser of a block's text; ``parser_name`` names the mlx-lm parser module ("hermes",
-    "llama3_json": ours). ``whole``: calls have no markers; an output that starts as a call (``{``
-    or ``<|python_tag|>``) is held to its end and parsed whole (Llama 3.x)."""
-
-    think: tuple[str, str] | None = None
-    tool: tuple[str, str] = (HERMES_START, HERMES_END)
-    parse: Parser = parse_hermes
-    parser_name: str = "hermes"
-    whole: bool = False
-
-    @classmethod
-    def of(cls, tokenizer: Any) -> OutputFormat:
-        """What ``tokenizer`` (an mlx-lm TokenizerWrapper, or any HF tokenizer) and its chat template
-        say: Hermes where the template ignores ``tools`` (the server injects Hermes instructions,
-        :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; Llama 3.x's bare
-        JSON where the template writes calls back so and mlx-lm has no parser; else mlx-lm's."""
-        think = None
-        if getattr(tokenizer, "has_thinking", False):
-            think = (str(tokenizer.think_start), str(tokenizer.think_end))
-        if not chat.template_supports_tools(tokenizer):
-            return cls(think)
-        parser = getattr(tokenizer, "tool_parser", None)
-        if parser is None and chat.template_writes_json_calls(tokenizer):
-            return cls(think, ("", ""), parse_json_calls, "llama3_json", whole=True)
-        if parser is None or not getattr(tokenizer, "tool_call_start", None):
-            return cls(think)
-        tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
-        return cls(think, tool, parser, parser.__module__.rsplit(".", 1)[-1])
-
-    def opens_reasoning(self, prompt_text: str, continued: str = "") -> bool:
-        """Whether the model starts inside a think block: the generation prompt opens one (the
-        prompt ends with the opener: GLM-4.7, MiniMax-M2, DeepSeek-R1), or the assistant message
-        it continues (``continued``: its text) left one open. A marker in the conversation's own
-        text — a user message or a tool result quoting ``<think>`` — opens nothing."""
-        if self.think is None:
-            return False
-        start, end = self.think
-        head = prompt_text
-        if continued:
-            s, e = continued.rfind(start), continued.rfind(end)
-            if s != e:  # the continued text has a marker: its last one decides
-                return s > e
-            cut = prompt_text.rfind(continued.strip())
-            head = prompt_text[:cut] if cut >= 0 else ""
-        return head.rstrip().endswith(start)
-
-    def forced_prefix(self, tool_choice: Any, calls_before: int = 0) -> str:
-        """Text after the generation prompt that makes the model call (``required``) or call one
-        named function; formats we cannot name a function in get the call opener only.
-        ``calls_before``: the calls in the conversation so far (Kimi numbers its call ids by it)."""
-        if tool_choice == "required":
-            if self.whole:
-                return '{"name": "'
-            return self.tool[0] + ("\n" if self.tool[0] == HERMES_START else "")
-        if not isinstance(tool_choice, dict):
-            return ""
-        name = str(tool_choice["function"]["name"])
-        named = _NAMED.get(self.parser_name)
-        return named.format(start=self.tool[0], name=name, index=calls_before) if named else self.tool[0]
-
-    def machine(self, tools: bool) -> TextStateMachine:
-        """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
-        return TextStateMachine(self.edges(tools))
-
-    def edges(self, tools: bool) -> dict[str, list[tuple[str, str]]]:
-        """State → ``[(marker, next state)]``; no two edges of a state lead to one state."""
-        edges: dict[str, list[tuple[str, str]]] = {NORMAL: []}
-        if self.think is not None:
-            edges[NORMAL].append((self.think[0], REASONING))
-            edges[REASONING] = [(self.think[1], NORMAL)]
-        if tools and not self.whole:
-            edges[NORMAL].append((self.tool[0], TOOL))
-            edges[TOOL] = [(self.tool[1], NORMAL)] if self.tool[1] else []
-            if self.think is not None:  # GLM and Qwen3 call from inside a think block
-                edges[REASONING].append((self.tool[0], THINK_TOOL))
-                edges[THINK_TOOL] = [(self.think[1], NORMAL)]  # the block did not close
-                if self.tool[1]:
-                    edges[THINK_TOOL].append((self.tool[1], REASONING))
-        return edges
-
-
-# Forced named calls: the opening of a call to {name}, in each family's own syntax.
-_NAMED = {
-    "hermes": '{start}\n{{"name": "{name}", "arguments": ',
-    "json_tools": '{start}\n{{"name": "{name}", "arguments": ',
-    "qwen3_coder": "{start}\n<function={name}>\n",
-    "glm47": "{start}{name}",
-    "kimi_k2": "{start}<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>",
-    "minimax_m2": '{start}\n<invoke name="{name}">\n',
-    "mistral": "{start}{name}[ARGS]",
-    "gemma4": "{start}call:{name}{{",
-    "pythonic": "{start}[{name}(",
-    "llama3_json": '{{"name": "{name}", "parameters": ',
-}
-
-
-# Formats whose call block holds several calls, each in markers of its own (Kimi's section of
-# ``<|tool_call_begin|>…<|tool_call_end|>``, MiniMax's ``<invoke …>…</invoke>``): the one call text
-# each parser reads alone.
-_EACH_CALL = {
-    "kimi_k2": re.compile(r"<\|tool_call_begin\|>.*?<\|tool_call_end\|>", re.DOTALL),
-    "minimax_m2": re.compile(r"<invoke name=.*?</invoke>", re.DOTALL),
-}
 
 
 @dataclass
@@ -270,43 +109,6 @@ class Spans:
         return i > 0 and self.ends[i - 1] > start
 
 
-class Items:
-    """A request's deltas as the items of APIs that stream typed output items (Anthropic's content
-    blocks, OpenAI's Responses output items): a run of reasoning or of content is one item, open
-    while the same channel goes on; each tool call is an item of its own, whole. :meth:`steps`
-    gives ``("open", channel, None)``, ``("text", channel, text)``, ``("close", channel, None)`` and
-    ``("call", "tool", call)`` in order; :meth:`close` ends the open item at the finish."""
-
-    def __init__(self) -> None:
-        self.open: str | None = None  # "reasoning" / "content"
-        self.seen: set[str] = set()  # the channels an item was opened for
-
-    def steps(self, d: Delta) -> list[tuple[str, str, Any]]:
-        out: list[tuple[str, str, Any]] = []
-        for kind, x in d.parts:
-            if kind == "tool":
-                out += self.close()
-                out.append(("call", "tool", x))
-                continue
-            if self.open != kind:
-                if kind in self.seen:  # a channel resumed: its separator joins text, not items
-                    x = x.lstrip()
-                    if not x:
-                        continue
-                out += self.close()
-                out.append(("open", kind, None))
-                self.open = kind
-                self.seen.add(kind)
-            out.append(("text", kind, x))
-        return out
-
-    def close(self) -> list[tuple[str, str, Any]]:
-        if self.open is None:
-            return []
-        channel, self.open = self.open, None
-        return [("close", channel, None)]
-
-
 class ChatOutput:
     """One request's output parser. ``feed(text) -> Delta``; ``finish(engine_reason) -> (Delta,
     finish_reason)``; ``result`` accumulates everything shown (the non-streamed message)."""
@@ -323,7 +125,7 @@ class ChatOutput:
         """``taken_ids``: call ids the conversation already holds (never given to a new call)."""
         self.fmt, self.tools, self.parallel = fmt, tools, parallel_tool_calls
         self.ids = set(taken_ids or ())
-        self._names = tool_names(tools)
+        self._calls = CallParser(fmt.parse, fmt.parser_name, tools)
         edges = fmt.edges(parse_tools)
         self._sm = TextStateMachine(edges).make_state(REASONING if start_in_reasoning else NORMAL)
         self._marker = {(src, dst): m for src, out in edges.items() for m, dst in out}
@@ -504,9 +306,9 @@ class ChatOutput:
 
     def _add_calls(self, text: str, out: Delta) -> bool:
         """The calls ``text`` holds into ``out``, in order with the text of those of its calls that
-        are none (:meth:`_calls_of`); False (nothing added) when it holds no call. A call id the
-        model gave that is already taken (Kimi numbers its own) gets a fresh one."""
-        parts = self._calls_of(text)
+        are none (:meth:`CallParser.calls_of`); False (nothing added) when it holds no call. A call
+        id the model gave that is already taken (Kimi numbers its own) gets a fresh one."""
+        parts = self._calls.calls_of(text)
         if not any(calls for _, _, calls in parts):
             return False
         for start, end, calls in parts:
@@ -520,83 +322,11 @@ class ChatOutput:
                 if self.n_calls and not self.parallel:
                     continue
                 if call["id"] in self.ids:
-                    call["id"] = self._fresh_id(call["function"]["name"])
+                    call["id"] = self._calls.fresh_id(call["function"]["name"], self.ids)
                 self.ids.add(call["id"])
                 out.call({"index": self.n_calls, **call})
                 self.n_calls += 1
         return True
-
-    def _calls_of(self, text: str) -> list[tuple[int, int, list[dict[str, Any]] | None]]:
-        """A block's calls: ``[(0, len(text), calls)]``, or, where the whole does not parse and its
-        format marks each call (:data:`_EACH_CALL`), each call judged alone: ``(where its text
-        starts and ends, its calls or None)``, so one call naming no offered tool costs only itself."""
-        calls = self._parse(text)
-        each = _EACH_CALL.get(self.fmt.parser_name)
-        if calls is not None or each is None:
-            return [(0, len(text), calls)]
-        return [(m.start(), m.end(), self._parse(m.group(0))) for m in each.finditer(text)]
-
-    def _fresh_id(self, name: str) -> str:
-        """An id no call of the conversation has, in the format's own form where it has one
-        (Kimi's ``functions.NAME:N``, which its template writes back to the model)."""
-        if self.fmt.parser_name != "kimi_k2":
-            return new_call_id(self.fmt.parser_name)
-        n = 0
-        while f"functions.{name}:{n}" in self.ids:
-            n += 1
-        return f"functions.{name}:{n}"
-
-    def _parse(self, text: str) -> list[dict[str, Any]] | None:
-        try:
-            parsed = self.fmt.parse(text, self.tools)
-        except Exception as e:  # third-party parsers raise ValueError, JSON, regex or key errors
-            log.info("model output is not a %s tool call (%s)", self.fmt.parser_name, e)
-            return None
-        items = parsed if isinstance(parsed, list) else [parsed]
-        calls = []
-        for item in items:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                return None
-            if self._names and item["name"] not in self._names:
-                # lenient parsers (GLM's) make a call of any text in a block: "unknown", "I"
-                log.info("model output names %r, none of the request's tools", item["name"])
-                return None
-            call = _openai_call(item, self.fmt.parser_name)
-            if call is None:
-                return None
-            calls.append(call)
-        return calls or None
-
-
-def new_call_id(parser_name: str) -> str:
-    """A fresh call id. Mistral templates refuse history whose ids are not 9 alphanumerics."""
-    if parser_name == "mistral":
-        return uuid.uuid4().hex[:9]
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any] | None:
-    """A parsed call as OpenAI's, its arguments a JSON object's text (``arguments``, or
-    ``parameters`` as some models write it); None where they are no object."""
-    args = parsed.get("arguments", parsed.get("parameters"))
-    if args is None:
-        args = {}
-    if isinstance(args, str):
-        try:
-            if not isinstance(json.loads(args), dict):
-                return None
-        except ValueError:
-            return None
-    elif isinstance(args, dict):
-        args = json.dumps(args, ensure_ascii=False)
-    else:
-        return None
-    cid = parsed.get("id")
-    return {
-        "id": cid if isinstance(cid, str) and cid else new_call_id(parser_name),
-        "type": "function",
-        "function": {"name": parsed["name"], "arguments": args},
-    }
 
 
 def _finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:

@@ -22,6 +22,7 @@ from engine import api, chat, output
 from engine.api import ApiError, ChatRequest, CompletionRequest
 from engine.detok import TokenBytes, piece_text
 from engine.events import Chunk, Hit, SamplingParams, TokenLogprob, Usage
+from engine.output_format import OutputFormat
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ def chat_prompt(
     template variables (a request's own override them)."""
     req.check_tool_choice()
     tools = req.tool_dicts()
-    fmt = output.OutputFormat.of(tokenizer)
+    fmt = OutputFormat.of(tokenizer)
     parse = bool(tools) and req.tool_choice != "none"
     history = [c for m in req.messages for c in m.tool_calls or ()]  # the conversation's calls
     prefix = fmt.forced_prefix(req.tool_choice, len(history)) if parse else ""

@@ -22,9 +22,10 @@ from pydantic import Field, field_validator
 from engine import api, output
 from engine.api import ApiError, ChatRequest
 from engine.events import Chunk, Hit, Usage
+from engine.items import Items
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-ITEM = {"reasoning": "reasoning", "content": "message"}  # output.Items channel → output item type
+ITEM = {"reasoning": "reasoning", "content": "message"}  # items.Items channel → output item type
 
 
 class ResponsesRequest(api.RequestBody):
@@ -210,7 +211,7 @@ class ResponsesOutput:
                      "max_output_tokens": chat.requested_max(),
                      "instructions": chat.instructions}  # fmt: skip
         self.output: list[dict[str, Any]] = []
-        self.items = output.Items()
+        self.items = Items()
         self.status = "in_progress"
         self.usage: Usage | None = None
         self.incomplete: dict[str, Any] | None = None

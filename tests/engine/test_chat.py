@@ -241,8 +241,9 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output.py): of the 13 families, only
-    Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}`` alone."""
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 13 families,
+    only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
+    alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     bare = {f for f, path in family_dirs.items() if chat.template_writes_json_calls(load_tokenizer(path))}

@@ -6,7 +6,8 @@ tokenizer through mlx-lm, so the tool parser and think markers are the ones mlx-
 model. Templates: llama.cpp's ``models/templates/<file>`` (as vendored in the pinned llama-cpp-python
 sdist, ``engine/models/templates.py``), which llama.cpp copied from the model's Hugging Face repository
 named in ``SOURCES``. Model outputs are canned, written in the syntax the same template uses to render an
-assistant tool call in history.
+assistant tool call in history. What the format says before any output (where it starts, the text
+that forces a call) is in test_output_format.py; the checks on a block's calls in test_tool_calls.py.
 """
 
 from __future__ import annotations
@@ -15,17 +16,12 @@ import json
 from typing import Any
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engine.output import ChatOutput, Delta, Items, OutputFormat
+from engine.items import Items
+from engine.output import ChatOutput, Delta
+from engine.output_format import OutputFormat
+from tests.engine.parsing import OSLO, PARIS, fmt_and_prompt, in_pieces, named_calls, run_output
 from tests.serving import TOOLS
-
-USER = [
-    {"role": "system", "content": "You are a coding agent."},
-    {"role": "user", "content": "Weather?"},
-]
-PARIS = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
-OSLO = {"name": "get_weather", "arguments": {"city": "Oslo"}}
 
 # family → the Hugging Face repository whose template llama.cpp keeps (templates.FAMILIES names the file)
 SOURCES = {
@@ -160,46 +156,20 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
 ]
 
 
-def _fmt_and_prompt(family_dirs: dict, family: str) -> tuple[OutputFormat, str]:
-    tok = load_tokenizer(family_dirs[family])
-    prompt = tok.apply_chat_template(USER, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-    return OutputFormat.of(tok), prompt
-
-
-def _run(out: ChatOutput, pieces: list[str], reason: str = "stop") -> tuple[Delta, str | None]:
-    got = Delta()
-    for p in pieces:
-        got.merge(out.feed(p))
-    tail, finish = out.finish(reason)
-    got.merge(tail)
-    return got, finish
-
-
-def _calls(delta: Delta) -> list[dict[str, Any]]:
-    return [
-        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
-        for c in delta.tool_calls
-    ]
-
-
-def _pieces(text: str, n: int) -> list[str]:
-    return [text[i : i + n] for i in range(0, len(text), n)]
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_family_tool_calls_whole_and_streamed(family_dirs, case):
     family, parser, output, reasoning, content, calls = case
-    fmt, prompt = _fmt_and_prompt(family_dirs, family)
+    fmt, prompt = fmt_and_prompt(family_dirs, family)
     assert fmt.parser_name == parser, SOURCES[family]
     start = fmt.opens_reasoning(prompt)
-    whole, finish = _run(ChatOutput(fmt, TOOLS, start_in_reasoning=start), [output])
-    assert (whole.reasoning, whole.content, _calls(whole)) == (reasoning, content, calls)
+    whole, finish = run_output(ChatOutput(fmt, TOOLS, start_in_reasoning=start), [output])
+    assert (whole.reasoning, whole.content, named_calls(whole)) == (reasoning, content, calls)
     assert finish == "tool_calls"
     assert [c["index"] for c in whole.tool_calls] == list(range(len(calls)))
     for n in (1, 2, 7):  # markers split over pieces in every way
         out = ChatOutput(fmt, TOOLS, start_in_reasoning=start)
-        streamed, finish = _run(out, _pieces(output, n))
-        assert (streamed.reasoning, streamed.content, _calls(streamed)) == (
+        streamed, finish = run_output(out, in_pieces(output, n))
+        assert (streamed.reasoning, streamed.content, named_calls(streamed)) == (
             reasoning,
             content,
             calls,
@@ -209,100 +179,36 @@ def test_family_tool_calls_whole_and_streamed(family_dirs, case):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_family_plain_text_untouched(family_dirs, case):
-    fmt, _ = _fmt_and_prompt(family_dirs, case[0])
+    fmt, _ = fmt_and_prompt(family_dirs, case[0])
     text = "Paris is sunny, 21°C.\n\n- no rain\n- light wind "
-    whole, finish = _run(ChatOutput(fmt, TOOLS), _pieces(text, 3))
+    whole, finish = run_output(ChatOutput(fmt, TOOLS), in_pieces(text, 3))
     assert (whole.content, whole.reasoning, whole.tool_calls, finish) == (text, "", [], "stop")
 
 
-def test_reasoning_start_state_from_prompt(family_dirs):
-    """Templates that open the think block in the generation prompt start the output in reasoning."""
-    opened = {f for f in family_dirs if f != "llama-3.3" and _opens(family_dirs, f)}
-    assert {"glm-4.7", "minimax-m2", "deepseek-r1-distill"} <= opened
-    assert "qwen3" not in opened and "kimi-k2" not in opened
-    fmt, prompt = _fmt_and_prompt(family_dirs, "deepseek-r1-distill")
-    out = ChatOutput(fmt, None, parse_tools=False, start_in_reasoning=fmt.opens_reasoning(prompt))
-    got, finish = _run(out, ["Let me think", ".\n</th", "ink>\n\nIt is ", "sunny."])
-    assert (got.reasoning, got.content, finish) == ("Let me think.", "It is sunny.", "stop")
-
-
-def test_a_think_marker_quoted_in_the_conversation_opens_nothing(family_dirs):
-    """A user message quoting the opener (an agent reading code about reasoning models) put the
-    whole answer in reasoning, content empty: only the generation prompt opens a think block."""
-    checked = 0
-    for family in family_dirs:
-        fmt, _ = _fmt_and_prompt(family_dirs, family)
-        if fmt.think is None:
-            continue
-        tok = load_tokenizer(family_dirs[family])
-        quoting = [{"role": "user", "content": f"Why is THINK_START = '{fmt.think[0]}' here?"}]
-        prompt = tok.apply_chat_template(quoting, tools=TOOLS, tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
-        assert fmt.think[0] in prompt, family
-        assert fmt.opens_reasoning(prompt) == _opens(family_dirs, family), family
-        checked += 1
-    assert checked >= 5
-
-
-@pytest.mark.parametrize(
-    "prompt, continued, opened",
-    [
-        ("<|user|>hi<|assistant|><think>Let me", "<think>Let me", True),  # the prefill opened it
-        ("<|user|>hi<|assistant|><think>a</think>It is", "<think>a</think>It is", False),
-        ("<|user|>hi<|assistant|><think>\nLet me", "Let me", True),  # the template opened it
-        ("<|user|>hi<|assistant|><think>\na</think>It is", "a</think>It is", False),
-        ("<|user|>what is <think>?<|assistant|>Sure", "Sure", False),
-    ],
-)  # fmt: skip
-def test_a_continued_assistant_message_decides_by_its_own_markers(prompt, continued, opened):
-    fmt = OutputFormat(think=("<think>", "</think>"))
-    assert fmt.opens_reasoning(prompt, continued) is opened
-
-
-def _opens(family_dirs: dict, family: str) -> bool:
-    fmt, prompt = _fmt_and_prompt(family_dirs, family)
-    return fmt.opens_reasoning(prompt)
-
-
 def test_reasoning_without_tools_and_tool_choice_none(family_dirs):
-    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3")
+    fmt, _ = fmt_and_prompt(family_dirs, "qwen3")
     text = '<think>\nhmm\n</think>\n\n<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>'
-    got, finish = _run(ChatOutput(fmt, TOOLS, parse_tools=False), [text])
+    got, finish = run_output(ChatOutput(fmt, TOOLS, parse_tools=False), [text])
     assert got.reasoning == "hmm" and got.content.startswith("<tool_call>") and finish == "stop"
 
 
 def test_truncated_reasoning_is_reasoning_and_length(family_dirs):
-    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3")
-    got, finish = _run(ChatOutput(fmt, TOOLS), ["<think>\nstill thinking about"], "length")
+    fmt, _ = fmt_and_prompt(family_dirs, "qwen3")
+    got, finish = run_output(ChatOutput(fmt, TOOLS), ["<think>\nstill thinking about"], "length")
     assert (got.reasoning, got.content, finish) == ("still thinking about", "", "length")
 
 
 def test_unparseable_block_is_content(family_dirs):
-    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3-coder")
+    fmt, _ = fmt_and_prompt(family_dirs, "qwen3-coder")
     bad = "<tool_call>\nnot a function\n</tool_call>"
-    got, finish = _run(ChatOutput(fmt, TOOLS), _pieces(bad, 4))
+    got, finish = run_output(ChatOutput(fmt, TOOLS), in_pieces(bad, 4))
     assert got.content == bad and got.tool_calls == [] and finish == "stop"
 
 
 def test_parallel_tool_calls_false_keeps_the_first(family_dirs):
-    fmt, _ = _fmt_and_prompt(family_dirs, "kimi-k2")
-    got, _ = _run(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [CASES[4][2]])
-    assert _calls(got) == [PARIS]
-
-
-def test_mistral_call_ids_fit_its_template(family_dirs):
-    """Mistral Small 3.2's template raises on history whose call ids are not 9 alphanumerics."""
-    fmt, _ = _fmt_and_prompt(family_dirs, "mistral-small-3.2")
-    got, _ = _run(ChatOutput(fmt, TOOLS), ['[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'])
-    cid = got.tool_calls[0]["id"]
-    assert len(cid) == 9 and cid.isalnum()
-    tok = load_tokenizer(family_dirs["mistral-small-3.2"])
-    call = {k: got.tool_calls[0][k] for k in ("id", "type", "function")}
-    history = USER + [
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": cid, "content": "sunny"},
-    ]
-    tok.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    fmt, _ = fmt_and_prompt(family_dirs, "kimi-k2")
+    got, _ = run_output(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [CASES[4][2]])
+    assert named_calls(got) == [PARIS]
 
 
 # --- Llama 3.x: calls without markers (the whole output is the call's JSON) ----------------------
@@ -325,16 +231,16 @@ def test_mistral_call_ids_fit_its_template(family_dirs):
          "tag-lookalike", "json-inside-text"],
 )  # fmt: skip
 def test_llama_whole_output_calls(family_dirs, text, content, calls, finish):
-    fmt, _ = _fmt_and_prompt(family_dirs, "llama-3.3")
+    fmt, _ = fmt_and_prompt(family_dirs, "llama-3.3")
     reason = "length" if finish == "length" else "stop"
     for n in (1, 3, len(text)):
-        got, end = _run(ChatOutput(fmt, TOOLS), _pieces(text, n), reason)
-        assert (got.content, _calls(got), end) == (content, calls, finish)
+        got, end = run_output(ChatOutput(fmt, TOOLS), in_pieces(text, n), reason)
+        assert (got.content, named_calls(got), end) == (content, calls, finish)
 
 
 def test_llama_plain_text_streams_at_once(family_dirs):
     """Only an output that starts as a call is held: text streams from its first character."""
-    fmt, _ = _fmt_and_prompt(family_dirs, "llama-3.3")
+    fmt, _ = fmt_and_prompt(family_dirs, "llama-3.3")
     out = ChatOutput(fmt, TOOLS)
     assert out.feed("\n").content == "" and out.feed("Sun").content == "\nSun"
     held = ChatOutput(fmt, TOOLS)
@@ -342,60 +248,18 @@ def test_llama_plain_text_streams_at_once(family_dirs):
 
 
 def test_llama_forced_calls_and_parallel_false(family_dirs):
-    fmt, _ = _fmt_and_prompt(family_dirs, "llama-3.3")
+    fmt, _ = fmt_and_prompt(family_dirs, "llama-3.3")
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert fmt.forced_prefix("required") == '{"name": "'
     prefix = fmt.forced_prefix(named)
     assert prefix == '{"name": "get_weather", "parameters": '
-    got, finish = _run(ChatOutput(fmt, TOOLS), [prefix, '{"city": "Oslo"}}'])
-    assert (_calls(got), finish) == ([OSLO], "tool_calls")
+    got, finish = run_output(ChatOutput(fmt, TOOLS), [prefix, '{"city": "Oslo"}}'])
+    assert (named_calls(got), finish) == ([OSLO], "tool_calls")
     two = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}};' + prefix + '{"city": "Oslo"}}'
-    got, _ = _run(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [two])
-    assert _calls(got) == [PARIS]
-    got, _ = _run(ChatOutput(fmt, TOOLS, parse_tools=False), [two])  # tool_choice "none": text
+    got, _ = run_output(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [two])
+    assert named_calls(got) == [PARIS]
+    got, _ = run_output(ChatOutput(fmt, TOOLS, parse_tools=False), [two])  # tool_choice "none": text
     assert (got.content, got.tool_calls) == (two, [])
-
-
-def test_hermes_fallback_without_mlx_parser():
-    """A tokenizer without an mlx-lm parser (SmolLM2's template ignores tools): Hermes, as injected."""
-    fmt = OutputFormat.of(object())
-    assert fmt.parser_name == "hermes" and fmt.think is None
-    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "parameters": {"city": "Oslo"}}\n</tool_call>'
-    got, finish = _run(ChatOutput(fmt, TOOLS), _pieces(text, 5))
-    assert (got.content, _calls(got), finish) == ("Let me look.", [OSLO], "tool_calls")
-
-
-def test_forced_prefixes(family_dirs):
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    hermes = OutputFormat()
-    assert hermes.forced_prefix("required") == "<tool_call>\n"
-    assert hermes.forced_prefix(named) == '<tool_call>\n{"name": "get_weather", "arguments": '
-    assert hermes.forced_prefix("auto") == ""
-    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3-coder")
-    prefix = fmt.forced_prefix(named)
-    assert prefix == "<tool_call>\n<function=get_weather>\n"
-    out = ChatOutput(fmt, TOOLS)
-    got, finish = _run(
-        out, [prefix, "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"]
-    )
-    assert _calls(got) == [OSLO] and finish == "tool_calls"
-
-
-def test_a_forced_kimi_call_is_numbered_after_the_calls_before_it(family_dirs):
-    """Kimi's call ids are ``functions.NAME:N``, N counting the conversation's calls: every forced
-    call was ``:0``, so tool results in the history named one id for several calls."""
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    fmt, _ = _fmt_and_prompt(family_dirs, "kimi-k2")
-    assert fmt.parser_name == "kimi_k2"
-    ids = []
-    for before in (0, 2):
-        prefix = fmt.forced_prefix(named, before)
-        assert f"functions.get_weather:{before}" in prefix
-        got, _ = _run(ChatOutput(fmt, TOOLS), [prefix, '{"city": "Oslo"}<|tool_call_end|>'
-                                               "<|tool_calls_section_end|>"])  # fmt: skip
-        assert _calls(got) == [OSLO]
-        ids.append(got.tool_calls[0]["id"])
-    assert ids[0] != ids[1]
 
 
 def test_sse_deltas_shape():
@@ -411,7 +275,7 @@ def test_sse_deltas_shape():
 
 
 def _hermes(pieces: list[str], **kw: Any) -> tuple[Delta, str | None]:
-    return _run(ChatOutput(OutputFormat(), TOOLS, **kw), pieces)
+    return run_output(ChatOutput(OutputFormat(), TOOLS, **kw), pieces)
 
 
 def test_hermes_single_call_with_text():
@@ -432,7 +296,7 @@ AB = [{"type": "function", "function": {"name": n, "parameters": {"type": "objec
 def test_hermes_parallel_calls_string_arguments():
     one = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
     two = '<tool_call>\n{"name": "b", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
-    got, _ = _run(ChatOutput(OutputFormat(), AB), [one + "\n" + two + "\n"])
+    got, _ = run_output(ChatOutput(OutputFormat(), AB), [one + "\n" + two + "\n"])
     assert got.content == "" and [c["function"]["name"] for c in got.tool_calls] == ["a", "b"]
     assert json.loads(got.tool_calls[1]["function"]["arguments"]) == {"x": 1}
 
@@ -464,7 +328,7 @@ def test_hermes_unclosed_complete_json_is_a_call():
     got, finish = _hermes(
         ['<tool_call>\n{"name": "get_weather", "arguments": ', '{"city": "Oslo"}}']
     )
-    assert _calls(got) == [OSLO] and finish == "tool_calls"
+    assert named_calls(got) == [OSLO] and finish == "tool_calls"
 
 
 def test_hermes_disabled_passes_text():
@@ -495,84 +359,11 @@ def test_whitespace_streams_at_once_when_no_marker_can_follow():
 def test_a_call_cut_by_max_tokens_is_text_never_a_call(family_dirs, family, text):
     """Lenient parsers (GLM's, Kimi's) made calls of a block whose end never came: a write_file
     without its content, a call to ``get_wea``; the client ran them."""
-    fmt, _ = _fmt_and_prompt(family_dirs, family)
-    for pieces in ([text], _pieces(text, 5)):
-        got, finish = _run(ChatOutput(fmt, TOOLS), ["Let me look. ", *pieces], "length")
+    fmt, _ = fmt_and_prompt(family_dirs, family)
+    for pieces in ([text], in_pieces(text, 5)):
+        got, finish = run_output(ChatOutput(fmt, TOOLS), ["Let me look. ", *pieces], "length")
         assert (got.tool_calls, finish) == ([], "length")
         assert got.content == "Let me look. " + text, family
-
-
-@pytest.mark.parametrize(
-    "text",
-    ["Use the <tool_call></tool_call> tags like this.",
-     "<tool_call>I will now look it up</tool_call>",
-     "<tool_call>rm_rf\n<arg_key>path</arg_key><arg_value>/</arg_value></tool_call>"],
-)  # fmt: skip
-def test_a_block_naming_none_of_the_requests_tools_is_text(family_dirs, text):
-    """GLM's parser makes a call of any text in a block (``unknown``, ``I``, a tool never offered)."""
-    fmt, _ = _fmt_and_prompt(family_dirs, "glm-4.6")
-    got, finish = _run(ChatOutput(fmt, TOOLS), [text])
-    assert (got.tool_calls, finish) == ([], "stop")
-    assert "tool_call>" in got.content
-    real = "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
-    assert _calls(_run(ChatOutput(fmt, TOOLS), [real])[0]) == [{"name": "get_weather",
-                                                                "arguments": {"city": "Paris"}}]
-
-
-KIMI_CALL = "<|tool_call_begin|>functions.%s:%d<|tool_call_argument_begin|>%s<|tool_call_end|>"
-MINIMAX_CALL = '\n<invoke name="%s">\n<parameter name="city">%s</parameter>\n</invoke>'
-
-
-@pytest.mark.parametrize(
-    "family, open_, bad, close",
-    [("kimi-k2", "<|tool_calls_section_begin|>", KIMI_CALL % ("rm_rf", 1, '{"path": "/"}'),
-      "<|tool_calls_section_end|>"),
-     ("kimi-k2", "<|tool_calls_section_begin|>", KIMI_CALL % ("get_weather", 1, '"Oslo"'),
-      "<|tool_calls_section_end|>"),
-     ("kimi-k2", "<|tool_calls_section_begin|>", "<|tool_call_begin|>get_weather<|tool_call_end|>",
-      "<|tool_calls_section_end|>"),
-     ("minimax-m2", "<minimax:tool_call>", MINIMAX_CALL % ("rm_rf", "/"), "\n</minimax:tool_call>")],
-    ids=["kimi-unknown-tool", "kimi-arguments-no-object", "kimi-no-parse", "minimax-unknown-tool"],
-)  # fmt: skip
-def test_a_block_of_several_calls_keeps_its_valid_ones(family_dirs, family, open_, bad, close):
-    """Kimi's section (and MiniMax's block) holds several calls, each in markers of its own: one
-    call naming no offered tool (or with no JSON object for arguments, or no parse) made the
-    whole section text, so the valid calls beside it were lost. Each call is judged alone: the
-    valid ones are calls, the bad one is the text it is (as a block naming no tool is)."""
-    fmt, _ = _fmt_and_prompt(family_dirs, family)
-    good = (KIMI_CALL % ("get_weather", 0, '{"city": "Paris"}') if family == "kimi-k2"
-            else MINIMAX_CALL % ("get_weather", "Paris"))  # fmt: skip
-    oslo = good.replace(":0", ":2").replace("Paris", "Oslo")
-    text = "Checking." + open_ + good + bad + oslo + close
-    for n in (len(text), 1, 6):
-        got, finish = _run(ChatOutput(fmt, TOOLS), _pieces(text, n))
-        assert _calls(got) == [{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Oslo")]
-        assert (got.content, finish) == ("Checking." + bad.strip(), "tool_calls"), n
-        assert [k for k, _ in got.parts] == ["content", "tool", "content", "tool"]  # in the order written
-        assert [c["index"] for c in got.tool_calls] == [0, 1]
-    got, _ = _run(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [text])
-    assert _calls(got) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
-
-
-@pytest.mark.parametrize(
-    "call, args",
-    [
-        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', {"city": "Paris"}),
-        ('{"name": "get_weather", "arguments": "Paris"}', None),
-        ('{"name": "get_weather", "arguments": ["Paris"]}', None),
-        ('{"name": "get_weather", "arguments": "[1]"}', None),
-    ],
-)  # fmt: skip
-def test_call_arguments_are_a_json_object_or_the_block_is_text(family_dirs, call, args):
-    """mlx-lm's json_tools (Qwen3) passes ``parameters`` through, so the call lost its arguments
-    (``{}``), and a non-object reached the client as arguments that are no JSON object."""
-    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3")
-    assert fmt.parser_name == "json_tools"
-    got, finish = _run(ChatOutput(fmt, TOOLS), [f"<tool_call>\n{call}\n</tool_call>"])
-    if args is None:
-        assert got.tool_calls == [] and call in got.content and finish == "stop"
-    else:
-        assert _calls(got) == [{"name": "get_weather", "arguments": args}] and finish == "tool_calls"
 
 
 @pytest.mark.parametrize(
@@ -587,23 +378,23 @@ def test_call_arguments_are_a_json_object_or_the_block_is_text(family_dirs, call
 def test_a_call_block_opened_inside_reasoning_closes_back_into_it(family_dirs, text, reasoning, content, calls):
     """A think block mentioning the call opener sent the rest of the reasoning and ``</think>``
     into content; a call made while thinking (GLM, Qwen3) left ``</think>`` in content."""
-    fmt, _ = _fmt_and_prompt(family_dirs, "qwen3")
+    fmt, _ = fmt_and_prompt(family_dirs, "qwen3")
     for n in (len(text), 1, 4):
-        got, _ = _run(ChatOutput(fmt, TOOLS), _pieces(text, n))
-        assert (got.reasoning, got.content, _calls(got)) == (reasoning, content, calls), n
+        got, _ = run_output(ChatOutput(fmt, TOOLS), in_pieces(text, n))
+        assert (got.reasoning, got.content, named_calls(got)) == (reasoning, content, calls), n
 
 
 @pytest.mark.parametrize("family", ["minimax-m2", "kimi-k2-thinking", "glm-4.7"])
 def test_interleaved_thinking_keeps_each_channel_readable(family_dirs, family):
     """MiniMax-M2, Kimi-K2-Thinking and GLM-4.7 think again mid-answer: the whitespace around the
     second think block was dropped on both sides ("…files.Now the answer.", "Plan A.Check B.")."""
-    fmt, prompt = _fmt_and_prompt(family_dirs, family)
+    fmt, prompt = fmt_and_prompt(family_dirs, family)
     text = "Plan A.\n</think>\n\nI read the files.\n\n<think>\nCheck B.\n</think>\n\nNow the answer."
     if not fmt.opens_reasoning(prompt):  # Kimi's generation prompt leaves the opener to the model
         text = "<think>" + text
     for n in (len(text), 1, 3):
-        got, _ = _run(ChatOutput(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt)),
-                      _pieces(text, n))  # fmt: skip
+        got, _ = run_output(ChatOutput(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt)),
+                      in_pieces(text, n))  # fmt: skip
         assert (got.reasoning, got.content) == ("Plan A.\nCheck B.", "I read the files.\n\nNow the answer.")
 
 
@@ -623,13 +414,13 @@ def test_think_blocks_back_to_back_keep_a_separator(family_dirs, family, text, r
     resumes keeps the whitespace the model wrote at the break (after it, else before it); two
     think blocks with none are two thoughts: a newline. Content gets no whitespace the model did
     not write. Typed items (Anthropic, Responses) carry the same reasoning."""
-    fmt, prompt = _fmt_and_prompt(family_dirs, family)
+    fmt, prompt = fmt_and_prompt(family_dirs, family)
     start = fmt.opens_reasoning(prompt)
     if start:  # GLM-4.7's generation prompt opens the first block
         text = text.removeprefix("<think>") if text.startswith("<think>") else "</think>" + text
     for n in (len(text), 1, 3):
         out, items, steps = ChatOutput(fmt, TOOLS, start_in_reasoning=start), Items(), []
-        for piece in _pieces(text, n):
+        for piece in in_pieces(text, n):
             steps += items.steps(out.feed(piece))
         tail, finish = out.finish("stop")
         steps += items.steps(tail) + items.close()
@@ -641,25 +432,11 @@ def test_think_blocks_back_to_back_keep_a_separator(family_dirs, family, text, r
 def test_glm_unclosed_call_block_ended_by_the_think_block_is_reasoning(family_dirs):
     """GLM's lenient parser made a call of a mention of the opener the think block ended inside
     (``read_file {'raw': 'with the path, then wait.'}``): a tool the model never called."""
-    fmt, prompt = _fmt_and_prompt(family_dirs, "glm-4.7")
+    fmt, prompt = fmt_and_prompt(family_dirs, "glm-4.7")
     tools = TOOLS + [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
     text = "I should emit <tool_call>read_file with the path, then wait.</think>I'll read it."
     for n in (len(text), 1, 5):
-        got, finish = _run(ChatOutput(fmt, tools, start_in_reasoning=fmt.opens_reasoning(prompt)),
-                           _pieces(text, n))  # fmt: skip
+        got, finish = run_output(ChatOutput(fmt, tools, start_in_reasoning=fmt.opens_reasoning(prompt)),
+                           in_pieces(text, n))  # fmt: skip
         assert (got.tool_calls, finish, got.content) == ([], "stop", "I'll read it.")
         assert got.reasoning == "I should emit <tool_call>read_file with the path, then wait."
-
-
-def test_call_ids_the_model_repeats_are_made_unique(family_dirs):
-    """Kimi numbers its own call ids: two calls numbered alike (or like one in the history) shared
-    an id; the openai SDK's Responses stream state raised, and tool results were ambiguous."""
-    fmt, _ = _fmt_and_prompt(family_dirs, "kimi-k2")
-    call = ('<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "%s"}'
-            "<|tool_call_end|>")  # fmt: skip
-    text = "<|tool_calls_section_begin|>" + call % "Paris" + call % "Oslo" + "<|tool_calls_section_end|>"
-    got, _ = _run(ChatOutput(fmt, TOOLS), [text])
-    ids = [c["id"] for c in got.tool_calls]
-    assert ids == ["functions.get_weather:0", "functions.get_weather:1"]  # Kimi's own form
-    got, _ = _run(ChatOutput(fmt, TOOLS, taken_ids={"functions.get_weather:0"}), [text])
-    assert [c["id"] for c in got.tool_calls] == ["functions.get_weather:1", "functions.get_weather:2"]

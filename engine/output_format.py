@@ -1,0 +1,123 @@
+"""A tokenizer's output format: its think and tool-call markers, and the state machine over them.
+
+Pure values, no MLX: :meth:`OutputFormat.of` reads the tokenizer once per request on the HTTP
+side; :class:`engine.output.ChatOutput` runs mlx-lm's ``TextStateMachine`` over
+:meth:`OutputFormat.edges`. What the markers are comes from mlx-lm, which picks them from the
+model's chat template and vocabulary (``TokenizerWrapper.tool_parser`` / ``tool_call_start`` /
+``tool_call_end``, ``think_start`` / ``think_end``). Ours on top: Hermes where the template ignores
+``tools`` (the server injects the Hermes instructions), Llama 3.x's calls without markers, whether
+the prompt opened a think block, and the text after the prompt that forces a call (``tool_choice``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.generate import TextStateMachine
+
+from engine import chat
+from engine.tool_calls import HERMES_END, HERMES_START, Parser, parse_hermes, parse_json_calls
+
+NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
+THINK_TOOL = "think_tool"  # a call block opened inside a think block: it closes back into reasoning
+CALLS = (TOOL, THINK_TOOL)
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """The markers of one tokenizer: think block, tool-call block (end "" = to the end of the output)
+    and the parser of a block's text; ``parser_name`` names the mlx-lm parser module ("hermes",
+    "llama3_json": ours). ``whole``: calls have no markers; an output that starts as a call (``{``
+    or ``<|python_tag|>``) is held to its end and parsed whole (Llama 3.x)."""
+
+    think: tuple[str, str] | None = None
+    tool: tuple[str, str] = (HERMES_START, HERMES_END)
+    parse: Parser = parse_hermes
+    parser_name: str = "hermes"
+    whole: bool = False
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> OutputFormat:
+        """What ``tokenizer`` (an mlx-lm TokenizerWrapper, or any HF tokenizer) and its chat template
+        say: Hermes where the template ignores ``tools`` (the server injects Hermes instructions,
+        :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; Llama 3.x's bare
+        JSON where the template writes calls back so and mlx-lm has no parser; else mlx-lm's."""
+        think = None
+        if getattr(tokenizer, "has_thinking", False):
+            think = (str(tokenizer.think_start), str(tokenizer.think_end))
+        if not chat.template_supports_tools(tokenizer):
+            return cls(think)
+        parser = getattr(tokenizer, "tool_parser", None)
+        if parser is None and chat.template_writes_json_calls(tokenizer):
+            return cls(think, ("", ""), parse_json_calls, "llama3_json", whole=True)
+        if parser is None or not getattr(tokenizer, "tool_call_start", None):
+            return cls(think)
+        tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
+        return cls(think, tool, parser, parser.__module__.rsplit(".", 1)[-1])
+
+    def opens_reasoning(self, prompt_text: str, continued: str = "") -> bool:
+        """Whether the model starts inside a think block: the generation prompt opens one (the
+        prompt ends with the opener: GLM-4.7, MiniMax-M2, DeepSeek-R1), or the assistant message
+        it continues (``continued``: its text) left one open. A marker in the conversation's own
+        text — a user message or a tool result quoting ``<think>`` — opens nothing."""
+        if self.think is None:
+            return False
+        start, end = self.think
+        head = prompt_text
+        if continued:
+            s, e = continued.rfind(start), continued.rfind(end)
+            if s != e:  # the continued text has a marker: its last one decides
+                return s > e
+            cut = prompt_text.rfind(continued.strip())
+            head = prompt_text[:cut] if cut >= 0 else ""
+        return head.rstrip().endswith(start)
+
+    def forced_prefix(self, tool_choice: Any, calls_before: int = 0) -> str:
+        """Text after the generation prompt that makes the model call (``required``) or call one
+        named function; formats we cannot name a function in get the call opener only.
+        ``calls_before``: the calls in the conversation so far (Kimi numbers its call ids by it)."""
+        if tool_choice == "required":
+            if self.whole:
+                return '{"name": "'
+            return self.tool[0] + ("\n" if self.tool[0] == HERMES_START else "")
+        if not isinstance(tool_choice, dict):
+            return ""
+        name = str(tool_choice["function"]["name"])
+        named = _NAMED.get(self.parser_name)
+        return named.format(start=self.tool[0], name=name, index=calls_before) if named else self.tool[0]
+
+    def machine(self, tools: bool) -> TextStateMachine:
+        """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
+        return TextStateMachine(self.edges(tools))
+
+    def edges(self, tools: bool) -> dict[str, list[tuple[str, str]]]:
+        """State → ``[(marker, next state)]``; no two edges of a state lead to one state."""
+        edges: dict[str, list[tuple[str, str]]] = {NORMAL: []}
+        if self.think is not None:
+            edges[NORMAL].append((self.think[0], REASONING))
+            edges[REASONING] = [(self.think[1], NORMAL)]
+        if tools and not self.whole:
+            edges[NORMAL].append((self.tool[0], TOOL))
+            edges[TOOL] = [(self.tool[1], NORMAL)] if self.tool[1] else []
+            if self.think is not None:  # GLM and Qwen3 call from inside a think block
+                edges[REASONING].append((self.tool[0], THINK_TOOL))
+                edges[THINK_TOOL] = [(self.think[1], NORMAL)]  # the block did not close
+                if self.tool[1]:
+                    edges[THINK_TOOL].append((self.tool[1], REASONING))
+        return edges
+
+
+# Forced named calls: the opening of a call to {name}, in each family's own syntax.
+_NAMED = {
+    "hermes": '{start}\n{{"name": "{name}", "arguments": ',
+    "json_tools": '{start}\n{{"name": "{name}", "arguments": ',
+    "qwen3_coder": "{start}\n<function={name}>\n",
+    "glm47": "{start}{name}",
+    "kimi_k2": "{start}<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>",
+    "minimax_m2": '{start}\n<invoke name="{name}">\n',
+    "mistral": "{start}{name}[ARGS]",
+    "gemma4": "{start}call:{name}{{",
+    "pythonic": "{start}[{name}(",
+    "llama3_json": '{{"name": "{name}", "parameters": ',
+}

@@ -1,0 +1,155 @@
+"""A call block's text → OpenAI tool calls: our parsers, checks on every parser's calls, call ids.
+
+Pure functions and one small per-request reader, no state machine (``engine/output.py`` finds the
+blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are the two it has
+none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
+:mod:`engine.chat`), and Llama 3.x's bare JSON calls. Whoever parsed a block, :class:`CallParser`
+keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
+call of a multi-call block alone, and gives every call an id the conversation does not hold yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
+Parser = Callable[[str, Any], Any]
+
+
+def parse_hermes(text: str, tools: Any = None) -> dict[str, Any]:
+    """The JSON inside one ``<tool_call>`` block (``arguments`` or ``parameters``). Raises ValueError."""
+    obj = json.loads(text.strip())
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a tool call object")
+    return {"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", {}))}
+
+
+def tool_names(tools: Any) -> set[str]:
+    """The function names of a request's (chat-form) tools."""
+    return {t["function"].get("name") for t in tools or ()
+            if isinstance(t, dict) and isinstance(t.get("function"), dict)}  # fmt: skip
+
+
+def parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
+    """Llama 3.x calls: the whole output is one or more JSON objects ``{"name": …, "parameters":
+    {…}}`` (after an optional ``<|python_tag|>``, separated by ``;`` or whitespace), each naming one
+    of the request's tools (a JSON answer that names none is an answer). Raises ValueError."""
+    body, at, calls = text.strip().removeprefix(PYTHON_TAG), 0, []
+    names = tool_names(tools)
+    decoder = json.JSONDecoder()
+    while True:
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
+        if at == len(body):
+            break
+        obj, at = decoder.raw_decode(body, at)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise ValueError("not a tool call object")
+        if names and obj["name"] not in names:
+            raise ValueError(f"{obj['name']!r} is none of the request's tools")
+        args = obj.get("parameters", obj.get("arguments", {}))
+        if not isinstance(args, (dict, str)):
+            raise ValueError("the call's parameters are not an object")
+        calls.append({"name": obj["name"], "arguments": args})
+    if not calls:
+        raise ValueError("no call")
+    return calls
+
+
+# Formats whose call block holds several calls, each in markers of its own (Kimi's section of
+# ``<|tool_call_begin|>…<|tool_call_end|>``, MiniMax's ``<invoke …>…</invoke>``): the one call text
+# each parser reads alone.
+_EACH_CALL = {
+    "kimi_k2": re.compile(r"<\|tool_call_begin\|>.*?<\|tool_call_end\|>", re.DOTALL),
+    "minimax_m2": re.compile(r"<invoke name=.*?</invoke>", re.DOTALL),
+}
+
+
+class CallParser:
+    """One request's reading of call blocks with ``parse`` (the format's parser, named
+    ``parser_name``): a block's text → OpenAI calls naming the request's ``tools``, or None (the
+    block is the text it is). Holds no state between blocks; the caller keeps the ids taken."""
+
+    def __init__(self, parse: Parser, parser_name: str, tools: Any = None) -> None:
+        self.parse, self.parser_name, self.tools = parse, parser_name, tools
+        self.names = tool_names(tools)
+
+    def calls_of(self, text: str) -> list[tuple[int, int, list[dict[str, Any]] | None]]:
+        """A block's calls: ``[(0, len(text), calls)]``, or, where the whole does not parse and its
+        format marks each call (:data:`_EACH_CALL`), each call judged alone: ``(where its text
+        starts and ends, its calls or None)``, so one call naming no offered tool costs only itself."""
+        calls = self.calls(text)
+        each = _EACH_CALL.get(self.parser_name)
+        if calls is not None or each is None:
+            return [(0, len(text), calls)]
+        return [(m.start(), m.end(), self.calls(m.group(0))) for m in each.finditer(text)]
+
+    def fresh_id(self, name: str, taken: set[str]) -> str:
+        """An id none of ``taken`` (the conversation's call ids) is, in the format's own form where
+        it has one (Kimi's ``functions.NAME:N``, which its template writes back to the model)."""
+        if self.parser_name != "kimi_k2":
+            return new_call_id(self.parser_name)
+        n = 0
+        while f"functions.{name}:{n}" in taken:
+            n += 1
+        return f"functions.{name}:{n}"
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The OpenAI calls of ``text`` as a whole; None where it is not all calls of the tools."""
+        try:
+            parsed = self.parse(text, self.tools)
+        except Exception as e:  # third-party parsers raise ValueError, JSON, regex or key errors
+            log.info("model output is not a %s tool call (%s)", self.parser_name, e)
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            if self.names and item["name"] not in self.names:
+                # lenient parsers (GLM's) make a call of any text in a block: "unknown", "I"
+                log.info("model output names %r, none of the request's tools", item["name"])
+                return None
+            call = _openai_call(item, self.parser_name)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+
+def new_call_id(parser_name: str) -> str:
+    """A fresh call id. Mistral templates refuse history whose ids are not 9 alphanumerics."""
+    if parser_name == "mistral":
+        return uuid.uuid4().hex[:9]
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any] | None:
+    """A parsed call as OpenAI's, its arguments a JSON object's text (``arguments``, or
+    ``parameters`` as some models write it); None where they are no object."""
+    args = parsed.get("arguments", parsed.get("parameters"))
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        try:
+            if not isinstance(json.loads(args), dict):
+                return None
+        except ValueError:
+            return None
+    elif isinstance(args, dict):
+        args = json.dumps(args, ensure_ascii=False)
+    else:
+        return None
+    cid = parsed.get("id")
+    return {
+        "id": cid if isinstance(cid, str) and cid else new_call_id(parser_name),
+        "type": "function",
+        "function": {"name": parsed["name"], "arguments": args},
+    }

@@ -1,0 +1,117 @@
+"""engine/tool_calls.py: a call block's calls as the client gets them: ids its template takes back,
+only the request's tools, arguments a JSON object, each call of a multi-call block judged alone, ids
+made unique. Driven through :class:`ChatOutput` on the families' real templates, as in
+test_output.py."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from engine.output import ChatOutput
+from tests.engine.parsing import USER, fmt_and_prompt, in_pieces, named_calls, run_output
+from tests.serving import TOOLS
+
+
+def test_mistral_call_ids_fit_its_template(family_dirs):
+    """Mistral Small 3.2's template raises on history whose call ids are not 9 alphanumerics."""
+    fmt, _ = fmt_and_prompt(family_dirs, "mistral-small-3.2")
+    got, _ = run_output(ChatOutput(fmt, TOOLS), ['[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'])
+    cid = got.tool_calls[0]["id"]
+    assert len(cid) == 9 and cid.isalnum()
+    tok = load_tokenizer(family_dirs["mistral-small-3.2"])
+    call = {k: got.tool_calls[0][k] for k in ("id", "type", "function")}
+    history = USER + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": cid, "content": "sunny"},
+    ]
+    tok.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Use the <tool_call></tool_call> tags like this.",
+     "<tool_call>I will now look it up</tool_call>",
+     "<tool_call>rm_rf\n<arg_key>path</arg_key><arg_value>/</arg_value></tool_call>"],
+)  # fmt: skip
+def test_a_block_naming_none_of_the_requests_tools_is_text(family_dirs, text):
+    """GLM's parser makes a call of any text in a block (``unknown``, ``I``, a tool never offered)."""
+    fmt, _ = fmt_and_prompt(family_dirs, "glm-4.6")
+    got, finish = run_output(ChatOutput(fmt, TOOLS), [text])
+    assert (got.tool_calls, finish) == ([], "stop")
+    assert "tool_call>" in got.content
+    real = "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+    assert named_calls(run_output(ChatOutput(fmt, TOOLS), [real])[0]) == [{"name": "get_weather",
+                                                                "arguments": {"city": "Paris"}}]
+
+
+KIMI_CALL = "<|tool_call_begin|>functions.%s:%d<|tool_call_argument_begin|>%s<|tool_call_end|>"
+
+
+MINIMAX_CALL = '\n<invoke name="%s">\n<parameter name="city">%s</parameter>\n</invoke>'
+
+
+@pytest.mark.parametrize(
+    "family, open_, bad, close",
+    [("kimi-k2", "<|tool_calls_section_begin|>", KIMI_CALL % ("rm_rf", 1, '{"path": "/"}'),
+      "<|tool_calls_section_end|>"),
+     ("kimi-k2", "<|tool_calls_section_begin|>", KIMI_CALL % ("get_weather", 1, '"Oslo"'),
+      "<|tool_calls_section_end|>"),
+     ("kimi-k2", "<|tool_calls_section_begin|>", "<|tool_call_begin|>get_weather<|tool_call_end|>",
+      "<|tool_calls_section_end|>"),
+     ("minimax-m2", "<minimax:tool_call>", MINIMAX_CALL % ("rm_rf", "/"), "\n</minimax:tool_call>")],
+    ids=["kimi-unknown-tool", "kimi-arguments-no-object", "kimi-no-parse", "minimax-unknown-tool"],
+)  # fmt: skip
+def test_a_block_of_several_calls_keeps_its_valid_ones(family_dirs, family, open_, bad, close):
+    """Kimi's section (and MiniMax's block) holds several calls, each in markers of its own: one
+    call naming no offered tool (or with no JSON object for arguments, or no parse) made the
+    whole section text, so the valid calls beside it were lost. Each call is judged alone: the
+    valid ones are calls, the bad one is the text it is (as a block naming no tool is)."""
+    fmt, _ = fmt_and_prompt(family_dirs, family)
+    good = (KIMI_CALL % ("get_weather", 0, '{"city": "Paris"}') if family == "kimi-k2"
+            else MINIMAX_CALL % ("get_weather", "Paris"))  # fmt: skip
+    oslo = good.replace(":0", ":2").replace("Paris", "Oslo")
+    text = "Checking." + open_ + good + bad + oslo + close
+    for n in (len(text), 1, 6):
+        got, finish = run_output(ChatOutput(fmt, TOOLS), in_pieces(text, n))
+        assert named_calls(got) == [{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Oslo")]
+        assert (got.content, finish) == ("Checking." + bad.strip(), "tool_calls"), n
+        assert [k for k, _ in got.parts] == ["content", "tool", "content", "tool"]  # in the order written
+        assert [c["index"] for c in got.tool_calls] == [0, 1]
+    got, _ = run_output(ChatOutput(fmt, TOOLS, parallel_tool_calls=False), [text])
+    assert named_calls(got) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+
+@pytest.mark.parametrize(
+    "call, args",
+    [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', {"city": "Paris"}),
+        ('{"name": "get_weather", "arguments": "Paris"}', None),
+        ('{"name": "get_weather", "arguments": ["Paris"]}', None),
+        ('{"name": "get_weather", "arguments": "[1]"}', None),
+    ],
+)  # fmt: skip
+def test_call_arguments_are_a_json_object_or_the_block_is_text(family_dirs, call, args):
+    """mlx-lm's json_tools (Qwen3) passes ``parameters`` through, so the call lost its arguments
+    (``{}``), and a non-object reached the client as arguments that are no JSON object."""
+    fmt, _ = fmt_and_prompt(family_dirs, "qwen3")
+    assert fmt.parser_name == "json_tools"
+    got, finish = run_output(ChatOutput(fmt, TOOLS), [f"<tool_call>\n{call}\n</tool_call>"])
+    if args is None:
+        assert got.tool_calls == [] and call in got.content and finish == "stop"
+    else:
+        assert named_calls(got) == [{"name": "get_weather", "arguments": args}] and finish == "tool_calls"
+
+
+def test_call_ids_the_model_repeats_are_made_unique(family_dirs):
+    """Kimi numbers its own call ids: two calls numbered alike (or like one in the history) shared
+    an id; the openai SDK's Responses stream state raised, and tool results were ambiguous."""
+    fmt, _ = fmt_and_prompt(family_dirs, "kimi-k2")
+    call = ('<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "%s"}'
+            "<|tool_call_end|>")  # fmt: skip
+    text = "<|tool_calls_section_begin|>" + call % "Paris" + call % "Oslo" + "<|tool_calls_section_end|>"
+    got, _ = run_output(ChatOutput(fmt, TOOLS), [text])
+    ids = [c["id"] for c in got.tool_calls]
+    assert ids == ["functions.get_weather:0", "functions.get_weather:1"]  # Kimi's own form
+    got, _ = run_output(ChatOutput(fmt, TOOLS, taken_ids={"functions.get_weather:0"}), [text])
+    assert [c["id"] for c in got.tool_calls] == ["functions.get_weather:1", "functions.get_weather:2"]
