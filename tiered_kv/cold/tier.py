@@ -261,10 +261,12 @@ class ColdTier:
         if limit_entries <= 0 and limit_bytes <= 0 or self.site.index is None:
             return []
         index = self.site.index
+        # the touches not yet committed, copied before the records are read: one that commits
+        # in between is in the records (copied after, it was in neither)
+        touched = dict(self._touched)
         recs = self._ask(index.records, [], deadline=max(5.0, self.config.cold_deadline))
         out: list[ColdHit] = []
         total = 0
-        touched = dict(self._touched)
         for r in sorted(recs, key=lambda r: -max(r.last_used, touched.get(r.entry_id, 0.0))):
             if limit_entries > 0 and len(out) >= limit_entries:
                 break

@@ -208,6 +208,28 @@ def test_recent_lists_most_recently_used(tmp_path):
     tier.close()
 
 
+def test_recent_sees_a_load_whose_touch_commits_while_it_reads(tmp_path):
+    """recent() read the records, then copied the touches not yet committed: a touch that
+    committed in between was in neither, and the entry just loaded was not listed first (a
+    flake of the test above on a busy machine). The index read is slowed to make it certain."""
+    tier = cold_tier(tmp_path)
+    for i in range(3):
+        tier.persist(np.arange(8) + 100 * i, [kv_cache(8)])
+    index = tier.site.index
+    records = index.records
+
+    def slow_records():
+        out = records()
+        time.sleep(0.3)  # the writer commits the load's touch meanwhile
+        return out
+
+    index.records = slow_records  # type: ignore[method-assign]
+    tier.load(tier.lookup(list(range(8))))
+    got = tier.recent(1, 0)
+    assert got[0].entry_id == tier.lookup(range(8)).entry_id
+    tier.close()
+
+
 def test_files_and_dirs_are_private(tmp_path):
     tier = cold_tier(tmp_path / "kv")
     tier.persist(np.arange(8), [kv_cache(8)])
