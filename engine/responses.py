@@ -190,7 +190,10 @@ def _text(content: Any, param: str) -> str:
 def usage_dict(u: Usage | None, prompt_tokens: int) -> dict[str, Any]:
     prompt, cached = (u.prompt_tokens, u.cached_tokens) if u is not None else (prompt_tokens, 0)
     out = u.completion_tokens if u is not None else 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+    # cache_write_tokens 0: every prompt is cached, none written on request (as Anthropic's
+    # cache_creation_input_tokens, engine/messages.py)
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + out, "cache_tier": u.cache_tier if u is not None else "none"}  # fmt: skip
 

@@ -151,7 +151,8 @@ def test_text_then_a_call_stream_as_a_message_item_and_a_function_call_item():
     assert kinds.index("response.output_text.done") < kinds.index("response.function_call_arguments.done")
     final = events[-1]["response"]
     assert final["status"] == "completed" and final["output"] == done
-    assert final["usage"]["input_tokens"] == 40 and final["usage"]["input_tokens_details"] == {"cached_tokens": 30}
+    assert final["usage"]["input_tokens"] == 40
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 30, "cache_write_tokens": 0}
     assert out.body() == final
 
 
@@ -195,6 +196,18 @@ def test_a_reasoning_item_streams_its_content_part_as_a_message_does():
     state = ResponseStreamState(input_tools=omit, text_format=omit)
     for e in events:  # as the SDK's stream reads them
         state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
+
+
+def test_usage_is_the_sdks_response_usage():
+    """openai 3.63's ResponseUsage requires input_tokens_details.cache_write_tokens: a client
+    that validates the usage it gets (``model_validate``) refused ours without it."""
+    from openai.types.responses import ResponseUsage
+
+    u = Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=30, cache_tier="hot", ttft_seconds=0.1)
+    got = ResponseUsage.model_validate(responses.usage_dict(u, 40))
+    assert got.input_tokens_details.cache_write_tokens == 0  # as Anthropic's cache_creation_input_tokens
+    assert got.input_tokens_details.cached_tokens == 30
+    ResponseUsage.model_validate(responses.usage_dict(None, 40))
 
 
 def test_instructions_are_echoed():
