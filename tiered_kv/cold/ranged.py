@@ -39,7 +39,7 @@ import xxhash
 
 from tiered_kv import background
 from tiered_kv.cold import fsafe, store
-from tiered_kv.cold.gpu import SLOTS, Batch, Upload
+from tiered_kv.cold.gpu import Batch, Upload
 
 _HEX = 16
 
@@ -121,13 +121,7 @@ def _check_bounds(m: int, n: int, total: int) -> None:
         raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
 
 
-#: reader threads of a ranged read: a `both`'s tail is a short span of each of many tensors, and
-#: more of them in flight kept a cold disk busier (8B 8k, the last 1k tokens of 64 tensors, 1 MiB
-#: chunks: 1.46 GB/s served with 4 readers, 1.74 with 8; whole-file loads gained nothing past 4)
-RANGE_READERS = 8
-
-
-def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANGE_READERS,
+def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
                into: dict[str, np.ndarray] | None = None,
                gpu: Upload | None = None, stop: Stop = None) -> RangeRead:  # fmt: skip
     """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor, token-major.
@@ -179,8 +173,6 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
 
         tok = np.empty((1, n, 4), dtype=np.uint8)
         read = span("tokens", header.tensors["tokens"], tok, 0)
-        if batch is not None:  # two pinned slots per reader: one fills while one is copied
-            workers = min(workers, max(1, SLOTS // 2))
         # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
         done = background.each(lambda kv: one(*kv), list(tensors.items()), workers, "tkv-range")
     out = {name: value for name, value, _ in done}
