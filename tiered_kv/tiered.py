@@ -116,6 +116,12 @@ class _Candidate:
     restore: Any = None  # issue 15: the Decision that produced / passed over this candidate
     computed: int = 0  # of its tokens, those computed on the way (a `both`'s head)
 
+    def serves(self, prompt_len: int) -> int:
+        """Tokens of the prompt it can serve: any prefix of a trimmable entry, else its full
+        length or the checkpoint at or before the common prefix (what the lease then holds)."""
+        e = self.entry
+        return policy.servable(self.common, prompt_len, len(e.tokens), e.trimmable, e.checkpoints)
+
 
 class TieredCache:
     """Hot tier + optional cold tier behind ``fetch`` / ``store``."""
@@ -181,8 +187,8 @@ class TieredCache:
         """Prompt tokens the hot tier could serve now: a scheduling estimate (no lease, no copy,
         no disk, not counted as a hit)."""
         prompt = as_tokens(prompt_ids)
-        best = self.hot.best(prompt, count=False) if self.config.hot_enabled else None
-        return policy.servable_tokens(best[1], len(prompt)) if best else 0
+        cand = self._hot_candidate(prompt, count=False)
+        return cand.serves(len(prompt)) if cand else 0
 
     def _find(self, prompt: TokenArray, background: bool) -> Steps[_Candidate | None]:
         """The best candidate of the tiers for ``prompt``. A disk hit that turns out corrupt or
@@ -192,7 +198,7 @@ class TieredCache:
         cand = self._hot_candidate(prompt, count=True)
         tried: set[str] = set()
         while self.cold is not None and len(tried) < _DISK_TRIES:
-            hot_n = policy.servable_tokens(cand.common, len(prompt)) if cand else 0
+            hot_n = cand.serves(len(prompt)) if cand else 0
             if policy.serves_all(hot_n, len(prompt)):
                 break
             hit = self.cold.lookup(prompt)
@@ -303,7 +309,7 @@ class TieredCache:
 
     def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
         entry, total = cand.entry, len(cand.entry.tokens)
-        n = policy.servable(cand.common, len(prompt), total, entry.trimmable, entry.checkpoints)
+        n = cand.serves(len(prompt))
         stored = self.hot.entries.get(entry.id) is entry
         if cand.tier == "hot" and not stored:
             return None  # taken by another request, evicted or replaced: never serve it twice

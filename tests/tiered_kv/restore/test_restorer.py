@@ -4,6 +4,7 @@ where layers cannot be split (sliding window, recurrent), and TieredCache follow
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ from tests.fixtures import (
     HEAD_DIM_64,
     HostUpload,
     QuantizedLlama,
+    checkpointed_turn,
     feed,
     flip_byte,
     gemma,
@@ -227,6 +229,31 @@ def test_both_computes_its_head_onto_what_memory_holds(plain, held):
                                rtol=TOL, atol=TOL)  # fmt: skip
     for c, b in zip(caches, before, strict=True):  # the hot entry's KV is as it was
         np.testing.assert_array_equal(np.array(c.keys[..., :held, :]), b)
+    tc.hot.entries.clear()
+    tc.cold.close()
+
+
+def test_a_plan_starts_from_what_a_hot_entry_that_cannot_be_cut_serves(tmp_path):
+    """A hot entry whose layers cannot be cut back (recurrent) serves only at its checkpoints: the
+    plan's ``start`` is the checkpoint the lease will serve from, not the common prefix (it was,
+    and compute was priced from tokens memory could not serve)."""
+    m = qwen_next()
+    cfg = Config(cache_dir=tmp_path, block_tokens=16)
+    a = tokens(1, 50)  # in memory: checkpoints every 16 and at its end
+    b = a[:45] + tokens(2, 40)  # on disk: 85 tokens, 45 shared with a
+    tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
+    checkpointed_turn(tc, m, b)
+    tc.close()
+    hot_only = TieredCache(replace(cfg, tiers=("hot",)), lambda: make_prompt_cache(m))
+    checkpointed_turn(hot_only, m, a)
+    (entry,) = hot_only.hot.entries.values()
+    assert not entry.trimmable and 32 in entry.checkpoints and 45 not in entry.checkpoints
+    tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
+    tc.hot.insert(entry)
+    tc.restorer = Restorer("compute", CostBook(None), compute_with(m), blocker_of(make_prompt_cache(m)))
+    lease = tc.fetch(b + [5])
+    assert lease.hit.tier == "hot" and lease.hit.restore.kind == "compute"
+    assert lease.hit.restore.start == lease.hit.tokens == 32
     tc.hot.entries.clear()
     tc.cold.close()
 
