@@ -49,6 +49,8 @@ class Usage:
     cache_tier: str
     ttft_seconds: float | None  # None: it ended before its first token (cancelled, failed)
     queue_seconds: float = 0.0
+    #: of ``cached_tokens``, those memory held for a disk restore (``cache_tier`` "cold")
+    held_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Hit:
 
     tokens: int = 0
     tier: str = "none"  # "hot" | "cold" | "none"
+    held: int = 0  # of ``tokens``, those memory held for a disk restore (counted as the hot tier's)
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,7 @@ class Seq:
             cache_tier=self.hit.tier,
             ttft_seconds=self.t_first or None,
             queue_seconds=max(0.0, self.started - self.enqueued),
+            held_tokens=self.hit.held,
         )
 
 

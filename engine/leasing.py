@@ -154,7 +154,7 @@ class Leasing:
             return
         try:
             info = seq.lease.hit
-            seq.hit = Hit(info.cached, info.tier)
+            seq.hit = Hit(info.cached, info.tier, info.held)
             seq.sink.emit(seq.hit)
             seq.fed = list(seq.prompt_ids[: info.tokens])
             seq.prefill_from = info.tokens

@@ -162,8 +162,11 @@ class Metrics:
         )
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
-        if usage.cached_tokens:
-            self.cached_tokens.labels(tier=usage.cache_tier).inc(usage.cached_tokens)
+        held = usage.held_tokens  # memory's, of a disk restore: the hot tier served them
+        if usage.cached_tokens - held:
+            self.cached_tokens.labels(tier=usage.cache_tier).inc(usage.cached_tokens - held)
+        if held:
+            self.cached_tokens.labels(tier="hot").inc(held)
         self.queue_wait.observe(usage.queue_seconds)
         if ttft is not None:
             self.ttft.observe(ttft)

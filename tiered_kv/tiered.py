@@ -82,6 +82,9 @@ class HitInfo:
     restore: Any = None
     #: of ``tokens``, those the restore computed rather than read (a `both`'s head)
     computed: int = 0
+    #: of ``tokens``, those memory held when a disk restore computed onto them (a `both` from a
+    #: shorter hot hit): served by the hot tier, though ``tier`` says the disk's
+    held: int = 0
 
     @property
     def cached(self) -> int:
@@ -115,6 +118,7 @@ class _Candidate:
     load_bytes: int = 0
     restore: Any = None  # issue 15: the Decision that produced / passed over this candidate
     computed: int = 0  # of its tokens, those computed on the way (a `both`'s head)
+    held: int = 0  # of its tokens, those memory held (a `both` computed onto a hot prefix)
 
     def serves(self, prompt_len: int) -> int:
         """Tokens of the prompt it can serve: any prefix of a trimmable entry, else its full
@@ -176,7 +180,8 @@ class TieredCache:
         if cand is not None and cand.entry is not None:
             lease = self._lease_from(cand, prompt)
             if lease is not None:
-                self.counters[f"hit_tokens_{lease.hit.tier}"] += lease.hit.cached
+                self.counters[f"hit_tokens_{lease.hit.tier}"] += lease.hit.cached - lease.hit.held
+                self.counters["hit_tokens_hot"] += lease.hit.held
                 return lease
         hit = HitInfo(restore=decision)
         return Lease(
@@ -256,7 +261,7 @@ class TieredCache:
             if got is not None:
                 entry = new_entry(got.tokens, got.caches, {}, persisted=True)
                 return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d,
-                                  d.m - d.start)  # fmt: skip
+                                  d.m - d.start, d.start)  # fmt: skip
         if d.kind == "both":  # it fell back: the load's time is no outcome of a both
             d = dataclasses.replace(d, kind="load", informed=False)
         cand = yield from self._load(hit, prompt, background)
@@ -340,7 +345,7 @@ class TieredCache:
             elif self.config.hot_enabled:
                 self.hot.insert(entry)  # a reloaded cold entry stays in memory for the next turn
         hit = HitInfo(n, cand.tier, cand.load_seconds, cand.load_bytes, cand.restore,
-                      min(cand.computed, n))
+                      min(cand.computed, n), min(cand.held, n))
         inherited = checkpoints.inherit(entry.checkpoints, n, caches, self.needs_checkpoints)
         return Lease(
             caches, prompt[n:].tolist(), hit, taken, inherited, self.needs_checkpoints, len(prompt)

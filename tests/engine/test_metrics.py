@@ -103,3 +103,17 @@ def test_a_generation_without_a_first_token_observes_no_ttft():
     text = m.render().decode()
     assert _count(text, "tiered_kv_ttft_seconds_count") == 0
     assert _count(text, "tiered_kv_prompt_tokens_total") == 4849
+
+
+def test_tokens_memory_held_for_a_disk_restore_count_as_the_hot_tiers():
+    """A `both` computed onto a hot prefix serves tokens from memory and from the disk: the
+    request's tier is "cold", but its held tokens were counted as the disk's."""
+    from engine.events import Usage
+    from engine.metrics import Metrics
+
+    m = Metrics()
+    m.generation(Usage(prompt_tokens=1000, completion_tokens=1, cached_tokens=900, cache_tier="cold",
+                       ttft_seconds=0.1, held_tokens=300))  # fmt: skip
+    text = m.render().decode()
+    assert _count(text, 'tiered_kv_cached_tokens_total{tier="hot"}') == 300
+    assert _count(text, 'tiered_kv_cached_tokens_total{tier="cold"}') == 600

@@ -222,7 +222,9 @@ def test_both_computes_its_head_onto_what_memory_holds(plain, held):
     d = lease.hit.restore
     assert lease.hit.tier == "cold" and lease.hit.tokens == N, r.counters
     assert d.kind == "both" and d.start > 0 and d.start < d.m < N, d
-    assert lease.hit.cached == d.start + N - d.m
+    assert lease.hit.cached == d.start + N - d.m and lease.hit.held == d.start
+    # each tier is counted for what it served: memory the held tokens, the disk the read ones
+    assert tc.counters["hit_tokens_hot"] == d.start and tc.counters["hit_tokens_cold"] == N - d.m
     fed = ids[: lease.hit.tokens]
     out = np.array(prefill(plain.model, lease, fed, 64))
     np.testing.assert_allclose(out, feed(plain.model, make_prompt_cache(plain.model), ids),
