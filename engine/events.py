@@ -85,9 +85,11 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Failed:
-    """The generation raised; ``error`` is turned into an error body at the HTTP edge."""
+    """The generation raised (or the server is stopping it); ``error`` is turned into an error
+    body at the HTTP edge. ``usage``: what it had computed when it ended (None: it never ran)."""
 
     error: Exception
+    usage: Usage | None = None
 
 
 class _End:

@@ -149,12 +149,12 @@ class Ends:
         """At shutdown: store what the request computed, then tell its listener it was not
         served whole (a 503; a finish would read as a complete answer)."""
         self.store(seq, caches)
-        seq.sink.emit(Failed(ShuttingDown()))
+        seq.sink.emit(Failed(ShuttingDown(), seq.usage()))
         seq.sink.emit(END)
 
     def fail(self, seq: Seq, error: Exception, caches: list[Any] | None) -> None:
         log.error("generation failed: %s", error, exc_info=error)
-        seq.sink.emit(Failed(error))
+        seq.sink.emit(Failed(error, seq.usage()))
         self.store(seq, caches)
         seq.sink.emit(END)
 

@@ -68,9 +68,10 @@ class Job:
         """Worker side: hand an event to the request's loop (a closed loop means nobody listens)."""
         if self.ended:
             return
-        if isinstance(event, Chunk) and event.usage is not None and self.on_usage is not None:
+        usage = event.usage if isinstance(event, (Chunk, Failed)) else None
+        if usage is not None and self.on_usage is not None:
             try:
-                self.on_usage(event.usage)
+                self.on_usage(usage)
             except Exception:  # counting never ends a request
                 log.exception("usage not recorded")
         if event is END:

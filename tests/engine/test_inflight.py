@@ -78,6 +78,22 @@ def test_a_failure_still_stores_and_ends_even_when_the_store_fails(monkeypatch):
     assert sink.chunks[-1].finish_reason == "stop" and sink.events[-1] is END
 
 
+def test_a_failed_or_stopped_request_reports_what_it_computed():
+    """A failure or a shutdown ends a request with Failed: its usage (the tokens it computed,
+    which /metrics counts) came with no event, so such requests were never counted."""
+    engine = ModelEngine(make_llama(seed=4), Config(tiers=("hot",)))
+    for end in ("fail", "stop"):
+        seq, sink = computed(engine, tokens(9, 30))
+        seq.on_token(7)
+        if end == "fail":
+            Ends(engine).fail(seq, RuntimeError("boom"), seq.lease.caches)
+        else:
+            Ends(engine).stop(seq, seq.lease.caches)
+        failed = sink.events[-2]
+        assert isinstance(failed, Failed) and failed.usage is not None, end
+        assert failed.usage.prompt_tokens == 30 and failed.usage.completion_tokens == 1
+
+
 def test_short_prompts_are_never_held():
     """One definition of a short prompt (``inflight.short``): the hold lets it go on whatever
     the first texts awaited, and lets a longer one go on only below the hold."""

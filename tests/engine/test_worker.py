@@ -245,3 +245,23 @@ def test_an_abort_after_a_request_ended_ends_it_once_and_fails_the_rest(make_eng
     assert after[-1].finish_reason == "length"
     assert worker._accepted == 0
     worker.close()
+
+
+def test_usage_is_heard_from_the_last_chunk_and_from_a_failure(make_engine):
+    """Job.on_usage hears what every generation that ran computed: a finished one's last chunk,
+    and a failed or stopped one's Failed (a request that failed mid-way was not counted)."""
+    from engine.events import Failed, Usage
+    from engine.worker import Job
+
+    heard: list[Usage] = []
+    usage = Usage(prompt_tokens=30, completion_tokens=1, cached_tokens=0, cache_tier="none",
+                  ttft_seconds=0.1)  # fmt: skip
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job([1, 2, 3], SamplingParams(max_tokens=1), loop, on_usage=heard.append)
+        job.emit(Chunk("", None))  # no usage: nothing heard
+        job.emit(Failed(RuntimeError("boom"), usage))
+        job.emit(Chunk("x", None, "stop", usage))
+    finally:
+        loop.close()
+    assert heard == [usage, usage]
