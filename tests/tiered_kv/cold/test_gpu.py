@@ -200,9 +200,10 @@ def test_a_failed_stream_sync_still_waits_on_every_other_stream(monkeypatch):
         _send(batch, data, dst)
     with pytest.raises(gpu.DeviceError, match="cuStreamSynchronize"):
         batch.wait()
-    assert lib.calls["cuStreamSynchronize"] == 3 and not up.ok and lib.pending == 0
-    held.wait()
-    assert lib.pinned_bytes == 0
+    # every stream was asked (a copy on one whose sync failed may still run: nothing is known)
+    assert lib.calls["cuStreamSynchronize"] == 3 and not up.ok
+    held.wait()  # the last batch: each stream synchronised again, then the slots freed
+    assert lib.pinned_bytes == 0 and lib.pending == 0
 
 
 @pytest.mark.parametrize("call", ["cuMemAllocHost_v2", "cuStreamCreate", "cuEventCreate"])
