@@ -36,7 +36,7 @@ from mlx_lm.models.cache import KVCache
 
 from bench.dd import drop_page_cache
 from tiered_kv import layers
-from tiered_kv.cold import landing, ranged, store
+from tiered_kv.cold import encode, landing, ranged
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.restore import buffers
 from tiered_kv.restore.costs import CostBook
@@ -64,10 +64,10 @@ def write_entry(root: Path, n: int) -> Path:
     for i in range(LAYERS):
         for kv in ("keys", "values"):
             data = rng.integers(0, 1 << 14, (1, HEADS, n, DIM), dtype=np.uint16)  # finite bf16
-            tensors.append(store.Tensor(f"{i}.{kv}", "BF16", data.shape, data))
+            tensors.append(encode.Tensor(f"{i}.{kv}", "BF16", data.shape, data))
         tree.append({"cls": "KVCache", "meta": {"offset": n}})
     meta = {"layers": json.dumps(tree), "fingerprint": "fp", "layout": "bench", "created": "0"}
-    enc = store.encode(np.arange(n, dtype=np.int32), tensors, meta)
+    enc = encode.encode(np.arange(n, dtype=np.int32), tensors, meta)
     root.mkdir(parents=True, exist_ok=True)
     b = FileBackend(root)
     b.put("e", enc)

@@ -28,7 +28,7 @@ import numpy as np
 
 from bench import dd
 from bench.sizes import SHAPES, make_caches
-from tiered_kv.cold import codec, ranged, store
+from tiered_kv.cold import codec, encode, ranged
 from tiered_kv.cold.backend import FileBackend
 
 FINGERPRINT = "bench-tails"
@@ -44,7 +44,7 @@ def write(root: Path, shape_name: str, tokens: int, chunks_mib: list[float]) -> 
         (root / f"chunk{mib:g}").mkdir()
         backend = FileBackend(root / f"chunk{mib:g}")
         key = f"{int(mib * 1024):032x}"
-        backend.put(key, store.encode(job.tokens, job.tensors, job.metadata, int(mib * (1 << 20))))
+        backend.put(key, encode.encode(job.tokens, job.tensors, job.metadata, int(mib * (1 << 20))))
         out[mib] = backend.path(key)
     del caches, job
     mx.clear_cache()

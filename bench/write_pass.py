@@ -1,4 +1,4 @@
-"""Benchmark: the cold writer alone — ``store.encode`` + ``FileBackend.put`` of one entry.
+"""Benchmark: the cold writer alone — ``encode.encode`` + ``FileBackend.put`` of one entry.
 
 An 8B-shaped layer stack (32 layers, 8 KV heads, head dim 128, bf16 as uint16; strided views of
 longer buffers, as a KVCache holds them) of random bytes, written ``--reps`` times to ``--dir``
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered_kv.cold import backend, store
+from tiered_kv.cold import backend, encode
 
 LAYERS, HEADS, DIM, STEP = 32, 8, 128, 256
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * DIM * 2
 
 
-def make_entry(tokens: int, seed: int = 0) -> list[store.Tensor]:
+def make_entry(tokens: int, seed: int = 0) -> list[encode.Tensor]:
     rng = np.random.default_rng(seed)
     alloc = -(-tokens // STEP) * STEP + STEP  # a cache buffer longer than its tokens
     out = []
@@ -41,7 +41,7 @@ def make_entry(tokens: int, seed: int = 0) -> list[store.Tensor]:
         for kv in ("keys", "values"):
             big = rng.integers(0, 1 << 16, size=(1, HEADS, alloc, DIM), dtype=np.uint16)
             view = big[:, :, :tokens, :]
-            out.append(store.Tensor(f"{layer}.{kv}", "BF16", view.shape, view))
+            out.append(encode.Tensor(f"{layer}.{kv}", "BF16", view.shape, view))
     return out
 
 
@@ -65,9 +65,9 @@ def paced(rate: float | None) -> Callable[[int, memoryview], int]:
 def plain_write(path: Path, data: np.ndarray) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        view = store.flat_bytes(data)
-        for off in range(0, len(view), store.BLOCK_BYTES):
-            piece = view[off : off + store.BLOCK_BYTES]
+        view = encode.flat_bytes(data)
+        for off in range(0, len(view), encode.BLOCK_BYTES):
+            piece = view[off : off + encode.BLOCK_BYTES]
             done = 0
             while done < len(piece):
                 done += os.write(fd, piece[done:])
@@ -95,7 +95,7 @@ def one_size(root: Path, tokens: int, reps: int, rate: float | None) -> dict[str
     ours, dd = [], []
     for _ in range(reps):
         os.sync()
-        ours.append(timed(lambda: b.put("e", store.encode(ids, tensors, {"fingerprint": "wp"}))))
+        ours.append(timed(lambda: b.put("e", encode.encode(ids, tensors, {"fingerprint": "wp"}))))
         nbytes = b.path("e").stat().st_size
         b.delete("e")
         os.sync()

@@ -26,7 +26,7 @@ from mlx_lm.models import gemma3_text, llama, qwen3_next
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from tiered_kv import checkpoints, keys, layers
-from tiered_kv.cold import gpu, store
+from tiered_kv.cold import checksums, gpu, store
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.memory import MemoryProbe
@@ -342,7 +342,7 @@ def with_tensors(raw: bytes, extra: dict[str, bytes], **changes: str) -> bytes:
     end = max(t["data_offsets"][1] for t in head.values())
     for name, data in extra.items():
         head[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [end, end + len(data)]}
-        sums[name] = store.chunk_digests([memoryview(data)] if data else [], chunk)
+        sums[name] = checksums.chunk_digests([memoryview(data)] if data else [], chunk)
         end += len(data)
     meta.update(changes, xxh3=json.dumps(sums, separators=(",", ":")))
     new = store.header_bytes(head, meta)

@@ -3,7 +3,7 @@
 A backend stores one opaque byte string per key (an entry id) and knows nothing of KV caches,
 the index or budgets. The cold tier needs exactly four operations of it::
 
-    put(key, entry)   -> int          write ``entry`` (a ``store.Encoded``) under ``key``,
+    put(key, entry)   -> int          write ``entry`` (a ``encode.Encoded``) under ``key``,
                                       atomically (a reader sees the old value, nothing, or the
                                       whole new one) and durably before returning; the size.
                                       The value is the concatenation of ``entry.pieces``, then,
@@ -20,7 +20,7 @@ checksums cover the data that just went by), which take the place of the reserve
 first piece held. So a backend writes the pieces as they come and then patches the start (the
 file backend: one ``pwrite`` at offset 0 before its fsync), or gathers and patches in memory. A
 ``head`` that raises (or any failure before the value is whole) publishes nothing: the key keeps
-its old value or stays absent. ``store.Encoded.whole(data)`` wraps bytes that are complete
+its old value or stays absent. ``encode.Encoded.whole(data)`` wraps bytes that are complete
 already (no ``head``).
 
 Errors are ``OSError`` (ENOSPC, EROFS, ENOENT of the directory ... counted by the tier).
@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from tiered_kv.cold import store
+from tiered_kv.cold import encode, store
 
 _KEY = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _WRITE = 1 << 30  # at most this many bytes per write(): Linux caps one write at ~2 GiB
@@ -50,7 +50,7 @@ _COALESCE = 8 << 20  # small pieces are gathered into one write up to this size
 class Backend(Protocol):
     """Bytes of entries by key (see the module docstring for the contract)."""
 
-    def put(self, key: str, entry: store.Encoded) -> int: ...
+    def put(self, key: str, entry: encode.Encoded) -> int: ...
     def get(self, key: str) -> bytearray | None: ...
     def contains(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
@@ -105,7 +105,7 @@ class FileBackend:
     def path(self, key: str) -> Path:
         return self.dir / f"{check_key(key)}{store.SUFFIX}"
 
-    def put(self, key: str, entry: store.Encoded) -> int:
+    def put(self, key: str, entry: encode.Encoded) -> int:
         path = self.path(key)
         tmp = temp_path(path, os.getpid())
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -1,6 +1,6 @@
 """Caches ⇄ entry tensors: the MLX side of the cold tier (request thread only).
 
-* :func:`prepare` turns caches (+ checkpoints) into :class:`store.Tensor` views of *evaluated*
+* :func:`prepare` turns caches (+ checkpoints) into :class:`encode.Tensor` views of *evaluated*
   arrays — the only MLX work of a spill, done on the request thread before the job crosses to
   the writer, which then reads bytes only;
 * :func:`load_steps` builds the arrays of an entry file: allocated unwritten, then every tensor
@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered_kv import background, checkpoints, declared, layers
-from tiered_kv.cold import gpu, ranged, store
+from tiered_kv.cold import checksums, encode, gpu, ranged, store
 from tiered_kv.cold.landing import MX_DTYPES as _MX
 from tiered_kv.cold.landing import allocate, host_arrays
 from tiered_kv.steps import Steps
@@ -43,7 +43,7 @@ class Prepared:
     """An entry ready for the writer: token ids, tensor views of evaluated arrays, metadata."""
 
     tokens: np.ndarray
-    tensors: list[store.Tensor]
+    tensors: list[encode.Tensor]
     metadata: dict[str, str]
     nbytes: int
     #: lengths of older entries this one may replace: any length when every layer can be cut
@@ -74,7 +74,7 @@ def prepare(
     raw = {k: x.view(_UINT[x.itemsize]) if x.dtype == mx.bfloat16 else x for k, x in arrays.items()}
     mx.eval(list(raw.values()))
     tensors = [
-        store.Tensor(k, store.DTYPES[str(x.dtype).removeprefix("mlx.core.")], tuple(x.shape),
+        encode.Tensor(k, store.DTYPES[str(x.dtype).removeprefix("mlx.core.")], tuple(x.shape),
                      _numpy(raw[k]))
         for k, x in arrays.items()
     ]  # fmt: skip
@@ -181,7 +181,7 @@ def load_buffer(buf: memoryview, header: store.Header) -> dict[str, mx.array]:
     """Tensors of a whole entry in memory, every chunk digest checked on the hashing pool first,
     then one copy into MLX memory (evaluated: the thread that owns MLX). Raises
     store.CorruptEntry."""
-    futures = [store.pool().submit(store.check_buffer, n, store.tensor_bytes(buf, header, n), header)
+    futures = [checksums.pool().submit(store.check_buffer, n, store.tensor_bytes(buf, header, n), header)
                for n in header.tensors]  # fmt: skip
     for f in futures:
         f.result()

@@ -42,7 +42,7 @@ import mlx.core as mx
 
 log = logging.getLogger(__name__)
 
-#: bytes of one pinned staging buffer: whole checksum chunks of one read (store.CHUNK_BYTES is 1 MiB)
+#: bytes of one pinned staging buffer: whole checksum chunks of one read (checksums.CHUNK_BYTES is 1 MiB)
 SLOT_BYTES = 16 << 20
 #: staging buffers: two per reader thread of a ranged read (one filling, one being copied)
 SLOTS = 8

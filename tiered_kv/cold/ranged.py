@@ -10,7 +10,7 @@ chunks that cover tokens ``[m, n)`` of every layer tensor (one span each, a few 
 per positioned read) plus the chunks of ``tokens[0, n)``, and checks every chunk before anything is
 served: no unverified byte leaves this module. There is no second integrity scheme: what the load
 path checks, the ranged path checks. The cost is read granularity: a range is read in whole chunks
-(``store.CHUNK_BYTES``, 1 MiB), so it reads up to two chunks per tensor more than it serves.
+(``checksums.CHUNK_BYTES``, 1 MiB), so it reads up to two chunks per tensor more than it serves.
 
 Files are opened with :func:`store.open_entry` (a symlink or FIFO planted in the cache dir is a
 corrupt entry, never followed or waited on) and the header is read from that same descriptor.
@@ -38,10 +38,10 @@ import numpy as np
 import xxhash
 
 from tiered_kv import background
-from tiered_kv.cold import fsafe, store
+from tiered_kv.cold import checksums, fsafe, store
 from tiered_kv.cold.gpu import Batch, Upload
 
-_HEX = 16
+_HEX = checksums.HEX
 
 
 class Unsplittable(ValueError):
@@ -243,7 +243,7 @@ def _span_via(gpu: Batch, fd: int, base: int, size: int, first: int, dst: int, e
         with gpu.slot() as slot:
             buf = slot.buf[: hi - lo]
             _preadv_all(fd, [buf], base + lo)
-            if store.chunk_digests([buf], chunk) != digests[g0 * _HEX : g1 * _HEX]:
+            if checksums.chunk_digests([buf], chunk) != digests[g0 * _HEX : g1 * _HEX]:
                 raise store.CorruptEntry(f"range checksum mismatch in {name}")
             a, b = max(lo, first), min(hi, end)
             slot.copy(a - lo, b - a, dst + (a - first))

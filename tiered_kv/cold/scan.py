@@ -14,16 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered_kv.cold.store import (
-    READ_BYTES,
-    CorruptEntry,
-    Header,
-    chunk_digests,
-    data_end,
-    n_digest_chars,
-    open_entry,
-    pool,
-)
+from tiered_kv.cold.checksums import chunk_digests, n_digest_chars, pool
+from tiered_kv.cold.store import READ_BYTES, CorruptEntry, Header, data_end, open_entry
 
 
 def check_data(path: Path, header: Header, step: int = READ_BYTES) -> None:

@@ -29,15 +29,11 @@ Covered by the header checksum; a name that is not a 4-D batch-1 tensor of ``n_t
 axis 1 makes the header corrupt. Every other tensor (rotating windows, recurrent state,
 checkpoints of another length, ``tokens``) keeps its own C order.
 
-Written in one pass (:func:`encode`): the header's length does not depend on the digests' values
-(16 hex digits per chunk, a fixed-length ``header_xxh``), so its bytes are reserved first (zeros),
-the data is made, hashed and written block by block, and the real header is written last over the
-reserved bytes (:attr:`Encoded.head`), before the file is published.
+Written in one pass by :func:`tiered_kv.cold.encode.encode` (the header last, over bytes reserved
+for it); the chunk digests are :mod:`tiered_kv.cold.checksums`'s, for the writer and every reader.
 
-Threads: :func:`encode` runs on the writer thread and reads only buffers (numpy views of
-evaluated arrays; token-major tensors are transposed by numpy, block by block, and every block
-hashed, on the hashing pool one block ahead of the writer); :func:`check_buffer` checks bytes already in memory (request thread,
-hashing on a small pool of byte-only threads); :func:`read_header` /
+Threads: :func:`check_buffer` checks bytes already in memory (request thread, hashing on the
+byte-only pool of :func:`tiered_kv.cold.checksums.pool`); :func:`read_header` /
 :func:`read_tokens` are plain file reads usable from any thread (verify, CLI). A load reads the data
 section with :func:`tiered_kv.cold.ranged.read_tensors`; ``cache verify`` with :mod:`tiered_kv.cold.scan`.
 """
@@ -48,8 +44,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,24 +54,16 @@ import xxhash
 
 from tiered_kv import declared
 from tiered_kv.cold import fsafe
+from tiered_kv.cold.checksums import chunk_digests, n_digest_chars
 from tiered_kv.keys import FORMAT_VERSION
 
 SUFFIX = ".safetensors"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 FORMAT = FORMAT_VERSION
-#: checksum granularity: a reader of part of a tensor checks (and so reads) whole chunks. 1 MiB:
-#: a `both`'s tail of an 8B 8k entry is ~2 MiB per tensor, and with 4 MiB chunks it read up to
-#: 2-4x what it served (a cold tail of 1k tokens was served at 0.85-0.95 GB/s where the whole
-#: file read at 1.8; with 1 MiB chunks 1.5-1.7). Each chunk costs 16 hex digits of header (16 KB
-#: per GB). Files of other chunk sizes read as they were written (their header says).
-CHUNK_BYTES = 1 << 20
 READ_BYTES = 64 << 20  # bytes per read() when streaming a file
 _MAX_HEADER = 64 << 20
 _MAX_CHUNK = READ_BYTES  # a larger claimed chunk is refused (and would not fit the read buffer)
-_HEX = 16
-#: bytes of one block of tokens transposed at a time on the write path (token-major tensors)
-BLOCK_BYTES = 32 << 20
 
 DTYPES: dict[str, str] = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
@@ -98,49 +85,6 @@ class CorruptEntry(ValueError):
 
 class ForeignEntry(CorruptEntry):
     """A well-formed file of another fingerprint or an unknown / older format version."""
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor to write: its safetensors dtype code, logical shape and bytes (any strides;
-    a numpy array whose dtype has the same item size, e.g. uint16 for bfloat16)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    data: np.ndarray
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """An entry's bytes as pieces to write in order; ``nbytes`` in all.
-
-    ``pieces`` is consumed once, in order, and a piece may be reused for a later one as soon as
-    the next is asked for (token-major tensors are transposed into two alternating buffers): a
-    consumer that keeps a piece copies it. ``head``, when set, is called once after the last
-    piece was consumed and returns the entry's real first bytes, which replace the reserved
-    bytes (zeros) the first piece held — the header, whose checksums are known only once every
-    data byte went by (:func:`encode`). ``head`` is None for bytes that are whole already."""
-
-    pieces: Iterable[memoryview]
-    nbytes: int
-    head: Callable[[], bytes] | None = None
-
-    @staticmethod
-    def whole(data: bytes | bytearray | memoryview) -> Encoded:
-        """Bytes that are already a complete entry (e.g. fetched from the shared tier)."""
-        view = memoryview(data).cast("B")
-        return Encoded([view], len(view))
-
-    def join(self) -> bytearray:
-        """All the bytes in one buffer (consumes ``pieces``; tests, and a backend that needs it)."""
-        out = bytearray()
-        for p in self.pieces:
-            out += p
-        if self.head is not None:
-            first = self.head()
-            out[: len(first)] = first
-        return out
 
 
 @dataclass(frozen=True)
@@ -184,17 +128,6 @@ class Header:
         return int(self.metadata["chunk_bytes"])
 
 
-_POOL: ThreadPoolExecutor | None = None
-
-
-def pool() -> ThreadPoolExecutor:
-    """Byte-only hashing threads (xxhash releases the GIL on large buffers)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 2), thread_name_prefix="tkv-xxh3")
-    return _POOL
-
-
 def splittable(shape: Sequence[int], n_tokens: int) -> bool:
     """A tensor that holds one row per token on axis 2 of a batch of one (stored token-major)."""
     return len(shape) == 4 and int(shape[0]) == 1 and int(shape[2]) == n_tokens and n_tokens > 0
@@ -204,217 +137,6 @@ def swapped(shape: Sequence[int]) -> tuple[int, ...]:
     """``shape`` with axes 1 and 2 exchanged (head-major ⇄ token-major)."""
     s = tuple(int(x) for x in shape)
     return (s[0], s[2], s[1], *s[3:])
-
-
-# -- bytes of (possibly strided) arrays --------------------------------------------------------
-def flat_bytes(a: Any) -> memoryview:
-    """A C-contiguous buffer's bytes as a flat ``B`` view (no copy)."""
-    return memoryview(a).cast("B")
-
-
-def byte_blocks(a: np.ndarray) -> list[memoryview]:
-    """``a``'s bytes in C order as a few contiguous byte views (no copy for the strided slices
-    a KV cache holds: one block per leading index)."""
-    if a.size == 0:
-        return []
-    if a.flags.c_contiguous:
-        return [flat_bytes(a.reshape(-1))]
-    k = a.ndim  # the longest contiguous tail of dimensions
-    expect = a.itemsize
-    while k > 0 and (a.shape[k - 1] == 1 or a.strides[k - 1] == expect):
-        expect *= a.shape[k - 1]
-        k -= 1
-    if k == a.ndim:  # not even the last axis is contiguous: copy (not a layout we produce)
-        return [flat_bytes(np.ascontiguousarray(a).reshape(-1))]
-    return [flat_bytes(np.ascontiguousarray(a[idx]).reshape(-1))
-            for idx in np.ndindex(*a.shape[:k])]  # fmt: skip
-
-
-class Digests:
-    """Concatenated xxh3_64 hex digests of a byte stream cut into ``chunk`` pieces, fed block by
-    block (:meth:`update`; a block is read only during the call), finished by :meth:`hexdigests`."""
-
-    def __init__(self, chunk: int = CHUNK_BYTES) -> None:
-        self._chunk = chunk
-        self._out: list[str] = []
-        self._h: Any = None
-        self._left = chunk
-
-    def update(self, b: memoryview) -> None:
-        chunk = self._chunk
-        pos, n = 0, len(b)
-        while pos < n:
-            if self._h is None and n - pos >= chunk:  # a whole chunk inside this block: one call
-                self._out.append(xxhash.xxh3_64_hexdigest(b[pos : pos + chunk]))
-                pos += chunk
-                continue
-            take = min(self._left, n - pos)
-            self._h = self._h or xxhash.xxh3_64()
-            self._h.update(b[pos : pos + take])
-            pos += take
-            self._left -= take
-            if self._left == 0:
-                self._out.append(self._h.hexdigest())
-                self._h, self._left = None, chunk
-
-    def hexdigests(self) -> str:
-        if self._h is not None:
-            self._out.append(self._h.hexdigest())
-            self._h, self._left = None, self._chunk
-        return "".join(self._out)
-
-
-def chunk_digests(blocks: Iterable[memoryview], chunk: int = CHUNK_BYTES) -> str:
-    """Concatenated xxh3_64 hex digests of the byte stream ``blocks`` cut into ``chunk`` pieces
-    (``blocks`` read once, in order, each only until the next is asked for)."""
-    d = Digests(chunk)
-    for b in blocks:
-        d.update(b)
-    return d.hexdigests()
-
-
-def n_digest_chars(nbytes: int, chunk: int) -> int:
-    """The length of a tensor's digest string: 16 hex digits per (possibly short) chunk."""
-    return _HEX * -(-nbytes // chunk)
-
-
-# -- encode (writer thread) --------------------------------------------------------------------
-def encode(tokens: np.ndarray, tensors: Sequence[Tensor], metadata: Mapping[str, str],
-           chunk: int = CHUNK_BYTES, block: int = BLOCK_BYTES) -> Encoded:  # fmt: skip
-    """The entry's bytes in one pass: each tensor's bytes are made once, as the writer consumes
-    them, and its chunk checksums are computed over those same bytes as they go by. The header
-    (which holds the checksums) has a length that does not depend on their values (16 hex digits
-    per chunk, a fixed-length ``header_xxh``), so the first piece is ``8 + len(header)`` reserved
-    zero bytes and :attr:`Encoded.head` gives the real first bytes once every piece was consumed.
-
-    Splittable tensors are stored token-major (module doc): numpy transposes ``block`` bytes of
-    tokens at a time into two reused buffers, each block made and hashed on the pool while the
-    writer writes the one before, so an entry never needs a second copy of itself in memory.
-    Every other tensor is written from the array's own buffer, no copy, hashed on the pool in
-    blocks of the same size, one ahead of the writer too. ``chunk``: the checksum granularity (tests use small ones to exercise ranged
-    reads). Writer thread: numpy and bytes only."""
-    assert tokens.dtype == np.dtype("<i4") and all(t.name != "tokens" for t in tensors)
-    n_tokens = len(tokens)
-    items = [Tensor("tokens", "I32", (n_tokens,), tokens), *tensors]
-    major = [t.name != "tokens" and splittable(t.shape, n_tokens) for t in items]
-    table: dict[str, Any] = {}
-    off = 0
-    for t, tm in zip(items, major, strict=True):
-        n = nbytes(t.dtype, t.shape)
-        assert n == t.data.nbytes, t.name
-        shape = list(swapped(t.shape)) if tm else list(t.shape)
-        table[t.name] = {"dtype": t.dtype, "shape": shape, "data_offsets": [off, off + n]}
-        off += n
-
-    def meta(sums: Sequence[str]) -> dict[str, str]:
-        return {**metadata, "format_version": str(FORMAT), "n_tokens": str(n_tokens),
-                "chunk_bytes": str(chunk),
-                "token_major": json.dumps([t.name for t, tm in zip(items, major, strict=True)
-                                           if tm], separators=(",", ":")),
-                "xxh3": json.dumps({t.name: s for t, s in zip(items, sums, strict=True)},
-                                   separators=(",", ":"))}  # fmt: skip
-
-    # digests are hex: the same length whatever their values, so the header's length is known now
-    blank = [
-        "0" * n_digest_chars(t["data_offsets"][1] - t["data_offsets"][0], chunk)
-        for t in table.values()
-    ]
-    size = len(header_bytes(table, meta(blank)))
-    stream = _Stream(items, major, chunk, block)
-
-    def head() -> bytes:
-        raw = header_bytes(table, meta(stream.digests()))
-        if len(raw) != size:
-            raise RuntimeError(f"header is {len(raw)} bytes, {size} were reserved")
-        return struct.pack("<Q", size) + raw
-
-    return Encoded(stream.pieces(memoryview(bytes(8 + size))), 8 + size + off, head)
-
-
-class _Stream:
-    """The data pieces of one entry as one stream of blocks, each made once (token-major ones
-    transposed into a shared :class:`_Ring`), hashed as it is made, and made on the pool one
-    block ahead of the writer — across tensor boundaries, so the writer never waits for a
-    tensor's first block."""
-
-    def __init__(self, items: list[Tensor], major: list[bool], chunk: int, block: int) -> None:
-        self._items, self._major, self._chunk, self._block = items, major, chunk, block
-        self._sums: list[Digests] = []
-        self._done = False
-
-    def pieces(self, first: memoryview) -> Iterator[memoryview]:
-        yield first
-        yield from _one_ahead(self._blocks())
-
-    def _blocks(self) -> Iterator[memoryview]:
-        ring = _Ring()
-        for t, tm in zip(self._items, self._major, strict=True):
-            d = Digests(self._chunk)
-            self._sums.append(d)
-            if tm:
-                blocks = _token_major_blocks(t.data, self._block, ring)
-            else:  # views of the array itself (valid throughout), cut to blocks to overlap
-                blocks = (v[i : i + self._block] for v in byte_blocks(t.data)
-                          for i in range(0, len(v), self._block))  # fmt: skip
-            for b in blocks:
-                d.update(b)
-                yield b
-        self._done = True
-
-    def digests(self) -> list[str]:
-        """Every tensor's digests; only after the last piece was consumed."""
-        if not self._done:
-            raise RuntimeError("entry header asked for before all its bytes were written")
-        return [d.hexdigests() for d in self._sums]
-
-
-class _Ring:
-    """``count`` reused byte buffers taken in turn: a block is valid until ``count - 1`` more
-    were taken. Grown (never shrunk) to the largest block asked for; not zero-filled."""
-
-    def __init__(self, count: int = 2) -> None:
-        self._bufs: list[np.ndarray] = []
-        self._count = count
-        self._taken = 0
-
-    def take(self, nbytes: int) -> np.ndarray:
-        slot = self._taken % self._count
-        self._taken += 1
-        if slot == len(self._bufs):
-            self._bufs.append(np.empty(nbytes, dtype=np.uint8))
-        elif self._bufs[slot].nbytes < nbytes:
-            self._bufs[slot] = np.empty(nbytes, dtype=np.uint8)
-        return self._bufs[slot][:nbytes]
-
-
-def _token_major_blocks(a: np.ndarray, block: int = BLOCK_BYTES,
-                        ring: _Ring | None = None) -> Iterator[memoryview]:  # fmt: skip
-    """The bytes of ``a.swapaxes(1, 2)`` (``a``: ``(1, heads, T, ...)``, any strides) in C order,
-    ``block`` bytes of whole tokens at a time, each copied by numpy into a buffer of ``ring``
-    (a block is valid until the ring's next buffer after it is taken)."""
-    ring = ring or _Ring()
-    v = a.swapaxes(1, 2)[0]  # (T, heads, ...): a view
-    t_all = v.shape[0]
-    per = a.nbytes // max(1, t_all)
-    step = max(1, min(t_all, block // max(1, per)))
-    for t0 in range(0, t_all, step):
-        k = min(step, t_all - t0)
-        buf = ring.take(k * per).view(a.dtype).reshape(k, *v.shape[1:])
-        np.copyto(buf, v[t0 : t0 + k])
-        yield flat_bytes(buf.reshape(-1))
-
-
-def _one_ahead(blocks: Iterator[memoryview]) -> Iterator[memoryview]:
-    """``blocks``, each made on the pool while the consumer writes the one before (numpy's copy,
-    xxhash and ``write`` all release the GIL). Two buffers alternate: see :class:`_Ring`."""
-    nxt = pool().submit(next, blocks, None)
-    try:
-        while (cur := nxt.result()) is not None:
-            nxt = pool().submit(next, blocks, None)
-            yield cur
-    finally:
-        if not nxt.cancel():
-            nxt.exception()  # wait: never leave the generator running on the pool
 
 
 def header_bytes(tensors: Mapping[str, Any], meta: Mapping[str, str]) -> bytes:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tiered_kv import keys, policy
-from tiered_kv.cold import store
+from tiered_kv.cold import encode, store
 from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
 from tiered_kv.cold.index import Index, IndexUnreadable, Record, damaged
@@ -84,9 +84,9 @@ class WritePath:
             return
         key = uuid.uuid4().hex
         if isinstance(job, Raw):  # [shared tier] bytes as they are
-            entry = store.Encoded.whole(job.data)
+            entry = encode.Encoded.whole(job.data)
         else:
-            entry = store.encode(job.tokens, job.tensors, job.metadata)
+            entry = encode.encode(job.tokens, job.tensors, job.metadata)
         nbytes = site.backend.put(key, entry)
         try:
             now = time.time()

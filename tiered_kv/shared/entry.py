@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tiered_kv.cold import store
+from tiered_kv.cold import checksums, store
 from tiered_kv.shared.redis_tier import Check
 
 
@@ -25,7 +25,7 @@ def checker(fingerprint: str) -> Check:
 def verify(view: memoryview, fingerprint: str) -> np.ndarray:
     """Check a whole entry's bytes; its token ids (int32)."""
     header = store.parse_buffer(view, fingerprint)
-    futures = [store.pool().submit(store.check_buffer, name, store.tensor_bytes(view, header, name),
+    futures = [checksums.pool().submit(store.check_buffer, name, store.tensor_bytes(view, header, name),
                                    header) for name in header.tensors]  # fmt: skip
     for f in futures:
         f.result()  # raises store.CorruptEntry

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
-from tiered_kv.cold import codec, store
+from tiered_kv.cold import codec, encode, store
 from tiered_kv.cold.backend import Backend, FileBackend
 
 
@@ -17,7 +17,7 @@ class DictBackend:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
 
-    def put(self, key: str, entry: store.Encoded) -> int:
+    def put(self, key: str, entry: encode.Encoded) -> int:
         self.data[key] = bytes(entry.join())  # gathers the pieces, then patches the head in
         return len(self.data[key])
 
@@ -32,11 +32,11 @@ class DictBackend:
         self.data.pop(key, None)
 
 
-def entry_pieces() -> tuple[store.Encoded, C.KVCache]:
+def entry_pieces() -> tuple[encode.Encoded, C.KVCache]:
     c = C.KVCache()
     c.update_and_fetch(mx.random.normal((1, 2, 40, 8)), mx.random.normal((1, 2, 40, 8)))
     job = codec.prepare(np.arange(40, dtype=np.int32), [c], None, "fp")
-    return store.encode(job.tokens, job.tensors, job.metadata), c
+    return encode.encode(job.tokens, job.tensors, job.metadata), c
 
 
 @pytest.mark.parametrize("kind", ["file", "dict"])
@@ -91,7 +91,7 @@ def test_a_failure_between_data_and_header_publishes_nothing(tmp_path, monkeypat
     before = b.path("e1").read_bytes()
     seen: list[int] = []
 
-    def crashing(enc: store.Encoded) -> store.Encoded:
+    def crashing(enc: encode.Encoded) -> encode.Encoded:
         real = enc.head
         assert real is not None
 

@@ -95,7 +95,7 @@ def _flat(x: object) -> list:
 
 def big_entry(tmp_path, tokens: int = 12_000):
     """A ~48 MB entry file (12+ chunks per tensor) and its checked header."""
-    from tiered_kv.cold import store
+    from tiered_kv.cold import encode, store
     from tiered_kv.cold.backend import FileBackend
 
     def kv() -> C.KVCache:
@@ -108,7 +108,7 @@ def big_entry(tmp_path, tokens: int = 12_000):
     caches = [kv(), kv()]
     job = codec.prepare(np.arange(tokens, dtype=np.int32), caches, None, "fp")
     backend = FileBackend(tmp_path)
-    backend.put("e", store.encode(job.tokens, job.tensors, job.metadata))
+    backend.put("e", encode.encode(job.tokens, job.tensors, job.metadata))
     path = backend.path("e")
     return path, store.read_header(path, "fp"), caches
 

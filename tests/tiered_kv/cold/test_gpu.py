@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 from tests.fixtures import flip_byte
-from tiered_kv.cold import codec, gpu, ranged, store
+from tiered_kv.cold import codec, encode, gpu, ranged, store
 from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.landing import allocate
 from tiered_kv.steps import drain
@@ -64,7 +64,7 @@ def entry(tmp_path, tokens=9000):
     mx.eval([a for c in caches for a in (c.keys, c.values)])
     job = codec.prepare(np.arange(tokens, dtype=np.int32), caches, None, "fp")
     backend = FileBackend(tmp_path)
-    backend.put("e", store.encode(job.tokens, job.tensors, job.metadata))
+    backend.put("e", encode.encode(job.tokens, job.tensors, job.metadata))
     path = backend.path("e")
     return path, store.read_header(path, "fp"), caches
 

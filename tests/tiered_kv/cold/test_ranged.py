@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 from tests.cuda_driver import upload
 from tests.fixtures import HostUpload, flip_byte
-from tiered_kv.cold import codec, gpu, ranged, store
+from tiered_kv.cold import codec, encode, gpu, ranged, store
 from tiered_kv.cold.backend import FileBackend
 
 N, HEADS, DIM = 600, 2, 8
@@ -25,14 +25,14 @@ ROW = HEADS * DIM * 4  # bytes of one token of a tensor, token-major
 
 
 def write(tmp_path, dtype=mx.float32, chunk=CHUNK):
-    """An entry of N tokens written the cold tier's way (codec.prepare → store.encode → backend),
+    """An entry of N tokens written the cold tier's way (codec.prepare → encode.encode → backend),
     with small checksum chunks; returns its path and the keys it holds (float32)."""
     c = KVCache()
     big = mx.arange(HEADS * 700 * DIM).reshape(1, HEADS, 700, DIM).astype(dtype)
     c.update_and_fetch(big[..., :N, :], (big * 2)[..., :N, :])
     job = codec.prepare(np.arange(N, dtype=np.int32), [c], None, "fp")
     b = FileBackend(tmp_path)
-    b.put("e1", store.encode(job.tokens, job.tensors, job.metadata, chunk))
+    b.put("e1", encode.encode(job.tokens, job.tensors, job.metadata, chunk))
     return b.path("e1"), np.array(big[..., :N, :].astype(mx.float32))
 
 
@@ -108,7 +108,7 @@ def test_layers_without_token_rows_cannot_be_split(tmp_path):
     at20.update_and_fetch(mx.zeros((1, HEADS, 20, DIM)), mx.zeros((1, HEADS, 20, DIM)))
     job = codec.prepare(np.arange(40, dtype=np.int32), [c], {20: [at20]}, "fp")  # a checkpoint
     b = FileBackend(tmp_path)
-    b.put("e2", store.encode(job.tokens, job.tensors, job.metadata, CHUNK))
+    b.put("e2", encode.encode(job.tokens, job.tensors, job.metadata, CHUNK))
     with pytest.raises(ranged.Unsplittable):
         ranged.read_range(b.path("e2"), "fp", 10, 40)
 

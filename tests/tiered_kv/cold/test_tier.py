@@ -27,7 +27,7 @@ from tests.fixtures import (
     with_tensors,
 )
 from tiered_kv import keys
-from tiered_kv.cold import store
+from tiered_kv.cold import checksums, store
 
 
 def _model():
@@ -160,7 +160,7 @@ def _as_format_2(path) -> None:
             stored = np.frombuffer(b, np.uint8).reshape(*head[name]["shape"][:3], -1)
             b = np.ascontiguousarray(stored.swapaxes(1, 2)).tobytes()
         head[name] = {**head[name], "shape": list(header.shape(name)), "data_offsets": [off, off + len(b)]}
-        sums[name] = store.chunk_digests([memoryview(b)], header.chunk_bytes)
+        sums[name] = checksums.chunk_digests([memoryview(b)], header.chunk_bytes)
         data.append(b)
         off += len(b)
     del meta["token_major"]
@@ -332,7 +332,7 @@ def test_an_entry_grown_past_its_indexed_size_is_refused_before_it_is_read(tmp_p
     tree = json.loads(meta["layers"]) + [{"cls": "ArraysCache", "meta": {"size": 1}}]
     meta["layers"] = json.dumps(tree)  # a layer that declares it
     sums = json.loads(meta["xxh3"])  # a valid header: its checksum is public
-    sums["1.s0"] = "0" * store.n_digest_chars(pad, int(meta["chunk_bytes"]))
+    sums["1.s0"] = "0" * checksums.n_digest_chars(pad, int(meta["chunk_bytes"]))
     meta["xxh3"] = json.dumps(sums, separators=(",", ":"))
     head = store.header_bytes(tensors, meta)
     with open(path, "wb") as f:
