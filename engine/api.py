@@ -1,22 +1,20 @@
-"""OpenAI-compatible request/response schemas and validation (no transport, no MLX).
+"""OpenAI-compatible request schemas, parsing and validation (no transport, no MLX).
 
-Every client mistake becomes an :class:`ApiError` carrying the HTTP status and the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``; the server turns it into a response. Request models
-accept (and ignore) unknown fields, as agent clients send many provider-specific extras.
+A body becomes a validated request model or an :class:`engine.errors.ApiError` (400) naming the
+offending field. Request models accept (and ignore) unknown fields, as agent clients send many
+provider-specific extras. The response objects are built in ``engine/openai_bodies.py``.
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
-import time
-import uuid
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine import chat
+from engine.errors import ApiError, invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: deepest JSON nesting a request may have (OpenAI bodies need < 20; tool schemas a few more)
@@ -27,53 +25,6 @@ _SURROGATE = re.compile("[\ud800-\udfff]")  # "\ud800" in JSON: valid JSON, not 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|literal\[.*)$")
 
 
-class ApiError(Exception):
-    """A request the server refuses: ``status`` 4xx for client errors, 5xx for ours."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status,
-            message,
-            param,
-            code,
-            type_,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-class ShuttingDown(ApiError):
-    """The server stops before it served the request (or all of it): a 503 to retry elsewhere or
-    later. Raised by the worker for queued and running requests alike (a running one's cache is
-    stored first)."""
-
-    def __init__(self) -> None:
-        super().__init__(503, "the server is shutting down; retry the request",
-                         code="server_shutting_down", type_="server_error")  # fmt: skip
-
-
-class ClientClosed(ApiError):
-    """The client went away (before its body was whole, before its job started, or while it ran):
-    a 499 nobody reads, counted as such."""
-
-    def __init__(self) -> None:
-        super().__init__(499, "the client closed the request", code="client_closed")
-
-
-def invalid(message: str, param: str) -> ApiError:
-    """A 400 for a value the client sent that the server cannot take."""
-    return ApiError(400, message, param=param, code="invalid_value")
-
-
 def function_tool(name: str, parameters: Any, description: Any) -> dict[str, Any]:
     """A chat request's function tool (the other APIs' tools are converted to it); a missing
     schema is an empty object's, a description that is no string is left out."""
@@ -81,15 +32,6 @@ def function_tool(name: str, parameters: Any, description: Any) -> dict[str, Any
     if isinstance(description, str):
         fn["description"] = description
     return {"type": "function", "function": fn}
-
-
-def error_body(
-    message: str,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class RequestBody(BaseModel):
@@ -454,161 +396,3 @@ def check_length(
         )
     return min(requested_max or default or room, room)
 
-
-# --- responses ------------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage_dict(usage: Any) -> dict[str, Any]:
-    """engine Usage → OpenAI usage with ``prompt_tokens_details.cached_tokens`` and our ``cache_tier``."""
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "cache_tier": usage.cache_tier,
-    }
-
-
-def openai_finish(reason: str | None, has_tool_calls: bool) -> str | None:
-    """Engine finish reason → OpenAI's ("cancelled" happens only when nobody listens)."""
-    if reason is None:
-        return None
-    if has_tool_calls and reason == "stop":
-        return "tool_calls"
-    return "length" if reason == "length" else "stop"
-
-
-def chat_chunk(
-    rid: str, created: int, model: str, delta: dict[str, Any], finish: str | None = None
-) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [choice],
-    }
-
-
-def usage_chunk(rid: str, created: int, model: str, obj: str, usage: Any) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_dict(usage),
-    }
-
-
-def chat_response(
-    rid: str,
-    model: str,
-    content: str,
-    tool_calls: list[dict[str, Any]],
-    finish: str | None,
-    usage: Any,
-    reasoning: str = "",
-) -> dict[str, Any]:
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": content or (None if tool_calls else ""),
-    }
-    if reasoning:  # OpenAI-compatible clients read reasoning_content; mlx_lm.server sends reasoning
-        message["reasoning_content"] = message["reasoning"] = reasoning
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": now(),
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-        "usage": usage_dict(usage),
-    }
-
-
-def completion_chunk(
-    rid: str, created: int, model: str, text: str, finish: str | None = None
-) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def completion_response(
-    rid: str, model: str, text: str, finish: str | None, usage: Any
-) -> dict[str, Any]:
-    body = completion_chunk(rid, now(), model, text, finish)
-    body["usage"] = usage_dict(usage)
-    return body
-
-
-class Piece(NamedTuple):
-    """A generated token as logprobs name it: its text (``bytes:\\xNN…`` for a part of a
-    character) and the bytes it adds to the completion."""
-
-    text: str
-    raw: bytes
-
-
-#: a token, its log-probability and the likeliest tokens (and theirs) at its place
-LogprobEntry = tuple[Piece, float, list[tuple[Piece, float]]]
-
-
-def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
-    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-
-    def one(p: Piece, lp: float) -> dict[str, Any]:
-        return {"token": p.text, "logprob": lp, "bytes": list(p.raw)}
-
-    return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]}
-                        for t, lp, top in entries]}  # fmt: skip
-
-
-class TextOffsets:
-    """Character offsets of tokens in a completion's text, fed the tokens' bytes in order: a
-    token that ends inside a character starts where that character does (the text counts an
-    undecodable byte as one U+FFFD, as the completion's text does)."""
-
-    def __init__(self) -> None:
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.chars = 0
-
-    def advance(self, raw: bytes) -> int:
-        """The offset of the token with bytes ``raw``; moves past it."""
-        at = self.chars
-        self.chars += len(self._utf8.decode(raw))
-        return at
-
-
-def completion_logprobs(entries: list[LogprobEntry], offsets: TextOffsets) -> dict[str, Any]:
-    """The legacy completions' ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset),
-    the first token at ``offsets``' place (moved past these tokens)."""
-    return {
-        "tokens": [t.text for t, _, _ in entries],
-        "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [{p.text: v for p, v in top} for _, _, top in entries],
-        "text_offset": [offsets.advance(t.raw) for t, _, _ in entries],
-    }
-
-
-def models_response(model_id: str, created: int) -> dict[str, Any]:
-    entry = {"id": model_id, "object": "model", "created": created, "owned_by": "tiered-kv"}
-    return {"object": "list", "data": [entry]}

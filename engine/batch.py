@@ -117,7 +117,7 @@ class BatchLoop:
 
     def close(self, end: End | None = None) -> None:
         """At shutdown, everything in flight stops: what each request computed is stored, its
-        listener gets a 503 (``api.ShuttingDown``: a finish would read as a whole answer)."""
+        listener gets a 503 (``errors.ShuttingDown``: a finish would read as a whole answer)."""
         self.leasing.close(end)
         self.prefill.close(end)
         self.decode.close(end)

@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from engine import messages
-from engine.api import ApiError, ClientClosed, ShuttingDown
+from engine.errors import ApiError, ClientClosed, ShuttingDown
 
 
 def anthropic_route(path: str) -> bool:

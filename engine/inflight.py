@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from engine import sampler as sampling
-from engine.api import ShuttingDown
+from engine.errors import ShuttingDown
 from engine.events import END, Chunk, Event, Failed, Hit, SamplingParams, Usage
 from tiered_kv import Lease
 

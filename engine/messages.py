@@ -24,9 +24,11 @@ from typing import Any
 from pydantic import Field
 
 from engine import api, output
-from engine.api import ApiError, ChatRequest
+from engine.api import ChatRequest
+from engine.errors import ApiError, invalid
 from engine.events import Chunk, Hit, Usage
 from engine.items import Items
+from engine.openai_bodies import new_id
 
 #: engine finish reason → Anthropic's ``stop_reason`` (a called tool wins, as OpenAI's "tool_calls", unless
 #: the output was cut: max_tokens)
@@ -105,10 +107,10 @@ def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise api.invalid("content must be a string or a list of content blocks", param)
+        raise invalid("content must be a string or a list of content blocks", param)
     for j, b in enumerate(content):
         if b.get("type") in _UNSUPPORTED:
-            raise api.invalid(f"{b['type']} blocks are not supported: the model reads text", f"{param}.{j}")
+            raise invalid(f"{b['type']} blocks are not supported: the model reads text", f"{param}.{j}")
     return content
 
 
@@ -117,14 +119,14 @@ def _text(content: Any, param: str) -> str:
     parts = []
     for j, b in enumerate(_blocks(content, param)):
         if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise api.invalid(f"expected a text block, got {b.get('type')!r}", f"{param}.{j}")
+            raise invalid(f"expected a text block, got {b.get('type')!r}", f"{param}.{j}")
         parts.append(b["text"])
     return "\n\n".join(parts)
 
 
 def _turn(m: Any, param: str) -> list[dict[str, Any]]:
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
-        raise api.invalid('each message needs "role": "user", "assistant" or "system"', f"{param}.role")
+        raise invalid('each message needs "role": "user", "assistant" or "system"', f"{param}.role")
     if m["role"] == "system":  # Claude Code sends its environment so, after the first user turn
         return [{"role": "system", "content": _text(m.get("content"), f"{param}.content")}]
     blocks = _blocks(m.get("content"), f"{param}.content")
@@ -150,7 +152,7 @@ def _turn(m: Any, param: str) -> list[dict[str, Any]]:
         kind = b.get("type")
         if kind == "tool_use":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
-                raise api.invalid('a tool_use block needs "name" and an object "input"', where)
+                raise invalid('a tool_use block needs "name" and an object "input"', where)
             calls.append({"id": str(b.get("id", "")), "type": "function",
                           "function": {"name": b["name"], "arguments": b.get("input", {})}})  # fmt: skip
         elif kind == "thinking":
@@ -167,9 +169,9 @@ def _turn(m: Any, param: str) -> list[dict[str, Any]]:
 
 def _tool(t: Any, param: str) -> dict[str, Any]:
     if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-        raise api.invalid('each tool needs a "name" (and an "input_schema")', param)
+        raise invalid('each tool needs a "name" (and an "input_schema")', param)
     if not isinstance(t.get("input_schema") or {}, dict):  # it was named tools.N.function.parameters
-        raise api.invalid("a tool's input_schema is a JSON Schema object", param + ".input_schema")
+        raise invalid("a tool's input_schema is a JSON Schema object", param + ".input_schema")
     return api.function_tool(t["name"], t.get("input_schema"), t.get("description"))
 
 
@@ -178,12 +180,12 @@ def _choice(c: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"parallel_tool_calls": not c.get("disable_parallel_tool_use", False)}
     if kind == "tool":
         if not isinstance(c.get("name"), str):
-            raise api.invalid('tool_choice {"type": "tool"} needs a "name"', "tool_choice")
+            raise invalid('tool_choice {"type": "tool"} needs a "name"', "tool_choice")
         out["tool_choice"] = {"type": "function", "function": {"name": c["name"]}}
     elif kind in ("auto", "any", "none"):
         out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
     else:
-        raise api.invalid('tool_choice type must be "auto", "any", "tool" or "none"', "tool_choice")
+        raise invalid('tool_choice type must be "auto", "any", "tool" or "none"', "tool_choice")
     return out
 
 
@@ -216,7 +218,7 @@ class MessagesOutput:
     named_events = True
 
     def __init__(self, model: str, parser: output.ChatOutput, prompt_tokens: int) -> None:
-        self.id, self.model, self.parser = api.new_id("msg"), model, parser
+        self.id, self.model, self.parser = new_id("msg"), model, parser
         self.prompt_tokens = prompt_tokens
         self.blocks: list[dict[str, Any]] = []  # the body's content, as streamed
         self.items = Items()  # which block is open, streaming

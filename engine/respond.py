@@ -18,10 +18,12 @@ from typing import Any, Protocol
 
 from jinja2 import TemplateError
 
-from engine import api, chat, output
-from engine.api import ApiError, ChatRequest, CompletionRequest
+from engine import api, chat, openai_bodies, output
+from engine.api import ChatRequest, CompletionRequest
 from engine.detok import TokenBytes, piece_text
+from engine.errors import ApiError, error_body
 from engine.events import Chunk, Hit, SamplingParams, TokenLogprob, Usage
+from engine.openai_bodies import LogprobEntry, Piece, TextOffsets
 from engine.output_format import OutputFormat
 
 log = logging.getLogger(__name__)
@@ -52,24 +54,24 @@ class _Logprobs:
     def __init__(self, token_bytes: TokenBytes, parser: output.ChatOutput | None = None) -> None:
         self.token_bytes = token_bytes
         self.parser = parser
-        self.all: list[api.LogprobEntry] = []
-        self.pending: list[api.LogprobEntry] = []
-        self.sent = api.TextOffsets()  # where the next token starts in the completion's text
+        self.all: list[LogprobEntry] = []
+        self.pending: list[LogprobEntry] = []
+        self.sent = TextOffsets()  # where the next token starts in the completion's text
         self.first = True
         # chat: each token's characters in the text the parser was fed (after a forced call's
         # opener), until the parser has settled them
         self.base = parser.fed if parser is not None else 0
-        self.offsets = api.TextOffsets()
-        self.waiting: collections.deque[tuple[api.LogprobEntry, int, int]] = collections.deque()
+        self.offsets = TextOffsets()
+        self.waiting: collections.deque[tuple[LogprobEntry, int, int]] = collections.deque()
 
     def add(self, lp: TokenLogprob | None) -> None:
         if lp is None:
             return
         first, self.first = self.first, False
 
-        def piece(token: int) -> api.Piece:
+        def piece(token: int) -> Piece:
             raw = self.token_bytes(token, first)
-            return api.Piece(piece_text(raw), raw)
+            return Piece(piece_text(raw), raw)
 
         entry = (piece(lp.token), lp.logprob, [(piece(t), v) for t, v in lp.top])
         if self.parser is None:
@@ -106,7 +108,7 @@ class _Base:
     def __init__(
         self, model: str, include_usage: bool, rid: str, token_bytes: TokenBytes | None
     ) -> None:
-        self.rid, self.created, self.model = rid, api.now(), model
+        self.rid, self.created, self.model = rid, openai_bodies.now(), model
         self.include_usage = include_usage
         self.text: list[str] = []
         self.finish: str | None = None
@@ -122,7 +124,7 @@ class _Base:
     def _usage_chunk(self) -> list[dict[str, Any]]:
         if self.usage is None or not self.include_usage:
             return []
-        return [api.usage_chunk(self.rid, self.created, self.model, self.obj, self.usage)]
+        return [openai_bodies.usage_chunk(self.rid, self.created, self.model, self.obj, self.usage)]
 
 
 class CompletionOutput(_Base):
@@ -131,30 +133,31 @@ class CompletionOutput(_Base):
     def __init__(
         self, model: str, include_usage: bool = False, token_bytes: TokenBytes | None = None
     ) -> None:
-        super().__init__(model, include_usage, api.new_id("cmpl"), token_bytes)
+        super().__init__(model, include_usage, openai_bodies.new_id("cmpl"), token_bytes)
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         self.text.append(chunk.text)
-        finish = api.openai_finish(chunk.finish_reason, False)
+        finish = openai_bodies.openai_finish(chunk.finish_reason, False)
         out = []
         if chunk.text or finish:
-            out.append(api.completion_chunk(self.rid, self.created, self.model, chunk.text, finish))
+            out.append(openai_bodies.completion_chunk(self.rid, self.created, self.model,
+                                                      chunk.text, finish))  # fmt: skip
         if self.logprobs is not None:
             self.logprobs.add(chunk.logprob)
             lp = self.logprobs
-            lp.attach(out, lambda entries: api.completion_logprobs(entries, lp.sent))
+            lp.attach(out, lambda entries: openai_bodies.completion_logprobs(entries, lp.sent))
         if chunk.finish_reason is not None:
             self.finish, self.usage = finish, chunk.usage
             out += self._usage_chunk()
         return out
 
     def body(self) -> dict[str, Any]:
-        body = api.completion_response(
+        body = openai_bodies.completion_response(
             self.rid, self.model, "".join(self.text), self.finish, self.usage
         )
         if self.logprobs is not None:
-            body["choices"][0]["logprobs"] = api.completion_logprobs(
-                self.logprobs.all, api.TextOffsets()
+            body["choices"][0]["logprobs"] = openai_bodies.completion_logprobs(
+                self.logprobs.all, TextOffsets()
             )
         return body
 
@@ -172,12 +175,12 @@ class ChatOutput(_Base):
         parser: output.ChatOutput,
         token_bytes: TokenBytes | None = None,
     ) -> None:
-        super().__init__(model, include_usage, api.new_id("chatcmpl"), None)
+        super().__init__(model, include_usage, openai_bodies.new_id("chatcmpl"), None)
         self.parser = parser
         self.logprobs = None if token_bytes is None else _Logprobs(token_bytes, parser)
 
     def _delta(self, d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return api.chat_chunk(self.rid, self.created, self.model, d, finish)
+        return openai_bodies.chat_chunk(self.rid, self.created, self.model, d, finish)
 
     def start(self, hit: Hit | None = None) -> list[dict[str, Any]]:
         return [self._delta({"role": "assistant", "content": ""})]
@@ -193,17 +196,17 @@ class ChatOutput(_Base):
             out.append(self._delta({}, self.finish))
         if self.logprobs is not None:  # with the next chunk sent (text may be held back)
             self.logprobs.settle()
-            self.logprobs.attach(out, api.chat_logprobs)
+            self.logprobs.attach(out, openai_bodies.chat_logprobs)
         return out + (self._usage_chunk() if chunk.finish_reason is not None else [])
 
     def body(self) -> dict[str, Any]:
         res = self.parser.result
         calls = [{k: v for k, v in c.items() if k != "index"} for c in res.tool_calls]
-        body = api.chat_response(
+        body = openai_bodies.chat_response(
             self.rid, self.model, res.content, calls, self.finish, self.usage, res.reasoning
         )
         if self.logprobs is not None:
-            body["choices"][0]["logprobs"] = api.chat_logprobs(self.logprobs.all)
+            body["choices"][0]["logprobs"] = openai_bodies.chat_logprobs(self.logprobs.all)
         return body
 
 
@@ -332,4 +335,4 @@ def error_chunk(e: Exception) -> dict[str, Any]:
     if isinstance(e, ApiError):
         return e.body()
     log.error("generation failed mid-stream: %s", e)
-    return api.error_body(f"internal error: {e}", "server_error")
+    return error_body(f"internal error: {e}", "server_error")

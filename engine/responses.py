@@ -20,9 +20,11 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from engine import api, output
-from engine.api import ApiError, ChatRequest
+from engine.api import ChatRequest
+from engine.errors import ApiError, error_body, invalid
 from engine.events import Chunk, Hit, Usage
 from engine.items import Items
+from engine.openai_bodies import new_id, now
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 ITEM = {"reasoning": "reasoning", "content": "message"}  # items.Items channel → output item type
@@ -79,13 +81,13 @@ def to_chat(req: ResponsesRequest) -> ResponsesChat:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise api.invalid('a message needs "role": "user", "system", "developer" or "assistant"', where)
+                raise invalid('a message needs "role": "user", "system", "developer" or "assistant"', where)
             msgs.append({"role": role, "content": _text(item.get("content"), where + ".content")})
             if role == "assistant" and reasoning:
                 msgs[-1]["reasoning_content"], reasoning = "\n\n".join(reasoning), []
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
-                raise api.invalid('a function_call needs a "name" and "arguments" (a JSON string)', where)
+                raise invalid('a function_call needs a "name" and "arguments" (a JSON string)', where)
             call = {"id": str(item.get("call_id", "")), "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}  # fmt: skip
             last = msgs[-1] if msgs else None
@@ -103,9 +105,9 @@ def to_chat(req: ResponsesRequest) -> ResponsesChat:
             if text:
                 reasoning.append(text)
         else:
-            raise api.invalid(f"input items of type {kind!r} are not supported", where + ".type")
+            raise invalid(f"input items of type {kind!r} are not supported", where + ".type")
     if not items:
-        raise api.invalid("input is empty", "input")
+        raise invalid("input is empty", "input")
     body: dict[str, Any] = {
         "messages": msgs,
         "max_tokens": req.max_output_tokens,
@@ -147,7 +149,7 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out += _tools([x for x in _listed(t.get("tools")) if isinstance(x, dict)])
         elif t.get("type") == "function":
             if not isinstance(t.get("name"), str):
-                raise api.invalid('a function tool needs a "name"', f"tools.{i}")
+                raise invalid('a function tool needs a "name"', f"tools.{i}")
             out.append(api.function_tool(t["name"], t.get("parameters"), t.get("description")))
     return out
 
@@ -161,8 +163,8 @@ def _choice(c: str | dict[str, Any]) -> str | dict[str, Any]:
         return c  # auto / none / required, checked by the chat request
     if c.get("type") == "function" and isinstance(c.get("name"), str):
         return {"type": "function", "function": {"name": c["name"]}}
-    raise api.invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-               "tool_choice")  # fmt: skip
+    raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+           "tool_choice")  # fmt: skip
 
 
 def _text(content: Any, param: str) -> str:
@@ -170,16 +172,16 @@ def _text(content: Any, param: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise api.invalid("content must be a string or a list of parts", param)
+        raise invalid("content must be a string or a list of parts", param)
     parts = []
     for j, p in enumerate(content):
         if not isinstance(p, dict) or p.get("type") not in (*_TEXT_PARTS, "refusal"):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-            raise api.invalid(f"content parts of type {kind!r} are not supported: the model reads text",
-                       f"{param}.{j}")  # fmt: skip
+            raise invalid(f"content parts of type {kind!r} are not supported: the model reads text",
+                   f"{param}.{j}")  # fmt: skip
         value = p.get("refusal") if p.get("type") == "refusal" else p.get("text")
         if not isinstance(value, str):
-            raise api.invalid("a text part needs its text", f"{param}.{j}")
+            raise invalid("a text part needs its text", f"{param}.{j}")
         parts.append(value)
     return "".join(parts)
 
@@ -205,7 +207,7 @@ class ResponsesOutput:
     named_events = True
 
     def __init__(self, model: str, parser: output.ChatOutput, prompt_tokens: int, chat: ResponsesChat) -> None:
-        self.id, self.created, self.model = api.new_id("resp"), api.now(), model
+        self.id, self.created, self.model = new_id("resp"), now(), model
         self.parser, self.prompt_tokens = parser, prompt_tokens
         self.namespaces = chat.namespaces
         self.echo = {"parallel_tool_calls": chat.parallel_tool_calls, "temperature": chat.temperature,
@@ -255,7 +257,7 @@ class ResponsesOutput:
 
     def error(self, e: Exception) -> dict[str, Any]:
         """A failure in the middle of a stream, as the Responses ``error`` event."""
-        body = e.body()["error"] if isinstance(e, ApiError) else api.error_body(
+        body = e.body()["error"] if isinstance(e, ApiError) else error_body(
             f"internal error: {e}", "server_error")["error"]  # fmt: skip
         return self._event("error", code=body["code"] or body["type"], message=body["message"],
                            param=body["param"])  # fmt: skip
@@ -287,11 +289,11 @@ class ResponsesOutput:
         item: dict[str, Any]
         part: dict[str, Any]
         if kind == "message":
-            item = {"id": api.new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
                     "content": []}  # fmt: skip
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
-            item = {"id": api.new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
                     "content": []}  # fmt: skip
             part = {"type": "reasoning_text", "text": ""}
         self.output.append(item)
@@ -317,7 +319,7 @@ class ResponsesOutput:
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         fn = call["function"]
-        item: dict[str, Any] = {"id": api.new_id("fc"), "type": "function_call", "status": "in_progress",
+        item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
                                 "call_id": call["id"], "name": fn["name"], "arguments": ""}  # fmt: skip
         if fn["name"] in self.namespaces:
             item["namespace"] = self.namespaces[fn["name"]]

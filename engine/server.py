@@ -3,7 +3,8 @@ bytes → request → worker → SSE or JSON.
 
 Transport only. Handlers run on the asyncio loop and never touch MLX; rendering and tokenizing run
 in the thread pool, generation on the :class:`engine.worker.Worker` thread (continuous batching).
-Schemas live in ``engine/api.py``; prompts, tool calls, finish reasons and usage in
+Request schemas live in ``engine/api.py``, errors in ``engine/errors.py``, response objects in
+``engine/openai_bodies.py``; prompts, tool calls, finish reasons and usage in
 ``engine/respond.py``; the events a job yields in ``engine/events.py``; the SSE pump and the
 non-streaming collector both endpoints share in ``engine/sse.py``. This is the HTTP edge: any
 exception becomes an OpenAI-shaped (on ``/v1/messages``, Anthropic-shaped) error body here, never a
@@ -25,8 +26,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import api, chat, conn, messages, respond, responses, sse
-from engine.api import ApiError, ChatRequest, CompletionRequest
+from engine import api, chat, conn, messages, openai_bodies, respond, responses, sse
+from engine.api import ChatRequest, CompletionRequest
+from engine.errors import ApiError, error_body
 from engine.events import END
 from engine.http_edge import Auth, ShutdownGuard, error_response, hangup, read_body
 from engine.loading import max_token_chars
@@ -63,7 +65,7 @@ class Server:
         self.worker, self.config, self.keepalive = worker, config, keepalive_seconds
         self.body_timeout = body_timeout_seconds
         self._model_id = model_id
-        self.created = api.now()
+        self.created = openai_bodies.now()
         self.metrics = Metrics(lambda: self.engine.cache.stats() if self.engine else {}, worker)
         self._max_token_chars = 0  # from the tokenizer, once the engine is loaded
         self.template_defaults = template_defaults(config)
@@ -88,7 +90,7 @@ class Server:
         self.metrics.request(endpoint, 500)
         if anthropic:
             return JSONResponse(messages.error_body(e), status_code=500)
-        return JSONResponse(api.error_body(f"internal error: {e}", "server_error"), status_code=500)
+        return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
 
     def _check_chars(self, n_chars: int, param: str) -> None:
         if not self._max_token_chars:
@@ -211,7 +213,7 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         self.metrics.request("models", 200)
-        return JSONResponse(api.models_response(self.model_id, self.created))
+        return JSONResponse(openai_bodies.models_response(self.model_id, self.created))
 
     async def health(self, request: Request) -> Response:
         w = self.worker

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine import respond
-from engine.api import ClientClosed
+from engine.errors import ClientClosed
 from engine.events import END, Chunk, Event, Failed, Hit
 from engine.worker import Job
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.api import ShuttingDown
 from engine.batch import BatchLoop
+from engine.errors import ShuttingDown
 from engine.events import END, Chunk, Event, Failed, SamplingParams, Usage
 from tiered_kv import Config
 

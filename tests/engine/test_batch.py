@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from engine.api import ShuttingDown
 from engine.batch import BatchLoop
 from engine.decoding import FIRST_TEXT_TOKENS
+from engine.errors import ShuttingDown
 from engine.events import Chunk, Event, Failed, Hit, SamplingParams
 from engine.inflight import SHORT_PREFILL
 from tests.engine.batching import (

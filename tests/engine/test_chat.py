@@ -254,7 +254,8 @@ def test_continue_final_leaves_the_assistants_message_open(tiny_tok):
     """vLLM's ``continue_final_message`` (and Anthropic's prefill): the prompt ends inside the last
     message, the assistant's; asked of a conversation that ends with the user's, a 400."""
     from engine import respond
-    from engine.api import ApiError, ChatRequest
+    from engine.api import ChatRequest
+    from engine.errors import ApiError
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
     assert chat.render_chat(tiny_tok, msgs, continue_final=True).endswith("The answer is")

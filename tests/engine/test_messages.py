@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from engine import messages, output
-from engine.api import ApiError
+from engine.errors import ApiError
 from engine.events import Chunk, Hit, Usage
 from engine.generate import Engine
 from tests.serving import AUTH, Scripted, ScriptedTurns, hot_config, serve

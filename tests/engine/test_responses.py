@@ -20,7 +20,7 @@ from openai.types.responses import (
 )
 
 from engine import output, responses
-from engine.api import ApiError
+from engine.errors import ApiError
 from engine.events import Chunk, Usage
 from engine.generate import Engine
 from tests.serving import Scripted, hot_config, serve

@@ -497,7 +497,8 @@ def test_context_length_code(guarded):
 
 def test_a_completion_too_long_for_the_context_names_its_prompt():
     """/v1/completions named ``messages``, a field its body does not have."""
-    from engine.api import ApiError, CompletionRequest
+    from engine.api import CompletionRequest
+    from engine.errors import ApiError
     from engine.respond import sampling
 
     req = CompletionRequest(prompt="word " * 200)

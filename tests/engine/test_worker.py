@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from engine.api import ShuttingDown
+from engine.errors import ShuttingDown
 from engine.events import END, Chunk, Hit
 from engine.generate import Engine, SamplingParams
 from engine.inflight import SHORT_PREFILL
