@@ -121,7 +121,15 @@ def _check_bounds(m: int, n: int, total: int) -> None:
         raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
 
 
-def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = 4,
+#: reader threads of a ranged read (a `both`'s tail: a short span of each of many tensors). On the
+#: H100, 8B 8k, the last 1k-4k tokens with 1 MiB chunks, page cache dropped: 8 readers served
+#: 2.07-2.25 GB/s where 4 served 1.86-2.09 (`bench.tails`), and through the pinned slots 1.29-1.43
+#: against 1.09-1.33 on a slower disk of another H100; on the 2-core CPU VM it made no difference
+#: beyond the noise (a `both` rarely pays there: loading wins)
+RANGE_READERS = 8
+
+
+def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANGE_READERS,
                into: dict[str, np.ndarray] | None = None,
                gpu: Upload | None = None, stop: Stop = None) -> RangeRead:  # fmt: skip
     """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor, token-major.
