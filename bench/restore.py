@@ -13,6 +13,11 @@ what they measured.
     python -m bench.restore --model DIR --tokens 2048,8192
     python -m bench.restore --size 8b --tokens 8192,32768,65536,131072   # random bf16 8B shape
     python -m bench.restore --size 1b --tokens 8192 --repeats 5   # the median of 5 restarts
+    python -m bench.restore --size 8b --tokens 32768 --held 0.25  # memory holds the first 8k tokens
+
+``--held F``: at each restart memory already holds the first ``F`` of the disk hit (a hot entry put in
+place before the request, as another session's shared system prompt would be): compute and both
+start from it, load reads the whole file all the same.
 
 ``--size`` builds the random model with ``engine.models.tiny`` under ``--models-dir`` (once). The table
 goes to stdout; no network, no hub.
@@ -41,6 +46,7 @@ from engine.prefill import fill, prefill
 from tiered_kv import Config, HitInfo, Lease, TieredCache
 from tiered_kv.cold.ranged import resident_share  # page-cache share of the files read
 from tiered_kv.restore.restorer import calibrate  # measured directly: the planner's calibration
+from tiered_kv.tiered import new_entry  # --held: a hot entry put in place before the request
 
 SUFFIX = 32
 
@@ -98,12 +104,17 @@ class Bench:
         tc.close()  # spills the entry and saves the costs
         tc.restorer.close()
 
-    def run(self, tokens: int, ids: list[int], mode: str) -> tuple[float, int, HitInfo]:
+    def run(self, tokens: int, ids: list[int], mode: str, held: int = 0) -> tuple[float, int, HitInfo]:
+        """A restart serving ``ids``; ``held``: memory already holds its first ``held`` tokens
+        (another session's system prompt, computed before the request: not in its TTFT)."""
         # a restart is a fresh process: nothing of the previous run may be freed during this one
         gc.collect()
         mx.clear_cache()
         tc = self.open(tokens, mode)
         try:
+            if held:
+                caches = tiered_kv.drain(self.compute(ids[:held], None))
+                tc.hot.insert(new_entry(ids[:held], caches))
             return self.request(tc, ids)
         finally:
             self.phases = dict(tc.restorer.last_phases)
@@ -146,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=0, help="prefill step (0: the engine's default)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="restarts per mode and page state; the median TTFT is reported")  # fmt: skip
+    ap.add_argument("--held", type=float, default=0.0,
+                    help="share of each prompt's disk hit that memory already holds at the restart "
+                         "(a shorter hot hit: compute and both start from it)")  # fmt: skip
     a = ap.parse_args(argv)
     model_dir = a.model
     if a.size:
@@ -157,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     root = a.dir or Path(tempfile.mkdtemp(prefix="tkv-restore-"))
     bench = Bench(model_dir, root, a.chunk)
     modes, pages = a.modes.split(","), a.pages.split(",")
-    print(f"# restore benchmark: {model_dir.name} on {bench.device}, cache dir {root}")
+    print(f"# restore benchmark: {model_dir.name} on {bench.device}, cache dir {root}"
+          + (f", memory holds the first {a.held:.0%} of each hit" if a.held else ""))  # fmt: skip
     # both's phases (Restorer.last_phases): alloc → head (compute, the read beside it) → wait (for
     # the read after the compute) → join; read = the I/O thread's time; suffix = the prefill after
     print(
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(a.repeats):  # in rounds: drift of the machine touches every mode alike
                 for mode in modes:
                     share = set_pages(root / f"t{t}", state)
-                    ttft, tok, hit = bench.run(t, prompt, mode)
+                    ttft, tok, hit = bench.run(t, prompt, mode, int(a.held * t))
                     runs[mode].append((ttft, tok, hit, bench.phases, bench.suffix_s, share))
             for mode in modes:  # the row is the median run's
                 rs = sorted(runs[mode], key=lambda r: r[0])
@@ -207,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         near = max(tt["load"], tt["compute"]) <= 2 * best
         both = tt.get("both", float("nan")) / best
         auto = tt.get("auto", float("nan")) / best
-        goals = [f"auto {'ok' if auto <= 1.05 else 'MISSED'}"]
-        if near:
+        goals = [f"auto {'ok' if auto <= 1.05 else 'MISSED'}"] if "auto" in tt else []
+        if near and "both" in tt:
             goals.append(f"both {'ok' if both <= 0.8 else 'MISSED'} (within 2x)")
         print(f"| {t} | {state} | {best:.3f} | {both:.2f} | {auto:.2f} | {', '.join(goals)} |")
     if a.dir is None:

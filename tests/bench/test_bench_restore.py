@@ -15,3 +15,20 @@ def test_restore_bench_smoke(tiny_model_dir, tmp_path, capsys):
     assert all("DIFF" not in r for r in rows)  # greedy token equal whichever way
     assert any("| both (" in r and "| cold |" in r for r in rows)
     assert any("| compute (600) | none |" in r for r in rows)
+
+
+def test_restore_bench_with_a_memory_held_prefix(tiny_model_dir, tmp_path, capsys):
+    """``--held``: memory holds the first half of the hit at each restart; `both` computes from
+    there (its split lies past it) and the greedy token is the same whichever way."""
+    argv = ["--model", str(tiny_model_dir), "--tokens", "600", "--dir", str(tmp_path),
+            "--pages", "cold", "--chunk", "64", "--modes", "load,compute,both", "--held", "0.5"]  # fmt: skip
+    assert restore.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "memory holds the first 50% of each hit" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 600 | cold (")]
+    assert len(rows) == 3 and all("DIFF" not in r for r in rows)
+    (summary,) = [r for r in out.splitlines() if r.startswith("| 600 | cold |")]
+    assert "auto" not in summary  # no goal is said of a mode that did not run
+    (both,) = [r for r in rows if "| both |" in r]
+    m = int(both.split("| both (")[1].split(")")[0])
+    assert 300 < m < 600 and "| cold |" in both
