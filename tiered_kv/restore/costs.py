@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.cold import fsafe
+from tiered_kv.cold import backend, fsafe
 from tiered_kv.restore.plan import WARM, Learned, PrefillCost, ReadCost
 
 log = logging.getLogger(__name__)
@@ -323,7 +323,7 @@ class CostBook:
             return
         body = {"version": VERSION, "fingerprint": self.fingerprint, "machine": self.machine_desc,
                 "observations": self.obs}  # fmt: skip
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
+        tmp = backend.temp_path(self.path, os.getpid())  # swept as the entries' when its writer died
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,31 @@ def test_persisted_per_fingerprint_and_machine(tmp_path):
     assert b.learned == a.learned and b.learned.load_cold.bytes_per_s == pytest.approx(1e9)
     assert b.learned.load_warm.bytes_per_s == pytest.approx(1e10)
     assert CostBook(path, "other-model").learned.prefill is None
+
+
+def test_a_save_cut_short_leaves_a_temp_file_the_sweep_knows(tmp_path, monkeypatch):
+    """A process killed between writing the costs' temp file and renaming it left
+    ``.costs-….json.<pid>.new``, a name of its own that the cache dir's sweep of dead writers'
+    temp files (:func:`verify.stale_temp`) did not know: it stayed for ever."""
+    from tiered_kv.cold import backend, verify
+
+    path = CostBook.file_for(tmp_path)
+    book = CostBook(path, "fp")
+
+    seen: list[Path] = []
+
+    def killed(src, dst):  # the rename never happens: the writer died first
+        seen.append(Path(src))
+        raise OSError("killed")
+
+    monkeypatch.setattr(os, "replace", killed)
+    book.observe_prefill(1000, 0, 0.5)  # saved at once (the first save is not throttled)
+    book.save(force=True)
+    monkeypatch.undo()
+    tmp = seen[-1]
+    assert backend.temp_writer(tmp.name) == os.getpid() and tmp.parent == path.parent
+    tmp.write_text("{}")  # as the dead writer left it
+    assert tmp in verify.temp_files(tmp_path)
 
 
 @pytest.mark.parametrize(
