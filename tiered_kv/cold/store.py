@@ -156,11 +156,11 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
     """Check the JSON header ``raw`` of a file of ``size`` bytes (checksum, offsets, size,
     version, fingerprint, every tensor declared by the layers / checkpoints metadata:
     :mod:`tiered_kv.declared`). Raises CorruptEntry / ForeignEntry."""
-    try:
+    try:  # RecursionError: JSON nested past Python's stack (no checksum is needed for that)
         header = json.loads(raw)
         meta = dict(header.pop("__metadata__"))
         claimed = meta.pop("header_xxh")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CorruptEntry(f"unparsable header: {e!r}") from None
     if not all(isinstance(v, str) for v in meta.values()):
         raise CorruptEntry("metadata values must be strings")
@@ -181,7 +181,10 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
     n = len(raw)
     if size != 8 + n + data_len:
         raise CorruptEntry(f"file size {size} != {8 + n + data_len} (truncated or padded)")
-    if header.get("tokens", {}).get("shape") != [int(meta.get("n_tokens", -1))]:
+    n_tokens = meta.get("n_tokens", "")
+    if not (n_tokens.isascii() and n_tokens.isdigit()) or header.get("tokens", {}).get("shape") != [
+        int(n_tokens)
+    ]:
         raise CorruptEntry("tokens tensor does not match n_tokens")
     out = Header(header, meta, 8 + n, data_len, _token_major(header, meta))
     chunk = out.chunk_bytes if meta.get("chunk_bytes", "").isdigit() else 0
@@ -217,11 +220,13 @@ def _check_tensors(tensors: dict[str, Any]) -> int:
     spans = []
     for name, t in tensors.items():
         try:
-            dims = [int(d) for d in t["shape"]]
-            start, stop = (int(v) for v in t["data_offsets"])
+            dims, (start, stop) = list(t["shape"]), t["data_offsets"]
             width = ITEMSIZE[t["dtype"]]
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptEntry(f"tensor {name!r}: {e!r}") from None
+        # JSON integers only: readers slice and shape with them as they are (1.0, 1e400: no size)
+        if not all(type(v) is int for v in (*dims, start, stop)):
+            raise CorruptEntry(f"tensor {name!r}: shape and offsets must be integers")
         # Python's ints: a product of int64s wraps (2^22 x 2^22 x 2^20 elements passed as 0 bytes)
         if any(d < 0 for d in dims) or stop - start != math.prod(dims) * width:
             raise CorruptEntry(f"tensor {name!r}: offsets do not match shape")

@@ -3,13 +3,20 @@ redis-server: the shared tier end to end in one process (the server-level test i
 
 from __future__ import annotations
 
+import json
+import struct
+
 import numpy as np
+import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.fixtures import cold_logits, prefill_turn, tokens
+from tiered_kv.cold import store
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
+from tiered_kv.shared import entry
 from tiered_kv.shared.link import SharedLink
+from tiered_kv.shared.redis_tier import SharedTier
 from tiered_kv.tiered import TieredCache
 
 FP = "test-fingerprint"
@@ -124,3 +131,54 @@ def test_spilled_entry_is_published_off_the_request_path(small_model, tmp_path, 
     assert a.shared is not None and a.shared.flush(30)  # type: ignore[attr-defined]
     assert a.stats()["shared_publishes"] == 1 and _entry_keys(redis_server, "e")
     a.close()
+
+
+def _resigned(raw: bytes, edit) -> bytes:
+    """``raw`` with its header edited by ``edit`` and signed again (the checksum is a public xxh3:
+    anyone who can write to Redis can make one)."""
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
+    edit(head)
+    new = store.header_bytes(head, meta)
+    return struct.pack("<Q", len(new)) + new + raw[8 + n :]
+
+
+def _floats(key: str):
+    def edit(head):
+        head["tokens"][key] = [float(v) for v in head["tokens"][key]]
+
+    return edit
+
+
+def _infinite(head):
+    head["tokens"]["shape"] = [float("inf")]
+
+
+FORGED = {
+    "float offsets": lambda raw: _resigned(raw, _floats("data_offsets")),
+    "float shape": lambda raw: _resigned(raw, _floats("shape")),
+    "infinite shape": lambda raw: _resigned(raw, _infinite),
+    "nested header": lambda raw: struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000 + raw,
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGED))
+def test_a_forged_header_is_a_miss_not_a_failed_request(small_model, tmp_path, redis_server, forgery):
+    """Entry headers another writer put in Redis, re-signed: JSON numbers that are no integers
+    (a TypeError slicing, an OverflowError, MLX's ``std::bad_cast`` building the arrays) or a
+    header nested past Python's stack (RecursionError) escaped the checks as exceptions of other
+    types than CorruptEntry, out of the shared fetch into the request: a 500. They are corrupt."""
+    p = tokens(67, 64)
+    a = open_tc(small_model, tmp_path / "a", None)
+    prefill_turn(a, small_model, p)
+    a.close()
+    (path,) = (tmp_path / "a").rglob("*.safetensors")
+    fp = a.cold.fingerprint
+    other = SharedTier(redis_server.url, fp, 16, entry.checker(fp))
+    assert other.publish(FORGED[forgery](path.read_bytes()), p)
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    assert_miss_then_correct(small_model, b, p + [3])
+    assert b.stats()["shared_corrupt"] == 1 and b.stats()["cold_entries"] == 0
+    b.close()
+
