@@ -352,6 +352,10 @@ class ColdTier:
         except (store.CorruptEntry, layers.CorruptState, layers.UnsupportedCache) as e:
             self.faults.once("adopt", "shared entry refused by the cold tier: %s", e)
             return None
+        except RuntimeError as e:  # MLX refused the arrays' memory (CUDA: out of memory): a miss
+            self.faults.count("load_errors")
+            self.faults.once("load:memory", "shared entry not loaded: %s", e)
+            return None
         if len(ids) >= self.block_tokens:
             job = Raw(ids, data)
             self.writer.submit(lambda: self._write(job), job.nbytes)

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.fixtures import cold_logits, prefill_turn, tokens
-from tiered_kv.cold import store
+from tiered_kv.cold import codec, store
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.shared import entry
@@ -182,3 +182,21 @@ def test_a_forged_header_is_a_miss_not_a_failed_request(small_model, tmp_path, r
     assert b.stats()["shared_corrupt"] == 1 and b.stats()["cold_entries"] == 0
     b.close()
 
+
+def test_arrays_mlx_cannot_allocate_for_a_shared_entry_are_a_miss(small_model, tmp_path, redis_server,
+                                                                   monkeypatch):
+    """On CUDA a fetched entry larger than the free GPU memory fails its allocation
+    (RuntimeError): the cold tier's own load counts that as a miss, its ``adopt`` of a shared
+    entry let it out of the request — a 500."""
+    p = tokens(68, 64)
+    publish_from_a(small_model, tmp_path, redis_server.url, p)
+
+    def refused(*a, **k):
+        raise RuntimeError("[cuda::malloc] out of memory")
+
+    monkeypatch.setattr(codec, "load_buffer", refused)
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    assert_miss_then_correct(small_model, b, p + [3])
+    assert b.stats()["cold_load_errors"] == 1
+    assert b.stats()["shared_corrupt"] == 0 and _entry_keys(redis_server, "e")  # not unlinked
+    b.close()
