@@ -12,10 +12,13 @@ format, stored-KV quantisation, cache salt), so tenants with different fingerpri
 
 **Publish** writes the chunks first, then ``t:`` / ``e:`` / ``b:`` in one MULTI/EXEC: a reader that
 finds an index key finds every chunk, unless Redis evicted one since — then the hit is a miss.
-**Lookup** is two round trips: MGET of the prompt's block keys, then (pipelined) the token prefix and
-meta of at most three candidate entries, deepest first; token ids are compared exactly. **Fetch**
-reads every chunk straight into the entry's buffer (:mod:`bulk`) and runs ``check`` — the entry format's own
-checks (header checksum, fingerprint, data digests) returning its token ids — before anything is
+**Lookup** is at most three round trips: the prompt's block keys (only an id's length of each),
+then (pipelined) the token prefix and the facts' lengths of at most three candidate entries, deepest
+first — token ids are compared exactly — then the facts of those that matched, once their lengths
+showed them numbers (what Redis holds is data: any value may be 512 MB; a field rewritten between
+the two reads is the one read left unbounded). **Fetch** reads every chunk straight into the
+entry's buffer (:mod:`bulk`) and runs ``check`` — the entry format's own checks (header checksum,
+fingerprint, data digests) returning its token ids, which must be the index's — before anything is
 returned. Capacity and eviction are Redis's own (``maxmemory`` + an LRU policy).
 
 Threads: ``lookup`` / ``fetch`` run on the request thread, ``publish`` on the publisher thread
@@ -36,7 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -62,7 +65,9 @@ MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
-_EID = re.compile(rb"^[0-9a-f]{32}$")  # entry ids read from Redis are data: checked
+_EID_LEN = 32
+_EID = re.compile(rb"[0-9a-f]{%d}" % _EID_LEN)  # entry ids read from Redis are data: checked
+_MAX_FACT = 20  # digits of an entry's fact (an int64): a longer field is never read
 FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")  # an entry's facts in its e: hash
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
@@ -79,6 +84,8 @@ class SharedHit:
     nbytes: int
     nchunks: int
     chunk_bytes: int
+    #: the index's token ids (int32 LE) as the lookup read them: the verified entry must hold them
+    indexed: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -168,32 +175,51 @@ class SharedTier:
         return hit
 
     def _lookup(self, tokens: np.ndarray, hashes: Sequence[int]) -> SharedHit | None:
-        pointers = self.client.mget(self._block_keys(hashes))
+        cands = self._candidates(hashes)
+        if not cands:
+            return None
+        pipe = self.client.pipeline(transaction=False)
+        for eid in cands:  # the facts' lengths before the facts: values of any size are data
+            pipe.getrange(self.key("t", eid), 0, 4 * len(tokens) - 1)
+            for f in FIELDS:
+                pipe.hstrlen(self.key("e", eid), f)
+        replies = pipe.execute(raise_on_error=False)  # a key of another type: that one skipped
+        step, ranked = 1 + len(FIELDS), []
+        for i, eid in enumerate(cands):
+            raw, lengths = replies[i * step], replies[i * step + 1 : (i + 1) * step]
+            if not isinstance(raw, bytes) or not all(
+                isinstance(k, int) and 0 < k <= _MAX_FACT for k in lengths
+            ):
+                continue  # a pointer to an entry Redis evicted (or a half-deleted one): skip it
+            raw = raw[: len(raw) // 4 * 4]
+            n = common_prefix(np.frombuffer(raw, dtype="<i4"), tokens)
+            if n > 0:
+                ranked.append((n, eid, raw))
+        ranked.sort(key=lambda r: -r[0])  # stable: the deepest block's entry first on a tie
+        pipe = self.client.pipeline(transaction=False)
+        for _, eid, _ in ranked:
+            pipe.hmget(self.key("e", eid), list(FIELDS))
+        metas = pipe.execute(raise_on_error=False) if ranked else []
+        for (n, eid, raw), meta in zip(ranked, metas, strict=True):
+            facts = facts_of(meta) if isinstance(meta, list) else None
+            if facts is not None:
+                return SharedHit(eid, n, *facts, indexed=raw)
+        return None
+
+    def _candidates(self, hashes: Sequence[int]) -> list[str]:
+        """Entry ids the prompt's block keys name, deepest first (at most ``_CANDIDATES``). Only
+        an id's length is read of each value (a block key is another writer's data: 512 MB)."""
+        pipe = self.client.pipeline(transaction=False)
+        for name in self._block_keys(hashes):
+            pipe.getrange(name, 0, _EID_LEN)  # one byte past an id: a longer value is no id
         cands: list[str] = []
-        for raw in reversed(pointers):  # deepest block first
-            eid = raw.decode() if isinstance(raw, bytes) and _EID.match(raw) else None
+        for raw in reversed(pipe.execute(raise_on_error=False)):
+            eid = raw.decode() if isinstance(raw, bytes) and _EID.fullmatch(raw) else None
             if eid is not None and eid not in cands:
                 cands.append(eid)
                 if len(cands) == _CANDIDATES:
                     break
-        if not cands:
-            return None
-        pipe = self.client.pipeline(transaction=False)
-        for eid in cands:
-            pipe.getrange(self.key("t", eid), 0, 4 * len(tokens) - 1)
-            pipe.hmget(self.key("e", eid), list(FIELDS))
-        replies = pipe.execute()
-        best: SharedHit | None = None
-        for i, eid in enumerate(cands):
-            raw, meta = replies[2 * i], replies[2 * i + 1]
-            facts = facts_of(meta)
-            if not raw or facts is None:
-                continue  # a pointer to an entry Redis evicted (or a half-deleted one): skip it
-            stored = np.frombuffer(raw[: len(raw) // 4 * 4], dtype="<i4")
-            n = common_prefix(stored, tokens)
-            if n > 0 and (best is None or n > best.tokens):
-                best = SharedHit(eid, n, *facts)
-        return best
+        return cands
 
     def fetch(self, hit: SharedHit) -> Fetched | None:
         """The entry's verified bytes and token ids, or None: a chunk missing (evicted), corrupt
@@ -218,7 +244,7 @@ class SharedTier:
             self._unlink(hit.entry_id, hit.nchunks)
             return None
         if held == "corrupt":
-            return self._corrupt(hit.entry_id, "its facts or chunks are no entry's")
+            return self._corrupt(hit, "its facts or chunks are no entry's")
         names = [self.key("c", hit.entry_id, i) for i in range(hit.nchunks)]
         try:
             buf = bytearray(size)
@@ -232,7 +258,7 @@ class SharedTier:
             try:
                 got = bulk.get_into(self.client, name, view[lo : lo + chunk], deadline)
             except ValueError as e:
-                return self._corrupt(hit.entry_id, f"chunk {i}: {e}")
+                return self._corrupt(hit, f"chunk {i}: {e}")
             except TimeoutError:
                 self._count("timeouts")
                 self._once("slow", "shared tier too slow: fetch of %d bytes abandoned (a miss)", size)
@@ -244,14 +270,18 @@ class SharedTier:
         try:
             tokens = self.check(view)
         except ValueError as e:
-            return self._corrupt(hit.entry_id, str(e))
+            return self._corrupt(hit, str(e))
+        # each checks out alone, but the index named ids the entry does not hold
+        if len(tokens) != hit.entry_tokens or tokens.tobytes()[: len(hit.indexed)] != hit.indexed:
+            return self._corrupt(hit, "its token ids are not its index's")
         return Fetched(buf, tokens)
 
-    def _corrupt(self, eid: str, why: str) -> Fetched | None:
-        """Count, log once, unlink the entry's index (so no other server trips on it): a miss."""
+    def _corrupt(self, hit: SharedHit, why: str) -> Fetched | None:
+        """Count, log once, unlink the entry, chunks too (so no other server trips on it, and
+        no byte of it stays where nothing reads it): a miss."""
         self._count("corrupt")
-        self._once("corrupt", "shared entry %s is corrupt, unlinked (a miss): %s", eid, why)
-        self.client.delete(self.key("e", eid), self.key("t", eid))
+        self._once("corrupt", "shared entry %s is corrupt, unlinked (a miss): %s", hit.entry_id, why)
+        self._unlink(hit.entry_id, hit.nchunks)
         return None
 
     # -- publisher thread ------------------------------------------------------------------

@@ -328,3 +328,84 @@ def test_a_read_past_its_deadline_stops_inside_a_chunk(redis_server):
     with pytest.raises(TimeoutError):
         bulk.get_into(c, "big", out, deadline=time.monotonic() - 1)
     assert bulk.get_into(c, "big", out, deadline=time.monotonic() + 30) == 4 << 20
+
+
+def test_an_entry_not_holding_the_indexed_tokens_is_corrupt(redis_server):
+    """Another writer indexed an entry under token ids its bytes do not hold (each checks out
+    alone): the fetch handed it over, so a request dropped its memory hit for a "shared hit" of
+    0 tokens, and the lying index stayed for every server. The verified ids must be the index's."""
+    t = tier(redis_server.url)
+    toks, other = ids(34, 64), ids(35, 64)
+    assert t.publish(entry(other), toks)
+    hit = t.lookup(toks)
+    assert hit is not None and hit.tokens == 64
+    assert t.fetch(hit) is None and t.stats()["corrupt"] == 1
+    assert t.lookup(toks) is None  # unlinked: nobody else fetches it
+
+
+def test_a_corrupt_entry_leaves_no_chunks_behind(redis_server):
+    """A corrupt entry's index was unlinked but its chunks kept: under ``noeviction`` (or until
+    LRU reached them) its bytes held Redis memory that nothing could ever read."""
+    t = tier(redis_server.url)
+    toks = ids(36, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    redis_server.client().setrange(t.key("c", hit.entry_id, 2), 10, b"\xff")
+    assert t.fetch(hit) is None and t.stats()["corrupt"] == 1
+    assert redis_server.client().keys(f"*{hit.entry_id}*") == []
+
+
+def _sent(client) -> int:
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+def test_a_huge_block_pointer_is_never_read(redis_server):
+    """A block key holding 8 MB (another writer's, or an attacker's) was read whole by the
+    lookup's MGET — one per block of the prompt, each up to Redis's 512 MB value limit: a
+    lookup could pull gigabytes into the request. An entry id is 32 bytes; nothing more is read."""
+    t = tier(redis_server.url)
+    toks = ids(37, 64)
+    t.publish(entry(toks), toks)
+    c = redis_server.client()
+    hashes = redis_tier.keys.block_hashes(redis_tier.keys.as_int32(toks), BLOCK, t.seed)
+    for h in hashes:
+        c.set(t.key("b", f"{h:016x}"), b"0" * (8 << 20))
+    before = _sent(c)
+    assert t.lookup(toks) is None
+    assert _sent(c) - before < 1 << 20
+
+
+def test_huge_entry_facts_are_never_read(redis_server):
+    """An entry's ``e:`` hash with an 8 MB field value was read whole by the lookup's HMGET (four
+    fields of up to 512 MB, for each of three candidates). Facts are numbers: longer ones are
+    not read, and the entry is no candidate."""
+    t = tier(redis_server.url)
+    toks = ids(38, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    c = redis_server.client()
+    c.hset(t.key("e", hit.entry_id), "nbytes", b"1" * (8 << 20))
+    before = _sent(c)
+    assert t.lookup(toks) is None
+    assert _sent(c) - before < 1 << 20
+
+
+def test_a_key_of_another_type_blocks_neither_lookup_nor_publish(redis_server):
+    """An entry's ``t:`` key replaced by a hash (another writer's layout): the lookup's pipeline
+    raised WRONGTYPE for all its candidates — every lookup of the prefix an error — and so did
+    the publisher's, so the prefix could never be published again."""
+    t = tier(redis_server.url)
+    toks = ids(39, 64)
+    t.publish(entry(toks[:32]), toks[:32])
+    old = t.lookup(toks[:32])
+    assert old is not None
+    c = redis_server.client()
+    c.delete(t.key("t", old.entry_id))
+    c.hset(t.key("t", old.entry_id), "x", "y")
+    assert t.lookup(toks) is None
+    assert t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None and hit.tokens == 64 and t.fetch(hit) is not None
+    assert t.stats()["errors"] == 0
