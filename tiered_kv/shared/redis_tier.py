@@ -25,9 +25,9 @@ Threads: ``lookup`` / ``fetch`` run on the request thread, ``publish`` on the pu
 (:mod:`tiered_kv.shared.publisher`); the redis client is thread-safe (a connection pool).
 
 Faults: every call is bounded by the socket timeout (``TIERED_KV_SHARED_TIMEOUT``), resolving the
-host name included (:mod:`resolve`); a connection error or timeout marks Redis down for an
-exponential backoff (1 s doubling to 30 s) during which calls are skipped at once (counted
-``skipped_down``); the outage is logged once and its end once.
+host name included (:mod:`resolve`); a connection error or timeout (a fetch past its deadline
+too) marks Redis down for an exponential backoff (1 s doubling to 30 s) during which calls are
+skipped at once (counted ``skipped_down``); the outage is logged once and its end once.
 A corrupt entry (``check`` raised ``ValueError``) is counted, logged once and unlinked from Redis.
 """
 
@@ -259,10 +259,9 @@ class SharedTier:
                 got = bulk.get_into(self.client, name, view[lo : lo + chunk], deadline)
             except ValueError as e:
                 return self._corrupt(hit, f"chunk {i}: {e}")
-            except TimeoutError:
-                self._count("timeouts")
+            except TimeoutError:  # as slow as down: a backoff, or every request waits as long
                 self._once("slow", "shared tier too slow: fetch of %d bytes abandoned (a miss)", size)
-                return None
+                raise
             if got is None:
                 self._count("misses_evicted")  # evicted meanwhile: the entry is gone
                 self._unlink(hit.entry_id, hit.nchunks)

@@ -409,3 +409,31 @@ def test_a_key_of_another_type_blocks_neither_lookup_nor_publish(redis_server):
     hit = t.lookup(toks)
     assert hit is not None and hit.tokens == 64 and t.fetch(hit) is not None
     assert t.stats()["errors"] == 0
+
+
+def test_a_fetch_timing_out_starts_the_backoff(redis_server, monkeypatch):
+    """Redis stalls in the middle of a fetch: the read timed out (the fetch's own deadline, or
+    the socket's) and was counted, but Redis was not marked down — so the next request paid the
+    full timeout again (a trickling link: every request, each up to its whole deadline)."""
+    t = tier(redis_server.url, timeout=0.3)
+    toks = ids(40, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None and hit.nchunks > 2
+    real = redis_tier.bulk.get_into
+    calls = []
+
+    def get_into(*a, **k):  # the fault: Redis stops answering after the first chunk
+        calls.append(1)
+        if len(calls) == 2:
+            redis_server.stop_signal(signal.SIGSTOP)
+        return real(*a, **k)
+
+    monkeypatch.setattr(redis_tier.bulk, "get_into", get_into)
+    try:
+        assert t.fetch(hit) is None
+        assert t.lookup(toks) is None  # in backoff: not tried
+    finally:
+        redis_server.stop_signal(signal.SIGCONT)
+    s = t.stats()
+    assert s["timeouts"] == 1 and s["outages"] == 1 and s["skipped_down"] == 1 and s["up"] == 0
