@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from tiered_kv import background as threads
 from tiered_kv import checkpoints, layers, policy
 from tiered_kv.config import Config
 from tiered_kv.hot import Entry, HotTier, cache_bytes
@@ -211,7 +212,7 @@ class TieredCache:
                 hit = None  # still indexed (unreadable, out of memory): not read again
             cold_n = policy.servable_tokens(hit.tokens, len(prompt)) if hit is not None else 0
             if self.shared is not None and not policy.serves_all(max(hot_n, cold_n), len(prompt)):
-                shared = self._load_shared(prompt, max(hot_n, cold_n))  # [shared tier]
+                shared = yield from self._load_shared(prompt, max(hot_n, cold_n), background)
                 if shared is not None:
                     return shared
             if hit is None or cold_n <= hot_n:
@@ -293,16 +294,27 @@ class TieredCache:
         cold: Any = self.cold
         return (yield from cold.load_steps(hit, beside=True))
 
-    def _load_shared(self, prompt: TokenArray, floor: int) -> _Candidate | None:
+    def _load_shared(
+        self, prompt: TokenArray, floor: int, background: bool
+    ) -> Steps[_Candidate | None]:
         """[shared tier, issue 17] The shared tier's longest hit when it serves more than
-        ``floor`` tokens: fetched (verified bytes), then adopted by the local cold tier — decoded
-        there and queued to be written locally, so the next restart finds it on the disk."""
+        ``floor`` tokens: fetched (verified bytes; with ``background`` on a thread of its own, so
+        the batch's decode steps go on while a large entry crosses the network), then adopted by
+        the local cold tier — decoded there and queued to be written locally, so the next restart
+        finds it on the disk."""
         assert self.shared is not None and self.cold is not None
-        hit = self.shared.lookup(prompt)
+        shared = self.shared
+        hit = shared.lookup(prompt)
         if hit is None or policy.servable_tokens(hit.tokens, len(prompt)) <= floor:
             return None
         t0 = time.perf_counter()
-        fetched = self.shared.fetch(hit)
+        if background:
+            call = threads.Call(lambda: shared.fetch(hit), "tkv-shared-fetch")
+            while not call.done():
+                yield
+            fetched = call.result()
+        else:
+            fetched = shared.fetch(hit)
         if fetched is None:
             return None  # evicted, corrupt, Redis down or slow: counted by the shared tier
         got = self.cold.adopt(fetched.data, fetched.tokens)

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from tests.fixtures import cold_logits, prefill_turn, tokens
+from tests.fixtures import cold_logits, prefill, prefill_turn, tokens
 from tiered_kv.cold import codec, store
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.shared import entry
 from tiered_kv.shared.link import SharedLink
+from tiered_kv.shared import redis_tier
 from tiered_kv.shared.redis_tier import SharedTier
+from tiered_kv.steps import drain
 from tiered_kv.tiered import TieredCache
 
 FP = "test-fingerprint"
@@ -199,4 +202,37 @@ def test_arrays_mlx_cannot_allocate_for_a_shared_entry_are_a_miss(small_model, t
     assert_miss_then_correct(small_model, b, p + [3])
     assert b.stats()["cold_load_errors"] == 1
     assert b.stats()["shared_corrupt"] == 0 and _entry_keys(redis_server, "e")  # not unlinked
+    b.close()
+
+
+def test_a_shared_fetch_runs_beside_the_callers_steps(small_model, tmp_path, redis_server, monkeypatch):
+    """A batch loop's fetch_steps: while a large entry crosses the network, each next() returns
+    (the loop's decode steps go on); the fetch is a thread of its own, the arrays are built after."""
+    p = tokens(66, 70)
+    publish_from_a(small_model, tmp_path, redis_server.url, p)
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    started, release, fetchers = threading.Event(), threading.Event(), []
+    real = redis_tier.bulk.get_into
+
+    def slow(*a, **k):  # the fault: a link that holds the entry's bytes until released
+        fetchers.append(threading.current_thread())
+        started.set()
+        release.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(redis_tier.bulk, "get_into", slow)
+    ids = p + tokens(61, 7)
+    steps = b.fetch_steps(ids)
+    next(steps)  # the lookups, then the fetch set going
+    assert started.wait(10)
+    for _ in range(3):  # each returns while the fetch waits on the link
+        next(steps)
+    assert threading.current_thread() not in fetchers and not release.is_set()
+    release.set()
+    lease = drain(steps)
+    assert lease.hit.tier == "shared" and lease.hit.tokens == len(p)
+    fed = ids[: lease.hit.tokens]
+    logits = np.array(prefill(small_model, lease, fed, 16))
+    np.testing.assert_allclose(logits, cold_logits(small_model, ids), rtol=1e-4, atol=1e-4)
+    b.store(lease, fed)
     b.close()
