@@ -15,9 +15,8 @@ from tests.fixtures import cold_logits, prefill, prefill_turn, tokens
 from tiered_kv.cold import codec, store
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
-from tiered_kv.shared import entry
+from tiered_kv.shared import entry, redis_tier
 from tiered_kv.shared.link import SharedLink
-from tiered_kv.shared import redis_tier
 from tiered_kv.shared.redis_tier import SharedTier
 from tiered_kv.steps import drain
 from tiered_kv.tiered import TieredCache
