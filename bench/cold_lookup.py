@@ -40,7 +40,8 @@ def bench_lookup(root: Path, entries: int, prompt_tokens: int, entry_tokens: int
             toks = np.concatenate([system, tail])
         blocks = tuple(keys.block_hashes(toks, cfg.block_tokens, tier.seed))
         batch.append(
-            (Record(f"e{i}", f"e{i}.safetensors", len(toks), 0, i, i, blocks), toks.tobytes())
+            (Record(f"e{i}", f"e{i}.safetensors", len(toks), 0, i, i, blocks, trimmable=True),
+             toks.tobytes())
         )
         if len(batch) == 1000:
             tier.index.add_many(batch)
@@ -60,7 +61,8 @@ def bench_lookup(root: Path, entries: int, prompt_tokens: int, entry_tokens: int
         toks = rng.integers(0, 50_000, entry_tokens, dtype=np.int32)
         blocks = tuple(keys.block_hashes(toks, cfg.block_tokens, tier.seed))
         other.add(
-            Record(f"x{i}", f"x{i}.safetensors", len(toks), 0, 1e9, 1e9, blocks), toks.tobytes()
+            Record(f"x{i}", f"x{i}.safetensors", len(toks), 0, 1e9, 1e9, blocks, trimmable=True),
+            toks.tobytes(),
         )
         t = time.perf_counter()
         tier.lookup(prompt)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,12 +40,15 @@ class ColdHitLike(Protocol):
     entry_id: str
     tokens: int
     entry_tokens: int
+    serves: int  # prompt tokens the entry can serve (policy.servable)
 
 
 class ColdStore(Protocol):
     """What TieredCache needs of ``tiered_kv.cold.tier.ColdTier``."""
 
-    def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> Any: ...
+    def lookup(
+        self, prompt_ids: Sequence[int] | np.ndarray, exclude: Collection[str] = ()
+    ) -> Any: ...
     def load(self, hit: Any) -> Any: ...
     def spill(
         self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None,
@@ -200,17 +203,16 @@ class TieredCache:
         """The best candidate of the tiers for ``prompt``. A disk hit that turns out corrupt or
         gone at load time left the index (quarantined / dropped by the cold tier), so the tiers
         are asked again: the next lookup names the next best entry (at most
-        :data:`_DISK_TRIES` disk entries per fetch; one still indexed is not tried twice)."""
+        :data:`_DISK_TRIES` disk entries per fetch; one still indexed — unreadable, out of
+        memory — is excluded from the next lookups, never read twice)."""
         cand = self._hot_candidate(prompt, count=True)
         tried: set[str] = set()
         while self.cold is not None and len(tried) < _DISK_TRIES:
             hot_n = cand.serves(len(prompt)) if cand else 0
             if policy.serves_all(hot_n, len(prompt)):
                 break
-            hit = self.cold.lookup(prompt)
-            if hit is not None and hit.entry_id in tried:
-                hit = None  # still indexed (unreadable, out of memory): not read again
-            cold_n = policy.servable_tokens(hit.tokens, len(prompt)) if hit is not None else 0
+            hit = self.cold.lookup(prompt, exclude=tried)
+            cold_n = hit.serves if hit is not None else 0
             if self.shared is not None and not policy.serves_all(max(hot_n, cold_n), len(prompt)):
                 shared = yield from self._load_shared(prompt, max(hot_n, cold_n), background)
                 if shared is not None:
@@ -247,8 +249,7 @@ class TieredCache:
         if r is None:
             return (yield from self._load(hit, prompt, background))
         assert self.cold is not None
-        n = policy.servable_tokens(hit.tokens, len(prompt))
-        d = r.plan(self.cold, hit, n, len(prompt), hot_n)
+        d = r.plan(self.cold, hit, hit.serves, len(prompt), hot_n)
         if d.kind == "compute":
             return _Candidate(None, 0, "none", restore=d)  # type: ignore[arg-type]
         if d.kind == "both":

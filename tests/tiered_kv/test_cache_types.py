@@ -155,7 +155,7 @@ def test_checkpoints_on_disk_keep_to_their_share(tmp_path):
     assert max(on_disk) == max(entry.checkpoints)  # the latest are kept
     tc.close()
     tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
-    got = tc.cold.load(tc.cold.lookup(with_eos(11, 64)))
+    got = tc.cold.load(tc.cold.lookup(with_eos(11, 64) + [5]))  # a prompt the entry serves
     assert sorted(got.checkpoints) == sorted(on_disk)
     tc.cold.close()
 

@@ -4,6 +4,7 @@ test_hot.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -339,4 +340,65 @@ def test_a_disk_hit_that_fails_to_load_gives_way_to_the_next_entry(small_model, 
     np.testing.assert_allclose(logits, cold_logits(small_model, ids), **TOL)
     want = {"corrupt": "cold_quarantined", "vanished": "cold_misses_missing"}[damage]
     assert b.stats()[want] == 1
+    b.close()
+
+
+def test_a_disk_entry_that_cannot_be_cut_back_never_displaces_a_hot_hit(tmp_path):
+    """A sliding-window entry on the disk (gemma-3: past its window it cannot be cut back) shared a
+    longer prefix with the prompt than the hot entry, but diverged before its end with no
+    checkpoint there: it serves nothing. The lookup reported its common prefix, so the disk hit
+    was taken over the hot one (which serves its whole length), loaded for nothing, and the
+    request got no hit at all."""
+    from tests.fixtures import gemma
+
+    m = gemma()
+    tc = open_tc(m, tmp_path)
+    base, a = tokens(90, 40), tokens(91, 20)
+    prefill_turn(tc, m, base + a)  # D: 60 tokens, past the window of 16, no checkpoints
+    tc.hot.budget_bytes, budget = 0, tc.hot.budget_bytes
+    tc.hot.enforce()  # D goes to the disk
+    tc.cold.flush()
+    tc.hot.budget_bytes = budget
+    prefill_turn(tc, m, base + a[:10])  # H: 50 tokens, in memory
+    ids = base + a[:15] + tokens(92, 10)  # 55 in common with D (serves 0), 50 with H (serves 50)
+    logits, hit = prefill_turn(tc, m, ids)
+    assert hit.tier == "hot" and hit.tokens == 50
+    np.testing.assert_allclose(logits, cold_logits(m, ids), **TOL)
+    assert tc.stats()["cold_loads"] == 0  # the disk entry was never read
+    tc.close()
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["whole", "beside"])
+def test_a_disk_hit_that_cannot_be_read_gives_way_to_the_next_entry(small_model, tmp_path,
+                                                                    monkeypatch, beside):  # fmt: skip
+    """An entry that fails to load but stays indexed (EACCES / EIO: the file may be fine) was
+    named again by the next lookup, and the fetch stopped there: the shorter entry sharing the
+    prompt's prefix was never tried. The lookup now skips the entries already tried."""
+    from tiered_kv.cold import fsafe
+
+    p = tokens(64, 40)
+    short, long = p + tokens(65, 8), p + tokens(66, 30)
+    a = open_tc(small_model, tmp_path)
+    prefill_turn(a, small_model, short)
+    prefill_turn(a, small_model, long)
+    a.close()  # both spilled: the longer one is the newest holder of the blocks they share
+    files = [f for f in tmp_path.rglob("*.safetensors") if not f.name.startswith(".")]
+    bad = max(files, key=lambda f: f.stat().st_size)
+    real = fsafe.open_nofollow
+
+    def refusing(path, flags, mode=0o600):
+        if Path(path) == bad:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, flags, mode)
+
+    b = open_tc(small_model, tmp_path)
+    monkeypatch.setattr(fsafe, "open_nofollow", refusing)
+    ids = long + tokens(67, 5)
+    lease = drain(b.fetch_steps(ids, background=beside))
+    assert lease.hit.tier == "cold"
+    assert lease.hit.tokens == common_prefix(as_tokens(short), as_tokens(ids)) >= len(p)
+    logits = feed(small_model, lease.caches, lease.remaining)
+    np.testing.assert_allclose(logits, cold_logits(small_model, ids), **TOL)
+    s = b.stats()
+    assert s["cold_load_errors"] == 1 and s["cold_quarantined"] == 0 and bad.exists()
     b.close()

@@ -14,11 +14,14 @@
   ``mx.swapaxes(a, 1, 2)``: a strided view of the loaded array, no copy (:func:`_logical`). The
   caches take it as it is: MLX ops read any strides, and a cache's first growth copies it anyway
   (``KVCache.update_and_fetch`` concatenates when it grows past the loaded length);
-* :func:`decode` rebuilds the caches and checkpoints.
+* :func:`decode` rebuilds the caches and checkpoints;
+* :func:`serving` reads what an entry can serve from its metadata alone (no arrays): whether
+  every layer can be cut back and its checkpoint positions (the index keeps them for lookups).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -69,7 +72,8 @@ def prepare(
         meta["checkpoints"] = tree
     # every name is one the reader accepts (store refuses undeclared tensors as corrupt)
     assert declared.undeclared(arrays, meta) is None, declared.undeclared(arrays, meta)
-    serves = checkpoints.exact_lengths(len(tokens), ckpts, layers.can_trim(caches))
+    trimmable = layers.can_trim(caches)
+    serves = checkpoints.exact_lengths(len(tokens), ckpts, trimmable)
     # same-width unsigned views: numpy has no bfloat16; a view shares the buffer (no copy)
     raw = {k: x.view(_UINT[x.itemsize]) if x.dtype == mx.bfloat16 else x for k, x in arrays.items()}
     mx.eval(list(raw.values()))
@@ -79,7 +83,7 @@ def prepare(
         for k, x in arrays.items()
     ]  # fmt: skip
     metadata = {**meta, "fingerprint": fingerprint, "layout": layers.layout(caches),
-                "created": repr(time.time())}  # fmt: skip
+                "created": repr(time.time()), "trimmable": str(int(trimmable))}  # fmt: skip
     if prompt_tokens is not None and 0 < prompt_tokens < len(tokens):
         metadata["prompt_tokens"] = str(prompt_tokens)
     return Prepared(tokens, tensors, metadata, sum(t.data.nbytes for t in tensors), serves)
@@ -202,6 +206,43 @@ def decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list,
     }
     caches = layers.decode(main, metadata)
     return caches, checkpoints.decode(arrays, metadata.get("checkpoints"))
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What a stored entry can serve (:func:`tiered_kv.policy.servable`'s facts about it)."""
+
+    trimmable: bool  # every layer can be cut back to any shorter length
+    checkpoints: tuple[int, ...]  # positions of its checkpoints, ascending
+
+
+def serving(metadata: dict[str, str]) -> Serving:
+    """An entry's :class:`Serving` from its checked header's metadata: ``trimmable`` as the writer
+    recorded it (:func:`layers.can_trim`); a file written before that key was is trimmable when
+    every layer's class can always be cut back (plain attention: a sliding window not yet full
+    is then taken as one that cannot, which under-serves, never over-serves). Malformed
+    metadata (the header check refuses it first) serves as little as possible."""
+    try:
+        ckpts = json.loads(metadata.get("checkpoints") or "{}")
+        points = tuple(sorted(int(p) for p in ckpts))
+        recorded = metadata.get("trimmable")
+        trimmable = recorded == "1" if recorded is not None else _positional(
+            json.loads(metadata["layers"]))
+    except (KeyError, ValueError, TypeError, AttributeError, RecursionError):
+        return Serving(False, ())
+    return Serving(trimmable, points)
+
+
+def _positional(tree: list[dict[str, Any]]) -> bool:
+    """Every layer of an encoded layer tree (``layers.encode``) is of a positional class."""
+    for node in tree:
+        cls = node["cls"]
+        if cls == "CacheList":
+            if not _positional(node["items"]):
+                return False
+        elif cls not in layers.CODECS or not layers.CODECS[cls].positional:
+            return False
+    return True
 
 
 def tokens_of(arrays: dict[str, Any]) -> np.ndarray:

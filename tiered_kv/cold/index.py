@@ -5,11 +5,14 @@
     meta(key TEXT PRIMARY KEY, value TEXT)        JSON values: "meta" → {"schema", "seed",
                                                   "block_tokens"}; a mismatch clears the index
     entries(id TEXT PRIMARY KEY, file, n_tokens, nbytes, created, last_used, tokens BLOB,
-            prompt_tokens, prompt_key)            tokens: the ids as int32 LE (exact comparison);
-                                                  prompt_tokens: how many were the prompt (NULL:
+            prompt_tokens, prompt_key,            tokens: the ids as int32 LE (exact comparison);
+            trimmable, checkpoints)               prompt_tokens: how many were the prompt (NULL:
                                                   all, or not known); prompt_key: the chained key
                                                   of the prompt's last full block (signed, NULL:
-                                                  none or not known), indexed
+                                                  none or not known), indexed; trimmable (0 / 1)
+                                                  and checkpoints (JSON list of positions): what a
+                                                  lookup needs to say what the entry serves
+                                                  (NULL: not recorded, an older writer's row)
     blocks(hash INTEGER, entry TEXT, depth INTEGER, last INTEGER)
                                                   one row per full block of an entry: its chained
                                                   key (as signed 64-bit), 1-based depth, 1 on the
@@ -30,7 +33,7 @@ import sqlite3
 import stat
 import threading
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +60,8 @@ CREATE INDEX IF NOT EXISTS blocks_entry ON blocks(entry);
 _COLS = "id, file, n_tokens, nbytes, created, last_used"
 #: added after schema 2's first release: an index made before gets them (NULL) when opened for
 #: writing; both versions read and write the same file (older ones leave them NULL)
-_ADDED = (("prompt_tokens", "INTEGER"), ("prompt_key", "INTEGER"))
+_ADDED = (("prompt_tokens", "INTEGER"), ("prompt_key", "INTEGER"), ("trimmable", "INTEGER"),
+          ("checkpoints", "TEXT"))
 _PROMPT_INDEX = "CREATE INDEX IF NOT EXISTS entries_prompt ON entries(prompt_key) WHERE prompt_key IS NOT NULL"
 
 
@@ -85,6 +89,20 @@ class Record:
     #: the key of the prompt's last full block (:func:`keys.prompt_key`) — carried by records
     #: being added only, like ``blocks``
     prompt_key: int | None = None
+    #: what the entry serves (``codec.Serving``: its layers can be cut back, its checkpoint
+    #: positions) — carried by records being added only; read back by :meth:`Index.stored`
+    trimmable: bool | None = None
+    checkpoints: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What a lookup reads of one entry: its ids and what it can serve."""
+
+    tokens: np.ndarray
+    #: None: not recorded (a row written by a version before the column; the file's header says)
+    trimmable: bool | None
+    checkpoints: tuple[int, ...]
 
 
 def check_private(path: Path, follow: bool = False) -> None:
@@ -168,8 +186,11 @@ class Index:
         if not self.readonly:
             conn.executescript(_DDL)
             self._add_columns(conn)
-        self._prompts = self._has_prompt(conn)  # False: a read-only index made before them
+        have = self._columns(conn)  # a read-only index made before some lacks them
+        self._prompts = "prompt_tokens" in have
         self._read = _COLS + (", prompt_tokens" if self._prompts else ", NULL")
+        self._serving = ("trimmable, checkpoints" if {"trimmable", "checkpoints"} <= have
+                         else "NULL, NULL")  # fmt: skip
         self._meta = self._read_meta()
 
     # -- connections -------------------------------------------------------------------------
@@ -192,8 +213,8 @@ class Index:
         return conn
 
     @staticmethod
-    def _has_prompt(conn: sqlite3.Connection) -> bool:
-        return any(r[1] == "prompt_tokens" for r in conn.execute("PRAGMA table_info(entries)"))
+    def _columns(conn: sqlite3.Connection) -> set[str]:
+        return {str(r[1]) for r in conn.execute("PRAGMA table_info(entries)")}
 
     def _add_columns(self, conn: sqlite3.Connection) -> None:
         """Give an index made before :data:`_ADDED` those columns (one transaction: two
@@ -242,18 +263,37 @@ class Index:
         row = self._conn().execute("SELECT tokens FROM entries WHERE id=?", (entry_id,)).fetchone()
         return None if row is None else np.frombuffer(row[0], dtype="<i4")
 
-    def _newest_holder(self, key: int) -> str | None:
-        q = "SELECT entry FROM blocks WHERE hash=? ORDER BY rowid DESC LIMIT 1"
-        row = self._conn().execute(q, (_signed(key),)).fetchone()
+    def stored(self, entry_id: str) -> Stored | None:
+        """The entry's ids and what it serves (one query), None when it is not indexed. Raises
+        Damaged on a value no writer of ours makes."""
+        q = f"SELECT tokens, {self._serving} FROM entries WHERE id=?"
+        row = self._conn().execute(q, (entry_id,)).fetchone()
+        if row is None:
+            return None
+        raw, trimmable, points = row
+        if not isinstance(raw, bytes) or trimmable not in (None, 0, 1):
+            raise Damaged(f"index row of entry {entry_id[:40]!r} is malformed")
+        ckpts = _positions(points, entry_id) if trimmable is not None else ()
+        return Stored(np.frombuffer(raw, dtype="<i4"), None if trimmable is None else bool(trimmable), ckpts)
+
+    def _newest_holder(self, key: int, exclude: Sequence[str] = ()) -> str | None:
+        marks = ",".join("?" * len(exclude))
+        skip = f" AND entry NOT IN ({marks})" if exclude else ""
+        q = f"SELECT entry FROM blocks WHERE hash=?{skip} ORDER BY rowid DESC LIMIT 1"
+        row = self._conn().execute(q, (_signed(key), *exclude)).fetchone()
         return None if row is None else str(row[0])
 
     def _present(self, key: int) -> bool:
         q = "SELECT 1 FROM blocks WHERE hash=? LIMIT 1"
         return self._conn().execute(q, (_signed(key),)).fetchone() is not None
 
-    def candidates(self, keys: Sequence[int]) -> Iterator[tuple[str, int]]:
+    def candidates(
+        self, keys: Sequence[int], exclude: Collection[str] = ()
+    ) -> Iterator[tuple[str, int]]:
         """(entry id, matched full blocks), deepest first: the newest entry at the deepest
-        present block, then shallower ones (a collision fallback), at most 4, distinct.
+        present block, then shallower ones (a collision fallback, or an entry serving more than
+        a deeper one), at most 4, distinct, none of ``exclude`` (entries the caller could not
+        load: the newest holder of a block other than them).
 
         Keys are chained, so the present ones form a prefix of ``keys``: the deepest is found by
         binary search (log2(len(keys)) point queries); a generator, so a caller that is
@@ -266,8 +306,9 @@ class Index:
             else:
                 hi = mid - 1
         seen: set[str] = set()
+        skip = sorted(exclude)
         for d in range(lo, 0, -1):
-            eid = self._newest_holder(keys[d - 1])
+            eid = self._newest_holder(keys[d - 1], skip)
             if eid is not None and eid not in seen:
                 seen.add(eid)
                 yield eid, d
@@ -363,10 +404,12 @@ class Index:
     @staticmethod
     def _insert(c: sqlite3.Connection, rec: Record, tokens: bytes) -> None:
         pkey = None if rec.prompt_key is None else _signed(rec.prompt_key)
-        c.execute(f"INSERT INTO entries({_COLS}, tokens, prompt_tokens, prompt_key) "
-                  "VALUES(?,?,?,?,?,?,?,?,?)",
+        trim = None if rec.trimmable is None else int(rec.trimmable)
+        points = None if rec.trimmable is None else json.dumps(list(rec.checkpoints))
+        c.execute(f"INSERT INTO entries({_COLS}, tokens, prompt_tokens, prompt_key, trimmable, "
+                  "checkpoints) VALUES(?,?,?,?,?,?,?,?,?,?,?)",
                   (rec.entry_id, rec.file, rec.n_tokens, rec.nbytes, rec.created, rec.last_used,
-                   tokens, rec.prompt_tokens, pkey))  # fmt: skip
+                   tokens, rec.prompt_tokens, pkey, trim, points))  # fmt: skip
         n = len(rec.blocks)
         c.executemany("INSERT INTO blocks VALUES(?,?,?,?)",
                       [(_signed(h), rec.entry_id, d, int(d == n))
@@ -423,6 +466,14 @@ def _record(row: Sequence) -> Record:
             and (prompt_tokens is None or type(prompt_tokens) is int)):  # fmt: skip
         raise Damaged(f"index row of entry {str(eid)[:40]!r} is malformed")
     return Record(eid, file, n_tokens, nbytes, created, last_used, prompt_tokens=prompt_tokens)
+
+
+def _positions(text: object, entry_id: str) -> tuple[int, ...]:
+    """The checkpoints column: a JSON list of positions. Raises Damaged."""
+    points = _loads(text) if isinstance(text, str) else None
+    if not (isinstance(points, list) and all(type(p) is int and p > 0 for p in points)):
+        raise Damaged(f"index row of entry {entry_id[:40]!r} has malformed checkpoints")
+    return tuple(points)
 
 
 def _loads(text: str) -> object:

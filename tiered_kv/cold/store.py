@@ -9,7 +9,8 @@ The header maps every tensor name to ``{dtype, shape, data_offsets}``; tensors a
 ``layers`` / ``checkpoints`` metadata does not declare makes the header corrupt
 (:mod:`tiered_kv.declared`). ``__metadata__``
 holds ``format_version`` (:data:`FORMAT`), ``fingerprint``, ``n_tokens``, ``layout``, ``layers``
-(the encode tree), ``checkpoints`` (optional), ``created``, ``chunk_bytes``, ``token_major`` and
+(the encode tree), ``checkpoints`` (optional), ``created``, ``trimmable`` (``"1"`` / ``"0"``: every
+layer can be cut back; read by ``codec.serving``), ``chunk_bytes``, ``token_major`` and
 ``xxh3``: a JSON object mapping each tensor name to the concatenated 16-hex-digit xxh3_64 digests
 of its bytes as stored, cut into ``chunk_bytes`` pieces (the last one shorter; none for an empty
 tensor). So a reader of any byte range of a tensor can check just the chunks it covers.

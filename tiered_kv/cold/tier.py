@@ -1,6 +1,7 @@
 """ColdTier: the disk tier's facade. Each concern has one owner module:
 
 * :mod:`site`   — directories, backend, index opening / rebuild / degraded mode;
+* :mod:`lookup` — which entry serves the most of a prompt (what it serves: ``policy.servable``);
 * :mod:`codec`  — caches ⇄ tensors (MLX, request thread), verified loads;
 * :mod:`store`  — the entry file format and its checksums (bytes only);
 * :mod:`backend`— where entry bytes live (put / get / contains / delete by key);
@@ -27,8 +28,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,23 +40,16 @@ from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
 from tiered_kv.cold.faults import Faults
 from tiered_kv.cold.index import Index, Record
+from tiered_kv.cold.lookup import ColdHit, Finder
 from tiered_kv.cold.reader import Late, Reader
 from tiered_kv.cold.site import Site
 from tiered_kv.cold.verify import VerifyReport, verify_dir
 from tiered_kv.cold.writer import Writer
 from tiered_kv.cold.writes import Published, Raw, WritePath
 from tiered_kv.config import Config
-from tiered_kv.prefix import common_prefix
 from tiered_kv.steps import Steps, drain
 
 _MIN_RATE = 50e6  # bytes/s below which a write-through wait gives up (the write goes on)
-
-
-@dataclass(frozen=True)
-class ColdHit:
-    entry_id: str
-    tokens: int  # exact common prefix length at token level (ids compared, not hashes)
-    entry_tokens: int  # length of the stored entry
 
 
 class Loaded(NamedTuple):
@@ -83,6 +76,7 @@ class ColdTier:
         self.faults = Faults()
         self.site = Site(Path(root), self.fingerprint, config, self.faults)
         self.root, self.dir = self.site.root, self.site.dir
+        self.finder = Finder(self.dir, self.fingerprint, self.block_tokens)
         self.quarantine_dir, self.seed = self.site.quarantine_dir, self.site.seed
         self.remover = Remover(self.site, config.disk_bytes, config.disk_free_floor)
         self.writes = WritePath(self.site, self.remover)
@@ -99,30 +93,23 @@ class ColdTier:
         return self.site.index
 
     # -- request thread: lookup / load -----------------------------------------------------------
-    def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> ColdHit | None:
-        """Longest exact prefix of ``prompt_ids`` held by one entry, or None (also when the
-        index does not answer within ``cold_deadline``)."""
+    def lookup(
+        self, prompt_ids: Sequence[int] | np.ndarray, exclude: Collection[str] = ()
+    ) -> ColdHit | None:
+        """The entry that serves the most of ``prompt_ids`` (``ColdHit.serves``), none of
+        ``exclude`` (entries the caller failed to load), or None (also when the index does not
+        answer within ``cold_deadline``)."""
         tokens = keys.as_int32(prompt_ids)
         hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
         if not hashes:
             return None
-        return self._ask(lambda: self._lookup(tokens, hashes), None)
+        # a copy: a lookup past its deadline goes on on the reader thread as the caller adds more
+        skip = frozenset(exclude)
+        return self._ask(lambda: self._lookup(tokens, hashes, skip), None)
 
-    def _lookup(self, tokens: np.ndarray, hashes: list) -> ColdHit | None:
+    def _lookup(self, tokens: np.ndarray, hashes: list, exclude: Collection[str]) -> ColdHit | None:
         index = self.site.index
-        if index is None:
-            return None
-        best: ColdHit | None = None
-        for eid, depth in index.candidates(hashes):
-            stored = index.tokens(eid)
-            if stored is None:  # removed meanwhile (by us or another process)
-                continue
-            n = common_prefix(stored, tokens)
-            if n > 0 and (best is None or n > best.tokens):
-                best = ColdHit(eid, n, len(stored))
-            if n >= depth * self.block_tokens:
-                break  # the hashes were right: nothing shallower can match further
-        return best
+        return None if index is None else self.finder.best(index, tokens, hashes, exclude)
 
     def _ask(self, fn: Any, default: Any, deadline: float | None = None) -> Any:
         """``fn()`` on the reader thread within the deadline; ``default`` when late or when the
@@ -272,7 +259,7 @@ class ColdTier:
                 break
             if limit_bytes > 0 and total + r.nbytes > limit_bytes:
                 break
-            out.append(ColdHit(r.entry_id, r.n_tokens, r.n_tokens))
+            out.append(ColdHit(r.entry_id, r.n_tokens, r.n_tokens, r.n_tokens))
             total += r.nbytes
         return out
 
@@ -357,7 +344,7 @@ class ColdTier:
             self.faults.once("load:memory", "shared entry not loaded: %s", e)
             return None
         if len(ids) >= self.block_tokens:
-            job = Raw(ids, data)
+            job = Raw(ids, data, header.metadata)
             self.writer.submit(lambda: self._write(job), job.nbytes)
         return Loaded(caches, ids, checkpoints, store.prompt_of(header.metadata, len(ids)))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered_kv import keys
-from tiered_kv.cold import backend, fsafe, scan, store
+from tiered_kv.cold import backend, codec, fsafe, scan, store
 from tiered_kv.cold.index import Index, Record
 from tiered_kv.prefix import entry_prompt_len
 
@@ -116,8 +116,9 @@ def record_from_file(
     blocks = tuple(keys.block_hashes(tokens, block_tokens, seed))
     prompt = store.prompt_of(header.metadata, len(tokens))
     pkey = keys.prompt_key(blocks, entry_prompt_len(len(tokens), prompt), block_tokens)
+    serves = codec.serving(header.metadata)
     rec = Record(path.stem, path.name, len(tokens), st.st_size, created, st.st_mtime, blocks,
-                 prompt, pkey)  # fmt: skip
+                 prompt, pkey, serves.trimmable, serves.checkpoints)  # fmt: skip
     return rec, tokens.tobytes()
 
 

@@ -310,3 +310,17 @@ def test_a_closed_step_wise_cuda_load_leaves_its_read_to_run_out(tmp_path, monke
     waited = time.perf_counter() - t0
     release.set()
     assert waited < 10  # it returned while the read was still held
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_what_an_entry_serves_is_read_from_its_metadata(case):
+    """The writer records whether the entry can be cut back (``layers.can_trim``); a file written
+    before that key was is taken as trimmable only where every layer is plain attention — never
+    more than the entry serves."""
+    caches = CASES[case]()
+    meta = codec.prepare(np.arange(10, dtype=np.int32), caches, None, "fp").metadata
+    trimmable = layers.can_trim(caches)
+    assert codec.serving(meta) == codec.Serving(trimmable, ())
+    older = {k: v for k, v in meta.items() if k != "trimmable"}
+    assert codec.serving(older).trimmable == (case in ("kv", "quantized"))
+    assert trimmable or not codec.serving(older).trimmable

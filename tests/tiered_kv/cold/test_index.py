@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 from tiered_kv import keys
-from tiered_kv.cold.index import Index, Record, UnsafeCacheDir
+from tiered_kv.cold.index import Damaged, Index, Record, UnsafeCacheDir
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 
@@ -183,6 +183,42 @@ def test_an_index_made_before_the_prompt_columns_reads_and_gains_them(tmp_path):
     again = Index(tmp_path / "index")  # a second open adds nothing twice
     assert {r.entry_id for r in again.records()} == {"old", "new"}
     again.close()
+
+
+def test_what_an_entry_serves_is_kept_and_not_known_for_older_rows(tmp_path):
+    """``trimmable`` / ``checkpoints`` round-trip; a row an older version wrote (or a read-only
+    index made before the columns) reads as not known; a value no writer makes is Damaged."""
+    _index_before_prompt_columns(tmp_path / "index")
+    ro = Index(tmp_path / "index", readonly=True)
+    old = ro.stored("old")
+    assert old is not None and old.trimmable is None and old.checkpoints == () and len(old.tokens) == 8
+    ro.close()
+    index = Index(tmp_path / "index")
+    assert index.stored("old").trimmable is None and index.stored("gone") is None
+    blocks = tuple(keys.block_hashes(list(range(16)), 4, "s:4"))
+    index.add(Record("w", "w.safetensors", 16, 1, 2, 2, blocks, None, None, False, (8, 12)), b"\0" * 64)
+    index.add(Record("t", "t.safetensors", 16, 1, 3, 3, blocks, None, None, True), b"\0" * 64)
+    assert (index.stored("w").trimmable, index.stored("w").checkpoints) == (False, (8, 12))
+    assert (index.stored("t").trimmable, index.stored("t").checkpoints) == (True, ())
+    with sqlite3.connect(tmp_path / "index" / "cache.db") as con:
+        con.execute("UPDATE entries SET checkpoints='[8, \"x\"]' WHERE id='w'")
+    con.close()
+    with pytest.raises(Damaged):
+        index.stored("w")
+    index.close()
+
+
+def test_candidates_skip_excluded_entries_for_the_next_newest_holder(tmp_path):
+    index = Index(tmp_path / "index")
+    toks = list(range(100, 116))
+    for i, eid in enumerate(("older", "newer")):
+        blocks = tuple(keys.block_hashes(toks[: 8 + 4 * i], 4, "s:4"))
+        index.add(Record(eid, f"{eid}.safetensors", 8 + 4 * i, 1, i, i, blocks), b"\0" * 4 * (8 + 4 * i))
+    probe = keys.block_hashes(toks, 4, "s:4")
+    assert list(index.candidates(probe)) == [("newer", 3)]  # newest holder of every block
+    assert list(index.candidates(probe, {"newer"})) == [("older", 2)]
+    assert list(index.candidates(probe, {"newer", "older"})) == []
+    index.close()
 
 
 def test_prompt_key_is_the_last_full_block_inside_the_prompt():

@@ -47,9 +47,9 @@ def test_frozen_index_makes_lookups_misses_not_waits(tmp_path: Path, monkeypatch
     frozen = threading.Event()
     real = Index.candidates
 
-    def stalled(self, keys):
+    def stalled(self, keys, exclude=()):
         frozen.wait()  # like a sqlite read on a frozen disk
-        return real(self, keys)
+        return real(self, keys, exclude)
 
     monkeypatch.setattr(Index, "candidates", stalled)
     done = []

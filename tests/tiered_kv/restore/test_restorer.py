@@ -260,6 +260,29 @@ def test_a_plan_starts_from_what_a_hot_entry_that_cannot_be_cut_serves(tmp_path)
     tc.cold.close()
 
 
+@pytest.mark.parametrize("factory", [gemma, qwen_next], ids=["sliding-window", "recurrent"])
+def test_a_plan_restores_what_a_disk_entry_that_cannot_be_cut_serves(tmp_path, factory):
+    """A disk entry whose layers cannot be cut back serves a diverging prompt only from its
+    checkpoint at or before the common prefix: the plan prices those tokens (it priced the common
+    prefix, 44, and the lease then held 32)."""
+    m = factory()
+    cfg = Config(cache_dir=tmp_path, block_tokens=16)
+    a = [t if t != 2 else 3 for t in tokens(3, 60)]  # checkpoints every 16 and at its end only
+    tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
+    checkpointed_turn(tc, m, a)
+    tc.close()
+    tc = TieredCache(cfg, lambda: make_prompt_cache(m), ColdTier(tmp_path, "fp", cfg))
+    tc.restorer = Restorer("load", CostBook(None), compute_with(m), blocker_of(make_prompt_cache(m)))
+    ids = a[:44] + tokens(4, 10)
+    lease = tc.fetch(ids)
+    assert lease.hit.tier == "cold" and lease.hit.restore.kind == "load"
+    assert lease.hit.restore.tokens == lease.hit.tokens == 32
+    out = np.array(prefill(m, lease, ids[:32], 64))
+    np.testing.assert_allclose(out, feed(m, make_prompt_cache(m), ids), rtol=10 * TOL, atol=10 * TOL)
+    tc.hot.entries.clear()
+    tc.cold.close()
+
+
 def test_a_both_beside_the_batch_waits_for_its_read_step_by_step(plain):
     """A both blocked the batch loop for its whole read (the decode streams beside it froze for
     as long as the disk took): once its head is computed, each step returns while the read goes on."""
