@@ -323,7 +323,10 @@ class TieredCache:
             return None
         entry = _loaded_entry(got)
         seconds = time.perf_counter() - t0
-        return _Candidate(entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes)
+        cand = _Candidate(entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes)
+        # the index names no checkpoints: an entry that cannot be cut back may serve less than
+        # its common prefix (nothing, diverging before its end), and then not more than the floor
+        return cand if cand.serves(len(prompt)) > floor else None
 
     def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
         entry, total = cand.entry, len(cand.entry.tokens)

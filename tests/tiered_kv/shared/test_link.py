@@ -235,3 +235,21 @@ def test_a_shared_fetch_runs_beside_the_callers_steps(small_model, tmp_path, red
     np.testing.assert_allclose(logits, cold_logits(small_model, ids), rtol=1e-4, atol=1e-4)
     b.store(lease, fed)
     b.close()
+
+
+def test_a_shared_entry_that_cannot_be_cut_back_never_displaces_a_hot_hit(tmp_path, redis_server):
+    """A sliding-window entry in Redis (gemma-3: past its window it cannot be cut back) shared a
+    longer prefix with the prompt than the hot entry but diverged before its end with no
+    checkpoint there: fetched, it serves nothing, and it took the request's hot hit with it."""
+    from tests.fixtures import gemma
+
+    m = gemma()
+    base, a = tokens(93, 40), tokens(94, 20)
+    publish_from_a(m, tmp_path, redis_server.url, base + a)  # 60 tokens, no checkpoints
+    b = open_tc(m, tmp_path / "b", redis_server.url)
+    prefill_turn(b, m, base + a[:10])  # H: 50 tokens, in memory
+    ids = base + a[:15] + tokens(95, 10)  # 55 in common with the shared entry (serves 0), 50 with H
+    logits, hit = prefill_turn(b, m, ids)
+    assert hit.tier == "hot" and hit.tokens == 50
+    np.testing.assert_allclose(logits, cold_logits(m, ids), rtol=1e-4, atol=1e-4)
+    b.close()
