@@ -717,3 +717,49 @@ def test_engine_thread_owns_mlx_lazy_rope_model(tiny_llama3_dir, tmp_path):
         )
     assert c.usage.prompt_tokens_details.cached_tokens > 0
     assert c.usage.model_extra["cache_tier"] == "cold"
+
+
+# --- what a chat template cannot render ------------------------------------------------------------
+
+
+def _call_turn(arguments: str) -> list[dict[str, Any]]:
+    """USER, then an assistant turn calling get_weather with ``arguments`` and the tool's result."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+
+
+def test_a_call_sent_back_with_no_arguments_renders_and_a_non_object_is_a_400(family_server):
+    """Qwen3-Coder's template iterates a call's arguments as a mapping. A call sent back with
+    ``"arguments": ""`` (a function without parameters) was a 500 (TypeError in the template); it
+    is a call with no arguments now. Arguments that are no JSON object were a 500 too: a 400."""
+    live = family_server("qwen3-coder", ["Done."])
+    url = live.url + "/v1/chat/completions"
+    ok = httpx.post(url, json={"messages": _call_turn(""), "tools": TOOLS}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    for arguments in ("not json", "[1, 2]"):
+        r = httpx.post(url, json={"messages": _call_turn(arguments), "tools": TOOLS}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    items = [{"type": "message", "role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "[1]"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]  # fmt: skip
+    r = httpx.post(live.url + "/v1/responses", json={"input": items}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_a_tool_schema_the_template_cannot_read_is_a_400(family_server):
+    """Gemma 4's template walks a tool's ``properties`` as a mapping and its ``required`` as a
+    list: a schema with a string or list there (valid JSON, a client's mistake) was a 500
+    (AttributeError / TypeError in the template) on every API; a 400 in each API's shape now."""
+    live = family_server("gemma-4", ["Done."])
+    bad = {"type": "object", "properties": "city"}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": bad}}]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": USER, "tools": tools}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": 1}
+    body = {"messages": USER, "max_tokens": 8, "tools": [{"name": "get_weather", "input_schema": schema}]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(live.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    metrics = httpx.get(live.url + "/metrics", timeout=10).text
+    assert 'status="500"' not in metrics
