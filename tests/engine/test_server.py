@@ -464,6 +464,30 @@ def test_a_queued_request_whose_client_went_away_frees_its_place(tiny_model_dir,
 # --- errors -------------------------------------------------------------------------------------
 
 
+def test_a_streamed_request_whose_client_went_away_while_queued_is_a_499(tiny_model_dir, tmp_path):
+    """A streamed request whose client hangs up while it waits for a place (before any keep-alive)
+    leaves the queue unserved. It was counted a 200 in /metrics (its empty stream was "sent",
+    to nobody); a 499, as the same request not streamed."""
+    config = hot_config(tmp_path, max_batch=1, max_queue=1)
+    make = lambda: Engine(tiny_model_dir, config)  # noqa: E731
+    with serve(make, config, keepalive=600) as s:  # no keep-alive comes before the hang-up
+        health = lambda: httpx.get(s.url + "/health", timeout=10).json()  # noqa: E731
+        never_ends = {"prompt": "hello", "max_tokens": 30000, "stream": True, "logit_bias": {"2": -100}}
+        with httpx.stream("POST", s.url + "/v1/completions", json=never_ends, timeout=60) as running:
+            lines = running.iter_lines()  # kept open: closing it would hang up
+            while '"text"' not in next(lines):
+                pass  # it has the one place in the batch
+            queued = {"messages": USER, "max_tokens": 4, "stream": True}
+            with _send(s.url, "/v1/chat/completions", queued):
+                _until(lambda: health()["queued"] == 1)
+            _until(lambda: health()["queued"] == 0)
+            metrics = lambda: httpx.get(s.url + "/metrics", timeout=10).text  # noqa: E731
+            _until(lambda: 'endpoint="chat"' in metrics())  # counted as its handler ends
+            text = metrics()
+        assert 'endpoint="chat",status="499"} 1.0' in text, text
+        assert 'endpoint="chat",status="200"' not in text
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
