@@ -258,9 +258,10 @@ def create_app(
     app.add_api_route("/v1/responses", server.responses, methods=["POST"])
     app.add_api_route("/v1/messages", server.anthropic_messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
-    app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
+    # HEAD wherever GET is served (HTTP requires it; `wget --spider` health checks send it)
+    app.add_api_route("/v1/models", server.models, methods=["GET", "HEAD"])
+    app.add_api_route("/health", server.health, methods=["GET", "HEAD"])
+    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET", "HEAD"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -538,6 +538,18 @@ def test_unknown_path_and_method(guarded):
     assert r.status_code == 405 and "error" in r.json()
 
 
+
+def test_head_of_the_get_routes(guarded):
+    """HEAD of /health, /v1/models and /metrics: a 200 without a body, as their GET (HTTP requires
+    HEAD wherever GET is served; a health check by ``wget --spider`` sends it). It was a 405."""
+    for path in ("/health", "/v1/models", "/metrics"):
+        r = httpx.head(guarded.url + path, headers=AUTH)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+        get = httpx.get(guarded.url + path, headers=AUTH)
+        assert r.headers["content-type"] == get.headers["content-type"]
+    r = httpx.request("OPTIONS", guarded.url + "/health")
+    assert r.status_code == 405 and "error" in r.json()
+
 # --- SmolLM2 (plain ChatML: tools injected in Hermes format) -------------------------------------
 
 
