@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine import api, chat, conn, messages, openai_bodies, respond, responses, sse
 from engine.api import ChatRequest, CompletionRequest
 from engine.errors import ApiError, error_body
-from engine.events import END
+from engine.events import END, Failed
 from engine.http_edge import Auth, ShutdownGuard, error_response, hangup, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
@@ -144,6 +144,9 @@ class Server:
         """The job's stream, or its collected body."""
         rest = sse.events(job, self.keepalive)
         first = await anext(rest, END)  # the cache hit (or a failure): headers name the tier
+        if isinstance(first, Failed):  # nothing sent yet: its own status (a 503 is retried)
+            job.stop()
+            raise first.error
         headers = respond.hit_headers(first)
         if req.stream:
             # the status is counted when the stream ends: 499 when its client went away first

@@ -488,6 +488,46 @@ def test_a_streamed_request_whose_client_went_away_while_queued_is_a_499(tiny_mo
         assert 'endpoint="chat",status="200"' not in text
 
 
+def test_a_stream_ended_before_its_first_event_gets_the_errors_status(tiny_model_dir, tmp_path):
+    """A streamed request still queued at shutdown (SIGTERM: ``Worker.begin_close``) has sent
+    nothing: it gets a 503 with ``retry-after``, as the same request not streamed (the SDKs retry
+    it), and Anthropic's error object on /v1/messages. It was a 200 whose stream held one error
+    event: nothing to retry. The running stream ends with its error event, as before."""
+    config = hot_config(tmp_path, max_batch=1, max_queue=2)
+    make = lambda: Engine(tiny_model_dir, config)  # noqa: E731
+    with serve(make, config, keepalive=600) as s:  # no keep-alive comes before the shutdown
+        health = lambda: httpx.get(s.url + "/health", timeout=10).json()  # noqa: E731
+        never_ends = {"prompt": "hello", "max_tokens": 30000, "stream": True, "logit_bias": {"2": -100}}
+        replies: list[httpx.Response] = []
+
+        def queued(path: str, body: dict[str, Any]) -> None:
+            with httpx.stream("POST", s.url + path, json={**body, "stream": True}, timeout=60) as r:
+                r.read()
+                replies.append(r)
+
+        with httpx.stream("POST", s.url + "/v1/completions", json=never_ends, timeout=60) as running:
+            lines = running.iter_lines()
+            while '"text"' not in next(lines):
+                pass  # it has the one place in the batch
+            waiting = [threading.Thread(target=queued, args=a) for a in (
+                ("/v1/chat/completions", {"messages": USER, "max_tokens": 4}),
+                ("/v1/messages", {"messages": USER, "max_tokens": 4}))]  # fmt: skip
+            for t in waiting:
+                t.start()
+            _until(lambda: health()["queued"] == 2)
+            s.app.state.server.worker.begin_close()
+            rest = list(lines)
+            for t in waiting:
+                t.join(60)
+    rest = [x for x in rest if x]  # (the blank lines between events)
+    assert any('"server_shutting_down"' in x for x in rest) and rest[-1] == "data: [DONE]"
+    by_path = {r.request.url.path: r for r in replies}
+    chat, anthropic = by_path["/v1/chat/completions"], by_path["/v1/messages"]
+    assert chat.status_code == 503 and chat.headers["retry-after"] == "1", chat.text
+    assert chat.json()["error"]["code"] == "server_shutting_down"
+    assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "overloaded_error"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
