@@ -14,7 +14,20 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2 import TemplateError
+
 Probes = weakref.WeakKeyDictionary[Any, bool]
+#: what a template's own code raises at run time on request data it cannot use: its filters and
+#: calls meet a string where they iterate a mapping (``dictsort``, ``items``), an int where they
+#: loop over a list (a tool schema's ``required``, a call's arguments)
+TEMPLATE_DATA_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError)
+
+
+class TemplateRefused(Exception):
+    """The chat template failed on the request's messages, tools or template arguments (one of
+    :data:`TEMPLATE_DATA_ERRORS` inside it, named in the message): the request's mistake, a 400,
+    like the ``TemplateError`` a template raises itself ("roles must alternate")."""
+
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes markers the injected instructions name
 _PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "parameters": {}}}
@@ -57,7 +70,11 @@ def content_text(content: Any) -> str:
 
 
 def _arguments(raw: Any) -> Any:
-    """Tool-call arguments as a dict when they are a JSON object string (templates ``tojson`` them)."""
+    """Tool-call arguments as a dict when they are a JSON object string (templates ``tojson`` them);
+    an empty string is a call without arguments (``{}``, as the Responses API's are read): kept as
+    "", Qwen3-Coder's template failed on it and the JSON templates wrote ``"arguments": }``."""
+    if isinstance(raw, str) and not raw.strip():
+        return {}
     if isinstance(raw, str):
         try:
             value = json.loads(raw)
@@ -141,7 +158,12 @@ def _apply(
         kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
-    return str(tokenizer.apply_chat_template(messages, **kwargs))
+    try:
+        return str(tokenizer.apply_chat_template(messages, **kwargs))
+    except TemplateError:
+        raise
+    except TEMPLATE_DATA_ERRORS as e:
+        raise TemplateRefused(f"{type(e).__name__}: {e}") from e
 
 
 def _probed(

@@ -234,22 +234,7 @@ def chat_prompt(
     if req.continue_final_message and req.messages[-1].role != "assistant":
         raise ApiError(400, "continue_final_message continues the last message, which must be the "
                        "assistant's", param="continue_final_message")  # fmt: skip
-    try:
-        text = chat.render_chat(tokenizer, req.message_dicts(), tools, extra,
-                                req.continue_final_message)  # fmt: skip
-    except TemplateError as e:  # e.g. "roles must alternate": the messages, not the server
-        raise ApiError(
-            400, f"the model's chat template rejected the messages: {e}", param="messages"
-        ) from None
-    except (TypeError, ValueError) as e:
-        if not (req.chat_template_kwargs or req.reasoning_effort):
-            raise
-        # a value of the request's own template arguments the template cannot use
-        raise ApiError(
-            400,
-            f"the model's chat template rejected chat_template_kwargs: {e}",
-            param="chat_template_kwargs",
-        ) from None
+    text = _render(tokenizer, req, tools, extra)
     continued = chat.content_text(req.messages[-1].content) if req.continue_final_message else ""
     reasoning = fmt.opens_reasoning(text, continued) and not prefix
     ids = {str(c["id"]) for c in history if c.get("id")}
@@ -258,6 +243,27 @@ def chat_prompt(
     check_chars(len(text) + len(prefix), "messages")
     texts = TokenBytes(tokenizer, not continues(req)) if req.logprob_count() >= 0 else None
     return encode(text + prefix), ChatOutput(model, req.include_usage, parser, texts)
+
+
+def _render(
+    tokenizer: Any, req: ChatRequest, tools: list[dict[str, Any]] | None, extra: dict[str, Any]
+) -> str:
+    """The chat template's text of ``req``; a 400 when the template refuses it: it raised ("roles
+    must alternate": the messages), or failed on a value it cannot use (a tool schema's
+    ``properties`` that is no mapping; a value of the request's own template arguments)."""
+    try:
+        return chat.render_chat(tokenizer, req.message_dicts(), tools, extra,
+                                req.continue_final_message)  # fmt: skip
+    except TemplateError as e:
+        raise ApiError(
+            400, f"the model's chat template rejected the messages: {e}", param="messages"
+        ) from None
+    except chat.TemplateRefused as e:
+        own = bool(req.chat_template_kwargs or req.reasoning_effort)
+        param = "chat_template_kwargs" if own else "messages"
+        what = "messages, tools or chat_template_kwargs" if own else "messages or tools"
+        raise ApiError(400, f"the model's chat template cannot render these {what}: {e}",
+                       param=param, code="invalid_value") from None  # fmt: skip
 
 
 def completion_prompt(

@@ -150,6 +150,8 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif t.get("type") == "function":
             if not isinstance(t.get("name"), str):
                 raise invalid('a function tool needs a "name"', f"tools.{i}")
+            if not isinstance(t.get("parameters") or {}, dict):  # else named by its chat form's path
+                raise invalid("a function tool's parameters are a JSON Schema object", f"tools.{i}.parameters")
             out.append(api.function_tool(t["name"], t.get("parameters"), t.get("description")))
     return out
 

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine import api, chat, conn, messages, openai_bodies, respond, responses, sse
 from engine.api import ChatRequest, CompletionRequest
 from engine.errors import ApiError, error_body
-from engine.events import END
+from engine.events import END, Failed
 from engine.http_edge import Auth, ShutdownGuard, error_response, hangup, read_body
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
@@ -144,6 +144,9 @@ class Server:
         """The job's stream, or its collected body."""
         rest = sse.events(job, self.keepalive)
         first = await anext(rest, END)  # the cache hit (or a failure): headers name the tier
+        if isinstance(first, Failed):  # nothing sent yet: its own status (a 503 is retried)
+            job.stop()
+            raise first.error
         headers = respond.hit_headers(first)
         if req.stream:
             # the status is counted when the stream ends: 499 when its client went away first
@@ -258,9 +261,10 @@ def create_app(
     app.add_api_route("/v1/responses", server.responses, methods=["POST"])
     app.add_api_route("/v1/messages", server.anthropic_messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
-    app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
+    # HEAD wherever GET is served (HTTP requires it; `wget --spider` health checks send it)
+    app.add_api_route("/v1/models", server.models, methods=["GET", "HEAD"])
+    app.add_api_route("/health", server.health, methods=["GET", "HEAD"])
+    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET", "HEAD"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

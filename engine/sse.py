@@ -38,7 +38,8 @@ async def pump(
     on_status: Callable[[int], None] = lambda status: None,
 ) -> AsyncIterator[bytes]:
     """Streaming: ``out``'s chunks, keep-alives, a mid-stream error object, then (OpenAI) [DONE].
-    ``on_status`` gets 200 once the stream is sent whole, 499 when its client went away first."""
+    ``on_status`` gets 200 once the stream is sent whole, 499 when its client went away first
+    (before the stream began, too)."""
     named = out.named_events
     sent = False
     try:
@@ -59,8 +60,11 @@ async def pump(
             yield DONE
         sent = True
     finally:
+        # a job already stopped lost its client before its stream began: the HTTP edge stopped
+        # it (a queued one ends unserved, its empty stream "sent" to nobody)
+        gone = not sent or job.cancelled()
         job.stop()  # no-op after the end; stops the request if the client went away
-        on_status(200 if sent else 499)
+        on_status(499 if gone else 200)
 
 
 async def collect(

@@ -250,6 +250,11 @@ def test_responses_and_the_cache_over_http(client):
 def test_errors_are_openai_shaped(client):
     r = httpx.post(client.url + "/v1/responses", json={"input": ASK, "previous_response_id": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    # a tool's parameters that are no object: named as the client sent them (it was
+    # tools.0.function.parameters, the chat request's path)
+    tools = [{"type": "function", "name": "f", "parameters": ["city"]}]
+    r = httpx.post(client.url + "/v1/responses", json={"input": ASK, "tools": tools})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.parameters", r.text
 
 
 @pytest.fixture()

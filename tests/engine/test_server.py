@@ -464,6 +464,70 @@ def test_a_queued_request_whose_client_went_away_frees_its_place(tiny_model_dir,
 # --- errors -------------------------------------------------------------------------------------
 
 
+def test_a_streamed_request_whose_client_went_away_while_queued_is_a_499(tiny_model_dir, tmp_path):
+    """A streamed request whose client hangs up while it waits for a place (before any keep-alive)
+    leaves the queue unserved. It was counted a 200 in /metrics (its empty stream was "sent",
+    to nobody); a 499, as the same request not streamed."""
+    config = hot_config(tmp_path, max_batch=1, max_queue=1)
+    make = lambda: Engine(tiny_model_dir, config)  # noqa: E731
+    with serve(make, config, keepalive=600) as s:  # no keep-alive comes before the hang-up
+        health = lambda: httpx.get(s.url + "/health", timeout=10).json()  # noqa: E731
+        never_ends = {"prompt": "hello", "max_tokens": 30000, "stream": True, "logit_bias": {"2": -100}}
+        with httpx.stream("POST", s.url + "/v1/completions", json=never_ends, timeout=60) as running:
+            lines = running.iter_lines()  # kept open: closing it would hang up
+            while '"text"' not in next(lines):
+                pass  # it has the one place in the batch
+            queued = {"messages": USER, "max_tokens": 4, "stream": True}
+            with _send(s.url, "/v1/chat/completions", queued):
+                _until(lambda: health()["queued"] == 1)
+            _until(lambda: health()["queued"] == 0)
+            metrics = lambda: httpx.get(s.url + "/metrics", timeout=10).text  # noqa: E731
+            _until(lambda: 'endpoint="chat"' in metrics())  # counted as its handler ends
+            text = metrics()
+        assert 'endpoint="chat",status="499"} 1.0' in text, text
+        assert 'endpoint="chat",status="200"' not in text
+
+
+def test_a_stream_ended_before_its_first_event_gets_the_errors_status(tiny_model_dir, tmp_path):
+    """A streamed request still queued at shutdown (SIGTERM: ``Worker.begin_close``) has sent
+    nothing: it gets a 503 with ``retry-after``, as the same request not streamed (the SDKs retry
+    it), and Anthropic's error object on /v1/messages. It was a 200 whose stream held one error
+    event: nothing to retry. The running stream ends with its error event, as before."""
+    config = hot_config(tmp_path, max_batch=1, max_queue=2)
+    make = lambda: Engine(tiny_model_dir, config)  # noqa: E731
+    with serve(make, config, keepalive=600) as s:  # no keep-alive comes before the shutdown
+        health = lambda: httpx.get(s.url + "/health", timeout=10).json()  # noqa: E731
+        never_ends = {"prompt": "hello", "max_tokens": 30000, "stream": True, "logit_bias": {"2": -100}}
+        replies: list[httpx.Response] = []
+
+        def queued(path: str, body: dict[str, Any]) -> None:
+            with httpx.stream("POST", s.url + path, json={**body, "stream": True}, timeout=60) as r:
+                r.read()
+                replies.append(r)
+
+        with httpx.stream("POST", s.url + "/v1/completions", json=never_ends, timeout=60) as running:
+            lines = running.iter_lines()
+            while '"text"' not in next(lines):
+                pass  # it has the one place in the batch
+            waiting = [threading.Thread(target=queued, args=a) for a in (
+                ("/v1/chat/completions", {"messages": USER, "max_tokens": 4}),
+                ("/v1/messages", {"messages": USER, "max_tokens": 4}))]  # fmt: skip
+            for t in waiting:
+                t.start()
+            _until(lambda: health()["queued"] == 2)
+            s.app.state.server.worker.begin_close()
+            rest = list(lines)
+            for t in waiting:
+                t.join(60)
+    rest = [x for x in rest if x]  # (the blank lines between events)
+    assert any('"server_shutting_down"' in x for x in rest) and rest[-1] == "data: [DONE]"
+    by_path = {r.request.url.path: r for r in replies}
+    chat, anthropic = by_path["/v1/chat/completions"], by_path["/v1/messages"]
+    assert chat.status_code == 503 and chat.headers["retry-after"] == "1", chat.text
+    assert chat.json()["error"]["code"] == "server_shutting_down"
+    assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "overloaded_error"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -513,6 +577,18 @@ def test_unknown_path_and_method(guarded):
     r = httpx.get(guarded.url + "/v1/chat/completions", headers=AUTH)
     assert r.status_code == 405 and "error" in r.json()
 
+
+
+def test_head_of_the_get_routes(guarded):
+    """HEAD of /health, /v1/models and /metrics: a 200 without a body, as their GET (HTTP requires
+    HEAD wherever GET is served; a health check by ``wget --spider`` sends it). It was a 405."""
+    for path in ("/health", "/v1/models", "/metrics"):
+        r = httpx.head(guarded.url + path, headers=AUTH)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+        get = httpx.get(guarded.url + path, headers=AUTH)
+        assert r.headers["content-type"] == get.headers["content-type"]
+    r = httpx.request("OPTIONS", guarded.url + "/health")
+    assert r.status_code == 405 and "error" in r.json()
 
 # --- SmolLM2 (plain ChatML: tools injected in Hermes format) -------------------------------------
 
@@ -717,3 +793,49 @@ def test_engine_thread_owns_mlx_lazy_rope_model(tiny_llama3_dir, tmp_path):
         )
     assert c.usage.prompt_tokens_details.cached_tokens > 0
     assert c.usage.model_extra["cache_tier"] == "cold"
+
+
+# --- what a chat template cannot render ------------------------------------------------------------
+
+
+def _call_turn(arguments: str) -> list[dict[str, Any]]:
+    """USER, then an assistant turn calling get_weather with ``arguments`` and the tool's result."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+
+
+def test_a_call_sent_back_with_no_arguments_renders_and_a_non_object_is_a_400(family_server):
+    """Qwen3-Coder's template iterates a call's arguments as a mapping. A call sent back with
+    ``"arguments": ""`` (a function without parameters) was a 500 (TypeError in the template); it
+    is a call with no arguments now. Arguments that are no JSON object were a 500 too: a 400."""
+    live = family_server("qwen3-coder", ["Done."])
+    url = live.url + "/v1/chat/completions"
+    ok = httpx.post(url, json={"messages": _call_turn(""), "tools": TOOLS}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    for arguments in ("not json", "[1, 2]"):
+        r = httpx.post(url, json={"messages": _call_turn(arguments), "tools": TOOLS}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    items = [{"type": "message", "role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "[1]"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]  # fmt: skip
+    r = httpx.post(live.url + "/v1/responses", json={"input": items}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_a_tool_schema_the_template_cannot_read_is_a_400(family_server):
+    """Gemma 4's template walks a tool's ``properties`` as a mapping and its ``required`` as a
+    list: a schema with a string or list there (valid JSON, a client's mistake) was a 500
+    (AttributeError / TypeError in the template) on every API; a 400 in each API's shape now."""
+    live = family_server("gemma-4", ["Done."])
+    bad = {"type": "object", "properties": "city"}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": bad}}]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": USER, "tools": tools}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": 1}
+    body = {"messages": USER, "max_tokens": 8, "tools": [{"name": "get_weather", "input_schema": schema}]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(live.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    metrics = httpx.get(live.url + "/metrics", timeout=10).text
+    assert 'status="500"' not in metrics
