@@ -10,12 +10,17 @@ class may store; a file holding any other name is corrupt. So the tensor count i
 the metadata declares before anything is allocated for the tensors (a re-signed header listing
 200k one-byte tensors kept the engine thread allocating for 14 s, then was read and ignored).
 What is declared need not be present: an empty cache stores no arrays.
+
+What an entry can serve is declared there too (:func:`serving`): whether its layers can be cut
+back to any shorter length, and where its checkpoints are — facts the index keeps beside its
+tokens so that a lookup answers what a hit serves (:func:`tiered_kv.policy.servable`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 #: name prefix of checkpoint arrays in an entry file
@@ -47,6 +52,48 @@ ARRAYS: dict[str, Callable[[Mapping[str, Any], str], bool]] = {
     "QuantizedKVCache": lambda meta, a: a in _QUANTIZED,
     "ArraysCache": _recurrent,
 }
+
+
+#: cache classes whose layers can always be cut back to any shorter length (``positional``
+#: codecs of :data:`tiered_kv.layers.CODECS`; a test keeps the two in step)
+POSITIONAL = frozenset({"KVCache", "QuantizedKVCache", "ConcatenateKVCache"})
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What a stored entry can serve (:func:`tiered_kv.policy.servable`'s facts about it)."""
+
+    trimmable: bool  # every layer can be cut back to any shorter length
+    checkpoints: tuple[int, ...]  # positions of its checkpoints, ascending
+
+
+def serving(metadata: Mapping[str, str]) -> Serving:
+    """An entry's :class:`Serving` from its checked header's metadata: ``trimmable`` as the writer
+    recorded it (:func:`tiered_kv.layers.can_trim`); a file written before that key was is
+    trimmable when every layer's class can always be cut back (plain attention: a sliding window
+    not yet full is then taken as one that cannot, which under-serves, never over-serves).
+    Malformed metadata (the header check refuses it first) serves as little as possible."""
+    try:
+        ckpts = json.loads(metadata.get("checkpoints") or "{}")
+        points = tuple(sorted(int(p) for p in ckpts))
+        recorded = metadata.get("trimmable")
+        trimmable = recorded == "1" if recorded is not None else _positional(
+            json.loads(metadata["layers"]))
+    except (KeyError, ValueError, TypeError, AttributeError, RecursionError):
+        return Serving(False, ())
+    return Serving(trimmable, points)
+
+
+def _positional(tree: list[dict[str, Any]]) -> bool:
+    """Every layer of an encoded layer tree (``layers.encode``) is of a :data:`POSITIONAL` class."""
+    for node in tree:
+        cls = node["cls"]
+        if cls == "CacheList":
+            if not _positional(node["items"]):
+                return False
+        elif cls not in POSITIONAL:
+            return False
+    return True
 
 
 def undeclared(names: Iterable[str], metadata: Mapping[str, str]) -> str | None:

@@ -85,3 +85,8 @@ def test_an_unknown_class_declares_nothing():
 def test_a_malformed_tree_is_a_value_error(meta):
     with pytest.raises(ValueError):
         declared.undeclared(["tokens"], meta)
+
+
+def test_positional_classes_are_the_codecs_that_can_always_be_cut_back():
+    """``serving`` reads old files without MLX: its class list is the codecs' own."""
+    assert declared.POSITIONAL == {n for n, c in layers.CODECS.items() if c.positional}

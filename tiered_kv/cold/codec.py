@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass
@@ -206,43 +205,6 @@ def decode(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list,
     }
     caches = layers.decode(main, metadata)
     return caches, checkpoints.decode(arrays, metadata.get("checkpoints"))
-
-
-@dataclass(frozen=True)
-class Serving:
-    """What a stored entry can serve (:func:`tiered_kv.policy.servable`'s facts about it)."""
-
-    trimmable: bool  # every layer can be cut back to any shorter length
-    checkpoints: tuple[int, ...]  # positions of its checkpoints, ascending
-
-
-def serving(metadata: dict[str, str]) -> Serving:
-    """An entry's :class:`Serving` from its checked header's metadata: ``trimmable`` as the writer
-    recorded it (:func:`layers.can_trim`); a file written before that key was is trimmable when
-    every layer's class can always be cut back (plain attention: a sliding window not yet full
-    is then taken as one that cannot, which under-serves, never over-serves). Malformed
-    metadata (the header check refuses it first) serves as little as possible."""
-    try:
-        ckpts = json.loads(metadata.get("checkpoints") or "{}")
-        points = tuple(sorted(int(p) for p in ckpts))
-        recorded = metadata.get("trimmable")
-        trimmable = recorded == "1" if recorded is not None else _positional(
-            json.loads(metadata["layers"]))
-    except (KeyError, ValueError, TypeError, AttributeError, RecursionError):
-        return Serving(False, ())
-    return Serving(trimmable, points)
-
-
-def _positional(tree: list[dict[str, Any]]) -> bool:
-    """Every layer of an encoded layer tree (``layers.encode``) is of a positional class."""
-    for node in tree:
-        cls = node["cls"]
-        if cls == "CacheList":
-            if not _positional(node["items"]):
-                return False
-        elif cls not in layers.CODECS or not layers.CODECS[cls].positional:
-            return False
-    return True
 
 
 def tokens_of(arrays: dict[str, Any]) -> np.ndarray:

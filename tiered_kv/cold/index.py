@@ -89,7 +89,7 @@ class Record:
     #: the key of the prompt's last full block (:func:`keys.prompt_key`) — carried by records
     #: being added only, like ``blocks``
     prompt_key: int | None = None
-    #: what the entry serves (``codec.Serving``: its layers can be cut back, its checkpoint
+    #: what the entry serves (``declared.Serving``: its layers can be cut back, its checkpoint
     #: positions) — carried by records being added only; read back by :meth:`Index.stored`
     trimmable: bool | None = None
     checkpoints: tuple[int, ...] = ()

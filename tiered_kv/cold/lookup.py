@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered_kv import policy
-from tiered_kv.cold import codec, store
+from tiered_kv import declared, policy
+from tiered_kv.cold import store
 from tiered_kv.cold.index import Index, Stored
 from tiered_kv.prefix import common_prefix
 
@@ -70,7 +70,7 @@ class Finder:
             trimmable, points = got.trimmable, got.checkpoints
         return policy.servable(n, prompt_len, len(stored.tokens), bool(trimmable), points)
 
-    def _serving_of(self, index: Index, eid: str) -> codec.Serving | None:
+    def _serving_of(self, index: Index, eid: str) -> declared.Serving | None:
         """What an entry serves, from its file's header."""
         rec = index.get(eid)
         if rec is None:
@@ -79,4 +79,4 @@ class Finder:
             header = store.read_header(self.dir / Path(rec.file).name, self.fingerprint)
         except (OSError, store.CorruptEntry):
             return None
-        return codec.serving(header.metadata)
+        return declared.serving(header.metadata)

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiered_kv import keys
-from tiered_kv.cold import backend, codec, fsafe, scan, store
+from tiered_kv import declared, keys
+from tiered_kv.cold import backend, fsafe, scan, store
 from tiered_kv.cold.index import Index, Record
 from tiered_kv.prefix import entry_prompt_len
 
@@ -116,7 +116,7 @@ def record_from_file(
     blocks = tuple(keys.block_hashes(tokens, block_tokens, seed))
     prompt = store.prompt_of(header.metadata, len(tokens))
     pkey = keys.prompt_key(blocks, entry_prompt_len(len(tokens), prompt), block_tokens)
-    serves = codec.serving(header.metadata)
+    serves = declared.serving(header.metadata)
     rec = Record(path.stem, path.name, len(tokens), st.st_size, created, st.st_mtime, blocks,
                  prompt, pkey, serves.trimmable, serves.checkpoints)  # fmt: skip
     return rec, tokens.tobytes()

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv import keys, policy
-from tiered_kv.cold import codec, encode, store
+from tiered_kv import declared, keys, policy
+from tiered_kv.cold import encode, store
 from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
 from tiered_kv.cold.index import Index, IndexUnreadable, Record, damaged
@@ -94,7 +94,7 @@ class WritePath:
             blocks = tuple(site.block_hashes(job.tokens))
             prompt = None if isinstance(job, Raw) else store.prompt_of(job.metadata, len(job.tokens))
             pkey = keys.prompt_key(blocks, entry_prompt_len(len(job.tokens), prompt), site.block_tokens)
-            serves = codec.serving(job.metadata)
+            serves = declared.serving(job.metadata)
             rec = Record(key, site.backend.path(key).name, len(job.tokens), nbytes, now, now, blocks,
                          prompt, pkey, serves.trimmable, serves.checkpoints)  # fmt: skip
             older = []

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 from tests.fixtures import HostUpload, cold_tier, flip_byte, kv_cache
-from tiered_kv import layers
+from tiered_kv import declared, layers
 from tiered_kv.cold import codec
 from tiered_kv.steps import drain
 
@@ -320,7 +320,7 @@ def test_what_an_entry_serves_is_read_from_its_metadata(case):
     caches = CASES[case]()
     meta = codec.prepare(np.arange(10, dtype=np.int32), caches, None, "fp").metadata
     trimmable = layers.can_trim(caches)
-    assert codec.serving(meta) == codec.Serving(trimmable, ())
+    assert declared.serving(meta) == declared.Serving(trimmable, ())
     older = {k: v for k, v in meta.items() if k != "trimmable"}
-    assert codec.serving(older).trimmable == (case in ("kv", "quantized"))
-    assert trimmable or not codec.serving(older).trimmable
+    assert declared.serving(older).trimmable == (case in ("kv", "quantized"))
+    assert trimmable or not declared.serving(older).trimmable
