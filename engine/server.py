@@ -218,6 +218,18 @@ class Server:
         self.metrics.request("models", 200)
         return JSONResponse(openai_bodies.models_response(self.model_id, self.created))
 
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}`` (the SDKs' ``models.retrieve``): the served model, or a 404
+        naming the id asked for (an id may hold ``/``: ``mlx-community/…``)."""
+        asked = request.path_params["model_id"]
+        if asked != self.model_id:
+            self.metrics.request("models", 404)
+            e = ApiError(404, f"The model '{asked}' does not exist", param="model",
+                         code="model_not_found")  # fmt: skip
+            return error_response(request.url.path, e)
+        self.metrics.request("models", 200)
+        return JSONResponse(openai_bodies.models_response(self.model_id, self.created)["data"][0])
+
     async def health(self, request: Request) -> Response:
         w = self.worker
         status = {"status": "ok", "model": self.model_id, "busy": w.busy()}
@@ -263,6 +275,7 @@ def create_app(
     app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])
     # HEAD wherever GET is served (HTTP requires it; `wget --spider` health checks send it)
     app.add_api_route("/v1/models", server.models, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET", "HEAD"])
     app.add_api_route("/health", server.health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET", "HEAD"])
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from engine.generate import Engine
@@ -589,6 +590,17 @@ def test_head_of_the_get_routes(guarded):
         assert r.headers["content-type"] == get.headers["content-type"]
     r = httpx.request("OPTIONS", guarded.url + "/health")
     assert r.status_code == 405 and "error" in r.json()
+
+def test_a_model_is_retrieved_by_its_id(guarded):
+    """``GET /v1/models/{id}`` (the openai SDK's ``models.retrieve``; ids hold ``/``): the model, or
+    an OpenAI-shaped 404 naming the id. It was a 404 for the served model too."""
+    listed = httpx.get(guarded.url + "/v1/models", headers=AUTH).json()["data"][0]
+    got = guarded.client.models.retrieve(listed["id"])
+    assert got.id == listed["id"] and got.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        guarded.client.models.retrieve("mlx-community/no-such-model")
+    assert e.value.body["code"] == "model_not_found" and "no-such-model" in e.value.body["message"]
+
 
 # --- SmolLM2 (plain ChatML: tools injected in Hermes format) -------------------------------------
 
