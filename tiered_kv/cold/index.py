@@ -296,8 +296,9 @@ class Index:
         load: the newest holder of a block other than them).
 
         Keys are chained, so the present ones form a prefix of ``keys``: the deepest is found by
-        binary search (log2(len(keys)) point queries); a generator, so a caller that is
-        satisfied by the first candidate stops the queries there."""
+        binary search (log2(len(keys)) point queries), and so is each depth where the newest
+        holder changes (:meth:`_next_holder`); a generator, so a caller that is satisfied by the
+        first candidate stops the queries there."""
         lo, hi = 0, len(keys)  # keys[:lo] present, keys[hi:] absent
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -305,15 +306,36 @@ class Index:
                 lo = mid
             else:
                 hi = mid - 1
-        seen: set[str] = set()
         skip = sorted(exclude)
-        for d in range(lo, 0, -1):
-            eid = self._newest_holder(keys[d - 1], skip)
+        seen: set[str] = set()
+        d = lo
+        eid = self._newest_holder(keys[d - 1], skip) if d else None
+        while d > 0:
             if eid is not None and eid not in seen:
                 seen.add(eid)
                 yield eid, d
                 if len(seen) == _MAX_CANDIDATES:
                     return
+            d, eid = self._next_holder(keys, d, eid, skip)
+
+    def _next_holder(
+        self, keys: Sequence[int], d: int, holder: str | None, skip: Sequence[str]
+    ) -> tuple[int, str | None]:
+        """(depth, newest holder) of the deepest block above ``d`` — ``holder``'s, the newest of
+        ``keys[d - 1]`` — whose newest holder is another; (0, None) when none is. Whoever holds a
+        block holds every shallower one (chained keys): going shallower, the newest holder only
+        changes to a newer entry and never back, so a binary search finds where (a walk of one
+        query per block took milliseconds past an entry that cannot be cut back)."""
+        found: tuple[int, str | None] = (0, None)
+        lo, hi = 1, d - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            eid = self._newest_holder(keys[mid - 1], skip)
+            if eid != holder:
+                lo, found = mid + 1, (mid, eid)
+            else:
+                hi = mid - 1
+        return found
 
     def covered_by(self, keys: Sequence[int]) -> list[Record]:
         """Records a new entry with block keys ``keys`` may supersede: those whose full blocks
