@@ -491,9 +491,10 @@ def _record(row: Sequence) -> Record:
 
 
 def _positions(text: object, entry_id: str) -> tuple[int, ...]:
-    """The checkpoints column: a JSON list of positions. Raises Damaged."""
+    """The checkpoints column: a JSON list of positions (0 too: a file may hold one there, the
+    header check accepts it and it serves nothing). Raises Damaged."""
     points = _loads(text) if isinstance(text, str) else None
-    if not (isinstance(points, list) and all(type(p) is int and p > 0 for p in points)):
+    if not (isinstance(points, list) and all(type(p) is int and p >= 0 for p in points)):
         raise Damaged(f"index row of entry {entry_id[:40]!r} has malformed checkpoints")
     return tuple(points)
 

@@ -20,8 +20,9 @@ def _windowed(n: int) -> list:
     """A gemma-3-style cache of ``n`` tokens: attention beside a sliding window of 8 (past it at
     ``n`` > 8: it cannot be cut back)."""
     window = RotatingKVCache(max_size=8)
-    x = mx.random.normal((1, 2, n, 8))
-    window.update_and_fetch(x, x)
+    if n:
+        x = mx.random.normal((1, 2, n, 8))
+        window.update_and_fetch(x, x)
     return [kv_cache(n), window]
 
 
@@ -80,4 +81,18 @@ def test_a_lookup_skips_the_entries_it_is_told_to(tmp_path):
     second = tier.lookup(prompt, exclude={first.entry_id})
     assert second is not None and second.entry_id != first.entry_id and second.serves == 8
     assert tier.lookup(prompt, exclude={first.entry_id, second.entry_id}) is None
+    tier.close()
+
+
+def test_an_entry_with_a_checkpoint_at_0_is_still_found(tmp_path):
+    """The entry format takes a checkpoint at position 0 (the header check accepts it, ``persist``
+    writes it) and the index recorded it, but read it back as a damaged row: every lookup that
+    named the entry failed whole — a miss counted as an index error."""
+    tier = cold_tier(tmp_path)
+    ckpts = {p: checkpoints.snapshot(_windowed(p)) for p in (0, 8)}
+    tier.persist(np.arange(16), _windowed(16), ckpts)
+    hit = tier.lookup(list(range(14)) + [99] * 4)
+    assert hit is not None and (hit.tokens, hit.serves) == (14, 8)
+    assert tier.lookup(list(range(6)) + [99] * 4) is None  # a checkpoint at 0 serves nothing
+    assert tier.stats()["index_errors"] == 0
     tier.close()
