@@ -127,7 +127,7 @@ def normalise_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
 RESERVED_TEMPLATE_ARGS = frozenset({
     "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
 })  # fmt: skip
 
 
@@ -163,7 +163,21 @@ def _apply(
     except TemplateError:
         raise
     except TEMPLATE_DATA_ERRORS as e:
+        if not _raised_in_template(e):  # transformers' own checks, ours: no request's mistake
+            raise
         raise TemplateRefused(f"{type(e).__name__}: {e}") from e
+
+
+def _raised_in_template(e: BaseException) -> bool:
+    """Whether ``e`` came out of the template's own code (a frame of the compiled template, which
+    jinja names ``<template>``, is on its way), not out of the code around it — a tokenizer with no
+    template at all, a message shape transformers refuses, a defect of ours."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _probed(

@@ -250,7 +250,8 @@ def _render(
 ) -> str:
     """The chat template's text of ``req``; a 400 when the template refuses it: it raised ("roles
     must alternate": the messages), or failed on a value it cannot use (a tool schema's
-    ``properties`` that is no mapping; a value of the request's own template arguments)."""
+    ``properties`` that is no mapping; a value of the request's own template arguments). What
+    fails around the template (a model without one, a defect of ours) is no 400."""
     try:
         return chat.render_chat(tokenizer, req.message_dicts(), tools, extra,
                                 req.continue_final_message)  # fmt: skip

@@ -179,11 +179,23 @@ def test_template_arguments_reach_the_template(family_dirs):
 
 
 @pytest.mark.parametrize("args", [[1], {"messages": []}, {"add_generation_prompt": False},
-                                  {"tokenize": True}, {"not an identifier": 1}, {"tools": []}])  # fmt: skip
+                                  {"tokenize": True}, {"not an identifier": 1}, {"tools": []},
+                                  {"sanitize_control_tokens": True}])  # fmt: skip
 def test_template_arguments_never_replace_the_templates_own(args):
     with pytest.raises(ValueError):
         chat.template_args(args)
     assert chat.template_args({"enable_thinking": False}) == {"enable_thinking": False}
+
+
+def test_every_parameter_of_apply_chat_template_is_reserved():
+    """transformers 5 added ``sanitize_control_tokens``: as a request's template argument it
+    reached ``apply_chat_template`` itself, which refused it (a ValueError around the template)."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    own = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    assert set(own) - {"self", "kwargs"} <= chat.RESERVED_TEMPLATE_ARGS
 
 
 # --- system turns mid-conversation ----------------------------------------------------------------

@@ -84,3 +84,34 @@ def test_logprobs_of_reasoning_alone_list_nothing(family_dirs):
     body = out.body()
     assert body["choices"][0]["message"]["reasoning_content"] == "Still thinking about"
     assert body["choices"][0]["logprobs"]["content"] == []
+
+
+#: a template that writes tools and reads each call's arguments as a mapping (as Qwen3-Coder's does)
+_MAPPING_ARGS = ("{% if tools %}{{ tools[0].function.name }}{% endif %}{% for m in messages %}"
+                 "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.arguments | dictsort }}"
+                 "{% endfor %}{% endfor %}")  # fmt: skip
+
+
+def test_only_a_failure_inside_the_template_is_the_requests_400(tiny_model_dir):
+    """A template failing on the request's data (arguments that are no JSON object, read as a
+    mapping) is the request's mistake: a 400. A failure around the template was one too — a model
+    with no chat template answered every chat request with a 400 blaming its messages (or its
+    template arguments). It is the server's: a 500 at the HTTP edge."""
+    from engine.errors import ApiError
+
+    tok = load_tokenizer(tiny_model_dir)
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[1, 2]"}}
+    turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c", "content": "sunny"}]  # fmt: skip
+
+    def prompt(template: str | None, **extra: Any) -> Any:
+        tok._tokenizer.chat_template = template
+        req = ChatRequest.model_validate({"messages": turns, "tools": TOOLS, **extra})
+        return respond.chat_prompt(tok, tok.encode, req, "m", lambda n, p: None)
+
+    with pytest.raises(ApiError) as refused:
+        prompt(_MAPPING_ARGS)
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        with pytest.raises(ValueError, match="chat_template is not set"):
+            prompt(None, **extra)
