@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _SHARED_CLOSE_SECONDS = 30.0
 #: disk entries one fetch may try to restore: one that fails to load gives way to the next best
 _DISK_TRIES = 3
+_UNASKED = object()  # [shared tier] a fetch has not looked the prompt up there yet
 
 
 class ColdHitLike(Protocol):
@@ -204,19 +205,31 @@ class TieredCache:
         gone at load time left the index (quarantined / dropped by the cold tier), so the tiers
         are asked again: the next lookup names the next best entry (at most
         :data:`_DISK_TRIES` disk entries per fetch; one still indexed — unreadable, out of
-        memory — is excluded from the next lookups, never read twice)."""
+        memory — is excluded from the next lookups, never read twice). The shared tier is asked
+        once, its entry fetched at most once."""
         cand = self._hot_candidate(prompt, count=True)
         tried: set[str] = set()
+        shared_hit: Any = _UNASKED  # [shared tier] looked up once a fetch, fetched at most once
         while self.cold is not None and len(tried) < _DISK_TRIES:
             hot_n = cand.serves(len(prompt)) if cand else 0
             if policy.serves_all(hot_n, len(prompt)):
                 break
             hit = self.cold.lookup(prompt, exclude=tried)
             cold_n = hit.serves if hit is not None else 0
-            if self.shared is not None and not policy.serves_all(max(hot_n, cold_n), len(prompt)):
-                shared = yield from self._load_shared(prompt, max(hot_n, cold_n), background)
-                if shared is not None:
-                    return shared
+            floor = max(hot_n, cold_n)
+            if self.shared is not None and not policy.serves_all(floor, len(prompt)):
+                if shared_hit is _UNASKED:
+                    shared_hit = self.shared.lookup(prompt)
+                n = policy.servable_tokens(shared_hit.tokens, len(prompt)) if shared_hit else 0
+                if n > floor:
+                    shared = yield from self._load_shared(shared_hit, prompt, floor, background)
+                    if shared is not None:
+                        return shared
+                    shared_hit = None  # it failed: the next disk try does not fetch it again
+                    # the batch went on while it crossed the network: the hot candidate may
+                    # have been taken or replaced, a disk entry removed; look again
+                    cand = self._hot_candidate(prompt, count=False)
+                    continue
             if hit is None or cold_n <= hot_n:
                 break
             loaded = yield from self._restore(hit, prompt, cand, hot_n, background)
@@ -296,18 +309,15 @@ class TieredCache:
         return (yield from cold.load_steps(hit, beside=True))
 
     def _load_shared(
-        self, prompt: TokenArray, floor: int, background: bool
+        self, hit: Any, prompt: TokenArray, floor: int, background: bool
     ) -> Steps[_Candidate | None]:
-        """[shared tier, issue 17] The shared tier's longest hit when it serves more than
-        ``floor`` tokens: fetched (verified bytes; with ``background`` on a thread of its own, so
-        the batch's decode steps go on while a large entry crosses the network), then adopted by
-        the local cold tier — decoded there and queued to be written locally, so the next restart
-        finds it on the disk."""
+        """[shared tier, issue 17] The shared tier's ``hit`` (its lookup's) when it serves more
+        than ``floor`` tokens: fetched (verified bytes; with ``background`` on a thread of its
+        own, so the batch's decode steps go on while a large entry crosses the network), then
+        adopted by the local cold tier — decoded there and queued to be written locally, so the
+        next restart finds it on the disk."""
         assert self.shared is not None and self.cold is not None
         shared = self.shared
-        hit = shared.lookup(prompt)
-        if hit is None or policy.servable_tokens(hit.tokens, len(prompt)) <= floor:
-            return None
         t0 = time.perf_counter()
         if background:
             call = threads.Call(lambda: shared.fetch(hit), "tkv-shared-fetch")

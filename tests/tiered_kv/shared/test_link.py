@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -252,4 +253,70 @@ def test_a_shared_entry_that_cannot_be_cut_back_never_displaces_a_hot_hit(tmp_pa
     logits, hit = prefill_turn(b, m, ids)
     assert hit.tier == "hot" and hit.tokens == 50
     np.testing.assert_allclose(logits, cold_logits(m, ids), rtol=1e-4, atol=1e-4)
+    b.close()
+
+
+def test_a_failed_fetch_beside_the_batch_looks_at_memory_again(small_model, tmp_path, redis_server,
+                                                                monkeypatch):
+    """While a shared fetch crossed the network, another request of the batch replaced the hot
+    entry this one would fall back on (a longer entry superseded it). The fetch failed, and the
+    request took the hot candidate it had found before the wait: gone, so it got no hit at all."""
+    p = tokens(70, 70)
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    prefill_turn(b, small_model, p[:40])  # H: 40 tokens in memory (nothing in Redis yet)
+    publish_from_a(small_model, tmp_path, redis_server.url, p)  # S: 70 tokens, shared
+    started, release = threading.Event(), threading.Event()
+
+    def trickle(*a, **k):  # the fault: a link that times out once released
+        started.set()
+        release.wait(10)
+        raise TimeoutError("the link trickled past the fetch's deadline")
+
+    monkeypatch.setattr(redis_tier.bulk, "get_into", trickle)
+    ids = p + tokens(71, 5)
+    steps = b.fetch_steps(ids)
+    next(steps)
+    assert started.wait(10)
+    longer = p[:40] + tokens(72, 10)  # shares only H's 40 with S: no fetch of its own
+    _, hit = prefill_turn(b, small_model, longer)  # its 50 tokens supersede H
+    assert hit.tier == "hot" and hit.tokens == 40
+    release.set()
+    lease = drain(steps)
+    assert lease.hit.tier == "hot" and lease.hit.tokens == 40
+    logits = np.array(prefill(small_model, lease, ids[:40], 16))
+    np.testing.assert_allclose(logits, cold_logits(small_model, ids), rtol=1e-4, atol=1e-4)
+    b.store(lease, ids)
+    b.close()
+
+
+def test_a_shared_entry_that_failed_is_not_fetched_again_for_the_next_disk_try(
+    small_model, tmp_path, redis_server, monkeypatch
+):
+    """The shared tier was asked again for each disk entry a fetch tried: a shared entry whose
+    adoption failed (MLX out of memory) was fetched over the network again after the disk entry
+    beside it could not be read — one transfer of up to gigabytes per try."""
+    from tiered_kv.cold import fsafe
+
+    p = tokens(73, 70)
+    local = open_tc(small_model, tmp_path / "b", None)
+    prefill_turn(local, small_model, p[:50] + tokens(74, 10))  # D: shares 50 with the prompt
+    local.close()
+    publish_from_a(small_model, tmp_path, redis_server.url, p)  # S: shares 70
+    (bad,) = [f for f in (tmp_path / "b").rglob("*.safetensors") if not f.name.startswith(".")]
+    real = fsafe.open_nofollow
+
+    def refusing(path, flags, mode=0o600):
+        if Path(path) == bad:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, flags, mode)
+
+    def refused(*a, **k):
+        raise RuntimeError("[cuda::malloc] out of memory")
+
+    monkeypatch.setattr(fsafe, "open_nofollow", refusing)
+    monkeypatch.setattr(codec, "load_buffer", refused)
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    assert_miss_then_correct(small_model, b, p + [3])
+    s = b.stats()
+    assert s["shared_fetches"] == 1 and s["cold_load_errors"] == 2  # S adopted once, D read once
     b.close()
