@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ class SharedStore(Protocol):
     """[shared tier, issue 17] What TieredCache needs of ``tiered_kv.shared.link.SharedLink``."""
 
     def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> Any: ...
-    def fetch(self, hit: Any) -> Any: ...
+    def fetch(self, hit: Any, stop: threading.Event | None = None) -> Any: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self, timeout: float | None = None) -> Any: ...
 
@@ -320,9 +321,13 @@ class TieredCache:
         shared = self.shared
         t0 = time.perf_counter()
         if background:
-            call = threads.Call(lambda: shared.fetch(hit), "tkv-shared-fetch")
-            while not call.done():
-                yield
+            stop = threading.Event()
+            call = threads.Call(lambda: shared.fetch(hit, stop), "tkv-shared-fetch")
+            try:
+                while not call.done():
+                    yield
+            finally:  # closed while it runs (its request went away, shutdown): no more chunks
+                stop.set()
             fetched = call.result()
         else:
             fetched = shared.fetch(hit)

@@ -1,8 +1,9 @@
 """SharedLink: the shared tier as the rest of the cache sees it (issue 17).
 
 * the request thread calls :meth:`lookup` / :meth:`fetch` (``TieredCache``, after memory and the
-  local disk missed); a fetched entry is handed to the local cold tier's ``adopt``, which decodes it
-  and writes it locally, so the next restart finds it on the local disk;
+  local disk missed; beside a running batch the fetch runs on a thread of its own); a fetched entry
+  is handed, on the request thread, to the local cold tier's ``adopt``, which decodes it and writes
+  it locally, so the next restart finds it on the local disk;
 * the local cold tier calls :meth:`published` for each entry it has written (writer thread): the
   entry is queued for the publisher thread, which reads its bytes back from the local store and
   publishes them (write-behind, bounded by ``TIERED_KV_SHARED_QUEUE_BYTES``).
@@ -45,8 +46,9 @@ class SharedLink:
     def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> SharedHit | None:
         return self.tier.lookup(prompt_ids)
 
-    def fetch(self, hit: SharedHit) -> Fetched | None:
-        return self.tier.fetch(hit)
+    def fetch(self, hit: SharedHit, stop: threading.Event | None = None) -> Fetched | None:
+        """Any thread (bytes only): the request thread, or a fetch's own thread beside the batch."""
+        return self.tier.fetch(hit, stop)
 
     # -- the local cold tier's writer thread -------------------------------------------------
     def published(self, read: Read, tokens: np.ndarray, nbytes: int) -> None:

@@ -21,8 +21,10 @@ entry's buffer (:mod:`bulk`) and runs ``check`` — the entry format's own check
 fingerprint, data digests) returning its token ids, which must be the index's — before anything is
 returned. Capacity and eviction are Redis's own (``maxmemory`` + an LRU policy).
 
-Threads: ``lookup`` / ``fetch`` run on the request thread, ``publish`` on the publisher thread
-(:mod:`tiered_kv.shared.publisher`); the redis client is thread-safe (a connection pool).
+Threads: ``lookup`` runs on the request thread, ``fetch`` there or on a thread of its own beside
+the batch (``TieredCache``; its ``stop`` ends it between chunks once its request is gone),
+``publish`` on the publisher thread (:mod:`tiered_kv.shared.publisher`); the redis client is
+thread-safe (a connection pool), the counters are under a lock.
 
 Faults: every call is bounded by the socket timeout (``TIERED_KV_SHARED_TIMEOUT``), resolving the
 host name included (:mod:`resolve`); a connection error or timeout (a fetch past its deadline
@@ -147,7 +149,7 @@ class SharedTier:
         self._stats = dict.fromkeys(
             ("lookups", "hits", "misses", "fetches", "fetch_bytes", "misses_evicted", "corrupt",
              "publishes", "publish_bytes", "publish_skipped", "superseded", "errors", "timeouts",
-             "skipped_down", "outages", "too_large"), 0
+             "skipped_down", "outages", "too_large", "fetches_stopped"), 0
         )  # fmt: skip
         self._fetch_seconds = 0.0
         self._failures = 0
@@ -221,11 +223,12 @@ class SharedTier:
                     break
         return cands
 
-    def fetch(self, hit: SharedHit) -> Fetched | None:
+    def fetch(self, hit: SharedHit, stop: threading.Event | None = None) -> Fetched | None:
         """The entry's verified bytes and token ids, or None: a chunk missing (evicted), corrupt
-        bytes (the entry is then unlinked), Redis down / slow / restarted."""
+        bytes (the entry is then unlinked), Redis down / slow / restarted, or ``stop`` set (its
+        request went away: the rest of the chunks are not read)."""
         t0 = time.perf_counter()
-        got = self._call("fetch", lambda: self._fetch(hit), None)
+        got = self._call("fetch", lambda: self._fetch(hit, stop), None)
         if got is not None:
             with self._lock:
                 self._stats["fetches"] += 1
@@ -233,7 +236,7 @@ class SharedTier:
                 self._fetch_seconds += time.perf_counter() - t0
         return got
 
-    def _fetch(self, hit: SharedHit) -> Fetched | None:
+    def _fetch(self, hit: SharedHit, stop: threading.Event | None) -> Fetched | None:
         size, chunk = hit.nbytes, hit.chunk_bytes
         if size > self.max_bytes:
             self._count("too_large")
@@ -254,6 +257,9 @@ class SharedTier:
         view = memoryview(buf)
         deadline = time.monotonic() + self.timeout + size / _MIN_RATE
         for i, name in enumerate(names):  # one round trip per chunk: latency ≪ its transfer
+            if stop is not None and stop.is_set():
+                self._count("fetches_stopped")
+                return None
             lo = i * chunk
             try:
                 got = bulk.get_into(self.client, name, view[lo : lo + chunk], deadline)

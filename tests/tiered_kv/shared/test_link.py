@@ -320,3 +320,38 @@ def test_a_shared_entry_that_failed_is_not_fetched_again_for_the_next_disk_try(
     s = b.stats()
     assert s["shared_fetches"] == 1 and s["cold_load_errors"] == 2  # S adopted once, D read once
     b.close()
+
+
+def test_a_fetch_beside_the_batch_stops_when_its_request_goes_away(small_model, tmp_path, redis_server,
+                                                                    monkeypatch):
+    """A request whose client went away (or a shutdown) closes its fetch_steps; its shared fetch
+    read on, every chunk of an entry of up to the disk budget into a buffer nobody would use, for
+    up to its deadline. It stops before its next chunk."""
+    p = tokens(75, 64)
+    a = open_tc(small_model, tmp_path / "a", None)
+    prefill_turn(a, small_model, p)
+    a.close()
+    (path,) = (tmp_path / "a").rglob("*.safetensors")
+    fp = a.cold.fingerprint
+    other = SharedTier(redis_server.url, fp, 16, entry.checker(fp), chunk_bytes=4096)
+    assert other.publish(path.read_bytes(), p)  # an entry of many chunks
+    b = open_tc(small_model, tmp_path / "b", redis_server.url)
+    started, release, reads = threading.Event(), threading.Event(), []
+    real = redis_tier.bulk.get_into
+
+    def slow(*a, **k):  # the fault: a link that holds the first chunk until released
+        reads.append(threading.current_thread())
+        started.set()
+        release.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(redis_tier.bulk, "get_into", slow)
+    steps = b.fetch_steps(p + [3])
+    next(steps)
+    assert started.wait(10)
+    steps.close()  # the request went away
+    release.set()
+    reads[0].join(10)
+    assert not reads[0].is_alive() and len(reads) == 1
+    assert b.stats()["shared_fetches_stopped"] == 1
+    b.close()
