@@ -182,13 +182,11 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
     n = len(raw)
     if size != 8 + n + data_len:
         raise CorruptEntry(f"file size {size} != {8 + n + data_len} (truncated or padded)")
-    n_tokens = meta.get("n_tokens", "")
-    if not (n_tokens.isascii() and n_tokens.isdigit()) or header.get("tokens", {}).get("shape") != [
-        int(n_tokens)
-    ]:
+    n_tokens = _count(meta.get("n_tokens", ""))
+    if n_tokens is None or header.get("tokens", {}).get("shape") != [n_tokens]:
         raise CorruptEntry("tokens tensor does not match n_tokens")
     out = Header(header, meta, 8 + n, data_len, _token_major(header, meta))
-    chunk = out.chunk_bytes if meta.get("chunk_bytes", "").isdigit() else 0
+    chunk = _count(meta.get("chunk_bytes", "")) or 0
     if not 0 < chunk <= _MAX_CHUNK:
         raise CorruptEntry("bad chunk_bytes")
     sums = out._sums()
@@ -197,6 +195,12 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
         if len(sums.get(name, "")) != n_digest_chars(stop - start, chunk):
             raise CorruptEntry(f"tensor {name!r}: checksum table does not match its size")
     return out
+
+
+def _count(text: str) -> int | None:
+    """A count the metadata gives (a string): ASCII digits, at most 18 of them, else None. int()
+    takes other digits ("²" raises, "١٢" is 12) and refuses past 4300 digits with a bare ValueError."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
 def _token_major(tensors: dict[str, Any], meta: dict[str, str]) -> frozenset[str]:

@@ -393,13 +393,16 @@ def test_arrays_mlx_cannot_allocate_are_a_miss_not_a_failed_request(tmp_path, mo
     tier.close()
 
 
-@pytest.mark.parametrize("n_tokens", ["8.0", "eight", ""])
-def test_a_token_count_that_is_no_integer_is_quarantined(tmp_path, n_tokens):
-    """A re-signed header whose ``n_tokens`` is no integer raised a bare ValueError from the
-    header check — not CorruptEntry — out of the load into the request."""
+@pytest.mark.parametrize("key, value", [("n_tokens", "8.0"), ("n_tokens", "eight"), ("n_tokens", ""),
+                                        ("n_tokens", "0" * 4990 + "8"), ("chunk_bytes", "²"),
+                                        ("chunk_bytes", "0" * 4990 + "1048576")])  # fmt: skip
+def test_a_count_that_is_no_integer_is_quarantined(tmp_path, key, value):
+    """A re-signed header whose ``n_tokens`` or ``chunk_bytes`` is no integer int() takes (a
+    superscript digit, more than 4300 digits) raised a bare ValueError from the header check —
+    not CorruptEntry — out of the load into the request."""
     tier = cold_tier(tmp_path)
     tier.persist(np.arange(8), [kv_cache(8)])
-    rewrite_meta(entry_file(tier), n_tokens=n_tokens)
+    rewrite_meta(entry_file(tier), **{key: value})
     assert tier.load(tier.lookup(list(range(8)))) is None
     assert tier.stats()["quarantined"] == 1
     tier.close()
