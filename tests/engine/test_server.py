@@ -579,7 +579,6 @@ def test_unknown_path_and_method(guarded):
     assert r.status_code == 405 and "error" in r.json()
 
 
-
 def test_head_of_the_get_routes(guarded):
     """HEAD of /health, /v1/models and /metrics: a 200 without a body, as their GET (HTTP requires
     HEAD wherever GET is served; a health check by ``wget --spider`` sends it). It was a 405."""
@@ -590,6 +589,7 @@ def test_head_of_the_get_routes(guarded):
         assert r.headers["content-type"] == get.headers["content-type"]
     r = httpx.request("OPTIONS", guarded.url + "/health")
     assert r.status_code == 405 and "error" in r.json()
+
 
 def test_a_model_is_retrieved_by_its_id(guarded):
     """``GET /v1/models/{id}`` (the openai SDK's ``models.retrieve``; ids hold ``/``): the model, or
