@@ -221,7 +221,7 @@ class TieredCache:
             if self.shared is not None and not policy.serves_all(floor, len(prompt)):
                 if shared_hit is _UNASKED:
                     shared_hit = self.shared.lookup(prompt)
-                n = policy.servable_tokens(shared_hit.tokens, len(prompt)) if shared_hit else 0
+                n = _shared_serves(shared_hit, len(prompt)) if shared_hit else 0
                 if n > floor:
                     shared = yield from self._load_shared(shared_hit, prompt, floor, background)
                     if shared is not None:
@@ -339,8 +339,8 @@ class TieredCache:
         entry = _loaded_entry(got)
         seconds = time.perf_counter() - t0
         cand = _Candidate(entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes)
-        # the index names no checkpoints: an entry that cannot be cut back may serve less than
-        # its common prefix (nothing, diverging before its end), and then not more than the floor
+        # an entry published before what it serves was kept with it: one that cannot be cut back
+        # may serve less than its common prefix (nothing, diverging before its end)
         return cand if cand.serves(len(prompt)) > floor else None
 
     def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
@@ -535,6 +535,15 @@ def new_entry(
         persisted=persisted,
         prompt_tokens=None if prompt_tokens is None else min(prompt_tokens, len(ids)),
     )
+
+
+def _shared_serves(hit: Any, prompt_len: int) -> int:
+    """[shared tier] Prompt tokens a shared hit serves (:func:`policy.servable`), where its
+    publisher said what it serves; its common prefix where not (checked again once fetched)."""
+    s = hit.serving
+    if s is None:
+        return policy.servable_tokens(hit.tokens, prompt_len)
+    return policy.servable(hit.tokens, prompt_len, hit.entry_tokens, s.trimmable, s.checkpoints)
 
 
 def _loaded_entry(got: Any) -> Entry:

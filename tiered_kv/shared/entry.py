@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from tiered_kv import declared
 from tiered_kv.cold import checksums, store
-from tiered_kv.shared.redis_tier import Check
+from tiered_kv.shared.redis_tier import Check, Describe, Serving
 
 
 def checker(fingerprint: str) -> Check:
@@ -20,6 +21,21 @@ def checker(fingerprint: str) -> Check:
         return verify(view, fingerprint)
 
     return check
+
+
+def describer(fingerprint: str) -> Describe:
+    """What an entry to publish serves, from its header's metadata (``declared.serving``); None
+    for bytes that are no entry of ``fingerprint``."""
+
+    def describe(view: memoryview) -> Serving | None:
+        try:
+            header = store.parse_buffer(view, fingerprint)
+        except ValueError:  # store.CorruptEntry / ForeignEntry
+            return None
+        got = declared.serving(header.metadata)
+        return Serving(got.trimmable, got.checkpoints)
+
+    return describe
 
 
 def verify(view: memoryview, fingerprint: str) -> np.ndarray:

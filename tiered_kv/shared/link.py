@@ -39,7 +39,8 @@ class SharedLink:
         # an entry larger than the local disk budget could not be adopted: never fetched
         tier = SharedTier(config.shared_url, fingerprint, config.block_tokens,
                           check or entry.checker(fingerprint), config.shared_timeout,
-                          max_bytes=config.disk_bytes)  # fmt: skip
+                          max_bytes=config.disk_bytes,
+                          describe=entry.describer(fingerprint))  # fmt: skip
         return cls(tier, config.shared_queue_bytes)
 
     # -- request thread --------------------------------------------------------------------

@@ -6,7 +6,9 @@ format, stored-KV quantisation, cache salt), so tenants with different fingerpri
     c:<eid>:<i>  string  chunk ``i`` of the entry's bytes (the entry file's exact bytes, cut into
                          ``chunk_bytes`` pieces, the last one shorter; ``CHUNK_BYTES``)
     t:<eid>      string  the entry's token ids, int32 little-endian
-    e:<eid>      hash    n_tokens, nbytes, nchunks, chunk_bytes, created
+    e:<eid>      hash    n_tokens, nbytes, nchunks, chunk_bytes, created; trimmable (0 / 1) and
+                         checkpoints (ascending positions, comma-separated): what the entry serves
+                         (absent from entries published before they were: not known)
     b:<hash>     string  ``<eid>`` of the newest entry holding block ``<hash>`` (the chained block
                          hashes of ``tiered_kv.keys``, seeded with the fingerprint and block size)
 
@@ -71,6 +73,9 @@ _EID_LEN = 32
 _EID = re.compile(rb"[0-9a-f]{%d}" % _EID_LEN)  # entry ids read from Redis are data: checked
 _MAX_FACT = 20  # digits of an entry's fact (an int64): a longer field is never read
 FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")  # an entry's facts in its e: hash
+#: what an entry serves (:class:`Serving`), beside its facts; each read only when its length is
+#: at most this (a checkpoint every 256 tokens of a 1M-token entry is ~30 kB)
+SERVING = {"trimmable": 1, "checkpoints": 64 << 10}
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
 #: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
@@ -88,6 +93,21 @@ class SharedHit:
     chunk_bytes: int
     #: the index's token ids (int32 LE) as the lookup read them: the verified entry must hold them
     indexed: bytes = field(default=b"", repr=False)
+    #: what the entry serves, as its publisher described it; None: not known (published before
+    #: the description was, or a description no publisher writes)
+    serving: Serving | None = None
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What an entry serves (``tiered_kv.policy.servable``'s facts about it)."""
+
+    trimmable: bool  # every layer can be cut back to any shorter length
+    checkpoints: tuple[int, ...]  # positions of its checkpoints, ascending
+
+
+#: entry bytes → whether its layers can be cut back and its checkpoint positions, or None
+Describe = Callable[[memoryview], Serving | None]
 
 
 @dataclass(frozen=True)
@@ -132,9 +152,11 @@ class SharedTier:
         timeout: float = 1.0,
         chunk_bytes: int = CHUNK_BYTES,
         max_bytes: int = MAX_ENTRY_BYTES,
+        describe: Describe | None = None,
     ) -> None:
         """Nothing is sent to Redis here: a server starts whether or not Redis is up. Entries
-        claiming more than ``max_bytes`` are never fetched (what Redis says is data)."""
+        claiming more than ``max_bytes`` are never fetched (what Redis says is data).
+        ``describe``: what a published entry serves, from its bytes (kept with its facts)."""
         self.url = redact(url)
         self.fingerprint = fingerprint
         self.block_tokens = block_tokens
@@ -144,6 +166,7 @@ class SharedTier:
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self.max_bytes = max_bytes
+        self.describe = describe
         self.client = connect(url, timeout)
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(
@@ -181,31 +204,35 @@ class SharedTier:
         if not cands:
             return None
         pipe = self.client.pipeline(transaction=False)
+        asked = (*FIELDS, *SERVING)
         for eid in cands:  # the facts' lengths before the facts: values of any size are data
             pipe.getrange(self.key("t", eid), 0, 4 * len(tokens) - 1)
-            for f in FIELDS:
+            for f in asked:
                 pipe.hstrlen(self.key("e", eid), f)
         replies = pipe.execute(raise_on_error=False)  # a key of another type: that one skipped
-        step, ranked = 1 + len(FIELDS), []
+        step, ranked = 1 + len(asked), []
         for i, eid in enumerate(cands):
             raw, lengths = replies[i * step], replies[i * step + 1 : (i + 1) * step]
             if not isinstance(raw, bytes) or not all(
-                isinstance(k, int) and 0 < k <= _MAX_FACT for k in lengths
+                isinstance(k, int) and 0 < k <= _MAX_FACT for k in lengths[: len(FIELDS)]
             ):
                 continue  # a pointer to an entry Redis evicted (or a half-deleted one): skip it
+            described = all(isinstance(k, int) and 0 < k <= bound for k, bound in
+                            zip(lengths[len(FIELDS) :], SERVING.values(), strict=True))  # fmt: skip
             raw = raw[: len(raw) // 4 * 4]
             n = common_prefix(np.frombuffer(raw, dtype="<i4"), tokens)
             if n > 0:
-                ranked.append((n, eid, raw))
+                ranked.append((n, eid, raw, described))
         ranked.sort(key=lambda r: -r[0])  # stable: the deepest block's entry first on a tie
         pipe = self.client.pipeline(transaction=False)
-        for _, eid, _ in ranked:
-            pipe.hmget(self.key("e", eid), list(FIELDS))
+        for _, eid, _, described in ranked:
+            pipe.hmget(self.key("e", eid), list(asked if described else FIELDS))
         metas = pipe.execute(raise_on_error=False) if ranked else []
-        for (n, eid, raw), meta in zip(ranked, metas, strict=True):
-            facts = facts_of(meta) if isinstance(meta, list) else None
+        for (n, eid, raw, _), meta in zip(ranked, metas, strict=True):
+            facts = facts_of(meta[: len(FIELDS)]) if isinstance(meta, list) else None
             if facts is not None:
-                return SharedHit(eid, n, *facts, indexed=raw)
+                serving = serving_of(meta[len(FIELDS) :])
+                return SharedHit(eid, n, *facts, indexed=raw, serving=serving)
         return None
 
     def _candidates(self, hashes: Sequence[int]) -> list[str]:
@@ -317,6 +344,10 @@ class SharedTier:
                 bulk.set_from(self.client, chunk_keys[i], view[i * chunk : (i + 1) * chunk])
             meta = {"n_tokens": len(tokens), "nbytes": size, "nchunks": nchunks,
                     "chunk_bytes": chunk, "created": repr(time.time())}  # fmt: skip
+            serving = self.describe(view) if self.describe is not None else None
+            if serving is not None:
+                meta["trimmable"] = int(serving.trimmable)
+                meta["checkpoints"] = ",".join(map(str, serving.checkpoints)) or "-"
             pipe = self.client.pipeline(transaction=True)  # ... the index last, atomically
             pipe.set(self.key("t", eid), tokens.tobytes())
             pipe.hset(self.key("e", eid), mapping=meta)  # type: ignore[arg-type]
@@ -435,6 +466,22 @@ def facts_of(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:
     except (TypeError, ValueError):
         return None
     return n_tokens, nbytes, nchunks, chunk
+
+
+def serving_of(meta: Sequence[bytes | None]) -> Serving | None:
+    """An entry's ``trimmable`` and ``checkpoints`` fields (``-``: none) as read back; None when
+    absent or not what a publisher writes."""
+    if len(meta) != len(SERVING):
+        return None
+    trim, points = meta
+    if trim not in (b"0", b"1") or not isinstance(points, bytes):
+        return None
+    if points == b"-":
+        return Serving(trim == b"1", ())
+    parts = points.split(b",")
+    if not all(p.isdigit() and p.isascii() and len(p) <= 18 for p in parts):
+        return None
+    return Serving(trim == b"1", tuple(sorted(int(p) for p in parts)))
 
 
 def _quietly(fn: Callable[[], Any]) -> None:

@@ -253,6 +253,7 @@ def test_a_shared_entry_that_cannot_be_cut_back_never_displaces_a_hot_hit(tmp_pa
     logits, hit = prefill_turn(b, m, ids)
     assert hit.tier == "hot" and hit.tokens == 50
     np.testing.assert_allclose(logits, cold_logits(m, ids), rtol=1e-4, atol=1e-4)
+    assert b.stats()["shared_fetches"] == 0  # its publisher said what it serves: never fetched
     b.close()
 
 

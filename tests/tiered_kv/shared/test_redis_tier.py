@@ -437,3 +437,33 @@ def test_a_fetch_timing_out_starts_the_backoff(redis_server, monkeypatch):
         redis_server.stop_signal(signal.SIGCONT)
     s = t.stats()
     assert s["timeouts"] == 1 and s["outages"] == 1 and s["skipped_down"] == 1 and s["up"] == 0
+
+
+@pytest.mark.parametrize("serving", [redis_tier.Serving(False, (32, 64)), redis_tier.Serving(True, ()),
+                                     redis_tier.Serving(False, ())])  # fmt: skip
+def test_what_an_entry_serves_is_kept_with_its_facts(redis_server, serving):
+    """The publisher's description of an entry (its layers can be cut back, its checkpoints)
+    comes back with a lookup, so an entry that cannot serve a prompt is never fetched for it."""
+    t = SharedTier(redis_server.url, "fp-s", BLOCK, check, timeout=0.5, chunk_bytes=1000,
+                   describe=lambda view: serving)  # fmt: skip
+    toks = ids(40, 100)
+    assert t.publish(entry(toks), toks)
+    hit = t.lookup(toks[:70] + [1])
+    assert hit is not None and hit.serving == serving
+
+
+def test_an_entry_published_undescribed_or_described_wrongly_serves_what_is_not_known(redis_server):
+    """Entries published before the description was kept, or whose fields hold what no publisher
+    writes (or too much to read), come back without one: then the fetched entry says."""
+    t = tier(redis_server.url)
+    toks = ids(41, 100)
+    assert t.publish(entry(toks), toks)
+    assert t.lookup(toks).serving is None
+    r = redis_server.client()
+    (e,) = [k for k in r.keys("*") if b":e:" in k]
+    for trim, points in ((b"2", b"-"), (b"1", b"3,x"), (b"0", b"1" * 19), (b"1", b"7" * (65 << 10))):
+        r.hset(e, mapping={"trimmable": trim, "checkpoints": points})
+        hit = t.lookup(toks)
+        assert hit is not None and hit.serving is None, (trim, points[:20])
+    r.hset(e, mapping={"trimmable": b"0", "checkpoints": b"48,16"})
+    assert t.lookup(toks).serving == redis_tier.Serving(False, (16, 48))
