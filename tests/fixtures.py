@@ -30,6 +30,7 @@ from tiered_kv.cold import checksums, gpu, store
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.memory import MemoryProbe
+from tiered_kv.opening import open_cache
 from tiered_kv.tiered import HitInfo, Lease, TieredCache
 
 # --- a tiny llama, built in memory (no tokenizer) -------------------------------------------------
@@ -273,6 +274,17 @@ def store_turn(
         fed += list(extra)
     tc.store(lease, fed)
     return logits, lease.hit.tokens
+
+
+#: the model identity :func:`open_tc` files entries under
+IDENTITY = {"model": "test-fingerprint"}
+
+
+def open_tc(model, root, **kw) -> TieredCache:
+    """Through the door: open_cache decides which tiers are on (``tiers=()``: none)."""
+    kw.setdefault("cold_deadline", 30.0)  # a loaded machine must not turn a lookup into a miss
+    cfg = Config(cache_dir=root, block_tokens=16, **kw)
+    return open_cache(cfg, IDENTITY, lambda: make_prompt_cache(model))
 
 
 def entry_arrays(entry) -> dict[str, np.ndarray]:

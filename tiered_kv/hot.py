@@ -14,16 +14,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-from tiered_kv import checkpoints, policy
+from tiered_kv import checkpoints, layers, policy
 from tiered_kv.config import Config
 from tiered_kv.memory import MemoryProbe
-from tiered_kv.prefix import TokenArray, common_prefix, entry_prompt_len
+from tiered_kv.prefix import TokenArray, as_tokens, common_prefix, entry_prompt_len
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
@@ -57,6 +58,29 @@ class Entry:
     def prompt_len(self) -> int:
         """How many of the ids were the prompt (all of them where ``prompt_tokens`` is None)."""
         return entry_prompt_len(len(self.tokens), self.prompt_tokens)
+
+
+def new_entry(
+    ids: Sequence[int] | np.ndarray,
+    caches: list[Any],
+    ckpts: dict[int, list[Any]] | None = None,
+    persisted: bool = False,
+    prompt_tokens: int | None = None,
+) -> Entry:
+    """An Entry with its derived facts (byte size, trimmability) computed once;
+    ``prompt_tokens``: how many of ``ids`` were the request's prompt (None: all)."""
+    ckpts = ckpts or {}
+    ck_bytes = checkpoints.total_bytes(ckpts)
+    return Entry(
+        as_tokens(ids),
+        caches,
+        cache_bytes(caches) + ck_bytes,
+        trimmable=layers.can_trim(caches),
+        checkpoints=ckpts,
+        checkpoint_bytes=ck_bytes,
+        persisted=persisted,
+        prompt_tokens=None if prompt_tokens is None else min(prompt_tokens, len(ids)),
+    )
 
 
 @dataclass

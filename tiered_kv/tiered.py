@@ -1,6 +1,9 @@
 """TieredCache: hot tier first, then the cold tier (then the shared tier) behind ``fetch`` / ``store``.
 
-Built by :func:`tiered_kv.opening.open_cache` (which decides the tiers and wires them).
+Built by :func:`tiered_kv.opening.open_cache` (which decides the tiers and wires them). Finding a
+prompt's best candidate across the tiers (and restoring a disk or shared one) is
+:mod:`tiered_kv.finding`'s; this module turns the candidate into a :class:`Lease`, stores what a
+lease gives back, and runs the tiers' lifecycle.
 
 Ownership: every method runs on the single thread that runs MLX (the generation worker). A
 :class:`Lease` from :meth:`TieredCache.fetch` is owned by the caller until it is given back with
@@ -11,21 +14,18 @@ entry stays unchanged: MLX writes make new buffers) or a whole entry taken out o
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
-import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
-from tiered_kv import background as threads
 from tiered_kv import checkpoints, layers, policy
 from tiered_kv.config import Config
-from tiered_kv.hot import Entry, HotTier, cache_bytes
+from tiered_kv.finding import Candidate, ColdSource, Finder, SharedSource, loaded_entry
+from tiered_kv.hot import Entry, HotTier, new_entry
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.prefix import TokenArray, as_tokens, common_prefix
 from tiered_kv.steps import Steps, drain
@@ -33,25 +33,12 @@ from tiered_kv.steps import Steps, drain
 log = logging.getLogger(__name__)
 #: [shared tier] at shutdown, how long queued publishes may take before they are dropped (counted)
 _SHARED_CLOSE_SECONDS = 30.0
-#: disk entries one fetch may try to restore: one that fails to load gives way to the next best
-_DISK_TRIES = 3
-_UNASKED = object()  # [shared tier] a fetch has not looked the prompt up there yet
 
 
-class ColdHitLike(Protocol):
-    entry_id: str
-    tokens: int
-    entry_tokens: int
-    serves: int  # prompt tokens the entry can serve (policy.servable)
+class ColdStore(ColdSource, Protocol):
+    """What TieredCache needs of ``tiered_kv.cold.tier.ColdTier``: finding's lookup and loads,
+    the writes, and the lifecycle."""
 
-
-class ColdStore(Protocol):
-    """What TieredCache needs of ``tiered_kv.cold.tier.ColdTier``."""
-
-    def lookup(
-        self, prompt_ids: Sequence[int] | np.ndarray, exclude: Collection[str] = ()
-    ) -> Any: ...
-    def load(self, hit: Any) -> Any: ...
     def spill(
         self, token_ids: np.ndarray, caches: list[Any], checkpoints: Any = None,
         prompt_tokens: int | None = None,
@@ -65,15 +52,12 @@ class ColdStore(Protocol):
     def begin_close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> Any: ...
-    # [shared tier, issue 17] an entry fetched from the shared tier: decoded, and written locally
-    def adopt(self, data: bytearray, tokens: np.ndarray) -> Any: ...
 
 
-class SharedStore(Protocol):
-    """[shared tier, issue 17] What TieredCache needs of ``tiered_kv.shared.link.SharedLink``."""
+class SharedStore(SharedSource, Protocol):
+    """[shared tier, issue 17] What TieredCache needs of ``tiered_kv.shared.link.SharedLink``:
+    finding's lookup and fetch, and the lifecycle."""
 
-    def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> Any: ...
-    def fetch(self, hit: Any, stop: threading.Event | None = None) -> Any: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self, timeout: float | None = None) -> Any: ...
 
@@ -115,24 +99,6 @@ class Lease:
     prompt_tokens: int | None = None
 
 
-@dataclass
-class _Candidate:
-    entry: Entry
-    common: int
-    tier: str
-    load_seconds: float = 0.0
-    load_bytes: int = 0
-    restore: Any = None  # issue 15: the Decision that produced / passed over this candidate
-    computed: int = 0  # of its tokens, those computed on the way (a `both`'s head)
-    held: int = 0  # of its tokens, those memory held (a `both` computed onto a hot prefix)
-
-    def serves(self, prompt_len: int) -> int:
-        """Tokens of the prompt it can serve: any prefix of a trimmable entry, else its full
-        length or the checkpoint at or before the common prefix (what the lease then holds)."""
-        e = self.entry
-        return policy.servable(self.common, prompt_len, len(e.tokens), e.trimmable, e.checkpoints)
-
-
 class TieredCache:
     """Hot tier + optional cold tier behind ``fetch`` / ``store``."""
 
@@ -155,6 +121,7 @@ class TieredCache:
         self.hot = HotTier(
             config.hot_bytes, config.memory_threshold, self._spill, probe, config.checkpoint_share
         )
+        self.finder = Finder(config, self.hot, cold, shared)
         self.needs_checkpoints = layers.needs_checkpoints(make_cache())
         self._unsupported_logged = False
         #: issue 15: plans disk hits (load / compute / both); set by the engine, None = always load
@@ -181,7 +148,9 @@ class TieredCache:
         if len(prompt) == 0:
             raise ValueError("empty prompt")
         self.counters["fetches"] += 1
-        cand = (yield from self._find(prompt, background)) if self.enabled else None
+        cand = (
+            (yield from self.finder.find(prompt, background, self.restorer)) if self.enabled else None
+        )
         decision = cand.restore if cand is not None else None
         if cand is not None and cand.entry is not None:
             lease = self._lease_from(cand, prompt)
@@ -198,152 +167,10 @@ class TieredCache:
         """Prompt tokens the hot tier could serve now: a scheduling estimate (no lease, no copy,
         no disk, not counted as a hit)."""
         prompt = as_tokens(prompt_ids)
-        cand = self._hot_candidate(prompt, count=False)
+        cand = self.finder.hot_candidate(prompt, count=False)
         return cand.serves(len(prompt)) if cand else 0
 
-    def _find(self, prompt: TokenArray, background: bool) -> Steps[_Candidate | None]:
-        """The best candidate of the tiers for ``prompt``. A disk hit that turns out corrupt or
-        gone at load time left the index (quarantined / dropped by the cold tier), so the tiers
-        are asked again: the next lookup names the next best entry (at most
-        :data:`_DISK_TRIES` disk entries per fetch; one still indexed — unreadable, out of
-        memory — is excluded from the next lookups, never read twice). The shared tier is asked
-        once, its entry fetched at most once."""
-        cand = self._hot_candidate(prompt, count=True)
-        tried: set[str] = set()
-        shared_hit: Any = _UNASKED  # [shared tier] looked up once a fetch, fetched at most once
-        while self.cold is not None and len(tried) < _DISK_TRIES:
-            hot_n = cand.serves(len(prompt)) if cand else 0
-            if policy.serves_all(hot_n, len(prompt)):
-                break
-            hit = self.cold.lookup(prompt, exclude=tried)
-            cold_n = hit.serves if hit is not None else 0
-            floor = max(hot_n, cold_n)
-            if self.shared is not None and not policy.serves_all(floor, len(prompt)):
-                if shared_hit is _UNASKED:
-                    shared_hit = self.shared.lookup(prompt)
-                n = _shared_serves(shared_hit, len(prompt)) if shared_hit else 0
-                if n > floor:
-                    shared = yield from self._load_shared(shared_hit, prompt, floor, background)
-                    if shared is not None:
-                        return shared
-                    shared_hit = None  # it failed: the next disk try does not fetch it again
-                    # the batch went on while it crossed the network: the hot candidate may
-                    # have been taken or replaced, a disk entry removed; look again
-                    cand = self._hot_candidate(prompt, count=False)
-                    continue
-            if hit is None or cold_n <= hot_n:
-                break
-            loaded = yield from self._restore(hit, prompt, cand, hot_n, background)
-            if loaded is not None and loaded.entry is not None:
-                return loaded
-            # the batch went on while the disk was read: the hot candidate may have been
-            # taken (and written into) by another request, or evicted; look again
-            cand = self._hot_candidate(prompt, count=False)
-            if loaded is not None:  # computing beats loading: the plan rides along
-                cand = cand or loaded
-                cand.restore = loaded.restore
-                break
-            tried.add(hit.entry_id)
-        return cand
-
-    def _hot_candidate(self, prompt: TokenArray, count: bool) -> _Candidate | None:
-        """The hot tier's best entry for ``prompt`` (``count``: as a hit or a miss)."""
-        best = self.hot.best(prompt, count=count) if self.config.hot_enabled else None
-        return _Candidate(best[0], best[1], "hot") if best else None
-
-    # -- issue 15: load, compute or both ----------------------------------------------------
-    def _restore(
-        self, hit: ColdHitLike, prompt: TokenArray, hot: _Candidate | None, hot_n: int,
-        background: bool,
-    ) -> Steps[_Candidate | None]:  # fmt: skip
-        """The candidate of a disk hit restored the planned way; a candidate with no entry
-        when the plan is to recompute; None on a miss (vanished / corrupt). ``hot``: the hot
-        tier's candidate, which serves ``hot_n`` tokens (a `both` computes onto them)."""
-        r = self.restorer
-        if r is None:
-            return (yield from self._load(hit, prompt, background))
-        assert self.cold is not None
-        d = r.plan(self.cold, hit, hit.serves, len(prompt), hot_n)
-        if d.kind == "compute":
-            return _Candidate(None, 0, "none", restore=d)  # type: ignore[arg-type]
-        if d.kind == "both":
-            # views of the hot entry's first tokens, taken now (before any other request runs):
-            # the head's first step writes past them into arrays of its own
-            held = None
-            if hot is not None and d.start:
-                held = layers.view(hot.entry.caches, d.start, len(hot.entry.tokens))
-            got = yield from r.both_steps(self.cold, hit, prompt, d, background, held)
-            del held
-            if got is not None:
-                entry = new_entry(got.tokens, got.caches, {}, persisted=True)
-                return _Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d,
-                                  d.m - d.start, d.start)  # fmt: skip
-        if d.kind == "both":  # it fell back: the load's time is no outcome of a both
-            d = dataclasses.replace(d, kind="load", informed=False)
-        cand = yield from self._load(hit, prompt, background)
-        if cand is not None:
-            r.observe_load(hit.entry_id, cand.load_bytes, cand.load_seconds)
-            cand.restore = d
-        return cand
-
-    def _load(
-        self, hit: ColdHitLike, prompt: TokenArray, background: bool
-    ) -> Steps[_Candidate | None]:
-        assert self.cold is not None
-        t0 = time.perf_counter()
-        if background and hasattr(self.cold, "load_steps"):
-            got = yield from self._load_beside(hit)
-        else:
-            got = self.cold.load(hit)
-        if got is None:
-            return None  # corrupt or vanished: the cold tier quarantined it and counted
-        entry = _loaded_entry(got)
-        seconds = time.perf_counter() - t0
-        common = common_prefix(entry.tokens, prompt)
-        return _Candidate(entry, common, "cold", seconds, entry.nbytes)
-
-    def _load_beside(self, hit: ColdHitLike) -> Steps[Any]:
-        """The cold tier's load step by step: a thread of the load reads and verifies the file
-        into the arrays while the caller's other work goes on."""
-        assert self.cold is not None
-        cold: Any = self.cold
-        return (yield from cold.load_steps(hit, beside=True))
-
-    def _load_shared(
-        self, hit: Any, prompt: TokenArray, floor: int, background: bool
-    ) -> Steps[_Candidate | None]:
-        """[shared tier, issue 17] The shared tier's ``hit`` (its lookup's) when it serves more
-        than ``floor`` tokens: fetched (verified bytes; with ``background`` on a thread of its
-        own, so the batch's decode steps go on while a large entry crosses the network), then
-        adopted by the local cold tier — decoded there and queued to be written locally, so the
-        next restart finds it on the disk."""
-        assert self.shared is not None and self.cold is not None
-        shared = self.shared
-        t0 = time.perf_counter()
-        if background:
-            stop = threading.Event()
-            call = threads.Call(lambda: shared.fetch(hit, stop), "tkv-shared-fetch")
-            try:
-                while not call.done():
-                    yield
-            finally:  # closed while it runs (its request went away, shutdown): no more chunks
-                stop.set()
-            fetched = call.result()
-        else:
-            fetched = shared.fetch(hit)
-        if fetched is None:
-            return None  # evicted, corrupt, Redis down or slow: counted by the shared tier
-        got = self.cold.adopt(fetched.data, fetched.tokens)
-        if got is None:
-            return None
-        entry = _loaded_entry(got)
-        seconds = time.perf_counter() - t0
-        cand = _Candidate(entry, common_prefix(entry.tokens, prompt), "shared", seconds, entry.nbytes)
-        # an entry published before what it serves was kept with it: one that cannot be cut back
-        # may serve less than its common prefix (nothing, diverging before its end)
-        return cand if cand.serves(len(prompt)) > floor else None
-
-    def _lease_from(self, cand: _Candidate, prompt: TokenArray) -> Lease | None:
+    def _lease_from(self, cand: Candidate, prompt: TokenArray) -> Lease | None:
         entry, total = cand.entry, len(cand.entry.tokens)
         n = cand.serves(len(prompt))
         stored = self.hot.entries.get(entry.id) is entry
@@ -477,7 +304,7 @@ class TieredCache:
         for hit in reversed(self.cold.recent(limit_entries, limit_bytes)):
             got = self.cold.load(hit)
             if got is not None:
-                self.hot.insert(_loaded_entry(got))
+                self.hot.insert(loaded_entry(got))
                 loaded += 1
         return loaded
 
@@ -512,46 +339,6 @@ class TieredCache:
             self.shared.close(_SHARED_CLOSE_SECONDS)
         if self.restorer is not None:  # saves the learned restore costs
             self.restorer.close()
-
-
-def new_entry(
-    ids: Sequence[int] | np.ndarray,
-    caches: list[Any],
-    ckpts: dict[int, list[Any]] | None = None,
-    persisted: bool = False,
-    prompt_tokens: int | None = None,
-) -> Entry:
-    """An Entry with its derived facts (byte size, trimmability) computed once;
-    ``prompt_tokens``: how many of ``ids`` were the request's prompt (None: all)."""
-    ckpts = ckpts or {}
-    ck_bytes = checkpoints.total_bytes(ckpts)
-    return Entry(
-        as_tokens(ids),
-        caches,
-        cache_bytes(caches) + ck_bytes,
-        trimmable=layers.can_trim(caches),
-        checkpoints=ckpts,
-        checkpoint_bytes=ck_bytes,
-        persisted=persisted,
-        prompt_tokens=None if prompt_tokens is None else min(prompt_tokens, len(ids)),
-    )
-
-
-def _shared_serves(hit: Any, prompt_len: int) -> int:
-    """[shared tier] Prompt tokens a shared hit serves (:func:`policy.servable`), where its
-    publisher said what it serves; its common prefix where not (checked again once fetched)."""
-    s = hit.serving
-    if s is None:
-        return policy.servable_tokens(hit.tokens, prompt_len)
-    return policy.servable(hit.tokens, prompt_len, hit.entry_tokens, s.trimmable, s.checkpoints)
-
-
-def _loaded_entry(got: Any) -> Entry:
-    """The entry of an entry loaded from the cold tier or adopted from the shared tier (a
-    ``cold.tier.Loaded``): already on disk."""
-    return new_entry(
-        got.tokens, got.caches, got.checkpoints, persisted=True, prompt_tokens=got.prompt_tokens
-    )
 
 
 def _supersedes(new: Entry, other: Entry) -> bool:

@@ -8,9 +8,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from tiered_kv import checkpoints, layers
-from tiered_kv.hot import HotTier
+from tiered_kv.hot import HotTier, new_entry
 from tiered_kv.memory import MemoryProbe
-from tiered_kv.tiered import new_entry
 
 
 def kv(seed: int, n: int) -> tuple[mx.array, mx.array]:

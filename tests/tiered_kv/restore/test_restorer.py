@@ -30,10 +30,11 @@ from tests.fixtures import (
 )
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
+from tiered_kv.hot import new_entry
 from tiered_kv.restore.costs import CostBook
 from tiered_kv.restore.restorer import Decision, Restorer, blocker_of
 from tiered_kv.steps import drain
-from tiered_kv.tiered import TieredCache, new_entry
+from tiered_kv.tiered import TieredCache
 
 N = 600  # ranges start at any token (reads round out to whole checksum chunks)
 #: float32 logits of two prefill paths agree to 1e-4 on the CPU; a GPU's float32 matmuls (TF32 on
