@@ -20,7 +20,8 @@ import numpy as np
 
 from bench import dd
 from tiered_kv import Config, keys
-from tiered_kv.cold.index import Index, Record  # measured alone: the lookup index
+from tiered_kv.cold.index import Index  # measured alone: the lookup index
+from tiered_kv.cold.rows import Record
 from tiered_kv.cold.tier import ColdTier
 
 

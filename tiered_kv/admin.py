@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.cold import fsafe, usage
-from tiered_kv.cold.index import Index, IndexUnreadable, Record, UnsafeCacheDir, check_private
+from tiered_kv.cold.dbfile import IndexUnreadable, UnsafeCacheDir, check_private
+from tiered_kv.cold.index import Index
+from tiered_kv.cold.rows import Record
 from tiered_kv.cold.verify import VerifyReport, entry_files, verify_dir
 from tiered_kv.config import Config
 

@@ -28,7 +28,8 @@ MEASURED_ALONE = {
     "hit_cost.py": {"tiered_kv.layers"},  # view / restore cost per cache class
     "hit_vs_prefill.py": {"tiered_kv.layers"},
     "prefix_stability.py": {"tiered_kv.prefix"},  # common-prefix of real agent traces
-    "cold_lookup.py": {"tiered_kv.cold.index", "tiered_kv.cold.tier"},  # index lookup, reload vs dd
+    "cold_lookup.py": {"tiered_kv.cold.index", "tiered_kv.cold.rows",
+                       "tiered_kv.cold.tier"},  # index lookup, reload vs dd  # fmt: skip
     "tails.py": {"tiered_kv.cold", "tiered_kv.cold.backend"},  # ranged reads of encoded files alone
 }
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from tiered_kv.cold import budget, usage
 from tiered_kv.cold.backend import is_key
-from tiered_kv.cold.index import Index, Record
+from tiered_kv.cold.index import Index
+from tiered_kv.cold.rows import Record
 from tiered_kv.cold.site import Site
 from tiered_kv.cold.verify import quarantine, sweep_temp
 

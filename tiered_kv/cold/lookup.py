@@ -17,7 +17,8 @@ import numpy as np
 
 from tiered_kv import declared, policy
 from tiered_kv.cold import store
-from tiered_kv.cold.index import Index, Stored
+from tiered_kv.cold.index import Index
+from tiered_kv.cold.rows import Stored
 from tiered_kv.prefix import common_prefix
 
 

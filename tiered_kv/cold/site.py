@@ -4,7 +4,7 @@ and re-opened here, and nowhere else.
 Opening never loses data and never stops the server:
 
 * a cache dir or index that another user can write to (or a symlink) is refused with one line
-  (:class:`index.UnsafeCacheDir`);
+  (:class:`dbfile.UnsafeCacheDir`);
 * a damaged index is rebuilt from the entry files *beside* it and swapped in only once the
   rebuild committed — on a full or read-only disk the damaged one is kept and the tier runs
   without an index (every lookup a miss) until a later write can rebuild it;
@@ -28,16 +28,11 @@ from pathlib import Path
 from tiered_kv import keys
 from tiered_kv.cold import fsafe, store, usage
 from tiered_kv.cold.backend import FileBackend
+from tiered_kv.cold.dbfile import IndexUnreadable, UnsafeCacheDir, check_private
 from tiered_kv.cold.faults import Faults, kind_of
-from tiered_kv.cold.index import (
-    DB,
-    SCHEMA,
-    Index,
-    IndexUnreadable,
-    UnsafeCacheDir,
-    check_private,
-    damaged,
-)
+from tiered_kv.cold.index import Index
+from tiered_kv.cold.rows import damaged
+from tiered_kv.cold.schema import DB, SCHEMA
 from tiered_kv.cold.verify import reconcile
 from tiered_kv.config import Config
 

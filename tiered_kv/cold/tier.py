@@ -39,9 +39,10 @@ from tiered_kv.cold import codec, gpu, store
 from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
 from tiered_kv.cold.faults import Faults
-from tiered_kv.cold.index import Index, Record
+from tiered_kv.cold.index import Index
 from tiered_kv.cold.lookup import ColdHit, Finder
 from tiered_kv.cold.reader import Late, Reader
+from tiered_kv.cold.rows import Record
 from tiered_kv.cold.site import Site
 from tiered_kv.cold.verify import VerifyReport, verify_dir
 from tiered_kv.cold.writer import Writer

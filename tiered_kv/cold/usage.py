@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tiered_kv.cold import fsafe
 from tiered_kv.cold.budget import Item
-from tiered_kv.cold.index import Record
+from tiered_kv.cold.rows import Record
 
 QUARANTINE = "quarantine"
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tiered_kv import declared, keys
 from tiered_kv.cold import backend, fsafe, scan, store
-from tiered_kv.cold.index import Index, Record
+from tiered_kv.cold.index import Index
+from tiered_kv.cold.rows import Record
 from tiered_kv.prefix import entry_prompt_len
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,10 @@ import numpy as np
 from tiered_kv import declared, keys, policy
 from tiered_kv.cold import encode, store
 from tiered_kv.cold.codec import Prepared
+from tiered_kv.cold.dbfile import IndexUnreadable
 from tiered_kv.cold.evict import Remover
-from tiered_kv.cold.index import Index, IndexUnreadable, Record, damaged
+from tiered_kv.cold.index import Index
+from tiered_kv.cold.rows import Record, damaged
 from tiered_kv.cold.site import Site
 from tiered_kv.prefix import common_prefix, entry_prompt_len
 from tiered_kv.shared.publisher import map_file  # [shared tier, issue 17]

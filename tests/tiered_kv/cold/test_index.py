@@ -15,7 +15,9 @@ import pytest
 from mlx_lm.models import cache as C
 
 from tiered_kv import keys
-from tiered_kv.cold.index import Damaged, Index, Record, UnsafeCacheDir
+from tiered_kv.cold.dbfile import UnsafeCacheDir
+from tiered_kv.cold.index import Index
+from tiered_kv.cold.rows import Damaged, Record
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 
