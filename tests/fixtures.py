@@ -440,3 +440,14 @@ class HostUpload:
     def wait(self) -> None:
         with self._lock:
             self.waits.append(len(self.copies))
+
+
+#: a cold index as schema 2 first made it: no prompt / serving columns, one entry
+INDEX_BEFORE_ADDED_COLUMNS = """
+CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE entries(id TEXT PRIMARY KEY, file TEXT NOT NULL, n_tokens INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL, created REAL NOT NULL, last_used REAL NOT NULL, tokens BLOB NOT NULL);
+CREATE TABLE blocks(hash INTEGER NOT NULL, entry TEXT NOT NULL, depth INTEGER NOT NULL,
+    last INTEGER NOT NULL);
+INSERT INTO entries VALUES('old', 'old.safetensors', 8, 1, 1, 1, zeroblob(32));
+"""

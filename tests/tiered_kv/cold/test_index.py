@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
+from tests.fixtures import INDEX_BEFORE_ADDED_COLUMNS
 from tiered_kv import keys
 from tiered_kv.cold.dbfile import UnsafeCacheDir
 from tiered_kv.cold.index import Index
@@ -149,14 +150,7 @@ def _index_before_prompt_columns(path: Path) -> None:
     """An index as schema 2 first made it: no prompt_tokens / prompt_key columns."""
     path.mkdir(mode=0o700)
     con = sqlite3.connect(path / "cache.db")
-    con.executescript("""
-CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE entries(id TEXT PRIMARY KEY, file TEXT NOT NULL, n_tokens INTEGER NOT NULL,
-    nbytes INTEGER NOT NULL, created REAL NOT NULL, last_used REAL NOT NULL, tokens BLOB NOT NULL);
-CREATE TABLE blocks(hash INTEGER NOT NULL, entry TEXT NOT NULL, depth INTEGER NOT NULL,
-    last INTEGER NOT NULL);
-INSERT INTO entries VALUES('old', 'old.safetensors', 8, 1, 1, 1, zeroblob(32));
-""")
+    con.executescript(INDEX_BEFORE_ADDED_COLUMNS)
     con.commit()
     con.close()
     os.chmod(path / "cache.db", 0o600)

@@ -5,16 +5,8 @@ from __future__ import annotations
 
 import sqlite3
 
+from tests.fixtures import INDEX_BEFORE_ADDED_COLUMNS as _FIRST
 from tiered_kv.cold import schema
-
-_FIRST = """
-CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE entries(id TEXT PRIMARY KEY, file TEXT NOT NULL, n_tokens INTEGER NOT NULL,
-    nbytes INTEGER NOT NULL, created REAL NOT NULL, last_used REAL NOT NULL, tokens BLOB NOT NULL);
-CREATE TABLE blocks(hash INTEGER NOT NULL, entry TEXT NOT NULL, depth INTEGER NOT NULL,
-    last INTEGER NOT NULL);
-INSERT INTO entries VALUES('old', 'old.safetensors', 8, 1, 1, 1, zeroblob(32));
-"""
 
 
 def test_an_index_before_the_added_columns_reads_them_as_null_then_gains_them_once():
