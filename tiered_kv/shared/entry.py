@@ -13,7 +13,7 @@ import numpy as np
 
 from tiered_kv import declared
 from tiered_kv.cold import checksums, store
-from tiered_kv.shared.redis_tier import Check, Describe, Serving
+from tiered_kv.shared.redis_tier import Check, Describe
 
 
 def checker(fingerprint: str) -> Check:
@@ -27,13 +27,12 @@ def describer(fingerprint: str) -> Describe:
     """What an entry to publish serves, from its header's metadata (``declared.serving``); None
     for bytes that are no entry of ``fingerprint``."""
 
-    def describe(view: memoryview) -> Serving | None:
+    def describe(view: memoryview) -> declared.Serving | None:
         try:
             header = store.parse_buffer(view, fingerprint)
         except ValueError:  # store.CorruptEntry / ForeignEntry
             return None
-        got = declared.serving(header.metadata)
-        return Serving(got.trimmable, got.checkpoints)
+        return declared.serving(header.metadata)
 
     return describe
 

@@ -53,6 +53,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tiered_kv import keys
+from tiered_kv.declared import Serving
 from tiered_kv.prefix import common_prefix
 from tiered_kv.shared import bulk, resolve
 
@@ -73,7 +74,7 @@ _EID_LEN = 32
 _EID = re.compile(rb"[0-9a-f]{%d}" % _EID_LEN)  # entry ids read from Redis are data: checked
 _MAX_FACT = 20  # digits of an entry's fact (an int64): a longer field is never read
 FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")  # an entry's facts in its e: hash
-#: what an entry serves (:class:`Serving`), beside its facts; each read only when its length is
+#: what an entry serves (:class:`declared.Serving`), beside its facts; each read only when its length is
 #: at most this (a checkpoint every 256 tokens of a 1M-token entry is ~30 kB)
 SERVING = {"trimmable": 1, "checkpoints": 64 << 10}
 
@@ -96,14 +97,6 @@ class SharedHit:
     #: what the entry serves, as its publisher described it; None: not known (published before
     #: the description was, or a description no publisher writes)
     serving: Serving | None = None
-
-
-@dataclass(frozen=True)
-class Serving:
-    """What an entry serves (``tiered_kv.policy.servable``'s facts about it)."""
-
-    trimmable: bool  # every layer can be cut back to any shorter length
-    checkpoints: tuple[int, ...]  # positions of its checkpoints, ascending
 
 
 #: entry bytes → whether its layers can be cut back and its checkpoint positions, or None

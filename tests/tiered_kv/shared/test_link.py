@@ -35,6 +35,15 @@ def open_tc(model, root, url: str | None, fp: str = FP, **kw) -> TieredCache:
     return TieredCache(cfg, lambda: make_prompt_cache(model), cold, shared=shared)
 
 
+def entry_file(model, root, ids):
+    """The entry file a server without the shared tier writes for ``ids``, and its fingerprint."""
+    a = open_tc(model, root, None)
+    prefill_turn(a, model, ids)
+    a.close()
+    (path,) = root.rglob("*.safetensors")
+    return path, a.cold.fingerprint
+
+
 def publish_from_a(model, root, url, ids, **kw) -> None:
     """Server A computes ``ids`` and shuts down: its entry is written locally and published."""
     a = open_tc(model, root / "a", url, **kw)
@@ -173,11 +182,7 @@ def test_a_forged_header_is_a_miss_not_a_failed_request(small_model, tmp_path, r
     header nested past Python's stack (RecursionError) escaped the checks as exceptions of other
     types than CorruptEntry, out of the shared fetch into the request: a 500. They are corrupt."""
     p = tokens(67, 64)
-    a = open_tc(small_model, tmp_path / "a", None)
-    prefill_turn(a, small_model, p)
-    a.close()
-    (path,) = (tmp_path / "a").rglob("*.safetensors")
-    fp = a.cold.fingerprint
+    path, fp = entry_file(small_model, tmp_path / "a", p)
     other = SharedTier(redis_server.url, fp, 16, entry.checker(fp))
     assert other.publish(FORGED[forgery](path.read_bytes()), p)
     b = open_tc(small_model, tmp_path / "b", redis_server.url)
@@ -329,11 +334,7 @@ def test_a_fetch_beside_the_batch_stops_when_its_request_goes_away(small_model, 
     read on, every chunk of an entry of up to the disk budget into a buffer nobody would use, for
     up to its deadline. It stops before its next chunk."""
     p = tokens(75, 64)
-    a = open_tc(small_model, tmp_path / "a", None)
-    prefill_turn(a, small_model, p)
-    a.close()
-    (path,) = (tmp_path / "a").rglob("*.safetensors")
-    fp = a.cold.fingerprint
+    path, fp = entry_file(small_model, tmp_path / "a", p)
     other = SharedTier(redis_server.url, fp, 16, entry.checker(fp), chunk_bytes=4096)
     assert other.publish(path.read_bytes(), p)  # an entry of many chunks
     b = open_tc(small_model, tmp_path / "b", redis_server.url)

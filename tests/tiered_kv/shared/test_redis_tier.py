@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from tiered_kv import declared
 from tiered_kv.shared import redis_tier
 from tiered_kv.shared.redis_tier import SharedTier
 
@@ -95,15 +96,6 @@ def test_missing_chunk_is_a_miss(redis_server):
     assert t.stats()["misses_evicted"] == 1
 
 
-def test_corrupt_chunk_is_a_miss_and_unlinked(redis_server):
-    t = tier(redis_server.url)
-    toks = ids(7, 64)
-    t.publish(entry(toks), toks)
-    hit = t.lookup(toks)
-    assert hit is not None
-    redis_server.client().setrange(t.key("c", hit.entry_id, 2), 10, b"\xff")
-    assert t.fetch(hit) is None
-    assert t.stats()["corrupt"] == 1
     assert t.lookup(toks) is None  # nobody else trips on it
 
 
@@ -343,9 +335,9 @@ def test_an_entry_not_holding_the_indexed_tokens_is_corrupt(redis_server):
     assert t.lookup(toks) is None  # unlinked: nobody else fetches it
 
 
-def test_a_corrupt_entry_leaves_no_chunks_behind(redis_server):
-    """A corrupt entry's index was unlinked but its chunks kept: under ``noeviction`` (or until
-    LRU reached them) its bytes held Redis memory that nothing could ever read."""
+def test_a_corrupt_entry_is_a_miss_and_leaves_no_chunks_behind(redis_server):
+    """A corrupt chunk is a miss, and the entry is unlinked chunks and all: its chunks were kept,
+    and under ``noeviction`` (or until LRU reached them) held Redis memory nothing could read."""
     t = tier(redis_server.url)
     toks = ids(36, 64)
     t.publish(entry(toks), toks)
@@ -439,8 +431,8 @@ def test_a_fetch_timing_out_starts_the_backoff(redis_server, monkeypatch):
     assert s["timeouts"] == 1 and s["outages"] == 1 and s["skipped_down"] == 1 and s["up"] == 0
 
 
-@pytest.mark.parametrize("serving", [redis_tier.Serving(False, (32, 64)), redis_tier.Serving(True, ()),
-                                     redis_tier.Serving(False, ())])  # fmt: skip
+@pytest.mark.parametrize("serving", [declared.Serving(False, (32, 64)), declared.Serving(True, ()),
+                                     declared.Serving(False, ())])  # fmt: skip
 def test_what_an_entry_serves_is_kept_with_its_facts(redis_server, serving):
     """The publisher's description of an entry (its layers can be cut back, its checkpoints)
     comes back with a lookup, so an entry that cannot serve a prompt is never fetched for it."""
@@ -466,4 +458,4 @@ def test_an_entry_published_undescribed_or_described_wrongly_serves_what_is_not_
         hit = t.lookup(toks)
         assert hit is not None and hit.serving is None, (trim, points[:20])
     r.hset(e, mapping={"trimmable": b"0", "checkpoints": b"48,16"})
-    assert t.lookup(toks).serving == redis_tier.Serving(False, (16, 48))
+    assert t.lookup(toks).serving == declared.Serving(False, (16, 48))
