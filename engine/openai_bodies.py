@@ -164,6 +164,10 @@ def completion_logprobs(entries: list[LogprobEntry], offsets: TextOffsets) -> di
     }
 
 
+def model_object(model_id: str, created: int) -> dict[str, Any]:
+    """The served model as ``/v1/models`` lists it and ``/v1/models/{id}`` returns it."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "tiered-kv"}
+
+
 def models_response(model_id: str, created: int) -> dict[str, Any]:
-    entry = {"id": model_id, "object": "model", "created": created, "owned_by": "tiered-kv"}
-    return {"object": "list", "data": [entry]}
+    return {"object": "list", "data": [model_object(model_id, created)]}

@@ -228,7 +228,7 @@ class Server:
                          code="model_not_found")  # fmt: skip
             return error_response(request.url.path, e)
         self.metrics.request("models", 200)
-        return JSONResponse(openai_bodies.models_response(self.model_id, self.created)["data"][0])
+        return JSONResponse(openai_bodies.model_object(self.model_id, self.created))
 
     async def health(self, request: Request) -> Response:
         w = self.worker
