@@ -117,7 +117,7 @@ class Finder:
             if self.shared is not None and not policy.serves_all(floor, len(prompt)):
                 if shared_hit is _UNASKED:
                     shared_hit = self.shared.lookup(prompt)
-                n = _shared_serves(shared_hit, len(prompt)) if shared_hit else 0
+                n = shared_hit.serves if shared_hit else 0  # the lookup's (policy.servable)
                 if n > floor:
                     shared = yield from self._load_shared(shared_hit, prompt, floor, background)
                     if shared is not None:
@@ -238,15 +238,6 @@ class Finder:
         # an entry published before what it serves was kept with it: one that cannot be cut back
         # may serve less than its common prefix (nothing, diverging before its end)
         return cand if cand.serves(len(prompt)) > floor else None
-
-
-def _shared_serves(hit: Any, prompt_len: int) -> int:
-    """[shared tier] Prompt tokens a shared hit serves (:func:`policy.servable`), where its
-    publisher said what it serves; its common prefix where not (checked again once fetched)."""
-    s = hit.serving
-    if s is None:
-        return policy.servable_tokens(hit.tokens, prompt_len)
-    return policy.servable(hit.tokens, prompt_len, hit.entry_tokens, s.trimmable, s.checkpoints)
 
 
 def loaded_entry(got: Any) -> Entry:

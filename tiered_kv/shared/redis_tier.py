@@ -18,7 +18,10 @@ finds an index key finds every chunk, unless Redis evicted one since — then th
 then (pipelined) the token prefix and the facts' lengths of at most three candidate entries, deepest
 first — token ids are compared exactly — then the facts of those that matched, once their lengths
 showed them numbers (what Redis holds is data: any value may be 512 MB; a field rewritten between
-the two reads is the one read left unbounded). **Fetch** reads every chunk straight into the
+the two reads is the one read left unbounded). The hit is the candidate serving the most of the
+prompt (:func:`served`: the hot and disk tiers' rule over its ``trimmable`` / ``checkpoints``),
+not the longest match: one that cannot be cut back and diverges before its end serves only a
+checkpoint, or nothing. **Fetch** reads every chunk straight into the
 entry's buffer (:mod:`bulk`) and runs ``check`` — the entry format's own checks (header checksum,
 fingerprint, data digests) returning its token ids, which must be the index's — before anything is
 returned. Capacity and eviction are Redis's own (``maxmemory`` + an LRU policy).
@@ -52,7 +55,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tiered_kv import keys
+from tiered_kv import keys, policy
 from tiered_kv.declared import Serving
 from tiered_kv.prefix import common_prefix
 from tiered_kv.shared import bulk, resolve
@@ -97,6 +100,8 @@ class SharedHit:
     #: what the entry serves, as its publisher described it; None: not known (published before
     #: the description was, or a description no publisher writes)
     serving: Serving | None = None
+    #: prompt tokens it serves (:func:`served`): what the lookup ranked it by
+    serves: int = 0
 
 
 #: entry bytes → whether its layers can be cut back and its checkpoint positions, or None
@@ -181,21 +186,27 @@ class SharedTier:
 
     # -- request thread --------------------------------------------------------------------
     def lookup(self, prompt_ids: Sequence[int] | np.ndarray) -> SharedHit | None:
-        """Longest exact prefix of ``prompt_ids`` held by one shared entry, or None (also when
-        Redis is down, slow, or has evicted the entry's index)."""
+        """The candidate entry serving the most of ``prompt_ids`` (:func:`served`; the deepest
+        on a tie), or None: none serves any token (also when Redis is down, slow, or has evicted
+        the entries' index)."""
         tokens = keys.as_int32(prompt_ids)
         hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
         if not hashes:
             return None
         self._count("lookups")
-        hit = self._call("lookup", lambda: self._lookup(tokens, hashes), None)
+        none: list[SharedHit] = []
+        hits = self._call("lookup", lambda: self._matches(tokens, hashes), none)
+        hit = max(hits, key=lambda h: h.serves, default=None)  # the first on a tie: the deepest
+        hit = hit if hit is not None and hit.serves > 0 else None
         self._count("hits" if hit is not None else "misses")
         return hit
 
-    def _lookup(self, tokens: np.ndarray, hashes: Sequence[int]) -> SharedHit | None:
+    def _matches(self, tokens: np.ndarray, hashes: Sequence[int]) -> list[SharedHit]:
+        """The candidates sharing a prefix with ``tokens`` whose facts read, longest common
+        prefix first (the deepest block's entry first on a tie)."""
         cands = self._candidates(hashes)
         if not cands:
-            return None
+            return []
         pipe = self.client.pipeline(transaction=False)
         asked = (*FIELDS, *SERVING)
         for eid in cands:  # the facts' lengths before the facts: values of any size are data
@@ -221,12 +232,14 @@ class SharedTier:
         for _, eid, _, described in ranked:
             pipe.hmget(self.key("e", eid), list(asked if described else FIELDS))
         metas = pipe.execute(raise_on_error=False) if ranked else []
+        hits = []
         for (n, eid, raw, _), meta in zip(ranked, metas, strict=True):
             facts = facts_of(meta[: len(FIELDS)]) if isinstance(meta, list) else None
             if facts is not None:
                 serving = serving_of(meta[len(FIELDS) :])
-                return SharedHit(eid, n, *facts, indexed=raw, serving=serving)
-        return None
+                serves = served(n, len(tokens), facts[0], serving)
+                hits.append(SharedHit(eid, n, *facts, indexed=raw, serving=serving, serves=serves))
+        return hits
 
     def _candidates(self, hashes: Sequence[int]) -> list[str]:
         """Entry ids the prompt's block keys name, deepest first (at most ``_CANDIDATES``). Only
@@ -321,7 +334,7 @@ class SharedTier:
         return bool(self._call("publish", lambda: self._publish(view, tokens, hashes), False))
 
     def _publish(self, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]) -> bool:
-        old = self._lookup(tokens, hashes)
+        old = next(iter(self._matches(tokens, hashes)), None)  # the longest match
         if old is not None and old.tokens == old.entry_tokens == len(tokens):
             if self.held(old.entry_id, old.nbytes, old.chunk_bytes, old.nchunks) == "whole":
                 self._count("publish_skipped")  # the same entry is there (another server wrote it)
@@ -451,6 +464,15 @@ class SharedTier:
 def consistent(nbytes: int, chunk_bytes: int, nchunks: int) -> bool:
     """Whether an entry's size facts (as Redis gives them: data) can be an entry's."""
     return 0 < chunk_bytes <= 512 << 20 and 0 < nbytes and nchunks == -(-nbytes // chunk_bytes)
+
+
+def served(common: int, prompt_len: int, entry_tokens: int, serving: Serving | None) -> int:
+    """Prompt tokens an entry with ``common`` ids in common serves (:func:`policy.servable`, the
+    hot and disk tiers' rule), where its publisher said what it serves; where not, its common
+    prefix (:func:`policy.servable_tokens`): the fetched entry says (``finding`` checks it)."""
+    if serving is None:
+        return policy.servable_tokens(common, prompt_len)
+    return policy.servable(common, prompt_len, entry_tokens, serving.trimmable, serving.checkpoints)
 
 
 def facts_of(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:

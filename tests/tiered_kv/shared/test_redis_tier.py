@@ -440,8 +440,13 @@ def test_what_an_entry_serves_is_kept_with_its_facts(redis_server, serving):
                    describe=lambda view: serving)  # fmt: skip
     toks = ids(40, 100)
     assert t.publish(entry(toks), toks)
+    hit = t.lookup(toks + [1])
+    assert hit is not None and hit.serving == serving and hit.serves == 100
     hit = t.lookup(toks[:70] + [1])
-    assert hit is not None and hit.serving == serving
+    if serving.trimmable or serving.checkpoints:
+        assert hit is not None and hit.serving == serving
+    else:  # it serves none of this prompt: no hit
+        assert hit is None
 
 
 def test_an_entry_published_undescribed_or_described_wrongly_serves_what_is_not_known(redis_server):
@@ -459,3 +464,29 @@ def test_an_entry_published_undescribed_or_described_wrongly_serves_what_is_not_
         assert hit is not None and hit.serving is None, (trim, points[:20])
     r.hset(e, mapping={"trimmable": b"0", "checkpoints": b"48,16"})
     assert t.lookup(toks).serving == declared.Serving(False, (16, 48))
+
+
+@pytest.mark.parametrize(
+    ("deep", "chosen", "serves"),
+    [(declared.Serving(False, ()), "shallow", 32), (declared.Serving(False, (16,)), "shallow", 32),
+     (declared.Serving(False, (48,)), "deep", 48), (declared.Serving(True, ()), "deep", 50)],
+)  # fmt: skip
+def test_a_lookup_names_the_candidate_serving_the_most(redis_server, deep, chosen, serves):
+    """The lookup named the candidate with the longest common prefix. One whose layers cannot be
+    cut back (a sliding window, recurrent state) and that diverges from the prompt before its end
+    serves only a checkpoint at or before the divergence, or nothing: it was named over a
+    shallower candidate serving more, and the tiers then took no shared hit at all. The lookup
+    now says what a hit serves (policy.servable, the hot and disk tiers' rule) and names the
+    candidate serving the most (tests/tiered_kv/cold/test_lookup.py, the disk's)."""
+    prompt = ids(42, 80)
+    deep_toks = prompt[:50] + ids(43, 16)  # the prompt's first 3 blocks, then its own
+    shallow_toks = prompt[:32] + [prompt[32] + 1] + ids(44, 15)  # the first 2 blocks
+    described = {len(deep_toks): deep, len(shallow_toks): declared.Serving(True, ())}
+    t = SharedTier(redis_server.url, "fp-r", BLOCK, check, timeout=0.5, chunk_bytes=1000,
+                   describe=lambda view: described[len(check(view))])  # fmt: skip
+    assert t.publish(entry(deep_toks), deep_toks)
+    assert t.publish(entry(shallow_toks), shallow_toks)  # newest at blocks 0-1; deep keeps block 2
+    hit = t.lookup(prompt)
+    assert hit is not None and hit.serves == serves
+    assert hit.entry_tokens == len(deep_toks if chosen == "deep" else shallow_toks)
+    assert hit.tokens == (50 if chosen == "deep" else 32)
