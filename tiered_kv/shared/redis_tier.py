@@ -14,11 +14,10 @@ format, stored-KV quantisation, cache salt), so tenants with different fingerpri
 
 **Publish** writes the chunks first, then ``t:`` / ``e:`` / ``b:`` in one MULTI/EXEC: a reader that
 finds an index key finds every chunk, unless Redis evicted one since — then the hit is a miss.
-**Lookup** is at most three round trips: the prompt's block keys (only an id's length of each),
-then (pipelined) the token prefix and the facts' lengths of at most three candidate entries, deepest
-first — token ids are compared exactly — then the facts of those that matched, once their lengths
-showed them numbers (what Redis holds is data: any value may be 512 MB; a field rewritten between
-the two reads is the one read left unbounded). The hit is the candidate serving the most of the
+**Lookup** is at most two round trips: the prompt's block keys (only an id's length of each),
+then (pipelined) the token prefix and the facts of at most three candidate entries, deepest first
+— token ids are compared exactly. What Redis holds is data (any value may be 512 MB): every index
+value is read within its bound, a field's length and value in one atomic step (:mod:`reads`). The hit is the candidate serving the most of the
 prompt (:func:`served`: the hot and disk tiers' rule over its ``trimmable`` / ``checkpoints``),
 not the longest match: one that cannot be cut back and diverges before its end serves only a
 checkpoint, or nothing. **Fetch** reads every chunk straight into the
@@ -41,7 +40,6 @@ A corrupt entry (``check`` raised ``ValueError``) is counted, logged once and un
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
@@ -58,7 +56,7 @@ from redis.retry import Retry
 from tiered_kv import keys, policy
 from tiered_kv.declared import Serving
 from tiered_kv.prefix import common_prefix
-from tiered_kv.shared import bulk, resolve
+from tiered_kv.shared import bulk, reads, resolve
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,13 +71,7 @@ MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
-_EID_LEN = 32
-_EID = re.compile(rb"[0-9a-f]{%d}" % _EID_LEN)  # entry ids read from Redis are data: checked
-_MAX_FACT = 20  # digits of an entry's fact (an int64): a longer field is never read
-FIELDS = ("n_tokens", "nbytes", "nchunks", "chunk_bytes")  # an entry's facts in its e: hash
-#: what an entry serves (:class:`declared.Serving`), beside its facts; each read only when its length is
-#: at most this (a checkpoint every 256 tokens of a 1M-token entry is ~30 kB)
-SERVING = {"trimmable": 1, "checkpoints": 64 << 10}
+FIELDS = tuple(reads.FACTS)  # an entry's facts in its e: hash (each read within its bound)
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
 #: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
@@ -207,38 +199,24 @@ class SharedTier:
         cands = self._candidates(hashes)
         if not cands:
             return []
+        bounds = {**reads.FACTS, **reads.SERVING}
         pipe = self.client.pipeline(transaction=False)
-        asked = (*FIELDS, *SERVING)
-        for eid in cands:  # the facts' lengths before the facts: values of any size are data
-            pipe.getrange(self.key("t", eid), 0, 4 * len(tokens) - 1)
-            for f in asked:
-                pipe.hstrlen(self.key("e", eid), f)
+        for eid in cands:  # each value read within its bound: any value may be 512 MB
+            reads.queue_tokens(pipe, self.key("t", eid), len(tokens))
+            reads.queue_fields(pipe, self.key("e", eid), bounds)
         replies = pipe.execute(raise_on_error=False)  # a key of another type: that one skipped
-        step, ranked = 1 + len(asked), []
+        hits = []
         for i, eid in enumerate(cands):
-            raw, lengths = replies[i * step], replies[i * step + 1 : (i + 1) * step]
-            if not isinstance(raw, bytes) or not all(
-                isinstance(k, int) and 0 < k <= _MAX_FACT for k in lengths[: len(FIELDS)]
-            ):
+            raw, got = reads.tokens_of(replies[2 * i]), reads.fields_of(replies[2 * i + 1], bounds)
+            facts = facts_of(got.values[: len(FIELDS)]) if got is not None else None
+            if raw is None or got is None or facts is None:
                 continue  # a pointer to an entry Redis evicted (or a half-deleted one): skip it
-            described = all(isinstance(k, int) and 0 < k <= bound for k, bound in
-                            zip(lengths[len(FIELDS) :], SERVING.values(), strict=True))  # fmt: skip
-            raw = raw[: len(raw) // 4 * 4]
             n = common_prefix(np.frombuffer(raw, dtype="<i4"), tokens)
             if n > 0:
-                ranked.append((n, eid, raw, described))
-        ranked.sort(key=lambda r: -r[0])  # stable: the deepest block's entry first on a tie
-        pipe = self.client.pipeline(transaction=False)
-        for _, eid, _, described in ranked:
-            pipe.hmget(self.key("e", eid), list(asked if described else FIELDS))
-        metas = pipe.execute(raise_on_error=False) if ranked else []
-        hits = []
-        for (n, eid, raw, _), meta in zip(ranked, metas, strict=True):
-            facts = facts_of(meta[: len(FIELDS)]) if isinstance(meta, list) else None
-            if facts is not None:
-                serving = serving_of(meta[len(FIELDS) :])
+                serving = serving_of(got.values[len(FIELDS) :])
                 serves = served(n, len(tokens), facts[0], serving)
                 hits.append(SharedHit(eid, n, *facts, indexed=raw, serving=serving, serves=serves))
+        hits.sort(key=lambda h: -h.tokens)  # stable: the deepest block's entry first on a tie
         return hits
 
     def _candidates(self, hashes: Sequence[int]) -> list[str]:
@@ -246,10 +224,10 @@ class SharedTier:
         an id's length is read of each value (a block key is another writer's data: 512 MB)."""
         pipe = self.client.pipeline(transaction=False)
         for name in self._block_keys(hashes):
-            pipe.getrange(name, 0, _EID_LEN)  # one byte past an id: a longer value is no id
+            reads.queue_eid(pipe, name)  # a block key is another writer's data: 512 MB
         cands: list[str] = []
         for raw in reversed(pipe.execute(raise_on_error=False)):
-            eid = raw.decode() if isinstance(raw, bytes) and _EID.fullmatch(raw) else None
+            eid = reads.eid_of(raw)
             if eid is not None and eid not in cands:
                 cands.append(eid)
                 if len(cands) == _CANDIDATES:
@@ -486,7 +464,7 @@ def facts_of(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:
 def serving_of(meta: Sequence[bytes | None]) -> Serving | None:
     """An entry's ``trimmable`` and ``checkpoints`` fields (``-``: none) as read back; None when
     absent or not what a publisher writes."""
-    if len(meta) != len(SERVING):
+    if len(meta) != len(reads.SERVING):
         return None
     trim, points = meta
     if trim not in (b"0", b"1") or not isinstance(points, bytes):

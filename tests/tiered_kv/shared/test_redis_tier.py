@@ -490,3 +490,31 @@ def test_a_lookup_names_the_candidate_serving_the_most(redis_server, deep, chose
     assert hit is not None and hit.serves == serves
     assert hit.entry_tokens == len(deep_toks if chosen == "deep" else shallow_toks)
     assert hit.tokens == (50 if chosen == "deep" else 32)
+
+
+def test_a_fact_rewritten_during_a_lookup_is_never_read(redis_server, monkeypatch):
+    """The lookup read the facts' lengths, then (another round trip) the facts: another writer
+    setting a field to 8 MB between the two reads had it read whole. Each length and value is now
+    read in one atomic step (a script), so no write falls between them. The fault: the field is
+    rewritten once the lookup's reads of the entry have run."""
+    t = tier(redis_server.url)
+    toks = ids(45, 64)
+    t.publish(entry(toks), toks)
+    c = redis_server.client()
+    (e,) = [k for k in c.keys("*") if b":e:" in k]
+    real = type(t.client.pipeline(transaction=False))
+    runs = []
+
+    class Pipeline(real):  # type: ignore[misc,valid-type]
+        def execute(self, *a, **k):
+            out = super().execute(*a, **k)
+            runs.append(1)
+            if len(runs) == 2:  # block keys, then the entries': another writer strikes
+                c.hset(e, "nbytes", b"1" * (8 << 20))
+            return out
+
+    monkeypatch.setattr(t.client, "pipeline", lambda transaction=True: Pipeline(
+        t.client.connection_pool, t.client.response_callbacks, transaction, None))  # fmt: skip
+    before = _sent(c)
+    t.lookup(toks)
+    assert _sent(c) - before < 1 << 20

@@ -1,0 +1,52 @@
+"""tiered_kv/shared/reads.py: every index value is read within its bound (real Redis)."""
+
+from __future__ import annotations
+
+import redis
+
+from tiered_kv.shared import reads
+
+BOUNDS = {**reads.FACTS, **reads.SERVING}
+
+
+def _read(client: redis.Redis, key: str) -> reads.Fields | None:
+    pipe = client.pipeline(transaction=False)
+    reads.queue_fields(pipe, key, BOUNDS)
+    return reads.fields_of(pipe.execute(raise_on_error=False)[0], BOUNDS)
+
+
+def _sent(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+def test_fields_within_their_bounds_are_read_and_longer_ones_never(redis_server):
+    c = redis_server.client()
+    c.hset("e", mapping={"n_tokens": 64, "nbytes": b"1" * (8 << 20), "trimmable": b"1",
+                         "checkpoints": b"16,32"})  # fmt: skip
+    before = _sent(c)
+    got = _read(c, "e")
+    assert _sent(c) - before < 1 << 20
+    assert got is not None and got.oversized == ("nbytes",) and not got.gone
+    assert got.values == (b"64", None, None, None, b"1", b"16,32")
+
+
+def test_a_missing_hash_is_gone_and_another_type_is_none(redis_server):
+    c = redis_server.client()
+    got = _read(c, "nothing")
+    assert got is not None and got.gone
+    c.set("s", b"not a hash")
+    assert _read(c, "s") is None
+
+
+def test_ids_and_tokens_are_read_within_their_bounds(redis_server):
+    c = redis_server.client()
+    c.set("b", b"a" * 32)
+    c.set("b2", b"a" * 33)
+    c.set("t", b"\x01\x00\x00\x00" * 1000)
+    pipe = c.pipeline(transaction=False)
+    reads.queue_eid(pipe, "b")
+    reads.queue_eid(pipe, "b2")
+    reads.queue_tokens(pipe, "t", 3)
+    one, two, toks = pipe.execute()
+    assert reads.eid_of(one) == "a" * 32 and reads.eid_of(two) is None
+    assert reads.tokens_of(toks) == b"\x01\x00\x00\x00" * 3
