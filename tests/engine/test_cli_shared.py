@@ -95,3 +95,25 @@ def test_unreachable_redis_is_reported_not_raised(tmp_path, capsys, redis_server
     assert rc == 2 and "unreachable" in out
     rc, out = _run(capsys, tmp_path, url, "verify")
     assert rc == 2 and "unreachable" in out
+
+
+@pytest.mark.parametrize("plant", ["created", "n_tokens", "tokens"])
+def test_an_oversized_index_value_is_damaged_not_read_whole(tmp_path, capsys, redis_server, plant):
+    """Another writer sets an entry's ``created`` / ``n_tokens`` field or its token ids to 8 MB:
+    stats, ls and verify read each whole (HMGET, GET; Redis allows 512 MB a value), where the
+    request path reads within bounds. They now read through the same bounded readers
+    (tiered_kv/shared/reads.py), and the entry is a corrupt one."""
+    _publish_two(tmp_path, redis_server.url)
+    r = redis_server.client()
+    e = sorted(k for k in r.keys("*") if b":e:" in k)[0]
+    eid = e.rsplit(b":", 1)[1].decode()
+    if plant == "tokens":
+        r.set(e.replace(b":e:", b":t:"), b"\x00" * (8 << 20))
+    else:
+        r.hset(e, plant, b"1" * (8 << 20))
+    for cmd in ("stats", "ls", "verify"):
+        before = int(r.info("stats")["total_net_output_bytes"])
+        rc, out = _run(capsys, tmp_path, redis_server.url, cmd)
+        sent = int(r.info("stats")["total_net_output_bytes"]) - before
+        assert sent < 1 << 20, (cmd, sent)
+    assert rc == 1 and f"corrupt: {eid}" in out and "fpA: 1 ok (shared)" in out

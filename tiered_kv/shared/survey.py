@@ -5,7 +5,9 @@ while we look). ``verify`` fetches every entry's chunks and runs the entry forma
 ``fix`` it unlinks corrupt and incomplete entries and orphan chunks idle for ten minutes (a
 publish that died between its chunks and its index; a running one's are fresh). Keys of the
 layout holding what no publisher writes (another type, a time no clock gives) are corrupt, never
-a reason to stop. Bytes only, one thread.
+a reason to stop. Every index value is read within its bound by the lookup's own readers
+(:mod:`reads`), each chunk into its place at its length (:mod:`bulk`): a value another writer set
+to 512 MB makes its entry corrupt, and is never read whole. Bytes only, one thread.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from typing import Any
 
 import redis
 
-from tiered_kv.shared.redis_tier import FIELDS, Check, SharedTier, facts_of
+from tiered_kv.shared import bulk, reads
+from tiered_kv.shared.redis_tier import Check, SharedTier, facts_of
 
 _E = re.compile(rb"^tkv:([^:]{1,128}):e:([0-9a-f]{32})$")
 _C = re.compile(rb"^tkv:([^:]{1,128}):c:([0-9a-f]{32}):\d+$")
+_BOUNDS = {**reads.FACTS, **reads.CREATED}
 #: an orphan chunk younger than this may be a running publish's (its index not written yet)
 ORPHAN_GRACE_SECONDS = 600
 
@@ -61,25 +65,24 @@ def _survey(client: redis.Redis) -> tuple[list[EntryInfo], list[tuple[str, str]]
     found = [(m.group(1).decode(), m.group(2).decode())
              for k in client.scan_iter(match="tkv:*:e:*", count=1000) if (m := _E.match(k))]  # fmt: skip
     pipe = client.pipeline(transaction=False)
-    for fp, eid in found:
-        pipe.hmget(f"tkv:{fp}:e:{eid}", [*FIELDS, "created"])
+    for fp, eid in found:  # each field within its bound (any value may be 512 MB): the lookup's
+        reads.queue_fields(pipe, f"tkv:{fp}:e:{eid}", _BOUNDS)
     out, bad = [], []
     replies = pipe.execute(raise_on_error=False) if found else []
-    for (fp, eid), meta in zip(found, replies, strict=True):
-        info = _info(fp, eid, meta)
+    for (fp, eid), reply in zip(found, replies, strict=True):
+        got = reads.fields_of(reply, _BOUNDS)  # None: not a hash
+        info = _info(fp, eid, got.values) if got is not None and not got.oversized else None
         if info is not None:
             out.append(info)
-        elif not (isinstance(meta, list) and all(v is None for v in meta)):  # not just gone
+        elif got is None or not got.gone:  # not just gone
             bad.append((fp, eid))
     return sorted(out, key=lambda e: -e.created), bad
 
 
-def _info(fp: str, eid: str, meta: Any) -> EntryInfo | None:
-    if not isinstance(meta, list):  # WRONGTYPE: not a hash
-        return None
-    facts = facts_of(meta[:4])  # the fields in redis_tier's order
+def _info(fp: str, eid: str, meta: tuple[bytes | None, ...]) -> EntryInfo | None:
+    facts = facts_of(meta[: len(reads.FACTS)])
     try:
-        created = float(meta[4])
+        created = float(meta[len(reads.FACTS)])  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
     if facts is None:
@@ -157,23 +160,20 @@ def _check_one(client: redis.Redis, tier: SharedTier, e: EntryInfo) -> str:
     if held != "whole":
         return held
     buf = bytearray(e.nbytes)
+    view = memoryview(buf)
     for i, name in enumerate(tier.key("c", e.entry_id, i) for i in range(e.nchunks)):
-        try:
-            part = client.get(name)
-        except redis.exceptions.ResponseError:
-            return "corrupt"
-        if not isinstance(part, bytes):
-            return "incomplete"
         lo = i * e.chunk_bytes
-        if len(part) != min(e.chunk_bytes, e.nbytes - lo):
+        try:  # into its place, no longer than its share (a chunk rewritten since: corrupt)
+            got = bulk.get_into(client, name, view[lo : lo + e.chunk_bytes])
+        except (ValueError, redis.exceptions.ResponseError):
             return "corrupt"
-        buf[lo : lo + len(part)] = part
+        if got is None:
+            return "incomplete"
     try:
-        tokens = tier.check(memoryview(buf))
+        tokens = tier.check(view)
     except ValueError:
         return "corrupt"
-    try:
-        stored = client.get(tier.key("t", e.entry_id))
-    except redis.exceptions.ResponseError:
-        return "corrupt"
+    pipe = client.pipeline(transaction=False)  # one id more than it holds: a longer value is not its
+    reads.queue_tokens(pipe, tier.key("t", e.entry_id), len(tokens) + 1)
+    stored = reads.tokens_of(pipe.execute(raise_on_error=False)[0])
     return "ok" if tokens.tobytes() == stored else "corrupt"
