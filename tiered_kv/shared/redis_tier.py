@@ -14,6 +14,18 @@ format, stored-KV quantisation, cache salt), so tenants with different fingerpri
 
 **Publish** writes the chunks first, then ``t:`` / ``e:`` / ``b:`` in one MULTI/EXEC: a reader that
 finds an index key finds every chunk, unless Redis evicted one since — then the hit is a miss.
+An entry is reachable only through its block keys, each naming the newest entry holding its
+block; so once another index write takes an entry's *deepest* block key, that writer holds all
+the entry's blocks and took every key naming it in the same step: it is unreachable for good
+(only its own publish ever names it). The same MULTI/EXEC reads what each block key named just
+before, and the writer unlinks every entry whose deepest key it took. One rule covers a
+continuation's older entry, an older entry whose ids differ only past its last whole block, and
+the same entry published by two servers at once (each looked it up before either wrote: the
+later index write unlinks the earlier). Refusing the second write instead (WATCH on the block
+keys, or a script checking for an identical entry) costs more and covers less: a WATCH fails on
+any write to a shared prefix's block keys (every publish on the same system prompt), a script
+would read keys it cannot name in advance, and neither touches the other two cases; what this
+leaves is the loser's bytes sent once.
 **Lookup** is at most two round trips: the prompt's block keys (only an id's length of each),
 then (pipelined) the token prefix and the facts of at most three candidate entries, deepest first
 — token ids are compared exactly. What Redis holds is data (any value may be 512 MB): every index
@@ -317,8 +329,7 @@ class SharedTier:
             if self.held(old.entry_id, old.nbytes, old.chunk_bytes, old.nchunks) == "whole":
                 self._count("publish_skipped")  # the same entry is there (another server wrote it)
                 return False
-            self._unlink(old.entry_id, old.nchunks)  # a chunk evicted: it blocked its own re-publish
-            old = None
+            # a chunk evicted: published again, its index write displaces the old one (below)
         eid = uuid.uuid4().hex
         size, chunk = len(view), self.chunk_bytes
         nchunks = -(-size // chunk)
@@ -332,22 +343,50 @@ class SharedTier:
             if serving is not None:
                 meta["trimmable"] = int(serving.trimmable)
                 meta["checkpoints"] = ",".join(map(str, serving.checkpoints)) or "-"
-            pipe = self.client.pipeline(transaction=True)  # ... the index last, atomically
+            names = self._block_keys(hashes)
+            pipe = self.client.pipeline(transaction=True)  # ... the index last, atomically,
+            for name in names:  # with the ids it displaces (read in the same step)
+                reads.queue_eid(pipe, name)
             pipe.set(self.key("t", eid), tokens.tobytes())
             pipe.hset(self.key("e", eid), mapping=meta)  # type: ignore[arg-type]
-            pipe.mset(dict.fromkeys(self._block_keys(hashes), eid))
-            pipe.execute()
+            pipe.mset(dict.fromkeys(names, eid))
+            replies = pipe.execute(raise_on_error=False)  # a block key of another type: no id
+            failed = [r for r in replies[len(names) :] if isinstance(r, Exception)]
+            if failed:
+                raise failed[0]
         except BaseException:
             _quietly(lambda: self.client.unlink(*chunk_keys))  # never indexed: orphans
             raise
-        if old is not None and old.tokens == old.entry_tokens:
-            # a continuation: the older entry's blocks all point here now, it is unreachable
-            self._unlink(old.entry_id, old.nchunks)
-            self._count("superseded")
+        self._unlink_displaced(replies[: len(names)], eid)
         with self._lock:
             self._stats["publishes"] += 1
             self._stats["publish_bytes"] += size
         return True
+
+    def _unlink_displaced(self, was: Sequence[Any], eid: str) -> None:
+        """Unlink each entry whose deepest block key ``eid``'s index write took (``was``: what the
+        block keys named just before, in block order): it holds no block ``eid`` does not, so
+        every block key that named it names ``eid`` now — no lookup can find it again (a
+        continuation's older entry; the same entry published by another server at the same
+        moment, whichever index write came first). Only an entry's own publish names it in a
+        block key, so nothing makes it reachable again. One round trip when any was displaced."""
+        deepest: dict[str, int] = {}
+        for depth, raw in enumerate(was):
+            other = reads.eid_of(raw)
+            if other is not None and other != eid:
+                deepest[other] = depth
+        if not deepest:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for other in deepest:
+            reads.queue_fields(pipe, self.key("e", other), reads.FACTS)
+        for (other, depth), reply in zip(deepest.items(), pipe.execute(raise_on_error=False),
+                                         strict=True):  # fmt: skip
+            got = reads.fields_of(reply, reads.FACTS)
+            facts = facts_of(got.values) if got is not None else None
+            if facts is not None and facts[0] // self.block_tokens == depth + 1:
+                self._unlink(other, facts[2])
+                self._count("superseded")
 
     def held(self, eid: str, nbytes: int, chunk_bytes: int, nchunks: int) -> str:
         """What Redis holds of an entry, asked before a byte is allocated for it (its facts are

@@ -518,3 +518,56 @@ def test_a_fact_rewritten_during_a_lookup_is_never_read(redis_server, monkeypatc
     before = _sent(c)
     t.lookup(toks)
     assert _sent(c) - before < 1 << 20
+
+
+def _unreachable(t: SharedTier, client) -> list[str]:
+    """Entries indexed (an ``e:`` key) that no block key names: no lookup can ever find them."""
+    named = {v.decode() for k in client.keys(t.key("b", "*")) if (v := client.get(k))}
+    indexed = {k.decode().rsplit(":", 1)[1] for k in client.keys(t.key("e", "*"))}
+    return sorted(indexed - named)
+
+
+def test_identical_publishes_at_the_same_moment_leave_nothing_unreachable(redis_server, monkeypatch):
+    """Two servers publish the same entry at once: each looked it up (not there), wrote its chunks
+    and its index; the second index write took every block key, and the first entry — its facts,
+    token ids and chunks — stayed in Redis, indexed yet named by no block key, until LRU took it
+    (``verify --fix`` removes only chunks without an index). The fault: each publisher waits at
+    its first chunk until the other has looked the entry up too."""
+    toks = ids(46, 64)
+    a, b = tier(redis_server.url), tier(redis_server.url)
+    both = threading.Barrier(2, timeout=30)
+    real = redis_tier.bulk.set_from
+    first: set[int] = set()
+
+    def set_from(client, key, value):
+        if threading.get_ident() not in first:
+            first.add(threading.get_ident())
+            both.wait()
+        return real(client, key, value)
+
+    monkeypatch.setattr(redis_tier.bulk, "set_from", set_from)
+    done = [threading.Thread(target=x.publish, args=(entry(toks), toks)) for x in (a, b)]
+    for th in done:
+        th.start()
+    for th in done:
+        th.join()
+    c = redis_server.client()
+    assert a.stats()["publishes"] + b.stats()["publishes"] == 2  # both ran to their index
+    assert _unreachable(a, c) == []
+    hit = a.lookup(toks)
+    assert hit is not None and a.fetch(hit) is not None
+    assert {k for k in c.keys("*") if b":b:" not in k and hit.entry_id.encode() not in k} == set()
+
+
+def test_an_entry_whose_every_block_a_newer_one_holds_is_unlinked(redis_server):
+    """A newer entry holding all of an older one's blocks (its ids past its last whole block
+    differ) takes every block key naming the older one: it was left indexed and unreachable
+    (only an entry wholly contained in the new one was unlinked)."""
+    t = tier(redis_server.url)
+    toks = ids(47, 64)
+    old = toks[:40]  # blocks 0-1 and 8 ids more
+    assert t.publish(entry(old), old)
+    assert t.publish(entry(toks[:32] + ids(48, 32)), toks[:32] + ids(48, 32))
+    c = redis_server.client()
+    assert _unreachable(t, c) == [] and t.stats()["superseded"] == 1
+    assert len(c.keys(t.key("e", "*"))) == 1
