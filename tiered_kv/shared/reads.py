@@ -12,16 +12,19 @@ bound, used by the request path (:mod:`redis_tier`) and the admin path (:mod:`su
   Redis runs it on a replica, and on a full Redis under ``noeviction``, as it runs a plain read).
 
 Each ``queue_*`` adds its command to a pipeline; the matching ``*_of`` turns its reply (an
-exception object where the pipeline ran with ``raise_on_error=False``) into values or None.
+exception object where the pipeline ran with ``raise_on_error=False``) into values or None
+(:func:`facts_of` / :func:`serving_of` the ``e:`` fields' values).
 Bytes only, any thread (the pipeline is the caller's).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tiered_kv.declared import Serving
 
 EID_LEN = 32
 _EID = re.compile(rb"[0-9a-f]{%d}" % EID_LEN)  # entry ids read from Redis are data: checked
@@ -82,6 +85,30 @@ def fields_of(reply: Any, bounds: Mapping[str, int]) -> Fields | None:
             oversized.append(name)
         values.append(v if isinstance(v, bytes) else None)
     return Fields(tuple(values), tuple(oversized))
+
+
+def facts_of(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:
+    try:
+        n_tokens, nbytes, nchunks, chunk = (int(v) for v in meta)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return n_tokens, nbytes, nchunks, chunk
+
+
+def serving_of(meta: Sequence[bytes | None]) -> Serving | None:
+    """An entry's ``trimmable`` and ``checkpoints`` fields (``-``: none) as read back; None when
+    absent or not what a publisher writes."""
+    if len(meta) != len(SERVING):
+        return None
+    trim, points = meta
+    if trim not in (b"0", b"1") or not isinstance(points, bytes):
+        return None
+    if points == b"-":
+        return Serving(trim == b"1", ())
+    parts = points.split(b",")
+    if not all(p.isdigit() and p.isascii() and len(p) <= 18 for p in parts):
+        return None
+    return Serving(trim == b"1", tuple(sorted(int(p) for p in parts)))
 
 
 def queue_eid(pipe: Any, key: str) -> None:

@@ -83,7 +83,6 @@ MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
-FIELDS = tuple(reads.FACTS)  # an entry's facts in its e: hash (each read within its bound)
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
 #: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
@@ -220,12 +219,12 @@ class SharedTier:
         hits = []
         for i, eid in enumerate(cands):
             raw, got = reads.tokens_of(replies[2 * i]), reads.fields_of(replies[2 * i + 1], bounds)
-            facts = facts_of(got.values[: len(FIELDS)]) if got is not None else None
+            facts = reads.facts_of(got.values[: len(reads.FACTS)]) if got is not None else None
             if raw is None or got is None or facts is None:
                 continue  # a pointer to an entry Redis evicted (or a half-deleted one): skip it
             n = common_prefix(np.frombuffer(raw, dtype="<i4"), tokens)
             if n > 0:
-                serving = serving_of(got.values[len(FIELDS) :])
+                serving = reads.serving_of(got.values[len(reads.FACTS) :])
                 serves = served(n, len(tokens), facts[0], serving)
                 hits.append(SharedHit(eid, n, *facts, indexed=raw, serving=serving, serves=serves))
         hits.sort(key=lambda h: -h.tokens)  # stable: the deepest block's entry first on a tie
@@ -383,7 +382,7 @@ class SharedTier:
         for (other, depth), reply in zip(deepest.items(), pipe.execute(raise_on_error=False),
                                          strict=True):  # fmt: skip
             got = reads.fields_of(reply, reads.FACTS)
-            facts = facts_of(got.values) if got is not None else None
+            facts = reads.facts_of(got.values) if got is not None else None
             if facts is not None and facts[0] // self.block_tokens == depth + 1:
                 self._unlink(other, facts[2])
                 self._count("superseded")
@@ -490,30 +489,6 @@ def served(common: int, prompt_len: int, entry_tokens: int, serving: Serving | N
     if serving is None:
         return policy.servable_tokens(common, prompt_len)
     return policy.servable(common, prompt_len, entry_tokens, serving.trimmable, serving.checkpoints)
-
-
-def facts_of(meta: Sequence[bytes | None]) -> tuple[int, int, int, int] | None:
-    try:
-        n_tokens, nbytes, nchunks, chunk = (int(v) for v in meta)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    return n_tokens, nbytes, nchunks, chunk
-
-
-def serving_of(meta: Sequence[bytes | None]) -> Serving | None:
-    """An entry's ``trimmable`` and ``checkpoints`` fields (``-``: none) as read back; None when
-    absent or not what a publisher writes."""
-    if len(meta) != len(reads.SERVING):
-        return None
-    trim, points = meta
-    if trim not in (b"0", b"1") or not isinstance(points, bytes):
-        return None
-    if points == b"-":
-        return Serving(trim == b"1", ())
-    parts = points.split(b",")
-    if not all(p.isdigit() and p.isascii() and len(p) <= 18 for p in parts):
-        return None
-    return Serving(trim == b"1", tuple(sorted(int(p) for p in parts)))
 
 
 def _quietly(fn: Callable[[], Any]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from tiered_kv.shared import bulk, reads
-from tiered_kv.shared.redis_tier import Check, SharedTier, facts_of
+from tiered_kv.shared.redis_tier import Check, SharedTier
 
 _E = re.compile(rb"^tkv:([^:]{1,128}):e:([0-9a-f]{32})$")
 _C = re.compile(rb"^tkv:([^:]{1,128}):c:([0-9a-f]{32}):\d+$")
@@ -80,7 +80,7 @@ def _survey(client: redis.Redis) -> tuple[list[EntryInfo], list[tuple[str, str]]
 
 
 def _info(fp: str, eid: str, meta: tuple[bytes | None, ...]) -> EntryInfo | None:
-    facts = facts_of(meta[: len(reads.FACTS)])
+    facts = reads.facts_of(meta[: len(reads.FACTS)])
     try:
         created = float(meta[len(reads.FACTS)])  # type: ignore[arg-type]
     except (TypeError, ValueError):
