@@ -50,3 +50,24 @@ def test_ids_and_tokens_are_read_within_their_bounds(redis_server):
     one, two, toks = pipe.execute()
     assert reads.eid_of(one) == "a" * 32 and reads.eid_of(two) is None
     assert reads.tokens_of(toks) == b"\x01\x00\x00\x00" * 3
+
+
+def test_fields_are_read_on_a_full_redis_under_noeviction(redis_server):
+    """The script only reads: Redis runs it where it refuses every write (and it carries no
+    ``#!lua flags=`` line, which Redis 6 refuses)."""
+    c = redis_server.client()
+    c.hset("e", mapping={"n_tokens": 64, "trimmable": b"0", "checkpoints": b"-"})
+    c.set("filler", b"x" * (4 << 20))
+    c.config_set("maxmemory-policy", "noeviction")
+    c.config_set("maxmemory", "1mb")
+    try:
+        try:
+            c.set("w", b"y")
+            raise AssertionError("a write was accepted: Redis is not full")
+        except redis.exceptions.OutOfMemoryError:
+            pass
+        got = _read(c, "e")
+    finally:
+        c.config_set("maxmemory", "0")
+    assert got is not None and got.values[0] == b"64" and got.values[4:] == (b"0", b"-")
+    assert not reads._FIELDS_SCRIPT.lstrip().startswith("#!")
