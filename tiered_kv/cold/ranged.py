@@ -223,6 +223,8 @@ def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, diges
         g1 = min(c1, g0 + group)
         lo, hi = g0 * chunk, min(size, g1 * chunk)
         pieces = _pieces(lo, hi, first, d)
+        for _, v in pieces:
+            populate(v)
         _preadv_all(fd, [v for _, v in pieces], base + lo)
         read += hi - lo
         for c in range(g0, g1):
@@ -404,6 +406,22 @@ def _sampled_share(libc: ctypes.CDLL, addr: int, pages: int) -> float | None:
 
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_POPULATE_WRITE = 23
+_populate_ok = os.environ.get("TKV_POPULATE", "1") == "1"
+
+
+def populate(view: memoryview) -> None:
+    global _populate_ok
+    if not _populate_ok or len(view) < (1 << 20):
+        return
+    libc = _libc()
+    if libc is None:
+        return
+    addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    page = mmap.PAGESIZE
+    lo, hi = -(-addr // page) * page, (addr + len(view)) // page * page
+    if hi > lo and libc.madvise(ctypes.c_void_p(lo), hi - lo, _MADV_POPULATE_WRITE) != 0:
+        _populate_ok = False
 
 
 @functools.cache
@@ -417,6 +435,7 @@ def _libc() -> ctypes.CDLL | None:
                               ctypes.c_int, ctypes.c_long]  # fmt: skip
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     except (OSError, AttributeError):
         return None
     return libc

@@ -216,6 +216,7 @@ class SharedTier:
             reads.queue_tokens(pipe, self.key("t", eid), len(tokens))
             reads.queue_fields(pipe, self.key("e", eid), bounds)
         replies = pipe.execute(raise_on_error=False)  # a key of another type: that one skipped
+        self._refused("lookup", replies)
         hits = []
         for i, eid in enumerate(cands):
             raw, got = reads.tokens_of(replies[2 * i]), reads.fields_of(replies[2 * i + 1], bounds)
@@ -458,6 +459,16 @@ class SharedTier:
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._stats[key] += n
+
+    def _refused(self, what: str, replies: Sequence[Any]) -> None:
+        """Count and log (once) a pipeline's replies Redis refused for another reason than a key
+        of another type (another writer's data, skipped): e.g. a server or proxy that runs no
+        scripts, where every lookup would otherwise be a silent miss."""
+        for r in replies:
+            if isinstance(r, redis.exceptions.RedisError) and not str(r).startswith("WRONGTYPE"):
+                self._count("errors")
+                self._once(f"refused:{what}", "shared tier %s: Redis refused a read: %s", what, r)
+                return
 
     def _once(self, kind: str, msg: str, *args: object) -> None:
         with self._lock:

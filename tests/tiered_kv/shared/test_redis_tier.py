@@ -571,3 +571,18 @@ def test_an_entry_whose_every_block_a_newer_one_holds_is_unlinked(redis_server):
     c = redis_server.client()
     assert _unreachable(t, c) == [] and t.stats()["superseded"] == 1
     assert len(c.keys(t.key("e", "*"))) == 1
+
+
+def test_a_redis_that_refuses_scripts_is_counted_and_logged_not_a_silent_miss(redis_server, caplog):
+    """A server (or proxy) that runs no scripts refuses every lookup's bounded read: each lookup
+    is a miss, but the refusal is counted and logged once, not taken for an evicted entry."""
+    t = tier(redis_server.url)
+    toks = ids(60, 64)
+    assert t.publish(entry(toks), toks)
+    redis_server.client().acl_setuser("default", enabled=True, nopass=True, keys=["*"],
+                                      channels=["*"], commands=["+@all", "-@scripting"])  # fmt: skip
+    with caplog.at_level("WARNING", logger="tiered_kv.shared.redis_tier"):
+        assert t.lookup(toks) is None
+        assert t.lookup(toks) is None
+    assert t.stats()["errors"] >= 1
+    assert sum("refused" in r.getMessage() for r in caplog.records) == 1
