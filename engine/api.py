@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from engine import chat
 from engine.errors import ApiError, invalid
@@ -128,6 +128,15 @@ class _Sampling(RequestBody):
     def _positive(cls, v: int | None) -> int | None:
         if v is not None and v <= 0:
             raise ValueError("max_tokens must be a positive integer")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        """As OpenAI's: a usage chunk asked of a response that is not streamed is a 400, not
+        ignored (``stream`` is declared first, so it is validated by now)."""
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
         return v
 
     @field_validator("n")

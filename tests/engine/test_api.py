@@ -307,3 +307,17 @@ def test_logprob_counts():
     assert parse({"prompt": "x", "logprobs": 2}, CompletionRequest).logprob_count() == 2
     assert parse({"prompt": "x"}, CompletionRequest).logprob_count() == -1
     assert error_of({"prompt": "x", "logprobs": 6}, CompletionRequest).param == "logprobs"
+
+
+@pytest.mark.parametrize("model, body", [
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}]}),
+    (CompletionRequest, {"prompt": "x"}),
+])
+def test_stream_options_without_stream_is_400_as_openai_answers(model, body):
+    """OpenAI: "The 'stream_options' parameter is only allowed when 'stream' is enabled" (a body
+    asking for a usage chunk it would never get was served as if it had not asked)."""
+    for stream in ({}, {"stream": False}):
+        e = error_of({**body, **stream, "stream_options": {"include_usage": True}}, model)
+        assert e.param == "stream_options" and "stream" in e.message
+    assert parse({**body, "stream": True, "stream_options": {"include_usage": True}}, model).include_usage
+    assert not parse({**body, "stream_options": None}, model).include_usage  # null: not given
