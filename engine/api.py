@@ -11,7 +11,15 @@ import json
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine import chat
 from engine.errors import ApiError, invalid
@@ -39,6 +47,16 @@ class RequestBody(BaseModel):
     unknown fields are ignored, as agent clients send many provider-specific extras."""
 
     model_config = ConfigDict(extra="ignore", strict=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """A field sent as ``null`` is a field not sent: its default. OpenAI's fields are nullable
+        (``"temperature": null``, ``"n": null``, ``"stream": null``), and clients built on typed
+        SDKs or proxies send every unset field so; they were 400s."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class ToolFunction(RequestBody):

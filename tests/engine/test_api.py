@@ -321,3 +321,22 @@ def test_stream_options_without_stream_is_400_as_openai_answers(model, body):
         assert e.param == "stream_options" and "stream" in e.message
     assert parse({**body, "stream": True, "stream_options": {"include_usage": True}}, model).include_usage
     assert not parse({**body, "stream_options": None}, model).include_usage  # null: not given
+
+
+NULLABLE = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+            "n", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p")  # fmt: skip
+
+
+@pytest.mark.parametrize("model, body, own", [
+    (ChatRequest, {"messages": [{"role": "user", "content": "x", "name": None}]},
+     ("max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+      "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs")),
+    (CompletionRequest, {"prompt": "x"}, ("logprobs", "echo")),
+])
+def test_a_null_field_is_the_field_not_given(model, body, own):
+    """OpenAI's fields are nullable and clients on typed SDKs or proxies send unset ones as null:
+    ``"temperature": null`` or ``"n": null`` was a 400; it is the default now."""
+    given = parse({**body, **{k: None for k in NULLABLE + own}}, model)
+    assert given.model_dump() == parse(body, model).model_dump()
+    assert given.temperature == 1.0 and given.n == 1 and given.stream is False
+    assert error_of({**body, "temperature": "hot"}, model).param == "temperature"  # still checked
