@@ -310,6 +310,25 @@ class CompletionRequest(_Sampling):
     echo: Literal[False] = False
     #: the legacy completions' form: the count of alternatives per token (0-5), absent: none
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    #: fill in the middle (the text after the completion) and the best of several samples: not
+    #: served, a 400 (ignored, as echo was, they gave a completion blind to the text after it)
+    suffix: str = ""
+    best_of: int = 1
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str) -> str:
+        if v:
+            raise ValueError("suffix (fill in the middle) is not supported: the completion "
+                             "continues the prompt alone")  # fmt: skip
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only best_of=1 is supported")
+        return v
 
     def logprob_count(self) -> int:
         return -1 if self.logprobs is None else self.logprobs

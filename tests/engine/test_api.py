@@ -340,3 +340,12 @@ def test_a_null_field_is_the_field_not_given(model, body, own):
     assert given.model_dump() == parse(body, model).model_dump()
     assert given.temperature == 1.0 and given.n == 1 and given.stream is False
     assert error_of({**body, "temperature": "hot"}, model).param == "temperature"  # still checked
+
+
+def test_a_completion_suffix_or_best_of_not_served_is_400():
+    """``suffix`` (fill in the middle: the text after the insertion) and ``best_of`` > 1 were
+    ignored, as ``echo`` was: an editor's completion written as if nothing followed the cursor.
+    An empty suffix and a best_of of 1 ask for nothing more, and stay accepted."""
+    assert error_of({"prompt": "def f(", "suffix": "\n    return x"}, CompletionRequest).param == "suffix"
+    assert error_of({"prompt": "a", "best_of": 3}, CompletionRequest).param == "best_of"
+    assert parse({"prompt": "a", "suffix": "", "best_of": 1}, CompletionRequest).prompt_text() == "a"
