@@ -11,7 +11,15 @@ import json
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine import chat
 from engine.errors import ApiError, invalid
@@ -39,6 +47,16 @@ class RequestBody(BaseModel):
     unknown fields are ignored, as agent clients send many provider-specific extras."""
 
     model_config = ConfigDict(extra="ignore", strict=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """A field sent as ``null`` is a field not sent: its default. OpenAI's fields are nullable
+        (``"temperature": null``, ``"n": null``, ``"stream": null``), and clients built on typed
+        SDKs or proxies send every unset field so; they were 400s."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class ToolFunction(RequestBody):
@@ -128,6 +146,15 @@ class _Sampling(RequestBody):
     def _positive(cls, v: int | None) -> int | None:
         if v is not None and v <= 0:
             raise ValueError("max_tokens must be a positive integer")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        """As OpenAI's: a usage chunk asked of a response that is not streamed is a 400, not
+        ignored (``stream`` is declared first, so it is validated by now)."""
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
         return v
 
     @field_validator("n")
@@ -283,6 +310,25 @@ class CompletionRequest(_Sampling):
     echo: Literal[False] = False
     #: the legacy completions' form: the count of alternatives per token (0-5), absent: none
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    #: fill in the middle (the text after the completion) and the best of several samples: not
+    #: served, a 400 (ignored, as echo was, they gave a completion blind to the text after it)
+    suffix: str = ""
+    best_of: int = 1
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str) -> str:
+        if v:
+            raise ValueError("suffix (fill in the middle) is not supported: the completion "
+                             "continues the prompt alone")  # fmt: skip
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only best_of=1 is supported")
+        return v
 
     def logprob_count(self) -> int:
         return -1 if self.logprobs is None else self.logprobs

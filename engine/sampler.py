@@ -33,9 +33,15 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
+#: float32's smallest normal number: a temperature below it has an inverse float32 cannot hold
+#: (the scaled log-probabilities become inf and NaN), a top_p below it rounds to nothing
+FLOAT32_TINY = 1.1754944e-38
+
+
 def for_request(p: SamplingParams) -> Sampler | None:
-    """The request's sampler, or None for greedy decoding (temperature 0)."""
-    if p.temperature == 0:
+    """The request's sampler, or None for greedy decoding: temperature 0, or a temperature or
+    top_p too small for float32 (drawn, they gave arbitrary tokens; the argmax is their limit)."""
+    if p.temperature < FLOAT32_TINY or p.top_p < FLOAT32_TINY:
         return None
     if p.seed is None:
         return make_sampler(

@@ -307,3 +307,45 @@ def test_logprob_counts():
     assert parse({"prompt": "x", "logprobs": 2}, CompletionRequest).logprob_count() == 2
     assert parse({"prompt": "x"}, CompletionRequest).logprob_count() == -1
     assert error_of({"prompt": "x", "logprobs": 6}, CompletionRequest).param == "logprobs"
+
+
+@pytest.mark.parametrize("model, body", [
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}]}),
+    (CompletionRequest, {"prompt": "x"}),
+])
+def test_stream_options_without_stream_is_400_as_openai_answers(model, body):
+    """OpenAI: "The 'stream_options' parameter is only allowed when 'stream' is enabled" (a body
+    asking for a usage chunk it would never get was served as if it had not asked)."""
+    for stream in ({}, {"stream": False}):
+        e = error_of({**body, **stream, "stream_options": {"include_usage": True}}, model)
+        assert e.param == "stream_options" and "stream" in e.message
+    assert parse({**body, "stream": True, "stream_options": {"include_usage": True}}, model).include_usage
+    assert not parse({**body, "stream_options": None}, model).include_usage  # null: not given
+
+
+NULLABLE = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+            "n", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p")  # fmt: skip
+
+
+@pytest.mark.parametrize("model, body, own", [
+    (ChatRequest, {"messages": [{"role": "user", "content": "x", "name": None}]},
+     ("max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+      "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs")),
+    (CompletionRequest, {"prompt": "x"}, ("logprobs", "echo")),
+])
+def test_a_null_field_is_the_field_not_given(model, body, own):
+    """OpenAI's fields are nullable and clients on typed SDKs or proxies send unset ones as null:
+    ``"temperature": null`` or ``"n": null`` was a 400; it is the default now."""
+    given = parse({**body, **{k: None for k in NULLABLE + own}}, model)
+    assert given.model_dump() == parse(body, model).model_dump()
+    assert given.temperature == 1.0 and given.n == 1 and given.stream is False
+    assert error_of({**body, "temperature": "hot"}, model).param == "temperature"  # still checked
+
+
+def test_a_completion_suffix_or_best_of_not_served_is_400():
+    """``suffix`` (fill in the middle: the text after the insertion) and ``best_of`` > 1 were
+    ignored, as ``echo`` was: an editor's completion written as if nothing followed the cursor.
+    An empty suffix and a best_of of 1 ask for nothing more, and stay accepted."""
+    assert error_of({"prompt": "def f(", "suffix": "\n    return x"}, CompletionRequest).param == "suffix"
+    assert error_of({"prompt": "a", "best_of": 3}, CompletionRequest).param == "best_of"
+    assert parse({"prompt": "a", "suffix": "", "best_of": 1}, CompletionRequest).prompt_text() == "a"

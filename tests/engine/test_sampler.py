@@ -71,3 +71,16 @@ def test_processors_are_mlx_lms_and_none_by_default():
     logits = mx.zeros((50,))
     out = process(procs, [1, 2, 3], logits)
     assert int(mx.argmax(out)) == 3 and out.shape == (50,)
+
+
+def test_a_temperature_or_top_p_below_float32s_range_is_greedy():
+    """A temperature whose inverse float32 cannot hold (1e-40: the scaled log-probabilities were
+    inf and NaN) and a top_p float32 rounds to nothing drew arbitrary tokens ("boundaries steel
+    retro whichever" for "hi"); sampling at such a setting is the argmax, its limit."""
+    lp = logprobs(3)
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-40, seed=5),
+                   SamplingParams(temperature=1.0, top_p=1e-46),
+                   SamplingParams(temperature=1.0, top_p=1e-46, seed=5)):  # fmt: skip
+        s = for_request(params) or greedy
+        assert [s(lp).tolist() for _ in range(8)] == [greedy(lp).tolist()] * 8, params
+    assert for_request(SamplingParams(temperature=1e-30)) is not None  # a real (if cold) one

@@ -217,6 +217,20 @@ def test_completions(live):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_every_endpoint_takes_null_fields_as_not_given(live):
+    """A client sending each unset field as null (typed SDKs, proxies) got 400s
+    (``temperature: Input should be a valid number``); each endpoint serves it with the defaults."""
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "seed", "stop"))
+    for path, body in (
+        ("/v1/chat/completions", {"messages": USER, "logprobs": None, "parallel_tool_calls": None}),
+        ("/v1/completions", {"prompt": "the cache holds", "logprobs": None}),
+        ("/v1/responses", {"input": "hi", "parallel_tool_calls": None, "instructions": None}),
+    ):
+        r = httpx.post(live.url + path, json={**body, **nulls, "max_tokens": 2,
+                                              "max_output_tokens": 2}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, (path, r.text)
+
+
 def test_sampling_fields_over_http(live, tiny_model_dir):
     """logit_bias (and the other mlx_lm.server sampling fields) reach the model: a +100 bias on
     one token makes every completion token that one; an id past the vocabulary is a 400."""
