@@ -27,6 +27,7 @@ import ctypes.util
 import functools
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -224,7 +225,7 @@ def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, diges
         lo, hi = g0 * chunk, min(size, g1 * chunk)
         pieces = _pieces(lo, hi, first, d)
         for _, v in pieces:
-            populate(v)
+            prefault(v)
         _preadv_all(fd, [v for _, v in pieces], base + lo)
         read += hi - lo
         for c in range(g0, g1):
@@ -406,13 +407,21 @@ def _sampled_share(libc: ctypes.CDLL, addr: int, pages: int) -> float | None:
 
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
+#: Linux ≥ 5.14: fault a range's pages in, writable, in one call
 _MADV_POPULATE_WRITE = 23
-_populate_ok = os.environ.get("TKV_POPULATE", "1") == "1"
+#: smaller destinations are left to fault as they are written
+PREFAULT_MIN = 1 << 20
+_prefault = {"on": sys.platform == "linux"}
 
 
-def populate(view: memoryview) -> None:
-    global _populate_ok
-    if not _populate_ok or len(view) < (1 << 20):
+def prefault(view: memoryview) -> None:
+    """Fault in the whole pages of ``view`` (writable memory about to be read into) in one
+    ``madvise(MADV_POPULATE_WRITE)``: a read into fresh memory otherwise takes a page fault per
+    4 KiB inside the copy (a reload into memory freshly allocated for it, as every reload after
+    a restart is). On the 2-core VM a warm 1 GB reload went from 0.281 s to 0.246 s
+    (``bench.sizes --shape bench --gb 1``); the pages are the ones the read writes anyway.
+    Linux only; a kernel that refuses it (older than 5.14: EINVAL) is not asked again."""
+    if not _prefault["on"] or len(view) < PREFAULT_MIN:
         return
     libc = _libc()
     if libc is None:
@@ -421,12 +430,12 @@ def populate(view: memoryview) -> None:
     page = mmap.PAGESIZE
     lo, hi = -(-addr // page) * page, (addr + len(view)) // page * page
     if hi > lo and libc.madvise(ctypes.c_void_p(lo), hi - lo, _MADV_POPULATE_WRITE) != 0:
-        _populate_ok = False
+        _prefault["on"] = False
 
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library's mmap / mincore / munmap, typed (None where there is none)."""
+    """The C library's mmap / mincore / munmap / madvise, typed (None where there is none)."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name, use_errno=True)

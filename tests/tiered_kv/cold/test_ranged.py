@@ -5,8 +5,10 @@ outside the range is never read, no symlink is followed."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import sys
 import time
 
 import mlx.core as mx
@@ -456,3 +458,25 @@ def test_a_failed_driver_call_fails_the_read_after_every_copy_ran(tmp_path, monk
     with pytest.raises(gpu.DeviceError):
         ranged.read_range(path, "fp", 100, N, into=dev, gpu=up, workers=4)
     assert lib.pending == 0 and not up.ok
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefault_makes_fresh_memory_resident_before_the_read():
+    """The pages a read will write are faulted in by one call (not one fault per page inside the
+    copy); a destination under PREFAULT_MIN is left alone."""
+    libc = ranged._libc()
+    assert libc is not None
+    page = mmap.PAGESIZE
+
+    def resident(m: mmap.mmap) -> int:
+        vec = np.zeros(len(m) // page, dtype=np.uint8)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        assert libc.mincore(ctypes.c_void_p(addr), len(m), ctypes.c_void_p(vec.ctypes.data)) == 0
+        return int(np.count_nonzero(vec & 1))
+
+    big, small = mmap.mmap(-1, 8 << 20), mmap.mmap(-1, ranged.PREFAULT_MIN // 2)
+    assert resident(big) == resident(small) == 0
+    ranged.prefault(memoryview(big))
+    ranged.prefault(memoryview(small))
+    assert resident(big) == len(big) // page and resident(small) == 0
+    assert ranged._prefault["on"]
