@@ -386,6 +386,26 @@ def test_read_tensors_reads_every_tensor_whole_and_verified(tmp_path, through):
         assert up.bytes == h.data_len and up.waits == [len(up.copies)]
 
 
+def test_a_whole_file_read_keeps_the_kernels_readahead(tmp_path, monkeypatch):
+    """Readers going through whole tensors in file order read a cold file faster with the
+    kernel's readahead (1 GB: 2.35 GB/s against 1.79 without it): only a range's spans turn it
+    off."""
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    advised: list[int] = []
+    real = ranged.os.posix_fadvise
+
+    def advise(fd, offset, length, advice):
+        advised.append(advice)
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(ranged.os, "posix_fadvise", advise)
+    ranged.read_tensors(path, h, _tensor_bytes(h))
+    assert os.POSIX_FADV_RANDOM not in advised
+    ranged.read_range(path, "fp", 300, N)
+    assert os.POSIX_FADV_RANDOM in advised
+
+
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("through", ["host", "upload"])
 def test_read_tensors_catches_a_flipped_byte_anywhere(tmp_path, where, through):
