@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 from mlx_lm.models import cache as C
 from mlx_lm.models import gemma3_text, llama, qwen3_next
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
@@ -31,6 +32,7 @@ from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.opening import open_cache
+from tiered_kv.shared.redis_tier import SharedTier
 from tiered_kv.tiered import HitInfo, Lease, TieredCache
 
 # --- a tiny llama, built in memory (no tokenizer) -------------------------------------------------
@@ -451,3 +453,32 @@ CREATE TABLE blocks(hash INTEGER NOT NULL, entry TEXT NOT NULL, depth INTEGER NO
     last INTEGER NOT NULL);
 INSERT INTO entries VALUES('old', 'old.safetensors', 8, 1, 1, 1, zeroblob(32));
 """
+
+
+# --- the shared tier's byte mechanics: a toy entry format ---------------------------------------------
+# ``tokens ‖ payload ‖ xxh3``, checked by :func:`toy_check` (tests/tiered_kv/shared/test_redis_tier.py,
+# test_publish.py, test_health.py); test_link.py runs the real entry format through the real cold tier.
+
+SHARED_BLOCK = 16  # block tokens of :func:`toy_tier`
+
+
+def toy_entry(tokens: list[int], payload: int = 3000) -> bytes:
+    head = np.asarray([len(tokens)], "<i4").tobytes() + np.asarray(tokens, "<i4").tobytes()
+    body = head + np.random.default_rng(len(tokens)).bytes(payload)
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def toy_check(view: memoryview) -> np.ndarray:
+    body, digest = bytes(view[:-8]), bytes(view[-8:])
+    if xxhash.xxh3_64_digest(body) != digest:
+        raise ValueError("checksum mismatch")
+    n = int(np.frombuffer(body[:4], "<i4")[0])
+    return np.frombuffer(body[4 : 4 + 4 * n], "<i4").copy()
+
+
+def toy_ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 30000, n).tolist()
+
+
+def toy_tier(url: str, fp: str = "fp-a", chunk: int = 1000, timeout: float = 0.5) -> SharedTier:
+    return SharedTier(url, fp, SHARED_BLOCK, toy_check, timeout=timeout, chunk_bytes=chunk)

@@ -12,20 +12,8 @@ format, stored-KV quantisation, cache salt), so tenants with different fingerpri
     b:<hash>     string  ``<eid>`` of the newest entry holding block ``<hash>`` (the chained block
                          hashes of ``tiered_kv.keys``, seeded with the fingerprint and block size)
 
-**Publish** writes the chunks first, then ``t:`` / ``e:`` / ``b:`` in one MULTI/EXEC: a reader that
-finds an index key finds every chunk, unless Redis evicted one since — then the hit is a miss.
-An entry is reachable only through its block keys, each naming the newest entry holding its
-block; so once another index write takes an entry's *deepest* block key, that writer holds all
-the entry's blocks and took every key naming it in the same step: it is unreachable for good
-(only its own publish ever names it). The same MULTI/EXEC reads what each block key named just
-before, and the writer unlinks every entry whose deepest key it took. One rule covers a
-continuation's older entry, an older entry whose ids differ only past its last whole block, and
-the same entry published by two servers at once (each looked it up before either wrote: the
-later index write unlinks the earlier). Refusing the second write instead (WATCH on the block
-keys, or a script checking for an identical entry) costs more and covers less: a WATCH fails on
-any write to a shared prefix's block keys (every publish on the same system prompt), a script
-would read keys it cannot name in advance, and neither touches the other two cases; what this
-leaves is the loser's bytes sent once.
+**Publish** writes the chunks first, then the index in one MULTI/EXEC, and unlinks the entries
+its index write displaced (:mod:`publish`, where the argument for that rule is).
 **Lookup** is at most two round trips: the prompt's block keys (only an id's length of each),
 then (pipelined) the token prefix and the facts of at most three candidate entries, deepest first
 — token ids are compared exactly. What Redis holds is data (any value may be 512 MB): every index
@@ -40,12 +28,12 @@ returned. Capacity and eviction are Redis's own (``maxmemory`` + an LRU policy).
 Threads: ``lookup`` runs on the request thread, ``fetch`` there or on a thread of its own beside
 the batch (``TieredCache``; its ``stop`` ends it between chunks once its request is gone),
 ``publish`` on the publisher thread (:mod:`tiered_kv.shared.publisher`); the redis client is
-thread-safe (a connection pool), the counters are under a lock.
+thread-safe (a connection pool), the counters are under a lock (:mod:`health`).
 
 Faults: every call is bounded by the socket timeout (``TIERED_KV_SHARED_TIMEOUT``), resolving the
 host name included (:mod:`resolve`); a connection error or timeout (a fetch past its deadline
-too) marks Redis down for an exponential backoff (1 s doubling to 30 s) during which calls are
-skipped at once (counted ``skipped_down``); the outage is logged once and its end once.
+too) marks Redis down for an exponential backoff (:mod:`health`: the backoff, the counters and
+the messages logged once).
 A corrupt entry (``check`` raised ``ValueError``) is counted, logged once and unlinked from Redis.
 """
 
@@ -54,10 +42,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -68,10 +55,10 @@ from redis.retry import Retry
 from tiered_kv import keys, policy
 from tiered_kv.declared import Serving
 from tiered_kv.prefix import common_prefix
-from tiered_kv.shared import bulk, reads, resolve
+from tiered_kv.shared import bulk, publish, reads, resolve
+from tiered_kv.shared.health import Health, quietly
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: bytes per Redis value: far under Redis's 512 MB value limit, large enough that a 4 GB entry
 #: is 64 round trips' worth of values, not thousands — and just under 64 MiB: Redis stores a value
@@ -80,14 +67,12 @@ T = TypeVar("T")
 CHUNK_BYTES = (64 << 20) - 64
 _CANDIDATES = 3
 MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
-_BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
 #: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
 Check = Callable[[memoryview], np.ndarray]
-_NET = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 @dataclass(frozen=True)
@@ -169,22 +154,19 @@ class SharedTier:
         self.max_bytes = max_bytes
         self.describe = describe
         self.client = connect(url, timeout)
-        self._lock = threading.Lock()
-        self._stats = dict.fromkeys(
+        counts: dict[str, Any] = dict.fromkeys(
             ("lookups", "hits", "misses", "fetches", "fetch_bytes", "misses_evicted", "corrupt",
              "publishes", "publish_bytes", "publish_skipped", "superseded", "errors", "timeouts",
              "skipped_down", "outages", "too_large", "fetches_stopped"), 0
         )  # fmt: skip
-        self._fetch_seconds = 0.0
-        self._failures = 0
-        self._down_until = 0.0
-        self._logged: set[str] = set()
+        counts["fetch_seconds"] = 0.0
+        self.health = Health(self.url, counts, log)
 
     # -- keys ------------------------------------------------------------------------------
     def key(self, kind: str, *parts: object) -> str:
         return self.prefix + ":".join((kind, *(str(p) for p in parts)))
 
-    def _block_keys(self, hashes: Sequence[int]) -> list[str]:
+    def block_keys(self, hashes: Sequence[int]) -> list[str]:
         return [self.key("b", f"{h:016x}") for h in hashes]
 
     # -- request thread --------------------------------------------------------------------
@@ -196,15 +178,15 @@ class SharedTier:
         hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
         if not hashes:
             return None
-        self._count("lookups")
+        self.health.count("lookups")
         none: list[SharedHit] = []
-        hits = self._call("lookup", lambda: self._matches(tokens, hashes), none)
+        hits = self.health.call("lookup", lambda: self.matches(tokens, hashes), none)
         hit = max(hits, key=lambda h: h.serves, default=None)  # the first on a tie: the deepest
         hit = hit if hit is not None and hit.serves > 0 else None
-        self._count("hits" if hit is not None else "misses")
+        self.health.count("hits" if hit is not None else "misses")
         return hit
 
-    def _matches(self, tokens: np.ndarray, hashes: Sequence[int]) -> list[SharedHit]:
+    def matches(self, tokens: np.ndarray, hashes: Sequence[int]) -> list[SharedHit]:
         """The candidates sharing a prefix with ``tokens`` whose facts read, longest common
         prefix first (the deepest block's entry first on a tie)."""
         cands = self._candidates(hashes)
@@ -216,7 +198,7 @@ class SharedTier:
             reads.queue_tokens(pipe, self.key("t", eid), len(tokens))
             reads.queue_fields(pipe, self.key("e", eid), bounds)
         replies = pipe.execute(raise_on_error=False)  # a key of another type: that one skipped
-        self._refused("lookup", replies)
+        self.health.refused("lookup", replies)
         hits = []
         for i, eid in enumerate(cands):
             raw, got = reads.tokens_of(replies[2 * i]), reads.fields_of(replies[2 * i + 1], bounds)
@@ -235,7 +217,7 @@ class SharedTier:
         """Entry ids the prompt's block keys name, deepest first (at most ``_CANDIDATES``). Only
         an id's length is read of each value (a block key is another writer's data: 512 MB)."""
         pipe = self.client.pipeline(transaction=False)
-        for name in self._block_keys(hashes):
+        for name in self.block_keys(hashes):
             reads.queue_eid(pipe, name)  # a block key is another writer's data: 512 MB
         cands: list[str] = []
         for raw in reversed(pipe.execute(raise_on_error=False)):
@@ -251,23 +233,21 @@ class SharedTier:
         bytes (the entry is then unlinked), Redis down / slow / restarted, or ``stop`` set (its
         request went away: the rest of the chunks are not read)."""
         t0 = time.perf_counter()
-        got = self._call("fetch", lambda: self._fetch(hit, stop), None)
+        got = self.health.call("fetch", lambda: self._fetch(hit, stop), None)
         if got is not None:
-            with self._lock:
-                self._stats["fetches"] += 1
-                self._stats["fetch_bytes"] += len(got.data)
-                self._fetch_seconds += time.perf_counter() - t0
+            self.health.add(fetches=1, fetch_bytes=len(got.data),
+                            fetch_seconds=time.perf_counter() - t0)  # fmt: skip
         return got
 
     def _fetch(self, hit: SharedHit, stop: threading.Event | None) -> Fetched | None:
         size, chunk = hit.nbytes, hit.chunk_bytes
         if size > self.max_bytes:
-            self._count("too_large")
+            self.health.count("too_large")
             return None
         held = self.held(hit.entry_id, size, chunk, hit.nchunks)
         if held == "incomplete":  # Redis evicted a chunk: the entry is gone for every server
-            self._count("misses_evicted")
-            self._unlink(hit.entry_id, hit.nchunks)
+            self.health.count("misses_evicted")
+            self.unlink(hit.entry_id, hit.nchunks)
             return None
         if held == "corrupt":
             return self._corrupt(hit, "its facts or chunks are no entry's")
@@ -275,13 +255,13 @@ class SharedTier:
         try:
             buf = bytearray(size)
         except MemoryError:
-            self._count("too_large")
+            self.health.count("too_large")
             return None
         view = memoryview(buf)
         deadline = time.monotonic() + self.timeout + size / _MIN_RATE
         for i, name in enumerate(names):  # one round trip per chunk: latency ≪ its transfer
             if stop is not None and stop.is_set():
-                self._count("fetches_stopped")
+                self.health.count("fetches_stopped")
                 return None
             lo = i * chunk
             try:
@@ -289,11 +269,12 @@ class SharedTier:
             except ValueError as e:
                 return self._corrupt(hit, f"chunk {i}: {e}")
             except TimeoutError:  # as slow as down: a backoff, or every request waits as long
-                self._once("slow", "shared tier too slow: fetch of %d bytes abandoned (a miss)", size)
+                self.health.once("slow", "shared tier too slow: fetch of %d bytes abandoned (a miss)",
+                                 size)  # fmt: skip
                 raise
             if got is None:
-                self._count("misses_evicted")  # evicted meanwhile: the entry is gone
-                self._unlink(hit.entry_id, hit.nchunks)
+                self.health.count("misses_evicted")  # evicted meanwhile: the entry is gone
+                self.unlink(hit.entry_id, hit.nchunks)
                 return None
         try:
             tokens = self.check(view)
@@ -307,87 +288,19 @@ class SharedTier:
     def _corrupt(self, hit: SharedHit, why: str) -> Fetched | None:
         """Count, log once, unlink the entry, chunks too (so no other server trips on it, and
         no byte of it stays where nothing reads it): a miss."""
-        self._count("corrupt")
-        self._once("corrupt", "shared entry %s is corrupt, unlinked (a miss): %s", hit.entry_id, why)
-        self._unlink(hit.entry_id, hit.nchunks)
+        self.health.count("corrupt")
+        self.health.once("corrupt", "shared entry %s is corrupt, unlinked (a miss): %s",
+                         hit.entry_id, why)  # fmt: skip
+        self.unlink(hit.entry_id, hit.nchunks)
         return None
 
     # -- publisher thread ------------------------------------------------------------------
     def publish(self, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
-        """Store an entry's bytes (a buffer) for ``token_ids``; False when skipped (already
-        there, too short, Redis down) or failed (counted). Publisher thread."""
-        tokens = keys.as_int32(token_ids)
-        hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
-        if not hashes:
-            return False
-        view = memoryview(data).cast("B")
-        return bool(self._call("publish", lambda: self._publish(view, tokens, hashes), False))
+        """Store an entry's bytes (a buffer) for ``token_ids`` (:func:`publish.publish`); False
+        when skipped (already there, too short, Redis down) or failed (counted). Publisher thread."""
+        return publish.publish(self, data, token_ids)
 
-    def _publish(self, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]) -> bool:
-        old = next(iter(self._matches(tokens, hashes)), None)  # the longest match
-        if old is not None and old.tokens == old.entry_tokens == len(tokens):
-            if self.held(old.entry_id, old.nbytes, old.chunk_bytes, old.nchunks) == "whole":
-                self._count("publish_skipped")  # the same entry is there (another server wrote it)
-                return False
-            # a chunk evicted: published again, its index write displaces the old one (below)
-        eid = uuid.uuid4().hex
-        size, chunk = len(view), self.chunk_bytes
-        nchunks = -(-size // chunk)
-        chunk_keys = [self.key("c", eid, i) for i in range(nchunks)]
-        try:
-            for i in range(nchunks):  # chunks first ...
-                bulk.set_from(self.client, chunk_keys[i], view[i * chunk : (i + 1) * chunk])
-            meta = {"n_tokens": len(tokens), "nbytes": size, "nchunks": nchunks,
-                    "chunk_bytes": chunk, "created": repr(time.time())}  # fmt: skip
-            serving = self.describe(view) if self.describe is not None else None
-            if serving is not None:
-                meta["trimmable"] = int(serving.trimmable)
-                meta["checkpoints"] = ",".join(map(str, serving.checkpoints)) or "-"
-            names = self._block_keys(hashes)
-            pipe = self.client.pipeline(transaction=True)  # ... the index last, atomically,
-            for name in names:  # with the ids it displaces (read in the same step)
-                reads.queue_eid(pipe, name)
-            pipe.set(self.key("t", eid), tokens.tobytes())
-            pipe.hset(self.key("e", eid), mapping=meta)  # type: ignore[arg-type]
-            pipe.mset(dict.fromkeys(names, eid))
-            replies = pipe.execute(raise_on_error=False)  # a block key of another type: no id
-            failed = [r for r in replies[len(names) :] if isinstance(r, Exception)]
-            if failed:
-                raise failed[0]
-        except BaseException:
-            _quietly(lambda: self.client.unlink(*chunk_keys))  # never indexed: orphans
-            raise
-        self._unlink_displaced(replies[: len(names)], eid)
-        with self._lock:
-            self._stats["publishes"] += 1
-            self._stats["publish_bytes"] += size
-        return True
-
-    def _unlink_displaced(self, was: Sequence[Any], eid: str) -> None:
-        """Unlink each entry whose deepest block key ``eid``'s index write took (``was``: what the
-        block keys named just before, in block order): it holds no block ``eid`` does not, so
-        every block key that named it names ``eid`` now — no lookup can find it again (a
-        continuation's older entry; the same entry published by another server at the same
-        moment, whichever index write came first). Only an entry's own publish names it in a
-        block key, so nothing makes it reachable again. One round trip when any was displaced."""
-        deepest: dict[str, int] = {}
-        for depth, raw in enumerate(was):
-            other = reads.eid_of(raw)
-            if other is not None and other != eid:
-                deepest[other] = depth
-        if not deepest:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for other in deepest:
-            reads.queue_fields(pipe, self.key("e", other), reads.FACTS)
-        for (other, depth), reply in zip(deepest.items(), pipe.execute(raise_on_error=False),
-                                         strict=True):  # fmt: skip
-            got = reads.fields_of(reply, reads.FACTS)
-            facts = reads.facts_of(got.values) if got is not None else None
-            if facts is not None and facts[0] // self.block_tokens == depth + 1:
-                self._unlink(other, facts[2])
-                self._count("superseded")
-
+    # -- an entry's keys (fetch, publish, survey) ------------------------------------------
     def held(self, eid: str, nbytes: int, chunk_bytes: int, nchunks: int) -> str:
         """What Redis holds of an entry, asked before a byte is allocated for it (its facts are
         data): "whole", "incomplete" (a chunk evicted) or "corrupt" (facts no entry has, chunks of
@@ -404,7 +317,7 @@ class SharedTier:
             return "incomplete"
         return "whole" if sum(lengths) == nbytes else "corrupt"
 
-    def _unlink(self, eid: str, nchunks: int) -> None:
+    def unlink(self, eid: str, nchunks: int) -> None:
         """An entry's index and chunks; a count Redis gave that no entry can have (a forged
         ``nchunks``: a list of 10**9 names) unlinks the index only."""
         names = [self.key("e", eid), self.key("t", eid)]
@@ -413,79 +326,21 @@ class SharedTier:
         self.client.unlink(*names)
 
     # -- health ----------------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[], T], default: T) -> T:
-        """``fn()`` unless Redis is in backoff; a network failure starts / extends the backoff."""
-        if time.monotonic() < self._down_until:
-            self._count("skipped_down")
-            return default
-        try:
-            out = fn()
-        except _NET as e:
-            self._down(what, e)
-            return default
-        except redis.exceptions.RedisError as e:  # e.g. OOM under maxmemory noeviction
-            self._count("errors")
-            self._once(f"error:{what}", "shared tier %s failed: %s", what, e)
-            return default
-        if self._failures:
-            with self._lock:
-                self._failures = 0
-                self._logged.discard("down")
-            log.warning("shared tier %s is reachable again", self.url)
-        return out
-
-    def _down(self, what: str, e: BaseException) -> None:
-        with self._lock:
-            self._stats["errors"] += 1
-            if isinstance(e, (redis.exceptions.TimeoutError, TimeoutError)):
-                self._stats["timeouts"] += 1
-            if self._failures == 0:
-                self._stats["outages"] += 1
-            self._failures += 1
-            wait = min(_BACKOFF_MAX, _BACKOFF_MIN * 2 ** (self._failures - 1))
-            self._down_until = time.monotonic() + wait
-        self._once("down", "shared tier %s unreachable (%s: %s); local tiers only, retrying "
-                   "with backoff", self.url, what, e)  # fmt: skip
-
     @property
     def up(self) -> bool:
-        return self._failures == 0
+        return self.health.up
 
     def ping(self) -> bool:
         """One round trip (CLI, tests); counts a failure like any call."""
-        return bool(self._call("ping", self.client.ping, False))
-
-    # -- counters --------------------------------------------------------------------------
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._lock:
-            self._stats[key] += n
-
-    def _refused(self, what: str, replies: Sequence[Any]) -> None:
-        """Count and log (once) a pipeline's replies Redis refused for another reason than a key
-        of another type (another writer's data, skipped): e.g. a server or proxy that runs no
-        scripts, where every lookup would otherwise be a silent miss."""
-        for r in replies:
-            if isinstance(r, redis.exceptions.RedisError) and not str(r).startswith("WRONGTYPE"):
-                self._count("errors")
-                self._once(f"refused:{what}", "shared tier %s: Redis refused a read: %s", what, r)
-                return
-
-    def _once(self, kind: str, msg: str, *args: object) -> None:
-        with self._lock:
-            if kind in self._logged:
-                return
-            self._logged.add(kind)
-        log.warning(msg, *args)
+        return bool(self.health.call("ping", self.client.ping, False))
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            out: dict[str, Any] = dict(self._stats)
-            out["fetch_seconds"] = self._fetch_seconds
+        out = self.health.stats()
         out["up"] = int(self.up)
         return out
 
     def close(self) -> None:
-        _quietly(self.client.close)
+        quietly(self.client.close)
 
 
 def consistent(nbytes: int, chunk_bytes: int, nchunks: int) -> bool:
@@ -501,9 +356,3 @@ def served(common: int, prompt_len: int, entry_tokens: int, serving: Serving | N
         return policy.servable_tokens(common, prompt_len)
     return policy.servable(common, prompt_len, entry_tokens, serving.trimmable, serving.checkpoints)
 
-
-def _quietly(fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except (redis.exceptions.RedisError, OSError):
-        pass

@@ -125,7 +125,7 @@ def verify(
         verdict = _check_one(client, tier, e)
         getattr(reports[e.fingerprint], verdict).append(e.entry_id)
         if fix and verdict != "ok":
-            tier._unlink(e.entry_id, e.nchunks)
+            tier.unlink(e.entry_id, e.nchunks)
     orphans: list[bytes] = []
     for k in client.scan_iter(match="tkv:*:c:*", count=1000):
         m = _C.match(k)

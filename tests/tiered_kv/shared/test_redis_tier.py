@@ -1,8 +1,9 @@
 """SharedTier against a real redis-server: layout, exact-token hits, misses for every fault.
 
-The entry bytes here are a toy format (``tokens ‖ payload ‖ xxh3``) checked by ``check``: this
-module tests the tier's byte mechanics; tests/tiered_kv/shared/test_link.py runs the real
-entry format through the real cold tier.
+The entry bytes here are a toy format (``tokens ‖ payload ‖ xxh3``, ``tests/fixtures.py``) checked
+by ``check``: this module tests the tier's byte mechanics (the publish path's own rules in
+test_publish.py, the backoff and counters in test_health.py); tests/tiered_kv/shared/test_link.py
+runs the real entry format through the real cold tier.
 """
 
 from __future__ import annotations
@@ -11,37 +12,16 @@ import signal
 import threading
 import time
 
-import numpy as np
 import pytest
-import xxhash
 
+from tests.fixtures import SHARED_BLOCK as BLOCK
+from tests.fixtures import toy_check as check
+from tests.fixtures import toy_entry as entry
+from tests.fixtures import toy_ids as ids
+from tests.fixtures import toy_tier as tier
 from tiered_kv import declared
 from tiered_kv.shared import redis_tier
 from tiered_kv.shared.redis_tier import SharedTier
-
-BLOCK = 16
-
-
-def entry(tokens: list[int], payload: int = 3000) -> bytes:
-    head = np.asarray([len(tokens)], "<i4").tobytes() + np.asarray(tokens, "<i4").tobytes()
-    body = head + np.random.default_rng(len(tokens)).bytes(payload)
-    return body + xxhash.xxh3_64_digest(body)
-
-
-def check(view: memoryview) -> np.ndarray:
-    body, digest = bytes(view[:-8]), bytes(view[-8:])
-    if xxhash.xxh3_64_digest(body) != digest:
-        raise ValueError("checksum mismatch")
-    n = int(np.frombuffer(body[:4], "<i4")[0])
-    return np.frombuffer(body[4 : 4 + 4 * n], "<i4").copy()
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 30000, n).tolist()
-
-
-def tier(url: str, fp: str = "fp-a", chunk: int = 1000, timeout: float = 0.5) -> SharedTier:
-    return SharedTier(url, fp, BLOCK, check, timeout=timeout, chunk_bytes=chunk)
 
 
 def test_publish_lookup_fetch_round_trip_in_chunks(redis_server):
@@ -117,58 +97,6 @@ def test_flushed_redis_is_a_miss(redis_server):
     redis_server.client().flushall()
     assert t.lookup(toks) is None
     assert hit is not None and t.fetch(hit) is None
-
-
-def test_continuation_supersedes_and_identical_publish_is_skipped(redis_server):
-    t = tier(redis_server.url)
-    toks = ids(10, 100)
-    t.publish(entry(toks[:48]), toks[:48])
-    old = t.lookup(toks[:48])
-    assert t.publish(entry(toks), toks)
-    assert not t.publish(entry(toks), toks)  # the same entry again: skipped
-    hit = t.lookup(toks[:48] + [1])
-    assert old is not None and hit is not None and hit.entry_id != old.entry_id
-    assert hit.tokens == 48
-    assert not redis_server.client().exists(t.key("c", old.entry_id, 0))
-    s = t.stats()
-    assert s["superseded"] == 1 and s["publish_skipped"] == 1
-
-
-def test_dead_redis_costs_one_timeout_then_backoff(redis_server, monkeypatch):
-    t = tier(redis_server.url)
-    toks = ids(11, 64)
-    t.publish(entry(toks), toks)
-    redis_server.kill()
-    t0 = time.monotonic()
-    assert t.lookup(toks) is None
-    assert t.lookup(toks) is None  # in backoff: not even a connect
-    assert time.monotonic() - t0 < 10  # bounded by the timeout, not hung (generous: noisy box)
-    s = t.stats()
-    assert s["errors"] == 1 and s["skipped_down"] == 1 and s["outages"] == 1 and s["up"] == 0
-    assert not t.publish(entry(toks), toks)
-
-
-def test_restarted_empty_redis_is_used_again_after_backoff(redis_server):
-    t = tier(redis_server.url)
-    toks = ids(12, 64)
-    t.publish(entry(toks), toks)
-    redis_server.restart_empty()
-    t._down_until = 0.0  # as if the backoff had passed
-    assert t.lookup(toks) is None  # empty dataset: a miss, no error
-    assert t.publish(entry(toks), toks)
-    assert t.lookup(toks) is not None and t.stats()["up"] == 1
-
-
-def test_stalled_redis_times_out(redis_server):
-    t = tier(redis_server.url, timeout=0.3)
-    toks = ids(13, 64)
-    t.publish(entry(toks), toks)
-    redis_server.stop_signal(signal.SIGSTOP)  # alive but answering nothing
-    try:
-        assert t.lookup(toks) is None
-        assert t.stats()["timeouts"] == 1
-    finally:
-        redis_server.stop_signal(signal.SIGCONT)
 
 
 def test_redis_killed_mid_fetch_is_a_miss(redis_server, monkeypatch):
@@ -276,37 +204,6 @@ def test_a_forged_size_allocates_only_what_redis_holds(redis_server):
     hit = t.lookup(toks)
     assert hit is not None and hit.nbytes == size
     assert t.fetch(hit) is None and t.stats()["misses_evicted"] == 1  # chunks 1.. are not there
-
-
-def test_an_evicted_chunk_unlinks_its_entry_so_it_can_be_published_again(redis_server):
-    """A chunk evicted (allkeys-lru): the entry's index stayed, each lookup found it and missed,
-    and a publish of the same entry was skipped as "already there" — for good."""
-    t = tier(redis_server.url)
-    toks = ids(32, 64)
-    t.publish(entry(toks), toks)
-    hit = t.lookup(toks)
-    assert hit is not None
-    redis_server.client().delete(t.key("c", hit.entry_id, 1))
-    assert t.publish(entry(toks), toks)  # not skipped: the old one is not whole
-    hit = t.lookup(toks)
-    assert hit is not None and t.fetch(hit) is not None
-    redis_server.client().delete(t.key("c", hit.entry_id, 2))
-    assert t.fetch(hit) is None and t.lookup(toks) is None  # the fetch unlinked it
-
-
-def test_a_forged_chunk_count_is_never_listed(redis_server):
-    """A superseded entry whose ``nchunks`` another writer set to 10**9: the publisher built a
-    list of 10**9 key names to unlink it (gigabytes, then a MemoryError)."""
-    t = tier(redis_server.url)
-    toks = ids(33, 64)
-    t.publish(entry(toks[:32]), toks[:32])
-    old = t.lookup(toks[:32])
-    assert old is not None
-    redis_server.client().hset(t.key("e", old.entry_id), "nchunks", 10**9)
-    t0 = time.monotonic()
-    assert t.publish(entry(toks), toks)  # a continuation: supersedes the forged one
-    assert time.monotonic() - t0 < 30 and t.stats()["superseded"] == 1
-    assert not redis_server.client().exists(t.key("e", old.entry_id))
 
 
 def test_a_read_past_its_deadline_stops_inside_a_chunk(redis_server):
@@ -518,71 +415,3 @@ def test_a_fact_rewritten_during_a_lookup_is_never_read(redis_server, monkeypatc
     before = _sent(c)
     t.lookup(toks)
     assert _sent(c) - before < 1 << 20
-
-
-def _unreachable(t: SharedTier, client) -> list[str]:
-    """Entries indexed (an ``e:`` key) that no block key names: no lookup can ever find them."""
-    named = {v.decode() for k in client.keys(t.key("b", "*")) if (v := client.get(k))}
-    indexed = {k.decode().rsplit(":", 1)[1] for k in client.keys(t.key("e", "*"))}
-    return sorted(indexed - named)
-
-
-def test_identical_publishes_at_the_same_moment_leave_nothing_unreachable(redis_server, monkeypatch):
-    """Two servers publish the same entry at once: each looked it up (not there), wrote its chunks
-    and its index; the second index write took every block key, and the first entry — its facts,
-    token ids and chunks — stayed in Redis, indexed yet named by no block key, until LRU took it
-    (``verify --fix`` removes only chunks without an index). The fault: each publisher waits at
-    its first chunk until the other has looked the entry up too."""
-    toks = ids(46, 64)
-    a, b = tier(redis_server.url), tier(redis_server.url)
-    both = threading.Barrier(2, timeout=30)
-    real = redis_tier.bulk.set_from
-    first: set[int] = set()
-
-    def set_from(client, key, value):
-        if threading.get_ident() not in first:
-            first.add(threading.get_ident())
-            both.wait()
-        return real(client, key, value)
-
-    monkeypatch.setattr(redis_tier.bulk, "set_from", set_from)
-    done = [threading.Thread(target=x.publish, args=(entry(toks), toks)) for x in (a, b)]
-    for th in done:
-        th.start()
-    for th in done:
-        th.join()
-    c = redis_server.client()
-    assert a.stats()["publishes"] + b.stats()["publishes"] == 2  # both ran to their index
-    assert _unreachable(a, c) == []
-    hit = a.lookup(toks)
-    assert hit is not None and a.fetch(hit) is not None
-    assert {k for k in c.keys("*") if b":b:" not in k and hit.entry_id.encode() not in k} == set()
-
-
-def test_an_entry_whose_every_block_a_newer_one_holds_is_unlinked(redis_server):
-    """A newer entry holding all of an older one's blocks (its ids past its last whole block
-    differ) takes every block key naming the older one: it was left indexed and unreachable
-    (only an entry wholly contained in the new one was unlinked)."""
-    t = tier(redis_server.url)
-    toks = ids(47, 64)
-    old = toks[:40]  # blocks 0-1 and 8 ids more
-    assert t.publish(entry(old), old)
-    assert t.publish(entry(toks[:32] + ids(48, 32)), toks[:32] + ids(48, 32))
-    c = redis_server.client()
-    assert _unreachable(t, c) == [] and t.stats()["superseded"] == 1
-    assert len(c.keys(t.key("e", "*"))) == 1
-
-
-def test_a_redis_that_refuses_scripts_is_counted_and_logged_not_a_silent_miss(redis_server, caplog):
-    """A server (or proxy) that runs no scripts refuses every lookup's bounded read: each lookup
-    is a miss, but the refusal is counted and logged once, not taken for an evicted entry."""
-    t = tier(redis_server.url)
-    toks = ids(60, 64)
-    assert t.publish(entry(toks), toks)
-    redis_server.client().acl_setuser("default", enabled=True, nopass=True, keys=["*"],
-                                      channels=["*"], commands=["+@all", "-@scripting"])  # fmt: skip
-    with caplog.at_level("WARNING", logger="tiered_kv.shared.redis_tier"):
-        assert t.lookup(toks) is None
-        assert t.lookup(toks) is None
-    assert t.stats()["errors"] >= 1
-    assert sum("refused" in r.getMessage() for r in caplog.records) == 1

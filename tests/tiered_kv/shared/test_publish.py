@@ -1,0 +1,113 @@
+"""The publish path against a real redis-server: chunks, then the index in one MULTI/EXEC, and the
+entries that index write displaced unlinked (``tiered_kv/shared/publish.py``). Toy entries:
+``tests/fixtures.py``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tests.fixtures import toy_entry as entry
+from tests.fixtures import toy_ids as ids
+from tests.fixtures import toy_tier as tier
+from tiered_kv.shared import publish
+from tiered_kv.shared.redis_tier import SharedTier
+
+
+def test_continuation_supersedes_and_identical_publish_is_skipped(redis_server):
+    t = tier(redis_server.url)
+    toks = ids(10, 100)
+    t.publish(entry(toks[:48]), toks[:48])
+    old = t.lookup(toks[:48])
+    assert t.publish(entry(toks), toks)
+    assert not t.publish(entry(toks), toks)  # the same entry again: skipped
+    hit = t.lookup(toks[:48] + [1])
+    assert old is not None and hit is not None and hit.entry_id != old.entry_id
+    assert hit.tokens == 48
+    assert not redis_server.client().exists(t.key("c", old.entry_id, 0))
+    s = t.stats()
+    assert s["superseded"] == 1 and s["publish_skipped"] == 1
+
+
+def test_an_evicted_chunk_unlinks_its_entry_so_it_can_be_published_again(redis_server):
+    """A chunk evicted (allkeys-lru): the entry's index stayed, each lookup found it and missed,
+    and a publish of the same entry was skipped as "already there" — for good."""
+    t = tier(redis_server.url)
+    toks = ids(32, 64)
+    t.publish(entry(toks), toks)
+    hit = t.lookup(toks)
+    assert hit is not None
+    redis_server.client().delete(t.key("c", hit.entry_id, 1))
+    assert t.publish(entry(toks), toks)  # not skipped: the old one is not whole
+    hit = t.lookup(toks)
+    assert hit is not None and t.fetch(hit) is not None
+    redis_server.client().delete(t.key("c", hit.entry_id, 2))
+    assert t.fetch(hit) is None and t.lookup(toks) is None  # the fetch unlinked it
+
+
+def test_a_forged_chunk_count_is_never_listed(redis_server):
+    """A superseded entry whose ``nchunks`` another writer set to 10**9: the publisher built a
+    list of 10**9 key names to unlink it (gigabytes, then a MemoryError)."""
+    t = tier(redis_server.url)
+    toks = ids(33, 64)
+    t.publish(entry(toks[:32]), toks[:32])
+    old = t.lookup(toks[:32])
+    assert old is not None
+    redis_server.client().hset(t.key("e", old.entry_id), "nchunks", 10**9)
+    t0 = time.monotonic()
+    assert t.publish(entry(toks), toks)  # a continuation: supersedes the forged one
+    assert time.monotonic() - t0 < 30 and t.stats()["superseded"] == 1
+    assert not redis_server.client().exists(t.key("e", old.entry_id))
+
+
+def _unreachable(t: SharedTier, client) -> list[str]:
+    """Entries indexed (an ``e:`` key) that no block key names: no lookup can ever find them."""
+    named = {v.decode() for k in client.keys(t.key("b", "*")) if (v := client.get(k))}
+    indexed = {k.decode().rsplit(":", 1)[1] for k in client.keys(t.key("e", "*"))}
+    return sorted(indexed - named)
+
+
+def test_identical_publishes_at_the_same_moment_leave_nothing_unreachable(redis_server, monkeypatch):
+    """Two servers publish the same entry at once: each looked it up (not there), wrote its chunks
+    and its index; the second index write took every block key, and the first entry — its facts,
+    token ids and chunks — stayed in Redis, indexed yet named by no block key, until LRU took it
+    (``verify --fix`` removes only chunks without an index). The fault: each publisher waits at
+    its first chunk until the other has looked the entry up too."""
+    toks = ids(46, 64)
+    a, b = tier(redis_server.url), tier(redis_server.url)
+    both = threading.Barrier(2, timeout=30)
+    real = publish.bulk.set_from
+    first: set[int] = set()
+
+    def set_from(client, key, value):
+        if threading.get_ident() not in first:
+            first.add(threading.get_ident())
+            both.wait()
+        return real(client, key, value)
+
+    monkeypatch.setattr(publish.bulk, "set_from", set_from)
+    done = [threading.Thread(target=x.publish, args=(entry(toks), toks)) for x in (a, b)]
+    for th in done:
+        th.start()
+    for th in done:
+        th.join()
+    c = redis_server.client()
+    assert a.stats()["publishes"] + b.stats()["publishes"] == 2  # both ran to their index
+    assert _unreachable(a, c) == []
+    hit = a.lookup(toks)
+    assert hit is not None and a.fetch(hit) is not None
+    assert {k for k in c.keys("*") if b":b:" not in k and hit.entry_id.encode() not in k} == set()
+
+
+def test_an_entry_whose_every_block_a_newer_one_holds_is_unlinked(redis_server):
+    """A newer entry holding all of an older one's blocks (its ids past its last whole block
+    differ) takes every block key naming the older one: it was left indexed and unreachable
+    (only an entry wholly contained in the new one was unlinked)."""
+    t = tier(redis_server.url)
+    toks = ids(47, 64)
+    old = toks[:40]  # blocks 0-1 and 8 ids more
+    assert t.publish(entry(old), old)
+    assert t.publish(entry(toks[:32] + ids(48, 32)), toks[:32] + ids(48, 32))
+    c = redis_server.client()
+    assert _unreachable(t, c) == [] and t.stats()["superseded"] == 1
+    assert len(c.keys(t.key("e", "*"))) == 1

@@ -1,0 +1,115 @@
+"""The shared tier's write path: an entry's chunks, then its index in one MULTI/EXEC.
+
+**Publish** writes the chunks first, then ``t:`` / ``e:`` / ``b:`` (the layout:
+:mod:`redis_tier`) in one MULTI/EXEC: a reader that finds an index key finds every chunk, unless
+Redis evicted one since — then the hit is a miss.
+An entry is reachable only through its block keys, each naming the newest entry holding its
+block; so once another index write takes an entry's *deepest* block key, that writer holds all
+the entry's blocks and took every key naming it in the same step: it is unreachable for good
+(only its own publish ever names it). The same MULTI/EXEC reads what each block key named just
+before, and the writer unlinks every entry whose deepest key it took. One rule covers a
+continuation's older entry, an older entry whose ids differ only past its last whole block, and
+the same entry published by two servers at once (each looked it up before either wrote: the
+later index write unlinks the earlier). Refusing the second write instead (WATCH on the block
+keys, or a script checking for an identical entry) costs more and covers less: a WATCH fails on
+any write to a shared prefix's block keys (every publish on the same system prompt), a script
+would read keys it cannot name in advance, and neither touches the other two cases; what this
+leaves is the loser's bytes sent once.
+
+An entry already there whole (the lookup's longest match holds the same ids, every chunk of it
+in Redis) is not sent again; chunks written before a failure are unlinked (never indexed).
+Publisher thread only (:mod:`tiered_kv.shared.publisher`, through ``SharedTier.publish``);
+bytes only, never MLX.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tiered_kv import keys
+from tiered_kv.shared import bulk, reads
+from tiered_kv.shared.health import quietly
+
+if TYPE_CHECKING:
+    from tiered_kv.shared.redis_tier import SharedTier
+
+
+def publish(tier: SharedTier, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
+    """Store an entry's bytes (a buffer) for ``token_ids``; False when skipped (already
+    there, too short, Redis down) or failed (counted). Publisher thread."""
+    tokens = keys.as_int32(token_ids)
+    hashes = keys.block_hashes(tokens, tier.block_tokens, tier.seed)
+    if not hashes:
+        return False
+    view = memoryview(data).cast("B")
+    return bool(tier.health.call("publish", lambda: _publish(tier, view, tokens, hashes), False))
+
+
+def _publish(tier: SharedTier, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]) -> bool:
+    old = next(iter(tier.matches(tokens, hashes)), None)  # the longest match
+    if old is not None and old.tokens == old.entry_tokens == len(tokens):
+        if tier.held(old.entry_id, old.nbytes, old.chunk_bytes, old.nchunks) == "whole":
+            tier.health.count("publish_skipped")  # the same entry is there (another server wrote it)
+            return False
+        # a chunk evicted: published again, its index write displaces the old one (below)
+    eid = uuid.uuid4().hex
+    size, chunk = len(view), tier.chunk_bytes
+    nchunks = -(-size // chunk)
+    chunk_keys = [tier.key("c", eid, i) for i in range(nchunks)]
+    try:
+        for i in range(nchunks):  # chunks first ...
+            bulk.set_from(tier.client, chunk_keys[i], view[i * chunk : (i + 1) * chunk])
+        meta = {"n_tokens": len(tokens), "nbytes": size, "nchunks": nchunks,
+                "chunk_bytes": chunk, "created": repr(time.time())}  # fmt: skip
+        serving = tier.describe(view) if tier.describe is not None else None
+        if serving is not None:
+            meta["trimmable"] = int(serving.trimmable)
+            meta["checkpoints"] = ",".join(map(str, serving.checkpoints)) or "-"
+        names = tier.block_keys(hashes)
+        pipe = tier.client.pipeline(transaction=True)  # ... the index last, atomically,
+        for name in names:  # with the ids it displaces (read in the same step)
+            reads.queue_eid(pipe, name)
+        pipe.set(tier.key("t", eid), tokens.tobytes())
+        pipe.hset(tier.key("e", eid), mapping=meta)  # type: ignore[arg-type]
+        pipe.mset(dict.fromkeys(names, eid))
+        replies = pipe.execute(raise_on_error=False)  # a block key of another type: no id
+        failed = [r for r in replies[len(names) :] if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]
+    except BaseException:
+        quietly(lambda: tier.client.unlink(*chunk_keys))  # never indexed: orphans
+        raise
+    _unlink_displaced(tier, replies[: len(names)], eid)
+    tier.health.add(publishes=1, publish_bytes=size)
+    return True
+
+
+def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> None:
+    """Unlink each entry whose deepest block key ``eid``'s index write took (``was``: what the
+    block keys named just before, in block order): it holds no block ``eid`` does not, so
+    every block key that named it names ``eid`` now — no lookup can find it again (a
+    continuation's older entry; the same entry published by another server at the same
+    moment, whichever index write came first). Only an entry's own publish names it in a
+    block key, so nothing makes it reachable again. One round trip when any was displaced."""
+    deepest: dict[str, int] = {}
+    for depth, raw in enumerate(was):
+        other = reads.eid_of(raw)
+        if other is not None and other != eid:
+            deepest[other] = depth
+    if not deepest:
+        return
+    pipe = tier.client.pipeline(transaction=False)
+    for other in deepest:
+        reads.queue_fields(pipe, tier.key("e", other), reads.FACTS)
+    for (other, depth), reply in zip(deepest.items(), pipe.execute(raise_on_error=False),
+                                     strict=True):  # fmt: skip
+        got = reads.fields_of(reply, reads.FACTS)
+        facts = reads.facts_of(got.values) if got is not None else None
+        if facts is not None and facts[0] // tier.block_tokens == depth + 1:
+            tier.unlink(other, facts[2])
+            tier.health.count("superseded")
