@@ -422,6 +422,21 @@ def check_chars(n_chars: int, context_length: int, max_token_chars: int, param: 
         )
 
 
+def check_messages(n_messages: int, context_length: int) -> None:
+    """Cheap bound before rendering: every message a chat template renders takes at least one
+    token (its role's marker), so a conversation of more messages than the context has tokens
+    cannot fit. Its characters need not say so (400k empty messages are 13 MB of JSON and no
+    text): rendering them cost 5.5 s of a parse slot before the length check refused them."""
+    if n_messages > context_length:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {context_length} tokens; the conversation "
+            f"has {n_messages} messages, each taking at least one",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
 def check_length(
     prompt_tokens: int, requested_max: int | None, context_length: int, default: int = 0,
     param: str = "messages",

@@ -165,7 +165,8 @@ class Server:
         job.stop()
 
     def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], respond.ChatOutput]:
-        self._check_chars(req.content_chars(), "messages")  # before rendering it
+        api.check_messages(len(req.messages), self.engine.context_length)  # before rendering
+        self._check_chars(req.content_chars(), "messages")
         return respond.chat_prompt(
             self.engine.tokenizer, self.engine.encode_text, req, self.model_id,
             self._check_chars, self.template_defaults,

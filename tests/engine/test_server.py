@@ -574,6 +574,17 @@ def test_context_length_code(guarded):
     assert r.json()["error"]["param"] == "messages"
 
 
+def test_more_messages_than_the_context_has_tokens_is_refused_before_rendering(guarded):
+    """Empty messages have no characters for the pre-render bound to count: 400k of them (13 MB)
+    were rendered (5.5 s of a parse slot) before the prompt's length refused them. Each message
+    takes at least a token, so their count alone is the bound."""
+    body = {"messages": [{"role": "user", "content": ""}] * 65}
+    r = httpx.post(guarded.url + "/v1/chat/completions", json=body, headers=AUTH)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert err["param"] == "messages" and "65 messages" in err["message"]
+
+
 def test_a_completion_too_long_for_the_context_names_its_prompt():
     """/v1/completions named ``messages``, a field its body does not have."""
     from engine.api import CompletionRequest
