@@ -92,10 +92,18 @@ def record(row: Sequence) -> Record:
 def stored(row: Sequence, entry_id: str) -> Stored:
     """An entry's ids and what it serves: tokens, trimmable, checkpoints. Raises Damaged."""
     raw, trimmable, points = row
-    if not isinstance(raw, bytes) or trimmable not in (None, 0, 1):
+    if trimmable not in (None, 0, 1):
         raise Damaged(f"index row of entry {entry_id[:40]!r} is malformed")
     ckpts = positions(points, entry_id) if trimmable is not None else ()
-    return Stored(np.frombuffer(raw, dtype="<i4"), None if trimmable is None else bool(trimmable), ckpts)
+    return Stored(ids(raw, entry_id), None if trimmable is None else bool(trimmable), ckpts)
+
+
+def ids(raw: object, entry_id: str) -> np.ndarray:
+    """The tokens column: int32 LE ids. A value that is no whole number of them (text, a blob of
+    an odd length) raises Damaged, not numpy's TypeError / ValueError."""
+    if not isinstance(raw, bytes) or len(raw) % 4:
+        raise Damaged(f"index row of entry {entry_id[:40]!r} has malformed token ids")
+    return np.frombuffer(raw, dtype="<i4")
 
 
 def positions(text: object, entry_id: str) -> tuple[int, ...]:

@@ -54,7 +54,7 @@ def test_a_record_row_of_the_wrong_types_is_damaged(row):
 
 @pytest.mark.parametrize("row", [
     ("ids", 1, "[]"), (b"", 2, "[]"), (b"", 1, "[-1]"), (b"", 0, "[1.5]"), (b"", 1, "{}"),
-    (b"", 1, "not json"), (b"", 1, None),
+    (b"", 1, "not json"), (b"", 1, None), (b"\0" * 5, 1, "[]"), (b"\0" * 6, None, None),
 ])  # fmt: skip
 def test_a_stored_row_no_writer_makes_is_damaged(row):
     with pytest.raises(Damaged):
