@@ -136,6 +136,8 @@ def reconcile(
     sweep_temp(fp_dir)
     # records before files: a record's file is published before its commit, so one listed here
     # was there when the files are listed after (another process may commit between the two)
+    if not rebuild:
+        index.check()  # a row a lookup would find damaged (Damaged: the caller rebuilds)
     records = [] if rebuild else index.records()
     files = entry_files(fp_dir)
     if not rebuild:

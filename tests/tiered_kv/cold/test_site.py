@@ -251,3 +251,27 @@ def test_an_index_row_of_the_wrong_kind_is_a_damaged_index(tmp_path):
     assert tier.stats()["spills"] == 1 and tier.stats()["entries"] == 2
     assert tier.load(tier.lookup(list(range(8)))) is not None
     tier.close()
+
+
+@pytest.mark.parametrize("when", ["at-open", "while-serving"])
+def test_a_row_damaged_where_only_a_lookup_reads_it_is_rebuilt(tmp_path, when):
+    """A row whose ``checkpoints`` / ``trimmable`` / ``tokens`` no writer of ours makes: every
+    lookup reaching it missed (counted as an index error) and nothing ever repaired it — the
+    open only read the record columns, the write path never reads those. Now the open checks
+    every row, and a lookup that finds one damaged has the writer rebuild the index."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(16), [kv_cache(16)])
+    if when == "at-open":
+        tier.close()
+    con = sqlite3.connect(tmp_path / tier.fingerprint / "index" / "cache.db")
+    con.execute("UPDATE entries SET checkpoints='garbage', trimmable=2")
+    con.commit()
+    con.close()
+    if when == "at-open":
+        tier = cold_tier(tmp_path)
+    else:
+        assert tier.lookup(list(range(14)) + [99]) is None  # this one misses
+        assert tier.flush(30)
+    hit = tier.lookup(list(range(14)) + [99])
+    assert hit is not None and hit.serves == 14 and tier.load(hit) is not None
+    tier.close()
