@@ -82,7 +82,8 @@ def record(row: Sequence) -> Record:
     """A record read back: the six :data:`schema.COLS`, then prompt_tokens. Raises Damaged."""
     eid, file, n_tokens, nbytes, created, last_used, prompt_tokens = row
     if not (isinstance(eid, str) and isinstance(file, str) and type(n_tokens) is int
-            and type(nbytes) is int and isinstance(created, (int, float))
+            and type(nbytes) is int and n_tokens >= 0 and nbytes >= 0  # sizes the budget sums
+            and isinstance(created, (int, float))
             and isinstance(last_used, (int, float))
             and (prompt_tokens is None or type(prompt_tokens) is int)):  # fmt: skip
         raise Damaged(f"index row of entry {str(eid)[:40]!r} is malformed")

@@ -46,6 +46,7 @@ def test_what_an_entry_serves_is_not_known_without_trimmable():
 @pytest.mark.parametrize("row", [
     (1, "f", 8, 1, 1.0, 1.0, None), ("e", "f", "8", 1, 1.0, 1.0, None),
     ("e", "f", 8, 1, "now", 1.0, None), ("e", "f", 8, 1, 1.0, 1.0, 2.5),
+    ("e", "f", 8, -1, 1.0, 1.0, None), ("e", "f", -8, 1, 1.0, 1.0, None),
 ])  # fmt: skip
 def test_a_record_row_of_the_wrong_types_is_damaged(row):
     with pytest.raises(Damaged, match="malformed"):
