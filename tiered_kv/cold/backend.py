@@ -35,6 +35,7 @@ import errno
 import os
 import re
 import stat
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -64,6 +65,18 @@ def temp_path(path: Path, pid: int) -> Path:
     """Where process ``pid`` writes ``path`` before publishing it: ``.<name>.<pid>.tmp`` beside
     it (hidden: never an entry file; the pid tells :mod:`verify` whether its writer lives)."""
     return path.with_name(f".{path.name}.{pid}{TMP_SUFFIX}")
+
+
+#: temp files this process is writing now (paths): another tier of this process sharing the
+#: directory must not take them for a dead writer's (:func:`verify.stale_temp`)
+_writing: set[str] = set()  # names: unique (each holds its entry's key), however the dir is spelt
+_writing_lock = threading.Lock()
+
+
+def writing(path: Path) -> bool:
+    """Whether this process is writing the temp file ``path`` now (any of its tiers)."""
+    with _writing_lock:
+        return Path(path).name in _writing
 
 
 def is_temp(name: str) -> bool:
@@ -96,7 +109,8 @@ class FileBackend:
     ``put`` writes a temp file in the same directory with large sequential writes, then the
     header over its reserved first bytes (one ``pwrite``), one fsync, ``os.replace`` into
     place, then fsyncs the directory; on any failure the temp file is removed. Nothing follows a symlink: files are
-    opened with ``O_NOFOLLOW`` and temp files created with ``O_EXCL``. Thread-safe (no state).
+    opened with ``O_NOFOLLOW`` and temp files created with ``O_EXCL``. Thread-safe (its one state:
+    the process's temp files in flight, :func:`writing`).
     """
 
     def __init__(self, directory: Path) -> None:
@@ -109,6 +123,15 @@ class FileBackend:
         path = self.path(key)
         tmp = temp_path(path, os.getpid())
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with _writing_lock:
+            _writing.add(tmp.name)
+        try:
+            return self._put(tmp, path, flags, entry)
+        finally:
+            with _writing_lock:
+                _writing.discard(tmp.name)
+
+    def _put(self, tmp: Path, path: Path, flags: int, entry: encode.Encoded) -> int:
         try:
             fd = os.open(tmp, flags, store.FILE_MODE)
         except FileExistsError:  # a leftover of ours (same pid, earlier failure): replace it

@@ -119,3 +119,28 @@ def test_a_dead_writers_temp_file_named_with_our_pid_is_swept(tmp_path):
     tier.persist(np.arange(8) + 50, [kv_cache(8)])
     assert not planted.exists() and tier.stats()["spills"] == 1
     tier.close()
+
+
+def test_another_tier_of_this_process_keeps_a_temp_file_being_written(tmp_path):
+    """Two tiers of one process on one directory (a re-open before the old tier's last write
+    ended, a library user with two caches): each took the other's temp file in flight, named
+    with the same pid, for a dead writer's and swept it at its open or before its writes — the
+    other's publish then failed (ENOENT) and the entry was lost (half the writes of two busy
+    tiers). A temp file this process is writing now is never stale."""
+    from tiered_kv.cold import encode
+    from tiered_kv.cold.backend import FileBackend
+
+    cold_tier(tmp_path).close()
+    fp_dir = next(p for p in tmp_path.iterdir() if p.name != "quarantine")
+    opened = []
+
+    def pieces():
+        yield memoryview(b"x" * 64)
+        other = cold_tier(tmp_path)  # its open sweeps the stale temp files
+        other.persist(np.arange(8), [kv_cache(8)])  # and so does each of its writes
+        opened.append(other.stats()["spills"])
+        other.close()
+        yield memoryview(b"y" * 64)
+
+    FileBackend(fp_dir).put("k" * 32, encode.Encoded(pieces(), 128))
+    assert opened == [1] and (fp_dir / f"{'k' * 32}.safetensors").stat().st_size == 128
