@@ -32,6 +32,7 @@ straight into the arrays' memory). Keys are ``[0-9A-Za-z_-]{1,64}`` (entry ids),
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 import stat
@@ -39,6 +40,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+import xxhash
 
 from tiered_kv.cold import encode, store
 
@@ -62,9 +65,25 @@ TMP_SUFFIX = ".tmp"
 
 
 def temp_path(path: Path, pid: int) -> Path:
-    """Where process ``pid`` writes ``path`` before publishing it: ``.<name>.<pid>.tmp`` beside
-    it (hidden: never an entry file; the pid tells :mod:`verify` whether its writer lives)."""
-    return path.with_name(f".{path.name}.{pid}{TMP_SUFFIX}")
+    """Where process ``pid`` (of this host and PID namespace) writes ``path`` before publishing
+    it: ``.<name>.<pid>-<where>.tmp`` beside it (hidden: never an entry file; the pid tells
+    :mod:`verify` whether its writer lives, ``<where>`` whether that pid means anything here)."""
+    return path.with_name(f".{path.name}.{pid}-{pid_space()}{TMP_SUFFIX}")
+
+
+@functools.cache
+def pid_space() -> str:
+    """12 hex digits naming where this process's pids mean something: this boot of this host
+    and its PID namespace. Two containers sharing a cache directory each have their own pid 1,
+    and neither sees the other's pids: a pid from elsewhere tells nothing of its writer."""
+    parts = [os.uname().nodename]
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text(),
+                 lambda: os.readlink("/proc/self/ns/pid")):  # fmt: skip
+        try:
+            parts.append(read().strip())
+        except OSError:
+            parts.append("")
+    return xxhash.xxh3_64_hexdigest("\0".join(parts).encode())[:12]
 
 
 #: temp files this process is writing now (paths): another tier of this process sharing the
@@ -86,10 +105,14 @@ def is_temp(name: str) -> bool:
 
 def temp_writer(name: str) -> int | None:
     """The pid of the process that writes the temp file ``name`` (:func:`temp_path`); None
-    when ``name`` is not a temp file's or names no pid."""
+    when ``name`` is not a temp file's, names no pid, or a pid of another host or PID namespace
+    (:func:`pid_space`). A name without ``-<where>`` (written before it was added) is taken
+    for this one's."""
     if not is_temp(name):
         return None
-    pid = name.removesuffix(TMP_SUFFIX).rsplit(".", 1)[-1]
+    pid, _, where = name.removesuffix(TMP_SUFFIX).rsplit(".", 1)[-1].partition("-")
+    if where and where != pid_space():
+        return None
     return int(pid) if pid.isascii() and pid.isdigit() else None
 
 
