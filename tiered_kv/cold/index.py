@@ -266,8 +266,14 @@ class Index:
         self._meta = None
 
     def close(self) -> None:
-        """Close every thread's connection (a later call opens a new one)."""
+        """Close every thread's connection (a later call opens a new one). Only where no other
+        thread may be querying it: :meth:`release` where one may."""
         self._conns.close()
+
+    def release(self) -> None:
+        """Let go of an index that is being replaced: this thread's connection is closed, the
+        others' once their queries end (:meth:`Connections.release`)."""
+        self._conns.release()
 
     # -- helpers -----------------------------------------------------------------------------
     def _tx(self) -> Tx:

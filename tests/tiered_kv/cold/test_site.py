@@ -275,3 +275,40 @@ def test_a_row_damaged_where_only_a_lookup_reads_it_is_rebuilt(tmp_path, when):
     hit = tier.lookup(list(range(14)) + [99])
     assert hit is not None and hit.serves == 14 and tier.load(hit) is not None
     tier.close()
+
+
+def test_a_reopen_never_closes_a_connection_another_thread_is_reading_on(tmp_path):
+    """A re-open (an index rebuilt while serving, a directory re-created, a degraded tier's
+    retry) closed every thread's connection of the index it replaced — the reader thread's too,
+    in the middle of a lookup's query: the lookup failed, or, when the close fell inside the
+    query's step, the process died (SIGSEGV; 15 s of lookups beside re-opens did it). The old
+    index lets go of the other threads' connections; each closes when its query is done."""
+    import threading
+
+    tier = cold_tier(tmp_path)
+    for i in range(3):
+        tier.persist(np.arange(8) + 100 * i, [kv_cache(8)])
+    old = tier.site.index
+    assert old is not None
+    started, reopened = threading.Event(), threading.Event()
+    got: list = []
+
+    def read() -> None:
+        cur = old._conn().execute("SELECT id FROM entries")
+        got.append(cur.fetchone())
+        started.set()
+        reopened.wait(30)
+        try:
+            got.extend(cur.fetchall())
+        except sqlite3.Error as e:
+            got.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    started.wait(30)
+    tier.writer.run_sync(tier.site.open, 30)  # as ensure() does
+    reopened.set()
+    reader.join(30)
+    assert tier.site.index is not old
+    assert len(got) == 3 and all(isinstance(r, tuple) for r in got), got
+    tier.close()
