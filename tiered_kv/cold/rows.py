@@ -117,8 +117,9 @@ def positions(text: object, entry_id: str) -> tuple[int, ...]:
 
 
 def loads(text: str) -> object:
-    """JSON text's value, None when it is not JSON."""
+    """JSON text's value, None when it is not JSON (nested past Python's stack too: json raises
+    RecursionError there, which no caller expects of a damaged value)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None

@@ -67,3 +67,13 @@ def test_damaged_means_a_broken_index_not_a_busy_one():
     assert rows.damaged(Damaged("malformed"))
     assert not rows.damaged(sqlite3.OperationalError("database is locked"))
     assert rows.positions("[0, 8]", "e") == (0, 8)  # 0 too: the header check accepts it
+
+
+def test_json_nested_past_the_stack_is_not_json():
+    """A checkpoints or meta value of JSON nested 100 000 deep raised RecursionError out of
+    ``loads``: past every ``sqlite3.Error`` handler, out of a lookup, the tier's open (it failed
+    to start) and every ``cache`` command. It is no JSON: the row is Damaged, the meta unknown."""
+    deep = "[" * 100_000 + "]" * 100_000
+    assert rows.loads(deep) is None
+    with pytest.raises(Damaged):
+        rows.stored((b"", 0, deep), "e")

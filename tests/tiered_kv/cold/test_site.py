@@ -312,3 +312,28 @@ def test_a_reopen_never_closes_a_connection_another_thread_is_reading_on(tmp_pat
     assert tier.site.index is not old
     assert len(got) == 3 and all(isinstance(r, tuple) for r in got), got
     tier.close()
+
+
+@pytest.mark.parametrize("where", ["checkpoints", "meta"])
+def test_an_index_value_nested_past_the_stack_is_a_damaged_index(tmp_path, where):
+    """JSON nested 100 000 deep in a row's checkpoints or in the index meta: RecursionError
+    escaped the open (the tier did not start) and the ``cache`` commands (tracebacks)."""
+    from tiered_kv.admin import CacheAdmin
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(16), [kv_cache(16)])
+    tier.close()
+    deep = "[" * 100_000 + "]" * 100_000
+    con = sqlite3.connect(tier.dir / "index" / "cache.db")
+    if where == "meta":
+        con.execute("UPDATE meta SET value=? WHERE key='meta'", (deep,))
+    else:
+        con.execute("UPDATE entries SET trimmable=0, checkpoints=?", (deep,))
+    con.commit()
+    con.close()
+    admin = CacheAdmin(tier.config)
+    assert [c.checked for c in admin.verify()] == [False] and admin.listings()[0].records is None
+    tier = cold_tier(tmp_path)
+    hit = tier.lookup(list(range(16)) + [1])
+    assert hit is not None and hit.serves == 16 and tier.load(hit) is not None
+    tier.close()
