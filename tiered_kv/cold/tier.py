@@ -129,8 +129,9 @@ class ColdTier:
 
     def _rebuild_soon(self) -> None:
         """Have the writer re-open the index, rebuilt from the files (once, however many
-        lookups found it damaged meanwhile)."""
-        if self.site.damaged:
+        lookups found it damaged meanwhile). Not on a read-only or full disk: nothing can be
+        rebuilt there, and each re-open would find the same row again."""
+        if self.site.damaged or not self.site.writable:
             return
         self.site.damaged = True
         self.writer.submit(self.site.ensure, 0, droppable=False)
