@@ -144,6 +144,7 @@ def _records(index: Index | None) -> list[Record] | None:
     if index is None:
         return None
     try:
+        index.check()  # a row a lookup or a load would find damaged
         return index.records()
     except sqlite3.Error:
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -64,3 +66,16 @@ def test_verify_fix_without_a_readable_index_moves_nothing(tmp_path):
     flip_byte(entry, -1)  # bad, maybe: without the index nothing is known well enough to move it
     [checked] = CacheAdmin(cfg).verify(fix=True)
     assert not checked.checked and checked.report.corrupt == [entry.name] and entry.exists()
+
+
+def test_verify_of_an_index_with_a_damaged_row_reports_it_unchecked(tmp_path):
+    """A row whose token ids are no whole int32s made ``cache verify`` die with numpy's
+    ValueError (a traceback); the index is damaged: nothing is moved, the CLI says unchecked."""
+    cfg = _one_entry(tmp_path)
+    with sqlite3.connect(tmp_path / FP / "index" / "cache.db") as con:
+        con.execute("UPDATE entries SET tokens=x'0000000001'")
+    con.close()
+    [entry] = (tmp_path / FP).glob("*.safetensors")
+    for fix in (False, True):
+        [checked] = CacheAdmin(cfg).verify(fix=fix)
+        assert not checked.checked and entry.exists()

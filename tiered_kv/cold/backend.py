@@ -32,12 +32,16 @@ straight into the arrays' memory). Keys are ``[0-9A-Za-z_-]{1,64}`` (entry ids),
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 import stat
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+import xxhash
 
 from tiered_kv.cold import encode, store
 
@@ -61,9 +65,37 @@ TMP_SUFFIX = ".tmp"
 
 
 def temp_path(path: Path, pid: int) -> Path:
-    """Where process ``pid`` writes ``path`` before publishing it: ``.<name>.<pid>.tmp`` beside
-    it (hidden: never an entry file; the pid tells :mod:`verify` whether its writer lives)."""
-    return path.with_name(f".{path.name}.{pid}{TMP_SUFFIX}")
+    """Where process ``pid`` (of this host and PID namespace) writes ``path`` before publishing
+    it: ``.<name>.<pid>-<where>.tmp`` beside it (hidden: never an entry file; the pid tells
+    :mod:`verify` whether its writer lives, ``<where>`` whether that pid means anything here)."""
+    return path.with_name(f".{path.name}.{pid}-{pid_space()}{TMP_SUFFIX}")
+
+
+@functools.cache
+def pid_space() -> str:
+    """12 hex digits naming where this process's pids mean something: this boot of this host
+    and its PID namespace. Two containers sharing a cache directory each have their own pid 1,
+    and neither sees the other's pids: a pid from elsewhere tells nothing of its writer."""
+    parts = [os.uname().nodename]
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text(),
+                 lambda: os.readlink("/proc/self/ns/pid")):  # fmt: skip
+        try:
+            parts.append(read().strip())
+        except OSError:
+            parts.append("")
+    return xxhash.xxh3_64_hexdigest("\0".join(parts).encode())[:12]
+
+
+#: temp files this process is writing now (paths): another tier of this process sharing the
+#: directory must not take them for a dead writer's (:func:`verify.stale_temp`)
+_writing: set[str] = set()  # names: unique (each holds its entry's key), however the dir is spelt
+_writing_lock = threading.Lock()
+
+
+def writing(path: Path) -> bool:
+    """Whether this process is writing the temp file ``path`` now (any of its tiers)."""
+    with _writing_lock:
+        return Path(path).name in _writing
 
 
 def is_temp(name: str) -> bool:
@@ -73,10 +105,14 @@ def is_temp(name: str) -> bool:
 
 def temp_writer(name: str) -> int | None:
     """The pid of the process that writes the temp file ``name`` (:func:`temp_path`); None
-    when ``name`` is not a temp file's or names no pid."""
+    when ``name`` is not a temp file's, names no pid, or a pid of another host or PID namespace
+    (:func:`pid_space`). A name without ``-<where>`` (written before it was added) is taken
+    for this one's."""
     if not is_temp(name):
         return None
-    pid = name.removesuffix(TMP_SUFFIX).rsplit(".", 1)[-1]
+    pid, _, where = name.removesuffix(TMP_SUFFIX).rsplit(".", 1)[-1].partition("-")
+    if where and where != pid_space():
+        return None
     return int(pid) if pid.isascii() and pid.isdigit() else None
 
 
@@ -96,7 +132,8 @@ class FileBackend:
     ``put`` writes a temp file in the same directory with large sequential writes, then the
     header over its reserved first bytes (one ``pwrite``), one fsync, ``os.replace`` into
     place, then fsyncs the directory; on any failure the temp file is removed. Nothing follows a symlink: files are
-    opened with ``O_NOFOLLOW`` and temp files created with ``O_EXCL``. Thread-safe (no state).
+    opened with ``O_NOFOLLOW`` and temp files created with ``O_EXCL``. Thread-safe (its one state:
+    the process's temp files in flight, :func:`writing`).
     """
 
     def __init__(self, directory: Path) -> None:
@@ -109,6 +146,15 @@ class FileBackend:
         path = self.path(key)
         tmp = temp_path(path, os.getpid())
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with _writing_lock:
+            _writing.add(tmp.name)
+        try:
+            return self._put(tmp, path, flags, entry)
+        finally:
+            with _writing_lock:
+                _writing.discard(tmp.name)
+
+    def _put(self, tmp: Path, path: Path, flags: int, entry: encode.Encoded) -> int:
         try:
             fd = os.open(tmp, flags, store.FILE_MODE)
         except FileExistsError:  # a leftover of ours (same pid, earlier failure): replace it

@@ -5,7 +5,8 @@ A cache dir or index that another user owns or can write to is refused (:func:`c
 whoever can write there could plant entries or an index. The index dir is made 0700 and
 ``cache.db`` 0600 before sqlite opens it, no symlink there is followed. Writers connect with WAL
 and ``synchronous=FULL``; readers by a ``mode=ro`` URI, or ``immutable=1`` on a read-only file
-system. :class:`Connections` is safe from any thread: each gets its own connection.
+system. :class:`Connections` is safe from any thread: each gets its own connection; an index replaced
+while others may still read it is released (:meth:`Connections.release`), never closed under them.
 """
 
 from __future__ import annotations
@@ -102,7 +103,23 @@ class Connections:
                 self._conns.append(conn)
         return conn
 
+    def release(self) -> None:
+        """Let go of every thread's connection, closing only this thread's: another thread's may
+        be in the middle of a query (closed under its step, sqlite crashed the process), and
+        is closed once that query lets go of it (its last reference). A later :meth:`get`
+        connects anew."""
+        mine = getattr(self._local, "conn", None)
+        with self._lock:
+            self._conns = []
+        self._local = threading.local()
+        if mine is not None:
+            try:
+                mine.close()
+            except sqlite3.Error:
+                pass
+
     def close(self) -> None:
+        """Close every thread's connection: only once no other thread reads (shutdown)."""
         with self._lock:
             conns, self._conns = self._conns, []
         for c in conns:

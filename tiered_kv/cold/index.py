@@ -115,7 +115,15 @@ class Index:
 
     def tokens(self, entry_id: str) -> np.ndarray | None:
         row = self._conn().execute("SELECT tokens FROM entries WHERE id=?", (entry_id,)).fetchone()
-        return None if row is None else np.frombuffer(row[0], dtype="<i4")
+        return None if row is None else rows.ids(row[0], entry_id)
+
+    def check(self) -> None:
+        """Read every row as a lookup and a load would; raises Damaged on a value no writer of
+        ours makes (the index is then rebuilt from the files)."""
+        q = f"SELECT {self._read}, tokens, {self._serving} FROM entries"
+        for row in self._conn().execute(q):
+            rec = rows.record(row[:7])
+            rows.stored(row[7:], rec.entry_id)
 
     def stored(self, entry_id: str) -> Stored | None:
         """The entry's ids and what it serves (one query), None when it is not indexed. Raises
@@ -258,8 +266,14 @@ class Index:
         self._meta = None
 
     def close(self) -> None:
-        """Close every thread's connection (a later call opens a new one)."""
+        """Close every thread's connection (a later call opens a new one). Only where no other
+        thread may be querying it: :meth:`release` where one may."""
         self._conns.close()
+
+    def release(self) -> None:
+        """Let go of an index that is being replaced: this thread's connection is closed, the
+        others' once their queries end (:meth:`Connections.release`)."""
+        self._conns.release()
 
     # -- helpers -----------------------------------------------------------------------------
     def _tx(self) -> Tx:

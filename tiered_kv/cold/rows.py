@@ -82,7 +82,8 @@ def record(row: Sequence) -> Record:
     """A record read back: the six :data:`schema.COLS`, then prompt_tokens. Raises Damaged."""
     eid, file, n_tokens, nbytes, created, last_used, prompt_tokens = row
     if not (isinstance(eid, str) and isinstance(file, str) and type(n_tokens) is int
-            and type(nbytes) is int and isinstance(created, (int, float))
+            and type(nbytes) is int and n_tokens >= 0 and nbytes >= 0  # sizes the budget sums
+            and isinstance(created, (int, float))
             and isinstance(last_used, (int, float))
             and (prompt_tokens is None or type(prompt_tokens) is int)):  # fmt: skip
         raise Damaged(f"index row of entry {str(eid)[:40]!r} is malformed")
@@ -92,10 +93,18 @@ def record(row: Sequence) -> Record:
 def stored(row: Sequence, entry_id: str) -> Stored:
     """An entry's ids and what it serves: tokens, trimmable, checkpoints. Raises Damaged."""
     raw, trimmable, points = row
-    if not isinstance(raw, bytes) or trimmable not in (None, 0, 1):
+    if trimmable not in (None, 0, 1):
         raise Damaged(f"index row of entry {entry_id[:40]!r} is malformed")
     ckpts = positions(points, entry_id) if trimmable is not None else ()
-    return Stored(np.frombuffer(raw, dtype="<i4"), None if trimmable is None else bool(trimmable), ckpts)
+    return Stored(ids(raw, entry_id), None if trimmable is None else bool(trimmable), ckpts)
+
+
+def ids(raw: object, entry_id: str) -> np.ndarray:
+    """The tokens column: int32 LE ids. A value that is no whole number of them (text, a blob of
+    an odd length) raises Damaged, not numpy's TypeError / ValueError."""
+    if not isinstance(raw, bytes) or len(raw) % 4:
+        raise Damaged(f"index row of entry {entry_id[:40]!r} has malformed token ids")
+    return np.frombuffer(raw, dtype="<i4")
 
 
 def positions(text: object, entry_id: str) -> tuple[int, ...]:
@@ -108,8 +117,9 @@ def positions(text: object, entry_id: str) -> tuple[int, ...]:
 
 
 def loads(text: str) -> object:
-    """JSON text's value, None when it is not JSON."""
+    """JSON text's value, None when it is not JSON (nested past Python's stack too: json raises
+    RecursionError there, which no caller expects of a damaged value)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None

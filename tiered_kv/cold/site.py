@@ -77,12 +77,12 @@ class Site:
             old, self.writable = self.index, False
             self.index = self._read_only() if self.dir.is_dir() else None
             if old is not None:
-                old.close()
+                old.release()  # the reader thread may be querying it now
             return
         old = self.index
         self.index, self.writable = self._open_index()
         if old is not None and old is not self.index:
-            old.close()
+            old.release()  # the reader thread may be querying it now
 
     def _open_index(self) -> tuple[Index | None, bool]:
         path = self.dir / "index"

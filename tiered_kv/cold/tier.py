@@ -42,7 +42,7 @@ from tiered_kv.cold.faults import Faults
 from tiered_kv.cold.index import Index
 from tiered_kv.cold.lookup import ColdHit, Finder
 from tiered_kv.cold.reader import Late, Reader
-from tiered_kv.cold.rows import Record
+from tiered_kv.cold.rows import Record, damaged
 from tiered_kv.cold.site import Site
 from tiered_kv.cold.verify import VerifyReport, verify_dir
 from tiered_kv.cold.writer import Writer
@@ -123,7 +123,18 @@ class ColdTier:
         except sqlite3.Error as e:
             self.faults.count("index_errors")
             self.faults.once("index_read", "cold index unreadable, treating as a miss: %s", e)
+            if damaged(e):  # rows no writer of ours made: rebuilt from the files (writer thread)
+                self._rebuild_soon()
         return default
+
+    def _rebuild_soon(self) -> None:
+        """Have the writer re-open the index, rebuilt from the files (once, however many
+        lookups found it damaged meanwhile). Not on a read-only or full disk: nothing can be
+        rebuilt there, and each re-open would find the same row again."""
+        if self.site.damaged or not self.site.writable:
+            return
+        self.site.damaged = True
+        self.writer.submit(self.site.ensure, 0, droppable=False)
 
     def load(self, hit: ColdHit) -> Loaded | None:
         """(caches holding the whole entry, entry token ids, checkpoints) or None (missing /

@@ -68,9 +68,10 @@ def pid_alive(pid: int) -> bool:
 def stale_temp(path: Path, now: float | None = None, mine_stale: bool = False) -> bool:
     """A temp file (:func:`backend.temp_path`) whose writer is dead, or older than the grace period.
     A live writer's fresh temp file — another process sharing the directory — is never stale.
-    ``mine_stale``: the caller knows none of this process's writes is in flight (at open, or the
-    writer thread between writes), so one named with this process's id is a dead one's — a
-    container's server restarts with the same pid (often 1)."""
+    ``mine_stale``: the caller's own writes are not in flight (at open, or the writer thread
+    between writes), so one named with this process's id is a dead one's — a container's server
+    restarts with the same pid (often 1) — unless another tier of this process sharing the
+    directory is writing it now (:func:`backend.writing`)."""
     try:
         age = (time.time() if now is None else now) - path.stat().st_mtime
     except FileNotFoundError:
@@ -80,8 +81,8 @@ def stale_temp(path: Path, now: float | None = None, mine_stale: bool = False) -
     pid = backend.temp_writer(path.name)
     if pid is None:
         return False  # not our naming: leave it to the grace period
-    if pid == os.getpid():
-        return mine_stale
+    if pid == os.getpid():  # another tier of this process may be writing it right now
+        return mine_stale and not backend.writing(path)
     return not pid_alive(pid)
 
 
@@ -136,6 +137,8 @@ def reconcile(
     sweep_temp(fp_dir)
     # records before files: a record's file is published before its commit, so one listed here
     # was there when the files are listed after (another process may commit between the two)
+    if not rebuild:
+        index.check()  # a row a lookup would find damaged (Damaged: the caller rebuilds)
     records = [] if rebuild else index.records()
     files = entry_files(fp_dir)
     if not rebuild:

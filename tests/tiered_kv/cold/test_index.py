@@ -204,6 +204,23 @@ def test_what_an_entry_serves_is_kept_and_not_known_for_older_rows(tmp_path):
     index.close()
 
 
+@pytest.mark.parametrize("ids", ["x'0000000001'", "'text'"])
+def test_token_ids_that_are_no_whole_int32s_are_damaged_not_a_numpy_error(tmp_path, ids):
+    """A tokens column of text or of a length that is no multiple of 4 escaped a lookup (and
+    ``cache verify``) as numpy's ValueError / TypeError instead of Damaged; ``check`` finds it."""
+    index = Index(tmp_path / "index")
+    blocks = tuple(keys.block_hashes(list(range(8)), 4, "s:4"))
+    index.add(Record("e", "e.safetensors", 8, 1, 2, 2, blocks, None, None, True), b"\0" * 32)
+    index.check()
+    with sqlite3.connect(tmp_path / "index" / "cache.db") as con:
+        con.execute(f"UPDATE entries SET tokens={ids}")
+    con.close()
+    for read in (lambda: index.tokens("e"), lambda: index.stored("e"), index.check):
+        with pytest.raises(Damaged, match="token ids"):
+            read()
+    index.close()
+
+
 def test_candidates_skip_excluded_entries_for_the_next_newest_holder(tmp_path):
     index = Index(tmp_path / "index")
     toks = list(range(100, 116))

@@ -46,6 +46,7 @@ def test_what_an_entry_serves_is_not_known_without_trimmable():
 @pytest.mark.parametrize("row", [
     (1, "f", 8, 1, 1.0, 1.0, None), ("e", "f", "8", 1, 1.0, 1.0, None),
     ("e", "f", 8, 1, "now", 1.0, None), ("e", "f", 8, 1, 1.0, 1.0, 2.5),
+    ("e", "f", 8, -1, 1.0, 1.0, None), ("e", "f", -8, 1, 1.0, 1.0, None),
 ])  # fmt: skip
 def test_a_record_row_of_the_wrong_types_is_damaged(row):
     with pytest.raises(Damaged, match="malformed"):
@@ -54,7 +55,7 @@ def test_a_record_row_of_the_wrong_types_is_damaged(row):
 
 @pytest.mark.parametrize("row", [
     ("ids", 1, "[]"), (b"", 2, "[]"), (b"", 1, "[-1]"), (b"", 0, "[1.5]"), (b"", 1, "{}"),
-    (b"", 1, "not json"), (b"", 1, None),
+    (b"", 1, "not json"), (b"", 1, None), (b"\0" * 5, 1, "[]"), (b"\0" * 6, None, None),
 ])  # fmt: skip
 def test_a_stored_row_no_writer_makes_is_damaged(row):
     with pytest.raises(Damaged):
@@ -66,3 +67,13 @@ def test_damaged_means_a_broken_index_not_a_busy_one():
     assert rows.damaged(Damaged("malformed"))
     assert not rows.damaged(sqlite3.OperationalError("database is locked"))
     assert rows.positions("[0, 8]", "e") == (0, 8)  # 0 too: the header check accepts it
+
+
+def test_json_nested_past_the_stack_is_not_json():
+    """A checkpoints or meta value of JSON nested 100 000 deep raised RecursionError out of
+    ``loads``: past every ``sqlite3.Error`` handler, out of a lookup, the tier's open (it failed
+    to start) and every ``cache`` command. It is no JSON: the row is Damaged, the meta unknown."""
+    deep = "[" * 100_000 + "]" * 100_000
+    assert rows.loads(deep) is None
+    with pytest.raises(Damaged):
+        rows.stored((b"", 0, deep), "e")

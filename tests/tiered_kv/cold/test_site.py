@@ -251,3 +251,89 @@ def test_an_index_row_of_the_wrong_kind_is_a_damaged_index(tmp_path):
     assert tier.stats()["spills"] == 1 and tier.stats()["entries"] == 2
     assert tier.load(tier.lookup(list(range(8)))) is not None
     tier.close()
+
+
+@pytest.mark.parametrize("when", ["at-open", "while-serving"])
+def test_a_row_damaged_where_only_a_lookup_reads_it_is_rebuilt(tmp_path, when):
+    """A row whose ``checkpoints`` / ``trimmable`` / ``tokens`` no writer of ours makes: every
+    lookup reaching it missed (counted as an index error) and nothing ever repaired it — the
+    open only read the record columns, the write path never reads those. Now the open checks
+    every row, and a lookup that finds one damaged has the writer rebuild the index."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(16), [kv_cache(16)])
+    if when == "at-open":
+        tier.close()
+    con = sqlite3.connect(tmp_path / tier.fingerprint / "index" / "cache.db")
+    con.execute("UPDATE entries SET checkpoints='garbage', trimmable=2")
+    con.commit()
+    con.close()
+    if when == "at-open":
+        tier = cold_tier(tmp_path)
+    else:
+        assert tier.lookup(list(range(14)) + [99]) is None  # this one misses
+        assert tier.flush(30)
+    hit = tier.lookup(list(range(14)) + [99])
+    assert hit is not None and hit.serves == 14 and tier.load(hit) is not None
+    tier.close()
+
+
+def test_a_reopen_never_closes_a_connection_another_thread_is_reading_on(tmp_path):
+    """A re-open (an index rebuilt while serving, a directory re-created, a degraded tier's
+    retry) closed every thread's connection of the index it replaced — the reader thread's too,
+    in the middle of a lookup's query: the lookup failed, or, when the close fell inside the
+    query's step, the process died (SIGSEGV; 15 s of lookups beside re-opens did it). The old
+    index lets go of the other threads' connections; each closes when its query is done."""
+    import threading
+
+    tier = cold_tier(tmp_path)
+    for i in range(3):
+        tier.persist(np.arange(8) + 100 * i, [kv_cache(8)])
+    old = tier.site.index
+    assert old is not None
+    started, reopened = threading.Event(), threading.Event()
+    got: list = []
+
+    def read() -> None:
+        cur = old._conn().execute("SELECT id FROM entries")
+        got.append(cur.fetchone())
+        started.set()
+        reopened.wait(30)
+        try:
+            got.extend(cur.fetchall())
+        except sqlite3.Error as e:
+            got.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    started.wait(30)
+    tier.writer.run_sync(tier.site.open, 30)  # as ensure() does
+    reopened.set()
+    reader.join(30)
+    assert tier.site.index is not old
+    assert len(got) == 3 and all(isinstance(r, tuple) for r in got), got
+    tier.close()
+
+
+@pytest.mark.parametrize("where", ["checkpoints", "meta"])
+def test_an_index_value_nested_past_the_stack_is_a_damaged_index(tmp_path, where):
+    """JSON nested 100 000 deep in a row's checkpoints or in the index meta: RecursionError
+    escaped the open (the tier did not start) and the ``cache`` commands (tracebacks)."""
+    from tiered_kv.admin import CacheAdmin
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(16), [kv_cache(16)])
+    tier.close()
+    deep = "[" * 100_000 + "]" * 100_000
+    con = sqlite3.connect(tier.dir / "index" / "cache.db")
+    if where == "meta":
+        con.execute("UPDATE meta SET value=? WHERE key='meta'", (deep,))
+    else:
+        con.execute("UPDATE entries SET trimmable=0, checkpoints=?", (deep,))
+    con.commit()
+    con.close()
+    admin = CacheAdmin(tier.config)
+    assert [c.checked for c in admin.verify()] == [False] and admin.listings()[0].records is None
+    tier = cold_tier(tmp_path)
+    hit = tier.lookup(list(range(16)) + [1])
+    assert hit is not None and hit.serves == 16 and tier.load(hit) is not None
+    tier.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.fixtures import cold_tier, dead_pid, flip_byte, kv_cache
 
@@ -119,3 +120,64 @@ def test_a_dead_writers_temp_file_named_with_our_pid_is_swept(tmp_path):
     tier.persist(np.arange(8) + 50, [kv_cache(8)])
     assert not planted.exists() and tier.stats()["spills"] == 1
     tier.close()
+
+
+def test_another_tier_of_this_process_keeps_a_temp_file_being_written(tmp_path):
+    """Two tiers of one process on one directory (a re-open before the old tier's last write
+    ended, a library user with two caches): each took the other's temp file in flight, named
+    with the same pid, for a dead writer's and swept it at its open or before its writes — the
+    other's publish then failed (ENOENT) and the entry was lost (half the writes of two busy
+    tiers). A temp file this process is writing now is never stale."""
+    from tiered_kv.cold import encode
+    from tiered_kv.cold.backend import FileBackend
+
+    cold_tier(tmp_path).close()
+    fp_dir = next(p for p in tmp_path.iterdir() if p.name != "quarantine")
+    opened = []
+
+    def pieces():
+        yield memoryview(b"x" * 64)
+        other = cold_tier(tmp_path)  # its open sweeps the stale temp files
+        other.persist(np.arange(8), [kv_cache(8)])  # and so does each of its writes
+        opened.append(other.stats()["spills"])
+        other.close()
+        yield memoryview(b"y" * 64)
+
+    FileBackend(fp_dir).put("k" * 32, encode.Encoded(pieces(), 128))
+    assert opened == [1] and (fp_dir / f"{'k' * 32}.safetensors").stat().st_size == 128
+
+
+def test_a_writer_in_another_pid_namespace_keeps_its_temp_file(tmp_path):
+    """Two servers in two containers (two PID namespaces) sharing one cache directory: each took
+    the other's temp file in flight for a dead writer's — its pid does not exist, or is its own
+    pid 1 — and swept it, so about half the writes of two busy servers failed (ENOENT at the
+    publish). A temp name now says where its pid means something; elsewhere only its age does."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiered_kv.cold import encode
+    from tiered_kv.cold.backend import FileBackend
+
+    if shutil.which("unshare") is None or subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True
+    ).returncode:
+        pytest.skip("needs unshare --pid (root, or a user namespace)")
+    cold_tier(tmp_path).close()
+    fp_dir = next(p for p in tmp_path.iterdir() if p.name != "quarantine")
+    script = ("from pathlib import Path; from tests.fixtures import cold_tier;"
+              f"cold_tier(Path({str(tmp_path)!r})).close()")  # fmt: skip
+    swept = []
+
+    def pieces():
+        yield memoryview(b"x" * 64)
+        out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                              script], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).parents[3])  # fmt: skip
+        swept.append((out.returncode, out.stderr[-2000:]))
+        yield memoryview(b"y" * 64)
+
+    FileBackend(fp_dir).put("k" * 32, encode.Encoded(pieces(), 128))
+    assert swept[0][0] == 0, swept
+    assert (fp_dir / f"{'k' * 32}.safetensors").stat().st_size == 128
