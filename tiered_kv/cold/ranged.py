@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import functools
 import mmap
 import os
@@ -426,7 +427,8 @@ def prefault(view: memoryview) -> None:
     4 KiB inside the copy (a reload into memory freshly allocated for it, as every reload after
     a restart is). On the 2-core VM a warm 1 GB reload went from 0.281 s to 0.246 s
     (``bench.sizes --shape bench --gb 1``); the pages are the ones the read writes anyway.
-    Linux only; a kernel that refuses it (older than 5.14: EINVAL) is not asked again."""
+    Linux only; a kernel that does not know it (older than 5.14: EINVAL) is not asked again;
+    any other failure (ENOMEM, EFAULT) leaves this piece to fault as it is written."""
     if not _prefault["on"] or len(view) < PREFAULT_MIN:
         return
     libc = _libc()
@@ -436,7 +438,8 @@ def prefault(view: memoryview) -> None:
     page = mmap.PAGESIZE
     lo, hi = -(-addr // page) * page, (addr + len(view)) // page * page
     if hi > lo and libc.madvise(ctypes.c_void_p(lo), hi - lo, _MADV_POPULATE_WRITE) != 0:
-        _prefault["on"] = False
+        if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):
+            _prefault["on"] = False
 
 
 @functools.cache

@@ -6,6 +6,7 @@ outside the range is never read, no symlink is followed."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -499,4 +500,20 @@ def test_prefault_makes_fresh_memory_resident_before_the_read():
     ranged.prefault(memoryview(big))
     ranged.prefault(memoryview(small))
     assert resident(big) == len(big) // page and resident(small) == 0
+    assert ranged._prefault["on"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefault_that_fails_for_its_memory_stays_on_for_the_next():
+    """Only a kernel without MADV_POPULATE_WRITE turns it off for good: a range it fails on
+    (ENOMEM: here, memory no longer mapped) costs that piece its prefault, no more."""
+    libc = ranged._libc()
+    assert libc is not None
+    n = 4 << 20
+    addr = libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)  # fmt: skip
+    assert libc.munmap(ctypes.c_void_p(addr), n) == 0
+    gone = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+    ranged.prefault(gone)
+    assert ctypes.get_errno() == errno.ENOMEM
     assert ranged._prefault["on"]
