@@ -48,10 +48,13 @@ class Reader:
             raise value
         return value
 
-    def close(self) -> None:
+    def close(self, wait: float = 0.0) -> bool:
+        """Take no further call; True when no call is running (waited for up to ``wait``
+        seconds), False while one still is (stuck on a stalled disk, say)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            return self._cond.wait_for(lambda: not self._busy, wait)
 
     def _run(self) -> None:
         while True:

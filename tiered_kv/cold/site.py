@@ -186,6 +186,10 @@ class Site:
     def block_hashes(self, tokens: object) -> list[keys.BlockHash]:
         return keys.block_hashes(tokens, self.block_tokens, self.seed)  # type: ignore[arg-type]
 
-    def close(self) -> None:
+    def close(self, others_done: bool = True) -> None:
+        """Close the index; where another thread may still be in a query on it (``others_done``
+        false: the reader stuck in a late lookup, the writer in its last transaction when the
+        shutdown's time ran out) let go of it instead (:meth:`Index.release`, as a re-open
+        does): closing their connections under them failed that query or crashed the process."""
         if self.index is not None:
-            self.index.close()
+            self.index.close() if others_done else self.index.release()

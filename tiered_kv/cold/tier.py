@@ -51,6 +51,9 @@ from tiered_kv.config import Config
 from tiered_kv.steps import Steps, drain
 
 _MIN_RATE = 50e6  # bytes/s below which a write-through wait gives up (the write goes on)
+#: at shutdown, how long a running lookup (an index query, a header read) is waited for before
+#: the index is let go of rather than closed under it
+_READER_WAIT = 2.0
 
 
 class Loaded(NamedTuple):
@@ -423,8 +426,8 @@ class ColdTier:
             except (RuntimeError, TimeoutError):
                 pass
         self.writer.close(0 if not done else None)
-        self.reader.close()
-        self.site.close()
+        idle = self.reader.close(_READER_WAIT)
+        self.site.close(others_done=done and idle)
         return done
 
 

@@ -8,6 +8,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -337,3 +338,43 @@ def test_an_index_value_nested_past_the_stack_is_a_damaged_index(tmp_path, where
     hit = tier.lookup(list(range(16)) + [1])
     assert hit is not None and hit.serves == 16 and tier.load(hit) is not None
     tier.close()
+
+
+def test_closing_the_tier_never_closes_a_connection_its_reader_is_querying_on(tmp_path, monkeypatch):
+    """The shutdown closed every thread's connection, the reader thread's too while a late
+    lookup (a stalled disk past its deadline) was still in its query: the query failed, or the
+    process crashed, as a re-open did. A tier closed while its reader is busy lets go of the
+    index instead; the query finishes."""
+    import threading
+
+    from tiered_kv.cold import tier as tier_mod
+    from tiered_kv.cold.reader import Late
+
+    tier = cold_tier(tmp_path)
+    for i in range(3):
+        tier.persist(np.arange(8) + 100 * i, [kv_cache(8)])
+    index = tier.site.index
+    assert index is not None
+    started, closed = threading.Event(), threading.Event()
+    got: list = []
+
+    def late_lookup() -> None:
+        cur = index._conn().execute("SELECT id FROM entries")
+        got.append(cur.fetchone())
+        started.set()
+        closed.wait(30)
+        try:
+            got.extend(cur.fetchall())
+        except sqlite3.Error as e:
+            got.append(e)
+
+    with pytest.raises(Late):
+        tier.reader.call(late_lookup, 0.01)
+    started.wait(30)
+    monkeypatch.setattr(tier_mod, "_READER_WAIT", 0.05, raising=False)  # it is stuck: no use waiting
+    tier.close()
+    closed.set()
+    deadline = time.monotonic() + 30
+    while len(got) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(got) == 3 and all(isinstance(r, tuple) for r in got), got
