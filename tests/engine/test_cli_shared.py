@@ -117,3 +117,20 @@ def test_an_oversized_index_value_is_damaged_not_read_whole(tmp_path, capsys, re
         sent = int(r.info("stats")["total_net_output_bytes"]) - before
         assert sent < 1 << 20, (cmd, sent)
     assert rc == 1 and f"corrupt: {eid}" in out and "fpA: 1 ok (shared)" in out
+
+
+def test_verify_fix_on_a_redis_that_refuses_scripts_unlinks_nothing(tmp_path, capsys, redis_server):
+    """The survey reads each entry's fields through the lookup's bounded script: a Redis (an ACL
+    user without @scripting, a proxy) that refuses it answered every entry with an error, which
+    the survey took for an index key of another type — every entry reported corrupt, and
+    ``verify --fix`` unlinked the index of every one. A refusal is the tier unreadable, a 2."""
+    _publish_two(tmp_path, redis_server.url)
+    r = redis_server.client()
+    before = sorted(r.keys("*"))
+    r.acl_setuser("default", enabled=True, nopass=True, keys=["*"], channels=["*"],
+                  commands=["+@all", "-@scripting"])  # fmt: skip
+    rc, out = _run(capsys, tmp_path, redis_server.url, "verify", "--fix")
+    assert rc == 2 and "corrupt" not in out, out
+    assert sorted(r.keys("*")) == before
+    rc, out = _run(capsys, tmp_path, redis_server.url, "stats")
+    assert rc == 2 and "fpA" not in out, out

@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import redis
 
+from tiered_kv.shared import reads
+
 T = TypeVar("T")
 
 _BACKOFF_MIN, _BACKOFF_MAX = 1.0, 30.0
@@ -89,13 +91,12 @@ class Health:
 
     def refused(self, what: str, replies: Sequence[Any]) -> None:
         """Count and log (once) a pipeline's replies Redis refused for another reason than a key
-        of another type (another writer's data, skipped): e.g. a server or proxy that runs no
-        scripts, where every lookup would otherwise be a silent miss."""
-        for r in replies:
-            if isinstance(r, redis.exceptions.RedisError) and not str(r).startswith("WRONGTYPE"):
-                self.count("errors")
-                self.once(f"refused:{what}", "shared tier %s: Redis refused a read: %s", what, r)
-                return
+        of another type (:func:`reads.refusal`): e.g. a server or proxy that runs no scripts,
+        where every lookup would otherwise be a silent miss."""
+        r = reads.refusal(replies)
+        if r is not None:
+            self.count("errors")
+            self.once(f"refused:{what}", "shared tier %s: Redis refused a read: %s", what, r)
 
     def once(self, kind: str, msg: str, *args: object) -> None:
         with self.lock:

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from tiered_kv.declared import Serving
 
 EID_LEN = 32
@@ -112,6 +114,17 @@ def serving_of(meta: Sequence[bytes | None]) -> Serving | None:
     if not all(p.isdigit() and p.isascii() and len(p) <= 18 for p in parts):
         return None
     return Serving(trim == b"1", tuple(sorted(int(p) for p in parts)))
+
+
+def refusal(replies: Sequence[Any]) -> redis.exceptions.RedisError | None:
+    """The first of a pipeline's replies that Redis refused for another reason than a key of
+    another type (WRONGTYPE: another writer's data, read as nothing): e.g. a server, proxy or
+    ACL user that runs no scripts. None where there is none. Such a reply says nothing of the
+    key: a reader must not take it for a damaged value."""
+    for r in replies:
+        if isinstance(r, redis.exceptions.RedisError) and not str(r).startswith("WRONGTYPE"):
+            return r
+    return None
 
 
 def queue_eid(pipe: Any, key: str) -> None:

@@ -5,7 +5,9 @@ while we look). ``verify`` fetches every entry's chunks and runs the entry forma
 ``fix`` it unlinks corrupt and incomplete entries and orphan chunks idle for ten minutes (a
 publish that died between its chunks and its index; a running one's are fresh). Keys of the
 layout holding what no publisher writes (another type, a time no clock gives) are corrupt, never
-a reason to stop. Every index value is read within its bound by the lookup's own readers
+a reason to stop; a read Redis refuses (an ACL user or proxy that runs no scripts) says nothing
+of the entries and stops the survey (``SharedUnreachable``: nothing is reported or unlinked as
+corrupt). Every index value is read within its bound by the lookup's own readers
 (:mod:`reads`), each chunk into its place at its length (:mod:`bulk`): a value another writer set
 to 512 MB makes its entry corrupt, and is never read whole. Bytes only, one thread.
 """
@@ -69,6 +71,9 @@ def _survey(client: redis.Redis) -> tuple[list[EntryInfo], list[tuple[str, str]]
         reads.queue_fields(pipe, f"tkv:{fp}:e:{eid}", _BOUNDS)
     out, bad = [], []
     replies = pipe.execute(raise_on_error=False) if found else []
+    refused = reads.refusal(replies)
+    if refused is not None:  # says nothing of the entries (no scripts here): none is corrupt
+        raise refused
     for (fp, eid), reply in zip(found, replies, strict=True):
         got = reads.fields_of(reply, _BOUNDS)  # None: not a hash
         info = _info(fp, eid, got.values) if got is not None and not got.oversized else None
