@@ -387,6 +387,7 @@ def test_read_tensors_reads_every_tensor_whole_and_verified(tmp_path, through):
         assert up.bytes == h.data_len and up.waits == [len(up.copies)]
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise (macOS)")
 def test_a_whole_file_read_keeps_the_kernels_readahead(tmp_path, monkeypatch):
     """Readers going through whole tensors in file order read a cold file faster with the
     kernel's readahead (1 GB: 2.35 GB/s against 1.79 without it): only a range's spans turn it
