@@ -118,7 +118,7 @@ class Header:
     def _sums(self) -> dict[str, str]:
         try:
             sums = json.loads(self.metadata["xxh3"])
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, RecursionError) as e:  # nested past Python's stack
             raise CorruptEntry(f"bad checksum table: {e!r}") from None
         if not isinstance(sums, dict):
             raise CorruptEntry("bad checksum table")
@@ -209,7 +209,7 @@ def _token_major(tensors: dict[str, Any], meta: dict[str, str]) -> frozenset[str
     try:
         names = json.loads(meta["token_major"])
         n_tokens = int(meta["n_tokens"])
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, RecursionError) as e:  # nested past Python's stack
         raise CorruptEntry(f"bad token_major list: {e!r}") from None
     if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
         raise CorruptEntry("bad token_major list")

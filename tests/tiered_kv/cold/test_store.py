@@ -64,6 +64,25 @@ def test_a_bad_token_major_list_is_corrupt(bad):
         store.parse_buffer(memoryview(struct.pack("<Q", len(new)) + new + raw[8 + n :]))
 
 
+@pytest.mark.parametrize("field", ["token_major", "xxh3"])
+def test_a_metadata_list_nested_past_the_stack_is_corrupt(field):
+    """A re-signed header (its checksum is public) whose ``token_major`` list or ``xxh3`` table
+    is JSON nested 100 000 deep: json raised RecursionError, which the parse did not catch for
+    these two (it did for the header itself) — out of every reader of the entry (a 500 on a
+    load, a shared fetch). It is a corrupt entry."""
+    import json
+
+    job = codec.prepare(np.arange(32, dtype=np.int32), [big_kv(32)], None, "fp")
+    raw = encode.encode(job.tokens, job.tensors, job.metadata).join()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8 : 8 + n])
+    meta = head.pop("__metadata__")
+    meta[field] = "[" * 100_000 + "]" * 100_000
+    new = store.header_bytes(head, meta)
+    with pytest.raises(store.CorruptEntry):
+        store.parse_buffer(memoryview(struct.pack("<Q", len(new)) + new + raw[8 + n :]))
+
+
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_a_flipped_byte_in_any_chunk_of_a_large_file_is_a_miss(tmp_path, where):
     tier = ColdTier(tmp_path, "fp", Config(cache_dir=tmp_path, block_tokens=256))
