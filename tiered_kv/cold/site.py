@@ -53,7 +53,7 @@ class Site:
         self.index: Index | None = None
         self.writable = False
         self._tried = 0.0
-        self.damaged = False  # set by the write path: the index is no database any more
+        self.damaged = False  # set by a write or a lookup that found the index damaged
         self.open()
 
     @property
@@ -169,10 +169,10 @@ class Site:
         """Before a write: re-create a vanished directory (fresh index rebuilt from what files
         remain), rebuild an index found damaged, or retry a degraded open (at most every 30 s).
         The index to write to, or None."""
-        if self.damaged:  # the write path found the index damaged while serving
+        if self.damaged:  # a write or a lookup found the index damaged while serving
             self.damaged = False
             self.faults.count("index_errors")
-            self.open()  # its database unreadable: rebuilt aside from the files
+            self.open()  # its database or a row unreadable: rebuilt aside from the files
         elif self.index is not None and self.writable:
             if (self.dir / "index" / DB).exists():
                 return self.index
