@@ -70,4 +70,5 @@ class Reader:
                 box[:] = [False, e]
             with self._cond:
                 self._busy = False
+                self._cond.notify_all()  # a close() waiting for this call
             done.set()

@@ -79,3 +79,19 @@ def test_a_stalled_writer_does_not_block_lookups_or_loads(tmp_path: Path):
     assert hit is not None and tier.load(hit) is not None  # touch queued, never waited for
     gate.set()
     tier.close()
+
+
+def test_close_returns_once_the_running_call_ends_not_at_its_wait():
+    """``close(wait)`` waits for a running call (the shutdown lets go of the index rather than
+    close it under a query still running); the reader never told it the call had ended, so the
+    close slept its whole ``wait`` (2 s of every shutdown that found a lookup running)."""
+    release = threading.Event()
+    r = Reader()
+    with pytest.raises(Late):
+        r.call(lambda: release.wait(30), 0.01)
+    got: list[bool] = []
+    closer = threading.Thread(target=lambda: got.append(r.close(600)), daemon=True)
+    closer.start()
+    release.set()
+    closer.join(60)
+    assert not closer.is_alive() and got == [True]
