@@ -118,11 +118,12 @@ def serving_of(meta: Sequence[bytes | None]) -> Serving | None:
 
 def refusal(replies: Sequence[Any]) -> redis.exceptions.RedisError | None:
     """The first of a pipeline's replies that Redis refused for another reason than a key of
-    another type (WRONGTYPE: another writer's data, read as nothing): e.g. a server, proxy or
-    ACL user that runs no scripts. None where there is none. Such a reply says nothing of the
-    key: a reader must not take it for a damaged value."""
+    another type (WRONGTYPE: another writer's data, read as nothing; Redis 6 wraps it in the
+    script's error, "Error running script (…): @user_script:4: WRONGTYPE …"): e.g. a server,
+    proxy or ACL user that runs no scripts. None where there is none. Such a reply says nothing
+    of the key: a reader must not take it for a damaged value."""
     for r in replies:
-        if isinstance(r, redis.exceptions.RedisError) and not str(r).startswith("WRONGTYPE"):
+        if isinstance(r, redis.exceptions.RedisError) and "WRONGTYPE" not in str(r):
             return r
     return None
 

@@ -71,3 +71,21 @@ def test_fields_are_read_on_a_full_redis_under_noeviction(redis_server):
         c.config_set("maxmemory", "0")
     assert got is not None and got.values[0] == b"64" and got.values[4:] == (b"0", b"-")
     assert not reads._FIELDS_SCRIPT.lstrip().startswith("#!")
+
+
+def test_a_key_of_another_type_is_no_refusal_in_redis_6s_words_either(redis_server):
+    """A key of another type fails the fields script with WRONGTYPE: Redis 7 replies with the
+    command's error as it is, Redis 6 (Ubuntu 22.04, Debian 11) wraps it ("Error running script
+    (call to f_…): @user_script:4: WRONGTYPE …", before redis/redis#10329). Read as a refusal,
+    it failed the whole survey (``cache verify`` "unreachable") where one entry is corrupt."""
+    c = redis_server.client()
+    c.set("e", b"x")
+    pipe = c.pipeline(transaction=False)
+    reads.queue_fields(pipe, "e", BOUNDS)
+    pipe.eval("return redis.call('NOSUCHCOMMAND')", 0)
+    own, refused = pipe.execute(raise_on_error=False)
+    six = redis.exceptions.ResponseError(
+        "Error running script (call to f_d71973d91533e6adc81062d4da1d15aa24bb3ebc): "
+        "@user_script:4: WRONGTYPE Operation against a key holding the wrong kind of value")
+    assert reads.refusal([own]) is None and reads.refusal([six]) is None
+    assert reads.refusal([own, six, refused]) is refused
