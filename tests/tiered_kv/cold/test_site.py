@@ -371,7 +371,7 @@ def test_closing_the_tier_never_closes_a_connection_its_reader_is_querying_on(tm
     with pytest.raises(Late):
         tier.reader.call(late_lookup, 0.01)
     started.wait(30)
-    monkeypatch.setattr(tier_mod, "_READER_WAIT", 0.05, raising=False)  # it is stuck: no use waiting
+    monkeypatch.setattr(tier_mod, "_READER_WAIT", 0.05)  # it is stuck: no use waiting
     tier.close()
     closed.set()
     deadline = time.monotonic() + 30
