@@ -17,7 +17,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -32,8 +32,10 @@ from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.memory import MemoryProbe
 from tiered_kv.opening import open_cache
-from tiered_kv.shared.redis_tier import SharedTier
 from tiered_kv.tiered import HitInfo, Lease, TieredCache
+
+if TYPE_CHECKING:
+    from tiered_kv.shared.redis_tier import SharedTier
 
 # --- a tiny llama, built in memory (no tokenizer) -------------------------------------------------
 
@@ -481,4 +483,6 @@ def toy_ids(seed: int, n: int) -> list[int]:
 
 
 def toy_tier(url: str, fp: str = "fp-a", chunk: int = 1000, timeout: float = 0.5) -> SharedTier:
+    from tiered_kv.shared.redis_tier import SharedTier  # redis only where the shared tests run
+
     return SharedTier(url, fp, SHARED_BLOCK, toy_check, timeout=timeout, chunk_bytes=chunk)
