@@ -336,6 +336,19 @@ def entry_file(tier: ColdTier) -> Path:
     return path
 
 
+def damage_index(tier: ColdTier, sql: str, *params: object) -> None:
+    """Run ``sql`` (an UPDATE no writer of ours makes) on ``tier``'s index file with a plain
+    sqlite connection of its own, committed: sqlite's columns take any type."""
+    import sqlite3
+
+    con = sqlite3.connect(tier.dir / "index" / "cache.db")
+    try:
+        con.execute(sql, params)
+        con.commit()
+    finally:
+        con.close()
+
+
 def rewrite_meta(path: Path, **changes: str) -> None:
     """Re-sign a file with changed metadata (a well-formed foreign file)."""
     raw = path.read_bytes()

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from tests.fixtures import BLOCK, cold_tier, kv_cache
+from tests.fixtures import BLOCK, cold_tier, damage_index, kv_cache
 
 
 def test_budget_evicts_least_recently_used(tmp_path):
@@ -70,15 +70,10 @@ def test_a_row_of_negative_bytes_does_not_lift_the_budget(tmp_path):
     """A damaged row whose ``nbytes`` is negative was summed into the budget's usage as it is:
     with it the tier held 10 MB under a 3 MB budget, never evicting, and ``stats`` reported
     negative bytes. It is a damaged index now: rebuilt from the files at the open."""
-    import sqlite3
-
     tier = cold_tier(tmp_path, disk_bytes=3_000_000, disk_free_floor=0)
     tier.persist(np.arange(16), [kv_cache(16)])
     tier.close()
-    con = sqlite3.connect(tier.dir / "index" / "cache.db")
-    con.execute("UPDATE entries SET nbytes=-1000000000000")
-    con.commit()
-    con.close()
+    damage_index(tier, "UPDATE entries SET nbytes=-1000000000000")
     tier = cold_tier(tmp_path, disk_bytes=3_000_000, disk_free_floor=0)
     for i in range(1, 40):
         tier.persist(np.arange(64) + 1000 * i, [kv_cache(64, 512)])

@@ -8,7 +8,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
-from tests.fixtures import cold_tier, entry_file, kv_cache, rewrite_meta
+from tests.fixtures import cold_tier, damage_index, entry_file, kv_cache, rewrite_meta
 from tiered_kv.cold import index as index_mod
 from tiered_kv.cold import site as site_mod
 from tiered_kv.cold.tier import ColdTier
@@ -238,15 +237,10 @@ def test_an_index_row_of_the_wrong_kind_is_a_damaged_index(tmp_path):
     """sqlite's columns take any type: a row whose ``nbytes`` is text made every later spill fail
     with a traceback (not even counted), write-through raise into its caller and `cache ls`
     crash. Now it is a damaged index: rebuilt from the files, and writes go on."""
-    import sqlite3
-
     tier = cold_tier(tmp_path)
     tier.persist(np.arange(8), [kv_cache(8)])
     tier.close()
-    con = sqlite3.connect(tier.dir / "index" / "cache.db")
-    con.execute("UPDATE entries SET nbytes='12 MB'")
-    con.commit()
-    con.close()
+    damage_index(tier, "UPDATE entries SET nbytes='12 MB'")
     tier = cold_tier(tmp_path)
     tier.persist(np.arange(8) + 50, [kv_cache(8)])
     assert tier.stats()["spills"] == 1 and tier.stats()["entries"] == 2
@@ -264,10 +258,7 @@ def test_a_row_damaged_where_only_a_lookup_reads_it_is_rebuilt(tmp_path, when):
     tier.persist(np.arange(16), [kv_cache(16)])
     if when == "at-open":
         tier.close()
-    con = sqlite3.connect(tmp_path / tier.fingerprint / "index" / "cache.db")
-    con.execute("UPDATE entries SET checkpoints='garbage', trimmable=2")
-    con.commit()
-    con.close()
+    damage_index(tier, "UPDATE entries SET checkpoints='garbage', trimmable=2")
     if when == "at-open":
         tier = cold_tier(tmp_path)
     else:
@@ -286,33 +277,46 @@ def test_a_reopen_never_closes_a_connection_another_thread_is_reading_on(tmp_pat
     index lets go of the other threads' connections; each closes when its query is done."""
     import threading
 
+    tier, old, q = _three_entries_and_a_query(tmp_path)
+    reader = threading.Thread(target=q.run)
+    reader.start()
+    q.started.wait(30)
+    tier.writer.run_sync(tier.site.open, 30)  # as ensure() does
+    q.resume.set()
+    reader.join(30)
+    assert tier.site.index is not old
+    assert len(q.got) == 3 and all(isinstance(r, tuple) for r in q.got), q.got
+    tier.close()
+
+
+class _PausedQuery:
+    """A query on ``index`` that reads one row, then waits for ``resume`` before it reads the
+    rest: ``got`` holds the rows, or the error the rest raised."""
+
+    def __init__(self, index: index_mod.Index) -> None:
+        import threading
+
+        self.index, self.started, self.resume = index, threading.Event(), threading.Event()
+        self.got: list = []
+
+    def run(self) -> None:
+        cur = self.index._conn().execute("SELECT id FROM entries")
+        self.got.append(cur.fetchone())
+        self.started.set()
+        self.resume.wait(30)
+        try:
+            self.got.extend(cur.fetchall())
+        except sqlite3.Error as e:
+            self.got.append(e)
+
+
+def _three_entries_and_a_query(tmp_path: Path) -> tuple[ColdTier, index_mod.Index, _PausedQuery]:
     tier = cold_tier(tmp_path)
     for i in range(3):
         tier.persist(np.arange(8) + 100 * i, [kv_cache(8)])
-    old = tier.site.index
-    assert old is not None
-    started, reopened = threading.Event(), threading.Event()
-    got: list = []
-
-    def read() -> None:
-        cur = old._conn().execute("SELECT id FROM entries")
-        got.append(cur.fetchone())
-        started.set()
-        reopened.wait(30)
-        try:
-            got.extend(cur.fetchall())
-        except sqlite3.Error as e:
-            got.append(e)
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    started.wait(30)
-    tier.writer.run_sync(tier.site.open, 30)  # as ensure() does
-    reopened.set()
-    reader.join(30)
-    assert tier.site.index is not old
-    assert len(got) == 3 and all(isinstance(r, tuple) for r in got), got
-    tier.close()
+    index = tier.site.index
+    assert index is not None
+    return tier, index, _PausedQuery(index)
 
 
 @pytest.mark.parametrize("where", ["checkpoints", "meta"])
@@ -325,13 +329,10 @@ def test_an_index_value_nested_past_the_stack_is_a_damaged_index(tmp_path, where
     tier.persist(np.arange(16), [kv_cache(16)])
     tier.close()
     deep = "[" * 100_000 + "]" * 100_000
-    con = sqlite3.connect(tier.dir / "index" / "cache.db")
     if where == "meta":
-        con.execute("UPDATE meta SET value=? WHERE key='meta'", (deep,))
+        damage_index(tier, "UPDATE meta SET value=? WHERE key='meta'", deep)
     else:
-        con.execute("UPDATE entries SET trimmable=0, checkpoints=?", (deep,))
-    con.commit()
-    con.close()
+        damage_index(tier, "UPDATE entries SET trimmable=0, checkpoints=?", deep)
     admin = CacheAdmin(tier.config)
     assert [c.checked for c in admin.verify()] == [False] and admin.listings()[0].records is None
     tier = cold_tier(tmp_path)
@@ -345,36 +346,15 @@ def test_closing_the_tier_never_closes_a_connection_its_reader_is_querying_on(tm
     lookup (a stalled disk past its deadline) was still in its query: the query failed, or the
     process crashed, as a re-open did. A tier closed while its reader is busy lets go of the
     index instead; the query finishes."""
-    import threading
-
     from tiered_kv.cold import tier as tier_mod
     from tiered_kv.cold.reader import Late
 
-    tier = cold_tier(tmp_path)
-    for i in range(3):
-        tier.persist(np.arange(8) + 100 * i, [kv_cache(8)])
-    index = tier.site.index
-    assert index is not None
-    started, closed = threading.Event(), threading.Event()
-    got: list = []
-
-    def late_lookup() -> None:
-        cur = index._conn().execute("SELECT id FROM entries")
-        got.append(cur.fetchone())
-        started.set()
-        closed.wait(30)
-        try:
-            got.extend(cur.fetchall())
-        except sqlite3.Error as e:
-            got.append(e)
-
+    tier, _, q = _three_entries_and_a_query(tmp_path)
     with pytest.raises(Late):
-        tier.reader.call(late_lookup, 0.01)
-    started.wait(30)
+        tier.reader.call(q.run, 0.01)  # a late lookup
+    q.started.wait(30)
     monkeypatch.setattr(tier_mod, "_READER_WAIT", 0.05)  # it is stuck: no use waiting
     tier.close()
-    closed.set()
-    deadline = time.monotonic() + 30
-    while len(got) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(got) == 3 and all(isinstance(r, tuple) for r in got), got
+    q.resume.set()
+    tier.reader._thread.join(30)  # the closed reader ends after its call
+    assert len(q.got) == 3 and all(isinstance(r, tuple) for r in q.got), q.got
