@@ -157,11 +157,11 @@ class _Sampling(RequestBody):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    @field_validator("n")
+    @field_validator("n", "best_of", check_fields=False)  # best_of: the completions' field
     @classmethod
-    def _one(cls, v: int) -> int:
+    def _one(cls, v: int, info: ValidationInfo) -> int:
         if v != 1:
-            raise ValueError("only n=1 is supported")
+            raise ValueError(f"only {info.field_name}=1 is supported")
         return v
 
     @field_validator("logit_bias")
@@ -321,13 +321,6 @@ class CompletionRequest(_Sampling):
         if v:
             raise ValueError("suffix (fill in the middle) is not supported: the completion "
                              "continues the prompt alone")  # fmt: skip
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only best_of=1 is supported")
         return v
 
     def logprob_count(self) -> int:
