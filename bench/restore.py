@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                 plan = f"{d.kind} ({d.m})" if d else "-"
                 pred = f"{d.predicted_total_s:.3f}" if d and d.predicted_total_s else "-"
                 same = "=" if tok == first_tok else f"DIFF {tok}"
-                each = " ".join(f"{r[0]:.3f}" for r in runs[mode])
+                # each run with its way's initial (l / c / b): what auto chose run by run
+                each = " ".join(f"{r[0]:.3f}{r[2].restore.kind[0] if r[2].restore else ''}"
+                                for r in runs[mode])  # fmt: skip
                 print(f"| {t} | {state} ({share if share is None else round(share, 2)}) | {mode} "
                       f"| {ttft:.3f} | {plan} | {hit.tier} | {pred} | {same} | {cols} "
                       f"| {suffix_s:.3f} | {each} |", flush=True)  # fmt: skip

@@ -7,6 +7,7 @@ A :class:`CostBook` keeps a bounded, diverse set of observations per kind —
 * ``range`` (bytes, seconds, share warm) from the ranged reads of `both`;
 * ``join``  (bytes, seconds) from joining computed and read halves (allocation + join, per byte
   of the whole restored prefix);
+* ``head``  (predicted seconds alone, seconds) of each `both`'s head, computed beside its read;
 * ``outcome`` (way, predicted seconds, actual seconds) of every restore taken —
 
 and fits them (non-negative least squares on relative error) into the pure
@@ -40,9 +41,8 @@ from tiered_kv.restore.plan import WARM, Learned, PrefillCost, ReadCost
 log = logging.getLogger(__name__)
 #: 2: join observations are per byte of the restored prefix (were: per byte read, of a slower join)
 VERSION = 2
-KINDS = ("prefill", "load", "range", "join", "outcome")
+KINDS = ("prefill", "load", "range", "join", "head", "outcome")
 WAYS = ("load", "compute", "both")  # an outcome's way is stored as its index + 1
-_CLAMP = (0.2, 5.0)  # a correction never moves a prediction further than this
 _PER_BUCKET = 3  # observations kept per size bucket: recent ones, spread over sizes
 _MAX_PER_KIND = 192
 _MAX_FILE_BYTES = 4 << 20  # what it holds is a few hundred short rows
@@ -69,7 +69,7 @@ def valid(kind: str, obs: list[float]) -> bool:
     """An observation a real prefill, read or restore can make: finite, positive sizes and
     seconds within bounds no machine reaches (a planted or damaged file's rows made the fit
     overflow or ``log2`` fail: a server that did not start, or a worker that died)."""
-    if len(obs) != (2 if kind == "join" else 3) or not all(math.isfinite(x) for x in obs):
+    if len(obs) != (2 if kind in ("join", "head") else 3) or not all(math.isfinite(x) for x in obs):
         return False
     if kind == "prefill":
         k, c, sec = obs
@@ -78,6 +78,8 @@ def valid(kind: str, obs: list[float]) -> bool:
     if kind == "outcome":
         way, predicted, actual = obs
         return way in (1, 2, 3) and 0 < predicted <= _MAX_SECONDS and 0 < actual <= _MAX_SECONDS
+    if kind == "head":
+        return all(0 < x <= _MAX_SECONDS for x in obs)
     ok = 0 < obs[0] <= _MAX_BYTES and 0 < obs[1] <= _MAX_SECONDS and obs[0] / obs[1] <= _MAX_BYTES_PER_S
     return ok and (kind == "join" or -1 <= obs[2] <= 1)
 
@@ -95,6 +97,8 @@ def _row(r: Any) -> list[float] | None:
 def _bucket(kind: str, obs: list[float]) -> tuple[int, ...]:
     if kind == "outcome":
         return (int(obs[0]), round(math.log2(max(obs[1] * 1e3, 1))))
+    if kind == "head":
+        return (round(math.log2(max(obs[0] * 1e3, 1))),)
     if kind == "prefill":
         k, c = obs[0], obs[1]
         return (round(math.log2(max(k, 1))), round(math.log2(c + 1)))
@@ -131,14 +135,17 @@ def fit(
     return best
 
 
-def corrections(outcomes: list[list[float]]) -> tuple[tuple[str, float], ...]:
-    """Per way, the median of actual / predicted seconds over its outcomes (clamped)."""
-    out = []
-    for i, way in enumerate(WAYS, start=1):
-        ratios = [r[2] / r[1] for r in outcomes if int(r[0]) == i and r[1] > 0]
-        if ratios:
-            out.append((way, float(np.clip(np.median(ratios), *_CLAMP))))
-    return tuple(out)
+def corrections(outcomes: list[list[float]]) -> tuple[tuple[str, float, float], ...]:
+    """The outcomes as ``(way, predicted seconds, actual / predicted)``: ``Learned.factor`` takes
+    the median of those near a plan's size."""
+    return tuple((WAYS[int(r[0]) - 1], r[1], r[2] / r[1]) for r in outcomes if r[1] > 0)
+
+
+def head_factor(heads: list[list[float]]) -> float:
+    """How much slower a `both`'s head computes than the same prefill alone: the median of
+    actual / predicted over the heads seen (1.0 before any; ``plan`` clamps it)."""
+    ratios = [r[1] / r[0] for r in heads if r[0] > 0]
+    return float(np.median(ratios)) if ratios else 1.0
 
 
 def fastest_per_bucket(kind: str, obs: list[list[float]]) -> list[list[float]]:
@@ -226,6 +233,11 @@ class CostBook:
         if nbytes > 0 and seconds > 0:
             self._add("join", [float(nbytes), seconds])
 
+    def observe_head(self, predicted: float, seconds: float) -> None:
+        """A `both`'s head predicted (alone, by the prefill fit) and actually taking these seconds."""
+        if predicted > 0 and seconds > 0:
+            self._add("head", [predicted, seconds])
+
     def _add(self, kind: str, obs: list[float]) -> None:
         if not valid(kind, obs):
             return
@@ -267,6 +279,7 @@ class CostBook:
             range_cold=reads("range", False),
             range_warm=reads("range", True),
             join_bytes_per_s=join_bw,
+            head_factor=head_factor(self.obs["head"]),
             correction=corrections(self.obs["outcome"]),
         )
 
@@ -287,6 +300,7 @@ class CostBook:
             cost: ReadCost | None = getattr(le, name)
             out[f"{name}_gb_s"] = cost.bytes_per_s / 1e9 if cost else 0.0
         out["join_gb_s"] = (le.join_bytes_per_s or 0.0) / 1e9
+        out["head_factor"] = le.head_factor
         for way in WAYS:
             out[f"correction_{way}"] = le.factor(way)
         for kind in KINDS:
@@ -337,4 +351,4 @@ class CostBook:
         self._saved_at = now
 
 
-__all__ = ["CostBook", "corrections", "fastest_per_bucket", "fit_prefill", "fit_read", "machine_id", "valid"]
+__all__ = ["CostBook", "corrections", "fastest_per_bucket", "head_factor", "fit_prefill", "fit_read", "machine_id", "valid"]

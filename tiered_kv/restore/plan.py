@@ -31,6 +31,12 @@ BOTH_MARGIN = 0.9
 #: an entry is refused a file only when its best reload is predicted this many times slower than
 #: recomputing it (measurements of short loads and prefills are noisy)
 ADMIT_MARGIN = 1.5
+#: outcomes predicted within this factor of a plan's seconds correct it (Learned.factor)
+NEAR = 2.0
+#: a correction never moves a prediction further than this
+CLAMP = (0.2, 5.0)
+#: a `both`'s head is never priced faster than alone, nor slower than this (Learned.head_factor)
+HEAD_CLAMP = (1.0, 3.0)
 #: the join's cost per byte of the ``n`` restored tokens (the read lands in the final arrays; the
 #: join writes the computed head into them: about one copy of half the bytes); assumed this fast
 #: until a join has been measured (``Learned.join_bytes_per_s``, from every `both` run).
@@ -81,13 +87,32 @@ class Learned:
     range_cold: ReadCost | None = None
     range_warm: ReadCost | None = None
     join_bytes_per_s: float | None = None
-    #: per way, how much longer than predicted it took here (median of actual / predicted over
-    #: the outcomes seen; absent: 1.0). It corrects what the cost model leaves out (the `both`
-    #: join and its hand-off, first-call overheads) with what this machine did.
-    correction: tuple[tuple[str, float], ...] = ()
+    #: how much longer a `both`'s head computes than the same prefill alone (median of actual /
+    #: predicted over the heads seen; 1.0 before one ran): it computes beside the I/O thread's
+    #: copies. On the H100 a 1B 8k head of 4096 tokens took 0.046 s where alone it takes 0.040,
+    #: an 8B one of 2048 tokens 0.12 s for 0.08: priced at the alone rate, `m` came out too large
+    #: and `both` looked faster than the load it then lost to.
+    head_factor: float = 1.0
+    #: outcomes seen, ``(way, predicted seconds, actual / predicted)``: how much longer than
+    #: predicted each way took here. It corrects what the cost model leaves out (the `both` join
+    #: and its hand-off, first-call overheads) with what this machine did; see :meth:`factor`.
+    correction: tuple[tuple[str, float, float], ...] = ()
 
-    def factor(self, kind: str) -> float:
-        return dict(self.correction).get(kind, 1.0)
+    def factor(self, kind: str, seconds: float | None = None) -> float:
+        """The correction of ``kind``: the median ratio of its outcomes predicted within
+        :data:`NEAR` times ``seconds`` (what a way leaves out is mostly fixed: at 1B 8k on the
+        H100 a `both` took 1.3x its prediction, at 8B 128k 1.0x, and one median over both sizes
+        was wrong for each), else of all its outcomes; 1.0 when none was seen. Clamped."""
+        rows = [(p, r) for way, p, r in self.correction if way == kind]
+        if seconds is not None and seconds > 0:
+            near = [(p, r) for p, r in rows if seconds / NEAR <= p <= seconds * NEAR]
+            rows = near or rows
+        if not rows:
+            return 1.0
+        ratios = sorted(r for _, r in rows)
+        mid = len(ratios) // 2
+        med = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        return min(CLAMP[1], max(CLAMP[0], med))
 
 
 @dataclass(frozen=True)
@@ -107,9 +132,10 @@ class Hit:
     #: tokens of the hit that memory holds already (a shorter hot hit): computing starts there
     start: int = 0
 
-    def compute_seconds(self, prefill: PrefillCost, m: int) -> float:
-        """Computing tokens ``[start, m)`` onto the ``start`` that memory holds."""
-        return prefill.seconds(m - self.start, self.start)
+    def compute_seconds(self, prefill: PrefillCost, m: int, slower: float = 1.0) -> float:
+        """Computing tokens ``[start, m)`` onto the ``start`` that memory holds (``slower``: as a
+        `both`'s head, :attr:`Learned.head_factor`)."""
+        return prefill.seconds(m - self.start, self.start) * slower
 
 
 @dataclass(frozen=True)
@@ -180,15 +206,17 @@ def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
     def at(b: int) -> int:
         return s + b * block
 
+    slower = min(HEAD_CLAMP[1], max(HEAD_CLAMP[0], learned.head_factor))
+
     def cost(m: int) -> float:
         r = range_seconds(hit, learned, n - m) or 0.0
-        return max(hit.compute_seconds(p, m), r) + join
+        return max(hit.compute_seconds(p, m, slower), r) + join
 
     lo, hi = 0, (n - s) // block  # in blocks: compute rises with m, the read falls
     while lo < hi:
         mid = (lo + hi) // 2
         m = at(mid)
-        if hit.compute_seconds(p, m) >= (range_seconds(hit, learned, n - m) or 0.0):
+        if hit.compute_seconds(p, m, slower) >= (range_seconds(hit, learned, n - m) or 0.0):
             hi = mid
         else:
             lo = mid + 1
@@ -203,13 +231,15 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
     """The way to restore ``hit`` (see the module doc). ``mode`` other than auto forces a way;
     a forced `both` that the entry cannot do falls back to auto's choice of load / compute."""
     n = hit.tokens
-    fl, fc, fb = (learned.factor(k) for k in KINDS)
     raw_load = load_seconds(hit, learned)
+    raw_compute = hit.compute_seconds(learned.prefill, n) if learned.prefill else None
+    raw_both = split(hit, learned) if not hit.both_blocker else None
+    fl = learned.factor("load", raw_load)
+    fc = learned.factor("compute", raw_compute)
+    fb = learned.factor("both", raw_both[1] if raw_both else None)
     load_s = raw_load * fl if raw_load is not None else None
-    compute_s = hit.compute_seconds(learned.prefill, n) * fc if learned.prefill else None
-    both = split(hit, learned) if not hit.both_blocker else None
-    if both is not None:
-        both = (both[0], both[1] * fb)
+    compute_s = raw_compute * fc if raw_compute is not None else None
+    both = (raw_both[0], raw_both[1] * fb) if raw_both is not None else None
     both_s = both[1] if both else None
     est: dict[str, Any] = {"load_s": load_s, "compute_s": compute_s, "both_s": both_s}
     load_ok = _priced(hit.warm, learned.load_cold, learned.load_warm)

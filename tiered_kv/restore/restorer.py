@@ -256,6 +256,9 @@ class Restorer:
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError, gpu.DeviceError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")  # `full` (unverified) is dropped
         t_read = time.perf_counter()
+        alone = self.costs.learned.prefill  # before this head teaches it
+        if alone is not None:  # how much the read beside it slowed the head (plan.split)
+            self.costs.observe_head(alone.seconds(m - start, start), t_head - t_alloc)
         self.costs.observe_prefill(m - start, start, t_head - t_alloc)
         # bytes served, not read: the learned range rate then prices in the whole-chunk overread
         served = sum(u8.nbytes for _, u8 in rr.tensors.values())

@@ -193,3 +193,17 @@ def test_observations_stay_bounded_and_diverse():
         book.observe_prefill(1000, 0, 0.5)
     book.observe_prefill(10, 0, 0.01)
     assert len(book.obs["prefill"]) == 4  # 3 of the repeated size, the new size kept
+
+
+def test_heads_beside_their_reads_become_the_head_factor_and_persist(tmp_path):
+    path = CostBook.file_for(tmp_path)
+    book = CostBook(path, "fp")
+    assert book.learned.head_factor == 1.0  # no head seen: priced as alone
+    for predicted, actual in ((0.04, 0.046), (0.08, 0.12), (1.0, 1.1)):
+        book.observe_head(predicted, actual)
+    book.observe_head(0.0, 1.0)  # nothing predicted: no row
+    book.save(force=True)
+    again = CostBook(path, "fp")
+    assert len(again.obs["head"]) == 3
+    assert again.learned.head_factor == pytest.approx(1.15)
+    assert again.stats()["head_factor"] == pytest.approx(1.15)

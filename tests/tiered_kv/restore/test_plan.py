@@ -54,10 +54,10 @@ def learned(prefill: PrefillCost | None, load: float | None, rng: float | None =
         ("forced both, nothing learned: the middle", HIT, Learned(), "both", "both",
          "forced, not learned"),
         ("comparable, but both took 2.5x its prediction here → the better single way", HIT,
-         replace(learned(PREFILL_FAST, 2.7), correction=(("both", 2.5),)), "auto", "load",
+         replace(learned(PREFILL_FAST, 2.7), correction=(("both", 1.0, 2.5),)), "auto", "load",
          "learned"),
         ("fast disk, but loads took 4x their prediction here → compute", HIT,
-         replace(learned(PREFILL_FAST, 5.0), correction=(("load", 4.0), ("both", 4.0))), "auto",
+         replace(learned(PREFILL_FAST, 5.0), correction=(("load", 1.0, 4.0), ("both", 1.0, 4.0))), "auto",
          "compute", "learned"),
     ],
 )  # fmt: skip
@@ -199,3 +199,51 @@ def test_both_after_a_memory_held_prefix_computes_from_it():
     assert forced.kind == "load" and "too short" in forced.reason  # 200 tokens: under a block
     middle = plan(hit, Learned(), "both")
     assert middle.kind == "both" and start < middle.m < N and (middle.m - start) % 256 == 0
+
+
+def test_a_correction_comes_from_outcomes_of_a_similar_size():
+    """What a way leaves out is mostly fixed: on the H100 a `both` of 1B 8k took 1.3x its
+    prediction, one of 8B 128k 1.0x. One median over both sizes corrected each wrongly; the
+    outcomes near a plan's size correct it, all of the way's outcomes when none is near."""
+    small = tuple(("both", 0.05, r) for r in (1.3, 1.35, 1.4))
+    large = tuple(("both", 5.0, r) for r in (0.9, 1.0, 1.0))
+    le = Learned(correction=small + large + (("load", 0.05, 0.8),))
+    assert le.factor("both", 0.06) == pytest.approx(1.35)
+    assert le.factor("both", 4.0) == pytest.approx(1.0)
+    assert le.factor("both", 0.5) == pytest.approx((1.0 + 1.3) / 2)  # none near: all six
+    assert le.factor("both") == pytest.approx((1.0 + 1.3) / 2)
+    assert le.factor("load", 100.0) == pytest.approx(0.8)  # its only outcome, far or not
+    assert le.factor("compute", 1.0) == 1.0
+    assert Learned(correction=(("load", 1.0, 100.0),)).factor("load") == 5.0  # clamped
+
+
+def test_a_small_hit_is_planned_with_the_corrections_of_small_hits():
+    """A short hit where `both` was seen to run 1.4x its prediction (large ones on time) is loaded;
+    the same outcomes leave a long hit's `both` as it was."""
+    n = 8192
+    hit = Hit(n, n * BPT, BPT, warm=0.0, block=256)
+    costs = learned(PREFILL_FAST, 2.7)
+    assert plan(hit, costs).kind == "both"
+    small = plan(hit, costs).both_s
+    outcomes = tuple(("both", small, 1.4) for _ in range(3))
+    outcomes += tuple(("both", plan(HIT, costs).both_s, 1.0) for _ in range(3))
+    told = replace(costs, correction=outcomes)
+    assert plan(hit, told).kind != "both"
+    assert plan(HIT, told).kind == "both" and plan(HIT, told).both_s == plan(HIT, costs).both_s
+
+
+def test_a_head_slowed_beside_its_read_moves_the_split_and_the_choice():
+    """A head computing beside the I/O thread ran slower than alone (H100 8B 8k: 2048 tokens in
+    0.12 s where alone they take 0.08). Priced at the alone rate, `m` was too large and `both`
+    looked faster than the load it lost to; priced at the head's own rate, `m` moves down and
+    the plan takes the load where `both` no longer pays."""
+    costs = learned(PREFILL_FAST, 2.7)
+    m_alone, s_alone = split(HIT, costs)  # type: ignore[misc]
+    m_slow, s_slow = split(HIT, replace(costs, head_factor=1.5))  # type: ignore[misc]
+    assert m_slow < m_alone and s_slow > s_alone
+    compute = PREFILL_FAST.seconds(m_slow) * 1.5
+    read = (N - m_slow) * BPT / (2.7 * GB)
+    assert abs(compute - read) <= max(PREFILL_FAST.seconds(256) * 1.5, 256 * BPT / (2.7 * GB))
+    assert plan(HIT, replace(costs, head_factor=3.0)).kind != "both"
+    # never priced faster than alone: a head that happened to run quicker moves nothing
+    assert split(HIT, replace(costs, head_factor=0.5)) == (m_alone, s_alone)
