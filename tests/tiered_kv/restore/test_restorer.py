@@ -589,3 +589,21 @@ def test_calibration_records_each_length_after_its_first_run():
     done = calibrate(compute, costs, budget_s=30.0)
     assert done == 4
     assert all(s < 0.1 for _, _, s in costs.obs["prefill"])
+
+
+def test_a_both_records_its_head_against_the_prefill_alone(plain):
+    """Each `both` tells how its head, computed beside the read, compared with the same prefill
+    alone as the costs predict it: the head factor ``plan.split`` prices heads with. Before any
+    prefill was learned there is nothing to compare with, and no row."""
+    r = plain.restorer("both")
+    hit = plain.cold.lookup(plain.ids)
+    assert r.costs.learned.prefill is None
+    assert r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, "t")) is not None
+    assert r.costs.obs["head"] == []
+    r.costs.observe_prefill(300, 0, 0.05)
+    alone = r.costs.learned.prefill
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, "t"))
+    assert got is not None and alone is not None
+    (predicted, actual), = r.costs.obs["head"]
+    assert predicted == pytest.approx(alone.seconds(300)) and actual == pytest.approx(got.phases["head"])
+    assert r.costs.learned.head_factor == pytest.approx(actual / predicted)
