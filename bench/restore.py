@@ -6,9 +6,9 @@ file; ``warm``: the files read once) and per mode, a *restart* (a fresh TieredCa
 restorer over the same loaded model, reading the persisted costs) serves the prompt plus a 32-token
 suffix with ``TIERED_KV_RESTORE=mode``; TTFT is fetch + restore + suffix prefill + first token. The
 learned costs accumulate over the runs in that cache dir, as they would on a real machine. With
-``--repeats`` the restarts run in rounds (load, compute, both, auto, load, ...): a slow drift of the
-machine touches every mode alike, and ``auto`` runs after the forced ways of its round, so it knows
-what they measured.
+``--repeats`` the restarts run in rounds (load, compute, both, auto; then compute, auto, load, both;
+...: :func:`rounds`): a slow drift of the machine touches every mode alike, each mode follows each
+other alike, and in the first round ``auto`` runs after the forced ways, so it knows what they measured.
 
     python -m bench.restore --model DIR --tokens 2048,8192
     python -m bench.restore --size 8b --tokens 8192,32768,65536,131072   # random bf16 8B shape
@@ -125,6 +125,24 @@ class Bench:
             mx.clear_cache()
 
 
+def rounds(modes: list[str], i: int) -> list[str]:
+    """The order of round ``i``: the first as given (``auto`` last, knowing what the forced ways
+    measured), later ones rows of a Williams square, so that over ``len(modes)`` rounds every mode
+    runs right after every other once (an even count of modes). In a fixed order ``auto`` always ran
+    right after ``both``, and on the H100 (1B 8k warm) its loads took 0.047-0.049 s where the forced
+    loads took 0.042-0.044."""
+    n = len(modes)
+    w, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: each difference once
+    while len(w) < n:
+        w.append(lo)
+        lo += 1
+        if len(w) < n:
+            w.append(hi)
+            hi -= 1
+    name = {w[j]: modes[j] for j in range(n)}
+    return [name[(w[j] + i) % n] for j in range(n)]
+
+
 def entry_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*.safetensors") if p.is_file()]
 
@@ -190,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             ttfts: dict[str, float] = {}
             first_tok = None
             runs: dict[str, list] = {mode: [] for mode in modes}  # each a restart
-            for _ in range(a.repeats):  # in rounds: drift of the machine touches every mode alike
-                for mode in modes:
+            for i in range(a.repeats):  # in rounds: drift of the machine touches every mode alike
+                for mode in rounds(modes, i):
                     share = set_pages(root / f"t{t}", state)
                     ttft, tok, hit = bench.run(t, prompt, mode, int(a.held * t))
                     runs[mode].append((ttft, tok, hit, bench.phases, bench.suffix_s, share))

@@ -32,3 +32,12 @@ def test_restore_bench_with_a_memory_held_prefix(tiny_model_dir, tmp_path, capsy
     (both,) = [r for r in rows if "| both |" in r]
     m = int(both.split("| both (")[1].split(")")[0])
     assert 300 < m < 600 and "| cold |" in both
+
+
+def test_rounds_rotate_so_no_mode_always_follows_the_same_other():
+    modes = ["load", "compute", "both", "auto"]
+    orders = [restore.rounds(modes, i) for i in range(4)]
+    assert orders[0] == modes  # auto last in the first round: it knows what the forced ways measured
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    before = {m: {o[o.index(m) - 1] for o in orders if o.index(m) > 0} for m in modes}
+    assert before["auto"] == {"both", "compute", "load"}
