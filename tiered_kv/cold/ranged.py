@@ -118,6 +118,21 @@ def no_readahead(fd: int) -> None:
         pass
 
 
+def reopen(fd: int) -> int:
+    """A new open file description of ``fd``'s file, for one reader thread: the kernel keeps
+    readahead state per open file description, so readers sharing one (or a ``dup``) that each
+    read their own tensor front to back look like one stream jumping about, and readahead shrinks
+    to nothing. On the 2-core VM, 4 threads each reading a quarter of a cold 1 GiB file in 16 MiB
+    ``preadv`` calls: 0.29-0.47 GB/s through one descriptor, 1.92-2.10 through one each (``dd``
+    0.81-2.05; ``scratch``-style probe, 4 rounds). Linux: ``/proc/self/fd`` opens the same inode
+    (renamed or unlinked since, still the same file; no path lookup, no symlink followed); where
+    there is no ``/proc``, a ``dup`` (shared readahead, as before)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(fd)
+
+
 def _check_bounds(m: int, n: int, total: int) -> None:
     if not 0 <= m < n <= total:
         raise ValueError(f"range [{m}, {n}) outside the entry's {total} tokens")
@@ -289,8 +304,12 @@ def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
             dst = into[name]
             if dst.nbytes != end - start or not dst.flags.c_contiguous:
                 raise ValueError(f"destination of {name} does not hold its {end - start} bytes")
-            return read_span(fd, header.data_start + start, end - start, 0, dst,
-                             header.digests(name), header.chunk_bytes, name, batch, stop)  # fmt: skip
+            own = reopen(fd)  # its own readahead: one sequential stream per tensor
+            try:
+                return read_span(own, header.data_start + start, end - start, 0, dst,
+                                 header.digests(name), header.chunk_bytes, name, batch, stop)  # fmt: skip
+            finally:
+                os.close(own)
 
         order = sorted(header.tensors, key=lambda k: header.tensors[k]["data_offsets"][0])
         return sum(background.each(one, order, workers, "tkv-read"))
