@@ -16,6 +16,10 @@ any write to a shared prefix's block keys (every publish on the same system prom
 would read keys it cannot name in advance, and neither touches the other two cases; what this
 leaves is the loser's bytes sent once.
 
+A failure after the index write (unlinking what it displaced) leaves the publish standing: the
+entry is published, the displaced ones stay (unreachable) until LRU takes them, counted
+``displaced_left``.
+
 An entry already there whole (the lookup's longest match holds the same ids, every chunk of it
 in Redis) is not sent again; chunks written before a failure are unlinked (never indexed).
 Publisher thread only (:mod:`tiered_kv.shared.publisher`, through ``SharedTier.publish``);
@@ -47,15 +51,26 @@ def publish(tier: SharedTier, data: Any, token_ids: Sequence[int] | np.ndarray) 
     if not hashes:
         return False
     view = memoryview(data).cast("B")
-    return bool(tier.health.call("publish", lambda: _publish(tier, view, tokens, hashes), False))
+    done = tier.health.call("publish", lambda: _publish(tier, view, tokens, hashes), None)
+    if done is None:
+        return False
+    # published (its index committed): a failure from here on leaves what it displaced, unlinked
+    # by nothing but LRU (unreachable: no lookup finds it), and the publish stands
+    if not tier.health.call("unlink displaced", lambda: _unlink_displaced(tier, *done), False):
+        tier.health.count("displaced_left")
+    return True
 
 
-def _publish(tier: SharedTier, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]) -> bool:
+def _publish(
+    tier: SharedTier, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]
+) -> tuple[Sequence[Any], str] | None:
+    """Chunks, then the index: (what the block keys named just before, the new entry's id), or
+    None where skipped (the same entry is there whole)."""
     old = next(iter(tier.matches(tokens, hashes)), None)  # the longest match
     if old is not None and old.tokens == old.entry_tokens == len(tokens):
         if tier.held(old.entry_id, old.nbytes, old.chunk_bytes, old.nchunks) == "whole":
             tier.health.count("publish_skipped")  # the same entry is there (another server wrote it)
-            return False
+            return None
         # a chunk evicted: published again, its index write displaces the old one (below)
     eid = uuid.uuid4().hex
     size, chunk = len(view), tier.chunk_bytes
@@ -84,25 +99,25 @@ def _publish(tier: SharedTier, view: memoryview, tokens: np.ndarray, hashes: Seq
     except BaseException:
         quietly(lambda: tier.client.unlink(*chunk_keys))  # never indexed: orphans
         raise
-    _unlink_displaced(tier, replies[: len(names)], eid)
     tier.health.add(publishes=1, publish_bytes=size)
-    return True
+    return replies[: len(names)], eid
 
 
-def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> None:
+def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> bool:
     """Unlink each entry whose deepest block key ``eid``'s index write took (``was``: what the
     block keys named just before, in block order): it holds no block ``eid`` does not, so
     every block key that named it names ``eid`` now — no lookup can find it again (a
     continuation's older entry; the same entry published by another server at the same
     moment, whichever index write came first). Only an entry's own publish names it in a
-    block key, so nothing makes it reachable again. One round trip when any was displaced."""
+    block key, so nothing makes it reachable again. One round trip when any was displaced.
+    True when done; a failure raises (:meth:`Health.call` counts it)."""
     deepest: dict[str, int] = {}
     for depth, raw in enumerate(was):
         other = reads.eid_of(raw)
         if other is not None and other != eid:
             deepest[other] = depth
     if not deepest:
-        return
+        return True
     pipe = tier.client.pipeline(transaction=False)
     for other in deepest:
         reads.queue_fields(pipe, tier.key("e", other), reads.FACTS)
@@ -113,3 +128,4 @@ def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> None:
         if facts is not None and facts[0] // tier.block_tokens == depth + 1:
             tier.unlink(other, facts[2])
             tier.health.count("superseded")
+    return True

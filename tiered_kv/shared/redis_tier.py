@@ -156,8 +156,8 @@ class SharedTier:
         self.client = connect(url, timeout)
         counts: dict[str, Any] = dict.fromkeys(
             ("lookups", "hits", "misses", "fetches", "fetch_bytes", "misses_evicted", "corrupt",
-             "publishes", "publish_bytes", "publish_skipped", "superseded", "errors", "timeouts",
-             "skipped_down", "outages", "too_large", "fetches_stopped"), 0
+             "publishes", "publish_bytes", "publish_skipped", "superseded", "displaced_left",
+             "errors", "timeouts", "skipped_down", "outages", "too_large", "fetches_stopped"), 0
         )  # fmt: skip
         counts["fetch_seconds"] = 0.0
         self.health = Health(self.url, counts, log)

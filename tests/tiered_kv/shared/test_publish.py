@@ -7,9 +7,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from tests.fixtures import toy_entry as entry
 from tests.fixtures import toy_ids as ids
 from tests.fixtures import toy_tier as tier
+from tests.redis_server import CuttingProxy
 from tiered_kv.shared import publish
 from tiered_kv.shared.redis_tier import SharedTier
 
@@ -111,3 +114,33 @@ def test_an_entry_whose_every_block_a_newer_one_holds_is_unlinked(redis_server):
     c = redis_server.client()
     assert _unreachable(t, c) == [] and t.stats()["superseded"] == 1
     assert len(c.keys(t.key("e", "*"))) == 1
+
+
+@pytest.mark.parametrize("fault", ["connection-dropped", "unlink-refused"])
+def test_a_failed_unlink_of_a_displaced_entry_leaves_the_publish_published(redis_server, fault):
+    """The index write committed, then unlinking the entry it displaced failed (the connection
+    dropped at the UNLINK; an ACL user without UNLINK): publish returned False and counted no
+    publish, though the new entry was written and every lookup found it. The displaced entry is
+    left (unreachable) for LRU, counted; the failure is counted as any Redis call's."""
+    toks = ids(61, 64)
+    direct = tier(redis_server.url)
+    assert direct.publish(entry(toks[:32]), toks[:32])
+    old = direct.lookup(toks[:32])
+    assert old is not None
+    proxy = CuttingProxy(redis_server.port, b"UNLINK") if fault == "connection-dropped" else None
+    if proxy is None:
+        redis_server.client().acl_setuser("default", enabled=True, nopass=True, keys=["*"],
+                                          channels=["*"], commands=["+@all", "-unlink"])  # fmt: skip
+    t = tier(proxy.url if proxy is not None else redis_server.url)
+    try:
+        assert t.publish(entry(toks), toks)  # the entry is published
+    finally:
+        if proxy is not None:
+            proxy.close()
+    assert proxy is None or proxy.cuts == 1  # the fault happened where it should
+    s = t.stats()
+    assert s["publishes"] == 1 and s["displaced_left"] == 1 and s["superseded"] == 0
+    assert s["errors"] == 1 and s["outages"] == s["up"] ^ 1 == (1 if proxy is not None else 0)
+    hit = direct.lookup(toks)
+    assert hit is not None and hit.entry_id != old.entry_id and direct.fetch(hit) is not None
+    assert redis_server.client().exists(direct.key("e", old.entry_id))  # left for LRU
