@@ -109,7 +109,9 @@ def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> bool:
     every block key that named it names ``eid`` now — no lookup can find it again (a
     continuation's older entry; the same entry published by another server at the same
     moment, whichever index write came first). Only an entry's own publish names it in a
-    block key, so nothing makes it reachable again. One round trip when any was displaced.
+    block key, so nothing makes it reachable again. One whose facts Redis evicted (its ``e:``
+    hash gone) is unlinked too, by its id and chunk naming: a lookup reads the facts first, so
+    it was unreachable already. One round trip when any was displaced.
     True when done; a failure raises (:meth:`Health.call` counts it)."""
     deepest: dict[str, int] = {}
     for depth, raw in enumerate(was):
@@ -127,5 +129,8 @@ def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> bool:
         facts = reads.facts_of(got.values) if got is not None else None
         if facts is not None and facts[0] // tier.block_tokens == depth + 1:
             tier.unlink(other, facts[2])
+            tier.health.count("superseded")
+        elif got is not None and got.gone:  # its facts evicted: no lookup serves it, at any depth
+            tier.unlink_lost(other)
             tier.health.count("superseded")
     return True

@@ -69,6 +69,7 @@ _CANDIDATES = 3
 MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
+_PROBE = 64  # chunks of an entry whose facts are gone unlinked per round trip (:meth:`unlink_lost`)
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
 #: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
@@ -324,6 +325,20 @@ class SharedTier:
         if 0 < nchunks <= MAX_CHUNKS:
             names += [self.key("c", eid, i) for i in range(nchunks)]
         self.client.unlink(*names)
+
+    def unlink_lost(self, eid: str) -> None:
+        """An entry whose facts Redis evicted (its chunk count gone with them): its token ids and
+        the chunks its naming finds, ``_PROBE`` names a round trip until a batch finds none. A run
+        of that many chunks evicted before the rest leaves those to LRU (``verify --fix``: orphan
+        chunks)."""
+        for lo in range(0, MAX_CHUNKS, _PROBE):
+            pipe = self.client.pipeline(transaction=False)
+            for i in range(lo, lo + _PROBE):
+                pipe.unlink(self.key("c", eid, i))
+            if lo == 0:
+                pipe.unlink(self.key("t", eid))
+            if not any(pipe.execute()[:_PROBE]):
+                return
 
     # -- health ----------------------------------------------------------------------------
     @property

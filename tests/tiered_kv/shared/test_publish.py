@@ -144,3 +144,20 @@ def test_a_failed_unlink_of_a_displaced_entry_leaves_the_publish_published(redis
     hit = direct.lookup(toks)
     assert hit is not None and hit.entry_id != old.entry_id and direct.fetch(hit) is not None
     assert redis_server.client().exists(direct.key("e", old.entry_id))  # left for LRU
+
+
+def test_a_displaced_entry_whose_facts_redis_evicted_is_unlinked_all_the_same(redis_server):
+    """Redis evicted an entry's ``e:`` hash (allkeys-lru takes any key): the publish that
+    displaced it read no facts, so unlinked nothing — its token ids and chunks stayed until LRU
+    took them too. Its id and chunk naming are enough to unlink them."""
+    t = tier(redis_server.url)
+    toks = ids(62, 64)
+    assert t.publish(entry(toks[:32], payload=70_000), toks[:32])  # 71 chunks: two batches
+    old = t.lookup(toks[:32])
+    assert old is not None and old.nchunks == 71
+    c = redis_server.client()
+    c.delete(t.key("e", old.entry_id))  # evicted
+    assert t.publish(entry(toks), toks)
+    assert c.keys(f"*{old.entry_id}*") == []
+    hit = t.lookup(toks)
+    assert hit is not None and t.fetch(hit) is not None
