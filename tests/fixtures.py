@@ -15,7 +15,8 @@ import socket
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -495,7 +496,23 @@ def toy_ids(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 30000, n).tolist()
 
 
-def toy_tier(url: str, fp: str = "fp-a", chunk: int = 1000, timeout: float = 0.5) -> SharedTier:
+def toy_tier(url: str, fp: str = "fp-a", chunk: int = 1000, timeout: float = 0.5,
+             clock: Callable[[], float] = time.monotonic) -> SharedTier:  # fmt: skip
     from tiered_kv.shared.redis_tier import SharedTier  # redis only where the shared tests run
 
-    return SharedTier(url, fp, SHARED_BLOCK, toy_check, timeout=timeout, chunk_bytes=chunk)
+    return SharedTier(url, fp, SHARED_BLOCK, toy_check, timeout=timeout, chunk_bytes=chunk,
+                      clock=clock)  # fmt: skip
+
+
+class StepClock:
+    """A monotonic clock that moves only when told: the shared tier's backoff, measured in steps a
+    test takes, not in seconds a loaded machine spends."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

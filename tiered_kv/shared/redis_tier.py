@@ -140,10 +140,12 @@ class SharedTier:
         chunk_bytes: int = CHUNK_BYTES,
         max_bytes: int = MAX_ENTRY_BYTES,
         describe: Describe | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Nothing is sent to Redis here: a server starts whether or not Redis is up. Entries
         claiming more than ``max_bytes`` are never fetched (what Redis says is data).
-        ``describe``: what a published entry serves, from its bytes (kept with its facts)."""
+        ``describe``: what a published entry serves, from its bytes (kept with its facts).
+        ``clock``: what the backoff after a failure is measured by (:class:`Health`)."""
         self.url = redact(url)
         self.fingerprint = fingerprint
         self.block_tokens = block_tokens
@@ -161,7 +163,7 @@ class SharedTier:
              "errors", "timeouts", "skipped_down", "outages", "too_large", "fetches_stopped"), 0
         )  # fmt: skip
         counts["fetch_seconds"] = 0.0
-        self.health = Health(self.url, counts, log)
+        self.health = Health(self.url, counts, log, clock)
 
     # -- keys ------------------------------------------------------------------------------
     def key(self, kind: str, *parts: object) -> str:
