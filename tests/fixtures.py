@@ -473,7 +473,7 @@ INSERT INTO entries VALUES('old', 'old.safetensors', 8, 1, 1, 1, zeroblob(32));
 
 # --- the shared tier's byte mechanics: a toy entry format ---------------------------------------------
 # ``tokens ‖ payload ‖ xxh3``, checked by :func:`toy_check` (tests/tiered_kv/shared/test_redis_tier.py,
-# test_publish.py, test_health.py); test_link.py runs the real entry format through the real cold tier.
+# test_writes.py, test_health.py); test_link.py runs the real entry format through the real cold tier.
 
 SHARED_BLOCK = 16  # block tokens of :func:`toy_tier`
 

@@ -13,7 +13,7 @@ format, stored-KV quantisation, cache salt), so tenants with different fingerpri
                          hashes of ``tiered_kv.keys``, seeded with the fingerprint and block size)
 
 **Publish** writes the chunks first, then the index in one MULTI/EXEC, and unlinks the entries
-its index write displaced (:mod:`publish`, where the argument for that rule is).
+its index write displaced (:mod:`writes`, where the argument for that rule is).
 **Lookup** is at most two round trips: the prompt's block keys (only an id's length of each),
 then (pipelined) the token prefix and the facts of at most three candidate entries, deepest first
 — token ids are compared exactly. What Redis holds is data (any value may be 512 MB): every index
@@ -55,7 +55,7 @@ from redis.retry import Retry
 from tiered_kv import keys, policy
 from tiered_kv.declared import Serving
 from tiered_kv.prefix import common_prefix
-from tiered_kv.shared import bulk, publish, reads, resolve
+from tiered_kv.shared import bulk, reads, resolve, writes
 from tiered_kv.shared.health import Health, quietly
 
 log = logging.getLogger(__name__)
@@ -299,9 +299,9 @@ class SharedTier:
 
     # -- publisher thread ------------------------------------------------------------------
     def publish(self, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
-        """Store an entry's bytes (a buffer) for ``token_ids`` (:func:`publish.publish`); False
+        """Store an entry's bytes (a buffer) for ``token_ids`` (:func:`writes.publish`); False
         when skipped (already there, too short, Redis down) or failed (counted). Publisher thread."""
-        return publish.publish(self, data, token_ids)
+        return writes.publish(self, data, token_ids)
 
     # -- an entry's keys (fetch, publish, survey) ------------------------------------------
     def held(self, eid: str, nbytes: int, chunk_bytes: int, nchunks: int) -> str:

@@ -1,5 +1,5 @@
 """The publish path against a real redis-server: chunks, then the index in one MULTI/EXEC, and the
-entries that index write displaced unlinked (``tiered_kv/shared/publish.py``). Toy entries:
+entries that index write displaced unlinked (``tiered_kv/shared/writes.py``). Toy entries:
 ``tests/fixtures.py``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.fixtures import toy_entry as entry
 from tests.fixtures import toy_ids as ids
 from tests.fixtures import toy_tier as tier
 from tests.redis_server import CuttingProxy
-from tiered_kv.shared import publish
+from tiered_kv.shared import writes
 from tiered_kv.shared.redis_tier import MAX_CHUNKS, SharedTier
 
 
@@ -89,7 +89,7 @@ def test_identical_publishes_at_the_same_moment_leave_nothing_unreachable(redis_
     toks = ids(46, 64)
     a, b = tier(redis_server.url), tier(redis_server.url)
     both = threading.Barrier(2, timeout=30)
-    real = publish.bulk.set_from
+    real = writes.bulk.set_from
     first: set[int] = set()
 
     def set_from(client, key, value):
@@ -98,7 +98,7 @@ def test_identical_publishes_at_the_same_moment_leave_nothing_unreachable(redis_
             both.wait()
         return real(client, key, value)
 
-    monkeypatch.setattr(publish.bulk, "set_from", set_from)
+    monkeypatch.setattr(writes.bulk, "set_from", set_from)
     done = [threading.Thread(target=x.publish, args=(entry(toks), toks)) for x in (a, b)]
     for th in done:
         th.start()

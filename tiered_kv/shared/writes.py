@@ -23,27 +23,62 @@ entry is published, the displaced ones stay (unreachable) until LRU takes them, 
 An entry already there whole (the lookup's longest match holds the same ids, every chunk of it
 in Redis) is not sent again; chunks written before a failure are unlinked (never indexed).
 Publisher thread only (:mod:`tiered_kv.shared.publisher`, through ``SharedTier.publish``);
-bytes only, never MLX.
+bytes only, never MLX. What it uses of the tier is :class:`Tier` (a Protocol: the tier calls this
+module, so this module imports nothing of it).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
+import redis
 
 from tiered_kv import keys
+from tiered_kv.declared import Serving
 from tiered_kv.shared import bulk, reads
-from tiered_kv.shared.health import quietly
-
-if TYPE_CHECKING:
-    from tiered_kv.shared.redis_tier import SharedTier
+from tiered_kv.shared.health import Health, quietly
 
 
-def publish(tier: SharedTier, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
+class Match(Protocol):
+    """An entry a lookup found (:class:`redis_tier.SharedHit`): what the skip check reads."""
+
+    @property
+    def entry_id(self) -> str: ...
+    @property
+    def tokens(self) -> int: ...  # ids in common with the entry to publish
+    @property
+    def entry_tokens(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def nchunks(self) -> int: ...
+
+
+class Tier(Protocol):
+    """What the write path uses of :class:`redis_tier.SharedTier` (see there)."""
+
+    client: redis.Redis
+    health: Health
+    block_tokens: int
+    seed: str
+    chunk_bytes: int
+    describe: Callable[[memoryview], Serving | None] | None
+
+    def key(self, kind: str, *parts: object) -> str: ...
+    def block_keys(self, hashes: Sequence[int]) -> list[str]: ...
+    def matches(self, tokens: np.ndarray, hashes: Sequence[int]) -> Sequence[Match]: ...
+    def held(self, eid: str, nbytes: int, chunk_bytes: int, nchunks: int) -> str: ...
+    def unlink(self, eid: str, nchunks: int) -> None: ...
+    def unlink_lost(self, eid: str) -> None: ...
+
+
+def publish(tier: Tier, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
     """Store an entry's bytes (a buffer) for ``token_ids``; False when skipped (already
     there, too short, Redis down) or failed (counted). Publisher thread."""
     tokens = keys.as_int32(token_ids)
@@ -62,7 +97,7 @@ def publish(tier: SharedTier, data: Any, token_ids: Sequence[int] | np.ndarray) 
 
 
 def _publish(
-    tier: SharedTier, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]
+    tier: Tier, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]
 ) -> tuple[Sequence[Any], str] | None:
     """Chunks, then the index: (what the block keys named just before, the new entry's id), or
     None where skipped (the same entry is there whole)."""
@@ -103,7 +138,7 @@ def _publish(
     return replies[: len(names)], eid
 
 
-def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> bool:
+def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str) -> bool:
     """Unlink each entry whose deepest block key ``eid``'s index write took (``was``: what the
     block keys named just before, in block order): it holds no block ``eid`` does not, so
     every block key that named it names ``eid`` now — no lookup can find it again (a
