@@ -66,9 +66,11 @@ def verify(shared: SharedAdmin, fix: bool) -> int:
                 print(f"  {kind}: {eid}")
         if r.orphan_chunks:
             print(f"  orphan chunks: {r.orphan_chunks}")
+        if r.orphan_tokens:
+            print(f"  orphan token ids (their entry's facts evicted): {r.orphan_tokens}")
         clean = clean and r.clean
     if fix and not clean:
-        print("fixed: bad and incomplete shared entries and orphan chunks unlinked")
+        print("fixed: bad and incomplete shared entries, orphan chunks and token ids unlinked")
         return 0
     return 0 if clean else 1
 

@@ -15,7 +15,8 @@ import socket
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -472,7 +473,7 @@ INSERT INTO entries VALUES('old', 'old.safetensors', 8, 1, 1, 1, zeroblob(32));
 
 # --- the shared tier's byte mechanics: a toy entry format ---------------------------------------------
 # ``tokens ‖ payload ‖ xxh3``, checked by :func:`toy_check` (tests/tiered_kv/shared/test_redis_tier.py,
-# test_publish.py, test_health.py); test_link.py runs the real entry format through the real cold tier.
+# test_writes.py, test_health.py); test_link.py runs the real entry format through the real cold tier.
 
 SHARED_BLOCK = 16  # block tokens of :func:`toy_tier`
 
@@ -495,7 +496,23 @@ def toy_ids(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 30000, n).tolist()
 
 
-def toy_tier(url: str, fp: str = "fp-a", chunk: int = 1000, timeout: float = 0.5) -> SharedTier:
+def toy_tier(url: str, fp: str = "fp-a", chunk: int = 1000, timeout: float = 0.5,
+             clock: Callable[[], float] = time.monotonic) -> SharedTier:  # fmt: skip
     from tiered_kv.shared.redis_tier import SharedTier  # redis only where the shared tests run
 
-    return SharedTier(url, fp, SHARED_BLOCK, toy_check, timeout=timeout, chunk_bytes=chunk)
+    return SharedTier(url, fp, SHARED_BLOCK, toy_check, timeout=timeout, chunk_bytes=chunk,
+                      clock=clock)  # fmt: skip
+
+
+class StepClock:
+    """A monotonic clock that moves only when told: the shared tier's backoff, measured in steps a
+    test takes, not in seconds a loaded machine spends."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -2,6 +2,7 @@
 
 ``scripts/setup.sh`` installs Debian's ``redis-server``; where the binary is missing the fixture
 skips with that reason (under ``CI=true`` it fails instead: CI must have installed it).
+:class:`CuttingProxy`: a real TCP proxy in front of it that drops a connection at a chosen command.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,3 +87,59 @@ class RedisServer:
         """Killed and started again on the same port with an empty dataset."""
         self.kill()
         self.start()
+
+
+class CuttingProxy:
+    """A real TCP proxy in front of a redis-server that closes a connection, instead of forwarding,
+    when the client sends a command containing ``cut`` (e.g. ``b"UNLINK"``): the client sees the
+    connection drop at that command (a network fault at a chosen moment, Redis itself unharmed).
+    ``cuts``: how many connections it closed so far."""
+
+    def __init__(self, upstream_port: int, cut: bytes) -> None:
+        self.cut = cut
+        self.cuts = 0
+        self._upstream = upstream_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True, name="cutting-proxy").start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(("127.0.0.1", self._upstream))
+            with self._lock:
+                self._socks += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, inspect: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if inspect and self.cut in data.upper():
+                    with self._lock:
+                        self.cuts += 1
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            for s in self._socks:
+                s.close()

@@ -17,7 +17,6 @@ NO_TEST_FILE = {
     "engine/events.py": "typed values without behaviour",
     "engine/models/templates.py": "downloads data; its family dirs drive test_output.py and test_server.py",
     "tiered_kv/shared/entry.py": "the shared tier's entry check: corrupt entries in shared/test_link.py",
-    "tiered_kv/shared/survey.py": "read only by `tiered-kv cache` (engine/cli_shared.py): test_cli_shared.py",
 }
 
 

@@ -7,6 +7,7 @@ its end once. Any other Redis error (e.g. OOM under ``maxmemory noeviction``) is
 logged once per kind of call, and the call is a miss. :meth:`refused` does the same for a
 pipeline's replies Redis refused. Messages go to the logger the owner hands in (the tier's).
 
+Time is the ``clock`` the owner hands in (``time.monotonic``; tests pass one they move).
 Threads: any; the counters, the backoff and the set of messages already logged are under one lock.
 """
 
@@ -29,12 +30,15 @@ _NET = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError
 
 
 class Health:
-    def __init__(self, url: str, counts: dict[str, Any], log: logging.Logger) -> None:
+    def __init__(self, url: str, counts: dict[str, Any], log: logging.Logger,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         """``url``: as logged (its password redacted); ``counts``: the counters :meth:`count`,
         :meth:`add` and :meth:`stats` know, with their starting values (``errors``, ``timeouts``,
-        ``skipped_down`` and ``outages`` among them); ``log``: where the messages go."""
+        ``skipped_down`` and ``outages`` among them); ``log``: where the messages go;
+        ``clock``: monotonic seconds, what the backoff is measured in."""
         self.url = url
         self.log = log
+        self.clock = clock
         self.lock = threading.Lock()
         self.counts = counts
         self._failures = 0
@@ -43,7 +47,7 @@ class Health:
 
     def call(self, what: str, fn: Callable[[], T], default: T) -> T:
         """``fn()`` unless Redis is in backoff; a network failure starts / extends the backoff."""
-        if time.monotonic() < self.down_until:
+        if self.clock() < self.down_until:
             self.count("skipped_down")
             return default
         try:
@@ -71,7 +75,7 @@ class Health:
                 self.counts["outages"] += 1
             self._failures += 1
             wait = min(_BACKOFF_MAX, _BACKOFF_MIN * 2 ** (self._failures - 1))
-            self.down_until = time.monotonic() + wait
+            self.down_until = self.clock() + wait
         self.once("down", "shared tier %s unreachable (%s: %s); local tiers only, retrying "
                   "with backoff", self.url, what, e)  # fmt: skip
 

@@ -1,7 +1,7 @@
 """Bounded reads of the shared tier's index values: what Redis holds is data, and any value may be
 512 MB (another writer's, an attacker's, a damaged one), so nothing of the layout but an entry's
 chunks (their lengths checked first, :mod:`bulk`) is read without a bound. One owner for each
-bound, used by the request path (:mod:`redis_tier`), the publish path (:mod:`publish`) and the admin
+bound, used by the request path (:mod:`redis_tier`), the write path (:mod:`writes`) and the admin
 path (:mod:`survey`) alike:
 
 * ``b:<hash>`` — an entry id: :data:`EID_LEN` bytes, one more read (a longer value is no id);

@@ -13,7 +13,7 @@ format, stored-KV quantisation, cache salt), so tenants with different fingerpri
                          hashes of ``tiered_kv.keys``, seeded with the fingerprint and block size)
 
 **Publish** writes the chunks first, then the index in one MULTI/EXEC, and unlinks the entries
-its index write displaced (:mod:`publish`, where the argument for that rule is).
+its index write displaced (:mod:`writes`, where the argument for that rule is).
 **Lookup** is at most two round trips: the prompt's block keys (only an id's length of each),
 then (pipelined) the token prefix and the facts of at most three candidate entries, deepest first
 — token ids are compared exactly. What Redis holds is data (any value may be 512 MB): every index
@@ -55,7 +55,7 @@ from redis.retry import Retry
 from tiered_kv import keys, policy
 from tiered_kv.declared import Serving
 from tiered_kv.prefix import common_prefix
-from tiered_kv.shared import bulk, publish, reads, resolve
+from tiered_kv.shared import bulk, reads, resolve, writes
 from tiered_kv.shared.health import Health, quietly
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ _CANDIDATES = 3
 MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
+_PROBE = 64  # chunks of an entry whose facts are gone unlinked per round trip (:meth:`unlink_lost`)
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
 #: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
@@ -139,10 +140,12 @@ class SharedTier:
         chunk_bytes: int = CHUNK_BYTES,
         max_bytes: int = MAX_ENTRY_BYTES,
         describe: Describe | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Nothing is sent to Redis here: a server starts whether or not Redis is up. Entries
         claiming more than ``max_bytes`` are never fetched (what Redis says is data).
-        ``describe``: what a published entry serves, from its bytes (kept with its facts)."""
+        ``describe``: what a published entry serves, from its bytes (kept with its facts).
+        ``clock``: what the backoff after a failure is measured by (:class:`Health`)."""
         self.url = redact(url)
         self.fingerprint = fingerprint
         self.block_tokens = block_tokens
@@ -156,11 +159,11 @@ class SharedTier:
         self.client = connect(url, timeout)
         counts: dict[str, Any] = dict.fromkeys(
             ("lookups", "hits", "misses", "fetches", "fetch_bytes", "misses_evicted", "corrupt",
-             "publishes", "publish_bytes", "publish_skipped", "superseded", "errors", "timeouts",
-             "skipped_down", "outages", "too_large", "fetches_stopped"), 0
+             "publishes", "publish_bytes", "publish_skipped", "superseded", "displaced_left",
+             "errors", "timeouts", "skipped_down", "outages", "too_large", "fetches_stopped"), 0
         )  # fmt: skip
         counts["fetch_seconds"] = 0.0
-        self.health = Health(self.url, counts, log)
+        self.health = Health(self.url, counts, log, clock)
 
     # -- keys ------------------------------------------------------------------------------
     def key(self, kind: str, *parts: object) -> str:
@@ -296,9 +299,9 @@ class SharedTier:
 
     # -- publisher thread ------------------------------------------------------------------
     def publish(self, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
-        """Store an entry's bytes (a buffer) for ``token_ids`` (:func:`publish.publish`); False
+        """Store an entry's bytes (a buffer) for ``token_ids`` (:func:`writes.publish`); False
         when skipped (already there, too short, Redis down) or failed (counted). Publisher thread."""
-        return publish.publish(self, data, token_ids)
+        return writes.publish(self, data, token_ids)
 
     # -- an entry's keys (fetch, publish, survey) ------------------------------------------
     def held(self, eid: str, nbytes: int, chunk_bytes: int, nchunks: int) -> str:
@@ -324,6 +327,20 @@ class SharedTier:
         if 0 < nchunks <= MAX_CHUNKS:
             names += [self.key("c", eid, i) for i in range(nchunks)]
         self.client.unlink(*names)
+
+    def unlink_lost(self, eid: str) -> None:
+        """An entry whose facts Redis evicted (its chunk count gone with them): its token ids and
+        the chunks its naming finds, ``_PROBE`` names a round trip until a batch finds none. A run
+        of that many chunks evicted before the rest leaves those to LRU (``verify --fix``: orphan
+        chunks)."""
+        for lo in range(0, MAX_CHUNKS, _PROBE):
+            pipe = self.client.pipeline(transaction=False)
+            for i in range(lo, lo + _PROBE):
+                pipe.unlink(self.key("c", eid, i))
+            if lo == 0:
+                pipe.unlink(self.key("t", eid))
+            if not any(pipe.execute()[:_PROBE]):
+                return
 
     # -- health ----------------------------------------------------------------------------
     @property

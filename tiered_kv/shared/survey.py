@@ -2,8 +2,9 @@
 
 Walks the ``tkv:<fingerprint>:`` namespaces with SCAN (never KEYS: a shared Redis keeps serving
 while we look). ``verify`` fetches every entry's chunks and runs the entry format's checks; with
-``fix`` it unlinks corrupt and incomplete entries and orphan chunks idle for ten minutes (a
-publish that died between its chunks and its index; a running one's are fresh). Keys of the
+``fix`` it unlinks corrupt and incomplete entries, orphan chunks idle for ten minutes (a
+publish that died between its chunks and its index; a running one's are fresh) and the token ids
+of entries whose facts Redis evicted (``t:`` without ``e:``). Keys of the
 layout holding what no publisher writes (another type, a time no clock gives) are corrupt, never
 a reason to stop; a read Redis refuses (an ACL user or proxy that runs no scripts) says nothing
 of the entries and stops the survey (``SharedUnreachable``: nothing is reported or unlinked as
@@ -28,6 +29,7 @@ from tiered_kv.shared.redis_tier import Check, SharedTier
 
 _E = re.compile(rb"^tkv:([^:]{1,128}):e:([0-9a-f]{32})$")
 _C = re.compile(rb"^tkv:([^:]{1,128}):c:([0-9a-f]{32}):\d+$")
+_T = re.compile(rb"^tkv:([^:]{1,128}):t:([0-9a-f]{32})$")
 _BOUNDS = {**reads.FACTS, **reads.CREATED}
 #: an orphan chunk younger than this may be a running publish's (its index not written yet)
 ORPHAN_GRACE_SECONDS = 600
@@ -50,10 +52,11 @@ class SharedReport:
     corrupt: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)  # a chunk evicted
     orphan_chunks: int = 0
+    orphan_tokens: int = 0  # token ids (``t:``) of an entry whose facts Redis evicted
 
     @property
     def clean(self) -> bool:
-        return not (self.corrupt or self.incomplete or self.orphan_chunks)
+        return not (self.corrupt or self.incomplete or self.orphan_chunks or self.orphan_tokens)
 
 
 def entries(client: redis.Redis) -> list[EntryInfo]:
@@ -131,6 +134,7 @@ def verify(
         getattr(reports[e.fingerprint], verdict).append(e.entry_id)
         if fix and verdict != "ok":
             tier.unlink(e.entry_id, e.nchunks)
+    _orphan_tokens(client, reports, known, fix)
     orphans: list[bytes] = []
     for k in client.scan_iter(match="tkv:*:c:*", count=1000):
         m = _C.match(k)
@@ -145,6 +149,26 @@ def verify(
     for t in tiers.values():
         t.close()
     return dict(reports)
+
+
+def _orphan_tokens(client: redis.Redis, reports: dict[str, SharedReport],
+                   known: set[tuple[str, str]], fix: bool) -> None:  # fmt: skip
+    """Count (``fix``: unlink) the ``t:`` keys whose ``e:`` is gone (Redis evicted it). Both are
+    written in one MULTI/EXEC, so a ``t:`` key alone is no running publish's; one published since
+    the survey read the ``e:`` keys has its ``e:`` now (asked again, in one round trip)."""
+    found = [(k, m.group(1).decode(), m.group(2).decode())
+             for k in client.scan_iter(match="tkv:*:t:*", count=1000)
+             if (m := _T.match(k)) and (m.group(1).decode(), m.group(2).decode()) not in known]  # fmt: skip
+    if not found:
+        return
+    pipe = client.pipeline(transaction=False)
+    for _, fp, eid in found:
+        pipe.exists(f"tkv:{fp}:e:{eid}")
+    lone = [(k, fp) for (k, fp, _), there in zip(found, pipe.execute(), strict=True) if not there]
+    for _, fp in lone:
+        reports[fp].orphan_tokens += 1
+    if fix and lone:
+        client.unlink(*(k for k, _ in lone))
 
 
 def _idle(client: redis.Redis, names: list[bytes]) -> list[int | None]:

@@ -1,38 +1,61 @@
 """The shared tier's backoff, counters and messages logged once (``tiered_kv/shared/health.py``),
-through a SharedTier against a real redis-server that dies, restarts, stalls or refuses. Toy
+through a SharedTier against a real redis-server that dies, restarts, stalls or refuses. The
+backoff runs on a clock the test moves (``StepClock``): attempts are counted, never timed. Toy
 entries: ``tests/fixtures.py``."""
 
 from __future__ import annotations
 
 import signal
-import time
 
+from tests.fixtures import StepClock
 from tests.fixtures import toy_entry as entry
 from tests.fixtures import toy_ids as ids
 from tests.fixtures import toy_tier as tier
 
 
-def test_dead_redis_costs_one_timeout_then_backoff(redis_server, monkeypatch):
-    t = tier(redis_server.url)
+def test_dead_redis_costs_one_attempt_then_backoff(redis_server):
+    t = tier(redis_server.url, clock=StepClock())  # a clock that stands still: still in backoff
     toks = ids(11, 64)
     t.publish(entry(toks), toks)
     redis_server.kill()
-    t0 = time.monotonic()
     assert t.lookup(toks) is None
     assert t.lookup(toks) is None  # in backoff: not even a connect
-    assert time.monotonic() - t0 < 10  # bounded by the timeout, not hung (generous: noisy box)
     s = t.stats()
     assert s["errors"] == 1 and s["skipped_down"] == 1 and s["outages"] == 1 and s["up"] == 0
     assert not t.publish(entry(toks), toks)
+    assert t.stats()["errors"] == 1 and t.stats()["skipped_down"] == 2
 
 
-def test_restarted_empty_redis_is_used_again_after_backoff(redis_server):
-    t = tier(redis_server.url)
+def test_the_backoff_doubles_from_one_second_to_thirty(redis_server):
+    """After each failed attempt Redis is not asked again until the backoff has passed: 1 s,
+    doubling, at most 30 s; the whole outage is one."""
+    clock = StepClock()
+    t = tier(redis_server.url, clock=clock)
+    toks = ids(14, 64)
+    redis_server.kill()
+    assert t.lookup(toks) is None and t.stats()["errors"] == 1
+    for attempt, wait in enumerate([1, 2, 4, 8, 16, 30, 30], start=2):
+        clock.advance(wait - 0.25)
+        assert t.lookup(toks) is None and t.stats()["errors"] == attempt - 1  # skipped
+        clock.advance(0.25)
+        assert t.lookup(toks) is None and t.stats()["errors"] == attempt  # asked again
+    assert t.stats()["outages"] == 1
+
+
+def test_restarted_empty_redis_is_used_again_after_backoff(redis_server, caplog):
+    clock = StepClock()
+    t = tier(redis_server.url, clock=clock)
     toks = ids(12, 64)
     t.publish(entry(toks), toks)
-    redis_server.restart_empty()
-    t.health.down_until = 0.0  # as if the backoff had passed
-    assert t.lookup(toks) is None  # empty dataset: a miss, no error
+    redis_server.kill()
+    assert t.lookup(toks) is None and t.stats()["up"] == 0  # down: the backoff starts
+    redis_server.start()  # the same port, an empty dataset
+    assert not t.publish(entry(toks), toks) and t.stats()["skipped_down"] == 1  # backoff
+    clock.advance(1.0)  # the backoff has passed
+    with caplog.at_level("WARNING", logger="tiered_kv.shared.redis_tier"):
+        assert t.lookup(toks) is None  # empty dataset: a miss, no error
+    assert t.stats()["errors"] == 1 and t.stats()["up"] == 1
+    assert sum("reachable again" in r.getMessage() for r in caplog.records) == 1
     assert t.publish(entry(toks), toks)
     assert t.lookup(toks) is not None and t.stats()["up"] == 1
 

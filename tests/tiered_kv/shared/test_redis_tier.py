@@ -2,7 +2,7 @@
 
 The entry bytes here are a toy format (``tokens ‖ payload ‖ xxh3``, ``tests/fixtures.py``) checked
 by ``check``: this module tests the tier's byte mechanics (the publish path's own rules in
-test_publish.py, the backoff and counters in test_health.py); tests/tiered_kv/shared/test_link.py
+test_writes.py, the backoff and counters in test_health.py); tests/tiered_kv/shared/test_link.py
 runs the real entry format through the real cold tier.
 """
 

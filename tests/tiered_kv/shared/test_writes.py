@@ -1,17 +1,19 @@
 """The publish path against a real redis-server: chunks, then the index in one MULTI/EXEC, and the
-entries that index write displaced unlinked (``tiered_kv/shared/publish.py``). Toy entries:
+entries that index write displaced unlinked (``tiered_kv/shared/writes.py``). Toy entries:
 ``tests/fixtures.py``."""
 
 from __future__ import annotations
 
 import threading
-import time
+
+import pytest
 
 from tests.fixtures import toy_entry as entry
 from tests.fixtures import toy_ids as ids
 from tests.fixtures import toy_tier as tier
-from tiered_kv.shared import publish
-from tiered_kv.shared.redis_tier import SharedTier
+from tests.redis_server import CuttingProxy
+from tiered_kv.shared import writes
+from tiered_kv.shared.redis_tier import MAX_CHUNKS, SharedTier
 
 
 def test_continuation_supersedes_and_identical_publish_is_skipped(redis_server):
@@ -45,19 +47,30 @@ def test_an_evicted_chunk_unlinks_its_entry_so_it_can_be_published_again(redis_s
     assert t.fetch(hit) is None and t.lookup(toks) is None  # the fetch unlinked it
 
 
-def test_a_forged_chunk_count_is_never_listed(redis_server):
+@pytest.mark.parametrize("forged", [MAX_CHUNKS + 1, 10**9])
+def test_a_forged_chunk_count_is_never_listed(redis_server, forged):
     """A superseded entry whose ``nchunks`` another writer set to 10**9: the publisher built a
-    list of 10**9 key names to unlink it (gigabytes, then a MemoryError)."""
+    list of 10**9 key names to unlink it (gigabytes, then a MemoryError). A count no entry can
+    have unlinks its index only: Redis's command log (every command, its arguments) shows the
+    UNLINK naming its ``e:`` and ``t:`` keys, no chunk. (The smallest such count: a list
+    built of it fails here at once instead of exhausting memory.)"""
     t = tier(redis_server.url)
     toks = ids(33, 64)
     t.publish(entry(toks[:32]), toks[:32])
     old = t.lookup(toks[:32])
     assert old is not None
-    redis_server.client().hset(t.key("e", old.entry_id), "nchunks", 10**9)
-    t0 = time.monotonic()
+    c = redis_server.client()
+    c.hset(t.key("e", old.entry_id), "nchunks", forged)
+    c.config_set("slowlog-log-slower-than", 0)  # log every command
+    c.config_set("slowlog-max-len", 10_000)
+    c.slowlog_reset()
     assert t.publish(entry(toks), toks)  # a continuation: supersedes the forged one
-    assert time.monotonic() - t0 < 30 and t.stats()["superseded"] == 1
-    assert not redis_server.client().exists(t.key("e", old.entry_id))
+    assert t.stats()["superseded"] == 1
+    assert not c.exists(t.key("e", old.entry_id))
+    unlinks = [e["command"].split() for e in c.slowlog_get(10_000)
+               if e["command"].upper().startswith(b"UNLINK ")]  # fmt: skip
+    named = [t.key(k, old.entry_id).encode() for k in ("e", "t")]
+    assert [u[1:] for u in unlinks if any(old.entry_id.encode() in n for n in u)] == [named]
 
 
 def _unreachable(t: SharedTier, client) -> list[str]:
@@ -76,7 +89,7 @@ def test_identical_publishes_at_the_same_moment_leave_nothing_unreachable(redis_
     toks = ids(46, 64)
     a, b = tier(redis_server.url), tier(redis_server.url)
     both = threading.Barrier(2, timeout=30)
-    real = publish.bulk.set_from
+    real = writes.bulk.set_from
     first: set[int] = set()
 
     def set_from(client, key, value):
@@ -85,7 +98,7 @@ def test_identical_publishes_at_the_same_moment_leave_nothing_unreachable(redis_
             both.wait()
         return real(client, key, value)
 
-    monkeypatch.setattr(publish.bulk, "set_from", set_from)
+    monkeypatch.setattr(writes.bulk, "set_from", set_from)
     done = [threading.Thread(target=x.publish, args=(entry(toks), toks)) for x in (a, b)]
     for th in done:
         th.start()
@@ -111,3 +124,50 @@ def test_an_entry_whose_every_block_a_newer_one_holds_is_unlinked(redis_server):
     c = redis_server.client()
     assert _unreachable(t, c) == [] and t.stats()["superseded"] == 1
     assert len(c.keys(t.key("e", "*"))) == 1
+
+
+@pytest.mark.parametrize("fault", ["connection-dropped", "unlink-refused"])
+def test_a_failed_unlink_of_a_displaced_entry_leaves_the_publish_published(redis_server, fault):
+    """The index write committed, then unlinking the entry it displaced failed (the connection
+    dropped at the UNLINK; an ACL user without UNLINK): publish returned False and counted no
+    publish, though the new entry was written and every lookup found it. The displaced entry is
+    left (unreachable) for LRU, counted; the failure is counted as any Redis call's."""
+    toks = ids(61, 64)
+    direct = tier(redis_server.url)
+    assert direct.publish(entry(toks[:32]), toks[:32])
+    old = direct.lookup(toks[:32])
+    assert old is not None
+    proxy = CuttingProxy(redis_server.port, b"UNLINK") if fault == "connection-dropped" else None
+    if proxy is None:
+        redis_server.client().acl_setuser("default", enabled=True, nopass=True, keys=["*"],
+                                          channels=["*"], commands=["+@all", "-unlink"])  # fmt: skip
+    t = tier(proxy.url if proxy is not None else redis_server.url)
+    try:
+        assert t.publish(entry(toks), toks)  # the entry is published
+    finally:
+        if proxy is not None:
+            proxy.close()
+    assert proxy is None or proxy.cuts == 1  # the fault happened where it should
+    s = t.stats()
+    assert s["publishes"] == 1 and s["displaced_left"] == 1 and s["superseded"] == 0
+    assert s["errors"] == 1 and s["outages"] == s["up"] ^ 1 == (1 if proxy is not None else 0)
+    hit = direct.lookup(toks)
+    assert hit is not None and hit.entry_id != old.entry_id and direct.fetch(hit) is not None
+    assert redis_server.client().exists(direct.key("e", old.entry_id))  # left for LRU
+
+
+def test_a_displaced_entry_whose_facts_redis_evicted_is_unlinked_all_the_same(redis_server):
+    """Redis evicted an entry's ``e:`` hash (allkeys-lru takes any key): the publish that
+    displaced it read no facts, so unlinked nothing — its token ids and chunks stayed until LRU
+    took them too. Its id and chunk naming are enough to unlink them."""
+    t = tier(redis_server.url)
+    toks = ids(62, 64)
+    assert t.publish(entry(toks[:32], payload=70_000), toks[:32])  # 71 chunks: two batches
+    old = t.lookup(toks[:32])
+    assert old is not None and old.nchunks == 71
+    c = redis_server.client()
+    c.delete(t.key("e", old.entry_id))  # evicted
+    assert t.publish(entry(toks), toks)
+    assert c.keys(f"*{old.entry_id}*") == []
+    hit = t.lookup(toks)
+    assert hit is not None and t.fetch(hit) is not None

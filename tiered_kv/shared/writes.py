@@ -16,30 +16,69 @@ any write to a shared prefix's block keys (every publish on the same system prom
 would read keys it cannot name in advance, and neither touches the other two cases; what this
 leaves is the loser's bytes sent once.
 
+A failure after the index write (unlinking what it displaced) leaves the publish standing: the
+entry is published, the displaced ones stay (unreachable) until LRU takes them, counted
+``displaced_left``.
+
 An entry already there whole (the lookup's longest match holds the same ids, every chunk of it
 in Redis) is not sent again; chunks written before a failure are unlinked (never indexed).
 Publisher thread only (:mod:`tiered_kv.shared.publisher`, through ``SharedTier.publish``);
-bytes only, never MLX.
+bytes only, never MLX. What it uses of the tier is :class:`Tier` (a Protocol: the tier calls this
+module, so this module imports nothing of it).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
+import redis
 
 from tiered_kv import keys
+from tiered_kv.declared import Serving
 from tiered_kv.shared import bulk, reads
-from tiered_kv.shared.health import quietly
-
-if TYPE_CHECKING:
-    from tiered_kv.shared.redis_tier import SharedTier
+from tiered_kv.shared.health import Health, quietly
 
 
-def publish(tier: SharedTier, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
+class Match(Protocol):
+    """An entry a lookup found (:class:`redis_tier.SharedHit`): what the skip check reads."""
+
+    @property
+    def entry_id(self) -> str: ...
+    @property
+    def tokens(self) -> int: ...  # ids in common with the entry to publish
+    @property
+    def entry_tokens(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def nchunks(self) -> int: ...
+
+
+class Tier(Protocol):
+    """What the write path uses of :class:`redis_tier.SharedTier` (see there)."""
+
+    client: redis.Redis
+    health: Health
+    block_tokens: int
+    seed: str
+    chunk_bytes: int
+    describe: Callable[[memoryview], Serving | None] | None
+
+    def key(self, kind: str, *parts: object) -> str: ...
+    def block_keys(self, hashes: Sequence[int]) -> list[str]: ...
+    def matches(self, tokens: np.ndarray, hashes: Sequence[int]) -> Sequence[Match]: ...
+    def held(self, eid: str, nbytes: int, chunk_bytes: int, nchunks: int) -> str: ...
+    def unlink(self, eid: str, nchunks: int) -> None: ...
+    def unlink_lost(self, eid: str) -> None: ...
+
+
+def publish(tier: Tier, data: Any, token_ids: Sequence[int] | np.ndarray) -> bool:
     """Store an entry's bytes (a buffer) for ``token_ids``; False when skipped (already
     there, too short, Redis down) or failed (counted). Publisher thread."""
     tokens = keys.as_int32(token_ids)
@@ -47,15 +86,26 @@ def publish(tier: SharedTier, data: Any, token_ids: Sequence[int] | np.ndarray) 
     if not hashes:
         return False
     view = memoryview(data).cast("B")
-    return bool(tier.health.call("publish", lambda: _publish(tier, view, tokens, hashes), False))
+    done = tier.health.call("publish", lambda: _publish(tier, view, tokens, hashes), None)
+    if done is None:
+        return False
+    # published (its index committed): a failure from here on leaves what it displaced, unlinked
+    # by nothing but LRU (unreachable: no lookup finds it), and the publish stands
+    if not tier.health.call("unlink displaced", lambda: _unlink_displaced(tier, *done), False):
+        tier.health.count("displaced_left")
+    return True
 
 
-def _publish(tier: SharedTier, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]) -> bool:
+def _publish(
+    tier: Tier, view: memoryview, tokens: np.ndarray, hashes: Sequence[int]
+) -> tuple[Sequence[Any], str] | None:
+    """Chunks, then the index: (what the block keys named just before, the new entry's id), or
+    None where skipped (the same entry is there whole)."""
     old = next(iter(tier.matches(tokens, hashes)), None)  # the longest match
     if old is not None and old.tokens == old.entry_tokens == len(tokens):
         if tier.held(old.entry_id, old.nbytes, old.chunk_bytes, old.nchunks) == "whole":
             tier.health.count("publish_skipped")  # the same entry is there (another server wrote it)
-            return False
+            return None
         # a chunk evicted: published again, its index write displaces the old one (below)
     eid = uuid.uuid4().hex
     size, chunk = len(view), tier.chunk_bytes
@@ -84,25 +134,27 @@ def _publish(tier: SharedTier, view: memoryview, tokens: np.ndarray, hashes: Seq
     except BaseException:
         quietly(lambda: tier.client.unlink(*chunk_keys))  # never indexed: orphans
         raise
-    _unlink_displaced(tier, replies[: len(names)], eid)
     tier.health.add(publishes=1, publish_bytes=size)
-    return True
+    return replies[: len(names)], eid
 
 
-def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> None:
+def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str) -> bool:
     """Unlink each entry whose deepest block key ``eid``'s index write took (``was``: what the
     block keys named just before, in block order): it holds no block ``eid`` does not, so
     every block key that named it names ``eid`` now — no lookup can find it again (a
     continuation's older entry; the same entry published by another server at the same
     moment, whichever index write came first). Only an entry's own publish names it in a
-    block key, so nothing makes it reachable again. One round trip when any was displaced."""
+    block key, so nothing makes it reachable again. One whose facts Redis evicted (its ``e:``
+    hash gone) is unlinked too, by its id and chunk naming: a lookup reads the facts first, so
+    it was unreachable already. One round trip when any was displaced.
+    True when done; a failure raises (:meth:`Health.call` counts it)."""
     deepest: dict[str, int] = {}
     for depth, raw in enumerate(was):
         other = reads.eid_of(raw)
         if other is not None and other != eid:
             deepest[other] = depth
     if not deepest:
-        return
+        return True
     pipe = tier.client.pipeline(transaction=False)
     for other in deepest:
         reads.queue_fields(pipe, tier.key("e", other), reads.FACTS)
@@ -113,3 +165,7 @@ def _unlink_displaced(tier: SharedTier, was: Sequence[Any], eid: str) -> None:
         if facts is not None and facts[0] // tier.block_tokens == depth + 1:
             tier.unlink(other, facts[2])
             tier.health.count("superseded")
+        elif got is not None and got.gone:  # its facts evicted: no lookup serves it, at any depth
+            tier.unlink_lost(other)
+            tier.health.count("superseded")
+    return True
