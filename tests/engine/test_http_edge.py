@@ -55,3 +55,41 @@ def test_a_compressed_body_is_read_as_its_content_encoding_says(guarded):
     assert len(bomb) < 4000
     r = post(bomb, "gzip")
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def _post(server, body: bytes, encoding: str) -> httpx.Response:
+    headers = {**AUTH, "content-type": "application/json", "content-encoding": encoding}
+    return httpx.post(server.url + "/v1/chat/completions", content=body, headers=headers, timeout=60)
+
+
+def _chat(body: bytes, encoding: str, status: int, code: str | None, server) -> None:
+    r = _post(server, body, encoding)
+    assert r.status_code == status, (encoding, r.text)
+    if code:
+        assert r.json()["error"]["code"] == code, r.text
+    else:
+        assert r.json()["object"] == "chat.completion", r.text
+
+
+_RAW = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+
+
+def test_gzip_members_trailing_junk_and_raw_deflate(guarded):
+    """A gzip body of several members (RFC 1952: one stream) was read to the end of the first
+    (here: half a JSON document, a 400); bytes after the stream were ignored (a 200); a raw
+    deflate body (no zlib wrapper, as some clients send ``deflate``) was a 400."""
+    import gzip
+    import zlib
+
+    half = len(_RAW) // 2
+    _chat(gzip.compress(_RAW[:half]) + gzip.compress(_RAW[half:]), "gzip", 200, None, guarded)
+    _chat(gzip.compress(_RAW) + b"junk", "gzip", 400, "invalid_body_encoding", guarded)
+    _chat(gzip.compress(_RAW) + b"\x1f\x8b", "gzip", 400, "invalid_body_encoding", guarded)
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    _chat(raw.compress(_RAW) + raw.flush(), "deflate", 200, None, guarded)
+    _chat(zlib.compress(_RAW) + b"junk", "deflate", 400, "invalid_body_encoding", guarded)
+    _chat(b"neither form", "deflate", 400, "invalid_body_encoding", guarded)
+    bomb = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    _chat(bomb.compress(b" " * 1_000_000) + bomb.flush(), "deflate", 413, "request_too_large", guarded)
+    _chat(gzip.compress(_RAW) + gzip.compress(b" " * 1_000_000), "gzip", 413, "request_too_large",
+          guarded)  # fmt: skip
