@@ -59,7 +59,8 @@ def test_a_compressed_body_is_read_as_its_content_encoding_says(guarded):
 
 def _post(server, body: bytes, encoding: str) -> httpx.Response:
     headers = {**AUTH, "content-type": "application/json", "content-encoding": encoding}
-    return httpx.post(server.url + "/v1/chat/completions", content=body, headers=headers, timeout=60)
+    url = server.url + "/v1/chat/completions"
+    return httpx.post(url, content=body, headers=headers, timeout=60)
 
 
 def _chat(body: bytes, encoding: str, status: int, code: str | None, server) -> None:
@@ -114,6 +115,7 @@ def test_gzip_members_trailing_junk_and_raw_deflate(guarded):
     _chat(zlib.compress(_RAW) + b"junk", "deflate", 400, "invalid_body_encoding", guarded)
     _chat(b"neither form", "deflate", 400, "invalid_body_encoding", guarded)
     bomb = zlib.compressobj(wbits=-zlib.MAX_WBITS)
-    _chat(bomb.compress(b" " * 1_000_000) + bomb.flush(), "deflate", 413, "request_too_large", guarded)
+    bomb_body = bomb.compress(b" " * 1_000_000) + bomb.flush()
+    _chat(bomb_body, "deflate", 413, "request_too_large", guarded)
     _chat(gzip.compress(_RAW) + gzip.compress(b" " * 1_000_000), "gzip", 413, "request_too_large",
           guarded)  # fmt: skip
