@@ -24,10 +24,23 @@ def anthropic_route(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+#: seconds a 429 (server busy: the queue is full) or a 503 (shutting down) asks its client to
+#: wait (``Retry-After``; the OpenAI and Anthropic SDKs honour it): a place frees as soon as any
+#: running request ends
+RETRY_AFTER_SECONDS = 1
+
+
+def retry_after(status: int) -> dict[str, str]:
+    """The ``Retry-After`` header of a response with ``status``: on a 429 and a 503, else none."""
+    return {"retry-after": str(RETRY_AFTER_SECONDS)} if status in (429, 503) else {}
+
+
 def error_response(path: str, e: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """``e`` as the response of a request for ``path``: OpenAI's error body, or Anthropic's on
-    its routes (``{"type": "error", "error": {"type", "message"}}``)."""
+    its routes (``{"type": "error", "error": {"type", "message"}}``), with ``Retry-After`` where
+    the status asks for one (:func:`retry_after`)."""
     body = messages.error_body(e) if anthropic_route(path) else e.body()
+    headers = {**retry_after(e.status), **(headers or {})}
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 
@@ -74,7 +87,7 @@ class ShutdownGuard:
         except asyncio.CancelledError:
             if started:
                 raise
-            headers = {"connection": "close", "retry-after": "1"}
+            headers = {"connection": "close"}
             await error_response(scope["path"], ShuttingDown(), headers)(scope, receive, send)
 
 
