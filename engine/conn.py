@@ -1,10 +1,17 @@
-"""Connection hygiene for `tiered-kv serve`: a header deadline, the file-handle limit, log floods.
+"""Connection hygiene for `tiered-kv serve`: a header deadline, answers to unreadable requests, the
+file-handle limit, log floods.
 
 * **Header deadline.** uvicorn (h11) closes a connection idle *between* requests after
   ``timeout_keep_alive``, but not one that never finishes its request headers: its keep-alive timer
   stops at the first byte, and none runs before the first request. Half-open connections then pile
   up until the process runs out of file handles. :func:`guarded_h11` adds one deadline per request
   for the whole header block (more bytes do not extend it), as nginx's ``client_header_timeout``.
+* **Unreadable requests.** A header block past h11's buffer (``h11_max_incomplete_event_size``,
+  16 KiB) or a request h11 cannot parse got uvicorn's plain-text 400 and a close with the rest of
+  the request unread, which the client sees as a connection reset before it reads the answer. The
+  guarded protocol answers with h11's status (431 for the header block), an OpenAI-shaped body, and
+  a lingering close: it sends its end, then reads and drops what the client still sends (for at
+  most the header deadline), as nginx's ``lingering_close``.
 * **File handles.** :func:`raise_nofile_limit` lifts the soft RLIMIT_NOFILE towards the hard limit
   at start (macOS defaults to a soft limit of 256); :func:`mlx_lm_keeps_hard_limit` stops
   mlx-lm's import-time ``setrlimit(RLIMIT_NOFILE, (2048, 4096))`` from lowering a higher hard limit
@@ -20,14 +27,18 @@ It also owns the connection timings' defaults (the ``tiered-kv serve`` flags' an
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http import HTTPStatus
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from engine.errors import error_body
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +52,32 @@ BODY_TIMEOUT_SECONDS = 30.0
 KEEPALIVE_SECONDS = 5.0
 
 
+class _HintedConnection(h11.Connection):
+    """h11's connection that keeps the status its last protocol error hints at (431: the header
+    block outgrew the buffer; 400 else)."""
+
+    error_status = 400
+
+    def next_event(self) -> Any:
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.error_status = e.error_status_hint
+            raise
+
+
+
+
 class _HeaderDeadline(H11Protocol):
-    """H11Protocol that closes a connection whose request headers are not complete in time."""
+    """H11Protocol that closes a connection whose request headers are not complete in time, and
+    answers a request h11 cannot read with its status, then closes lingering."""
 
     header_timeout: float = HEADER_TIMEOUT_SECONDS
+    _lingering = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn.__class__ = _HintedConnection  # uvicorn builds it; same state, its errors kept
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
@@ -52,8 +85,34 @@ class _HeaderDeadline(H11Protocol):
         self._watch_headers()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # the rest of a request already answered: dropped
+            return
         super().data_received(data)
         self._watch_headers()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot serve (``msg`` says why): h11's status, an
+        OpenAI-shaped body, then the lingering close."""
+        status = 431 if getattr(self.conn, "error_status", 400) == 431 else 400
+        if status == 431:
+            message, code = "request header fields too large", "request_headers_too_large"
+        else:
+            message, code = msg.rstrip("."), "invalid_http_request"
+        body = json.dumps(error_body(message, code=code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        head = h11.Response(status_code=status, headers=headers,
+                            reason=HTTPStatus(status).phrase.encode())  # fmt: skip
+        for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event) or b"")
+        if not self.transport.can_write_eof():  # TLS: no half-close, uvicorn's plain close
+            self.transport.close()
+            return
+        # closing with unread bytes would reset the connection, and the client would lose the
+        # answer: end our side, drop what comes until the client ends its own (or the deadline)
+        self._lingering = True
+        self.transport.write_eof()
+        self.loop.call_later(self.header_timeout, self.transport.close)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from engine import messages
+from engine.content_coding import body_too_large, decode
 from engine.errors import ApiError, ClientClosed, ShuttingDown
 
 
@@ -24,10 +24,23 @@ def anthropic_route(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+#: seconds a 429 (server busy: the queue is full) or a 503 (shutting down) asks its client to
+#: wait (``Retry-After``; the OpenAI and Anthropic SDKs honour it): a place frees as soon as any
+#: running request ends
+RETRY_AFTER_SECONDS = 1
+
+
+def retry_after(status: int) -> dict[str, str]:
+    """The ``Retry-After`` header of a response with ``status``: on a 429 and a 503, else none."""
+    return {"retry-after": str(RETRY_AFTER_SECONDS)} if status in (429, 503) else {}
+
+
 def error_response(path: str, e: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """``e`` as the response of a request for ``path``: OpenAI's error body, or Anthropic's on
-    its routes (``{"type": "error", "error": {"type", "message"}}``)."""
+    its routes (``{"type": "error", "error": {"type", "message"}}``), with ``Retry-After`` where
+    the status asks for one (:func:`retry_after`)."""
     body = messages.error_body(e) if anthropic_route(path) else e.body()
+    headers = {**retry_after(e.status), **(headers or {})}
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 
@@ -74,7 +87,7 @@ class ShutdownGuard:
         except asyncio.CancelledError:
             if started:
                 raise
-            headers = {"connection": "close", "retry-after": "1"}
+            headers = {"connection": "close"}
             await error_response(scope["path"], ShuttingDown(), headers)(scope, receive, send)
 
 
@@ -85,45 +98,11 @@ async def hangup(request: Request) -> None:
         pass
 
 
-#: the request Content-Encodings read (zlib's window bits for each); zstd and br would need
-#: libraries the server does not depend on: a 415 naming them, not a JSON error about byte 0x28
-DECODED = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-def _too_big(limit: int) -> ApiError:
-    return ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
-
-
-def decode(body: bytes, encoding: str, limit: int) -> bytes:
-    """``body`` as its ``Content-Encoding`` says: at most ``limit`` bytes decoded (413), an
-    encoding not read a 415, a body that is not what it says a 400."""
-    coding = encoding.strip().lower()
-    if coding in ("", "identity"):
-        return body
-    if coding not in DECODED:
-        raise ApiError(415, f"request Content-Encoding {encoding[:40]!r} is not supported: send "
-                       f"the body as {', '.join(DECODED)} or not encoded",
-                       code="unsupported_content_encoding")  # fmt: skip
-    inflate = zlib.decompressobj(DECODED[coding])
-    try:
-        out = inflate.decompress(body, limit + 1)
-    except zlib.error as e:
-        out, error = b"", str(e)
-    else:
-        error = "" if inflate.eof else "it ends early"
-    if len(out) > limit:
-        raise _too_big(limit)
-    if error:
-        raise ApiError(400, f"request body is not valid {coding}: {error}",
-                       code="invalid_body_encoding")  # fmt: skip
-    return out
-
-
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The body, bounded in size (413) and in time (408: a client that trickles its body) and
-    decoded (:func:`decode`, in the thread pool); a client that closed the connection before
-    sending all of it is a 499, not a server error."""
-    too_big = _too_big(limit)
+    decoded (:func:`engine.content_coding.decode`, in the thread pool); a client that closed the
+    connection before sending all of it is a 499, not a server error."""
+    too_big = body_too_large(limit)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise too_big

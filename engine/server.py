@@ -30,7 +30,14 @@ from engine import api, chat, conn, messages, openai_bodies, respond, responses,
 from engine.api import ChatRequest, CompletionRequest
 from engine.errors import ApiError, error_body
 from engine.events import END, Failed
-from engine.http_edge import Auth, ShutdownGuard, error_response, hangup, read_body
+from engine.http_edge import (
+    Auth,
+    ShutdownGuard,
+    error_response,
+    hangup,
+    read_body,
+    retry_after,
+)
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
 from engine.worker import Job, QueueFull, Worker
@@ -84,8 +91,7 @@ class Server:
         if isinstance(e, ApiError):
             self.metrics.request(endpoint, e.status)
             body = messages.error_body(e) if anthropic else e.body()
-            headers = {"retry-after": "1"} if e.status == 503 else None
-            return JSONResponse(body, status_code=e.status, headers=headers)
+            return JSONResponse(body, status_code=e.status, headers=retry_after(e.status))
         log.exception("internal error on %s", endpoint)
         self.metrics.request(endpoint, 500)
         if anthropic:

@@ -1,5 +1,6 @@
 """engine/http_edge.py over real HTTP: the API key guards everything but /health; a body over
-``max_body_bytes`` is a 413 (the server and its other errors: test_server.py)."""
+``max_body_bytes`` is a 413 (an encoded body: test_content_coding.py; the server and its other
+errors: test_server.py)."""
 
 from __future__ import annotations
 
@@ -25,33 +26,3 @@ def test_api_key_required_except_health(guarded):
     assert httpx.get(guarded.url + "/metrics", headers={}).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=guarded.url + "/v1", api_key="nope", max_retries=0).models.list()
-
-
-def test_a_compressed_body_is_read_as_its_content_encoding_says(guarded):
-    """A gzip (or deflate) body, as Codex-style clients send large /v1/responses bodies, was a 400
-    "not valid JSON: can't decode byte 0x8b"; it is decoded now, within ``max_body_bytes`` of
-    decoded bytes (a small bomb is a 413), and an encoding the server cannot read is a 415."""
-    import gzip
-    import json
-    import zlib
-
-    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
-
-    def post(body: bytes, encoding: str) -> httpx.Response:
-        headers = {**AUTH, "content-type": "application/json", "content-encoding": encoding}
-        return httpx.post(guarded.url + "/v1/chat/completions", content=body, headers=headers,
-                          timeout=60)  # fmt: skip
-
-    for body, encoding in ((gzip.compress(raw), "gzip"), (zlib.compress(raw), "deflate"),
-                           (raw, "identity")):  # fmt: skip
-        r = post(body, encoding)
-        assert r.status_code == 200 and r.json()["object"] == "chat.completion", (encoding, r.text)
-    r = post(raw, "zstd")
-    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_content_encoding"
-    assert "zstd" in r.json()["error"]["message"]
-    r = post(gzip.compress(raw)[:-9], "gzip")  # cut short
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body_encoding", r.text
-    bomb = gzip.compress(json.dumps({"messages": [{"role": "user", "content": " " * 50_000}]}).encode())
-    assert len(bomb) < 4000
-    r = post(bomb, "gzip")
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

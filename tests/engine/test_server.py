@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from engine.generate import Engine
+from engine.http_edge import RETRY_AFTER_SECONDS
 from tests.serving import AUTH, TOOLS, USER, Scripted, hot_config, serve
 from tiered_kv.config import Config
 
@@ -355,7 +356,7 @@ def test_concurrent_sessions_share_the_system_prompt(fresh):
         assert r.usage.prompt_tokens_details.cached_tokens >= firsts[i].usage.prompt_tokens
 
 
-def test_queue_full_is_a_429_and_health_answers_while_the_batch_runs(tiny_model_dir, tmp_path):
+def test_queue_full_is_a_429_with_retry_after_and_health_answers_meanwhile(tiny_model_dir, tmp_path):
     config = hot_config(tmp_path, max_batch=1, max_queue=0)
     with serve(lambda: Engine(tiny_model_dir, config), config) as s:
         # (the random tiny model goes on without an end-of-sequence token after this prompt)
@@ -373,6 +374,8 @@ def test_queue_full_is_a_429_and_health_answers_while_the_batch_runs(tiny_model_
             assert health["busy"] and health["batch_size"] == 1 and health["in_flight"] == 1
             full = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
             assert full.status_code == 429
+            # the SDKs wait as long as Retry-After says (it was missing: they guessed)
+            assert full.headers["retry-after"] == str(RETRY_AFTER_SECONDS)
             err = full.json()["error"]
             assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
             metrics = httpx.get(s.url + "/metrics", timeout=5).text

@@ -149,3 +149,22 @@ def test_a_client_gone_in_the_middle_of_its_body_is_no_server_error(make):
     assert "internal error" not in s.log.read_text(errors="replace")
     ok = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(f"{s.url}/v1/chat/completions", json=ok, timeout=60).status_code == 200
+
+
+def test_a_header_block_past_the_limit_is_a_431_the_client_reads(make):
+    """A 200 KB request header (h11 holds at most 16 KiB of an unfinished header block) got
+    uvicorn's plain-text 400 and a close with the rest of the request unread: the client saw a
+    connection reset, not the answer. Now a JSON 431, and the rest of the request is read and
+    dropped before the connection closes; a request h11 cannot parse is still a 400."""
+    s = make()
+    for _ in range(3):
+        r = httpx.get(f"{s.url}/health", headers={"x-big": "a" * 200_000}, timeout=30)
+        assert r.status_code == 431, r.text
+        assert r.json()["error"]["code"] == "request_headers_too_large"
+    with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n")
+        answer = b""
+        while chunk := c.recv(4096):  # to the server's end of its side
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 ") and b'"invalid_http_request"' in answer, answer
+    assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200

@@ -1,0 +1,130 @@
+"""Request bodies decoded as their ``Content-Encoding`` says, within a bound on the *decoded*
+bytes (no ASGI, no MLX; :func:`engine.http_edge.read_body` calls it in the thread pool).
+
+* ``gzip`` / ``x-gzip``: every member (RFC 1952: concatenated members are one stream).
+* ``deflate``: the zlib-wrapped form (RFC 1950, what the name means in HTTP) or, failing that, raw
+  deflate (RFC 1951), which some clients send under that name and browsers accept.
+* ``zstd``: every frame (RFC 8878), with a window of at most 8 MiB (RFC 9659's bound for HTTP: a
+  frame asking for more is refused before the decoder allocates it); Codex-style clients send it.
+
+Past ``limit`` decoded bytes a 413: every decompressor is driven with an output limit, so a bomb
+never decodes more than the bound (+1 byte). A body that is not what its encoding says (damaged,
+cut short, or with bytes after its stream) is a 400 ``invalid_body_encoding``; an encoding not read
+here is a 415 naming those that are.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import zstandard
+
+from engine.errors import ApiError
+
+#: zlib's window bits for each form
+GZIP, ZLIB, RAW_DEFLATE = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS, -zlib.MAX_WBITS
+#: the largest zstd window decoded (RFC 9659 § 3: HTTP's zstd encoders stay within 8 MiB)
+ZSTD_MAX_WINDOW = 8 * 1024**2
+#: decoded bytes per read while a zstd body is measured
+_ZSTD_CHUNK = 64 * 1024
+
+
+class Invalid(Exception):
+    """The body is not what its encoding says; the message says why."""
+
+
+def body_too_large(limit: int) -> ApiError:
+    """The 413 for a body past ``limit`` bytes, as sent or decoded."""
+    return ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
+
+
+def _inflate(data: bytes, wbits: int, room: int, limit: int) -> tuple[bytes, bytes]:
+    """The first zlib stream of ``data``, at most ``room`` bytes of it (the 413 past ``limit``
+    else), and the bytes after it. Raises zlib.error, or Invalid for a stream cut short."""
+    inflate = zlib.decompressobj(wbits)
+    out = inflate.decompress(data, room + 1)
+    if len(out) > room:
+        raise body_too_large(limit)
+    if not inflate.eof:
+        raise Invalid("it ends early")
+    return out, inflate.unused_data
+
+
+def _gzip(body: bytes, limit: int) -> list[bytes]:
+    parts: list[bytes] = []
+    size, rest = 0, body
+    while True:  # a member after a member: RFC 1952 § 2.2, "a series of members"
+        try:
+            out, after = _inflate(rest, GZIP, limit - size, limit)
+        except zlib.error as e:
+            if parts:  # the bytes after a whole member are not one
+                raise Invalid(f"the {len(rest)} bytes after its end are no gzip member") from None
+            raise Invalid(str(e)) from None
+        parts.append(out)
+        size += len(out)
+        if not after:
+            return parts
+        rest = after
+
+
+def _deflate(body: bytes, limit: int) -> list[bytes]:
+    try:
+        out, after = _inflate(body, ZLIB, limit, limit)
+    except zlib.error:  # not the zlib form: raw deflate, as browsers take it
+        try:
+            out, after = _inflate(body, RAW_DEFLATE, limit, limit)
+        except zlib.error as e:
+            raise Invalid(f"neither zlib nor raw deflate ({e})") from None
+    if after:
+        raise Invalid(f"{len(after)} bytes follow its end")
+    return [out]
+
+
+def _zstd(body: bytes, limit: int) -> list[bytes]:
+    dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+    try:
+        # zstandard's stream reader bounds its output but passes a cut frame as an end, and its
+        # frame decoder tells a frame's end but holds all its output: measure, then decode
+        with dctx.stream_reader(body, read_across_frames=True) as reader:
+            size = 0
+            while chunk := reader.read(_ZSTD_CHUNK):
+                size += len(chunk)
+                if size > limit:
+                    raise body_too_large(limit)
+        parts, rest = [], body
+        while True:  # frame after frame (RFC 8878 § 3: a stream of frames), each whole
+            frame = dctx.decompressobj()
+            parts.append(frame.decompress(rest))
+            if not frame.eof:
+                raise Invalid("it ends early")
+            rest = frame.unused_data
+            if not rest:
+                return parts
+    except zstandard.ZstdError as e:
+        raise Invalid(str(e)) from None
+
+
+#: each encoding read: ``(body, limit)`` → the decoded parts, or the 413 past ``limit`` bytes
+DECODERS: dict[str, Callable[[bytes, int], list[bytes]]] = {
+    "gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "zstd": _zstd,
+}  # fmt: skip
+
+
+def decode(body: bytes, encoding: str, limit: int) -> bytes:
+    """``body`` as its ``Content-Encoding`` says: at most ``limit`` bytes decoded (413), an
+    encoding not read a 415, a body that is not what it says a 400."""
+    coding = encoding.strip().lower()
+    if coding in ("", "identity"):
+        return body
+    read = DECODERS.get(coding)
+    if read is None:
+        raise ApiError(415, f"request Content-Encoding {encoding[:40]!r} is not supported: send "
+                       f"the body as {', '.join(DECODERS)} or not encoded",
+                       code="unsupported_content_encoding")  # fmt: skip
+    try:
+        parts = read(body, limit)
+    except Invalid as e:
+        raise ApiError(400, f"request body is not valid {coding}: {e}",
+                       code="invalid_body_encoding") from None  # fmt: skip
+    return b"".join(parts)
