@@ -16,7 +16,8 @@ records whose file is gone, stale temp files, corrupt orphans) and on ``verify -
 
 :meth:`Remover.make_room` runs the pure LRU policy (:mod:`budget`) over the usage scan and
 removes its victims. The index itself counts inside the budget: every entry reserves room for
-its index rows (token ids, block keys) and the WAL.
+its index rows (token ids, block keys) and the WAL; the WAL is checkpointed (cut to nothing)
+before anything is evicted for room it holds (:meth:`Index.checkpoint`).
 """
 
 from __future__ import annotations
@@ -81,11 +82,15 @@ class Remover:
         site = self.site
         sweep_temp(site.dir)  # a killed writer's temp file was kept, unevictable, until a restart
         incoming = data_bytes + 4 * n_tokens + HEADER_SLACK + index_bytes(n_tokens, site.block_tokens)
-        use = usage.scan(site.root, site.fingerprint, index.records())
-        free = shutil.disk_usage(site.root).free
-        plan = budget.select_victims(use.items, used=use.used, incoming=incoming,
-                                     budget=self.disk_bytes, free=free,
-                                     floor=self.free_floor)  # fmt: skip
+        for attempt in (0, 1):
+            use = usage.scan(site.root, site.fingerprint, index.records())
+            free = shutil.disk_usage(site.root).free
+            plan = budget.select_victims(use.items, used=use.used, incoming=incoming,
+                                         budget=self.disk_bytes, free=free,
+                                         floor=self.free_floor)  # fmt: skip
+            if attempt or plan.fits and not plan.victims:
+                break
+            index.checkpoint()  # before evicting for room the WAL holds: measured after it
         if not plan.fits:
             site.faults.once("budget", "cold entry of %d bytes does not fit the disk budget",
                              incoming)  # fmt: skip

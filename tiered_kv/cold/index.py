@@ -265,6 +265,12 @@ class Index:
             c.execute("DELETE FROM meta")
         self._meta = None
 
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database and cut it to nothing (the budget counts it), as far
+        as readers allow: one still reading an older snapshot keeps what it reads (not an
+        error)."""
+        self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
     def close(self) -> None:
         """Close every thread's connection (a later call opens a new one). Only where no other
         thread may be querying it: :meth:`release` where one may."""
