@@ -14,15 +14,18 @@ the write path deletes a file it
 published when the index commit fails (``writes``); ``verify`` repairs at open (``reconcile``:
 records whose file is gone, stale temp files, corrupt orphans) and on ``verify --fix``.
 
-:meth:`Remover.make_room` runs the pure LRU policy (:mod:`budget`) over the usage scan and
-removes its victims. The index itself counts inside the budget: every entry reserves room for
-its index rows (token ids, block keys) and the WAL; the WAL is checkpointed (cut to nothing)
-before anything is evicted for room it holds (:meth:`Index.checkpoint`).
+:meth:`Remover.make_room` runs the pure LRU policy (:mod:`budget`) over the disk's usage and
+removes its victims; what it reads per write does not grow with the entry count (its doc says
+what it reads, and when it walks the directory). The index itself counts inside the budget:
+every entry reserves room for its index rows (token ids, block keys) and the WAL; the WAL is
+checkpointed (cut to nothing) before anything is evicted for room it holds
+(:meth:`Index.checkpoint`).
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -36,6 +39,10 @@ from tiered_kv.cold.verify import quarantine, sweep_temp
 HEADER_SLACK = 64 << 10  # bytes reserved for an entry file's header
 _ROW = 96  # index bytes per block row (key, entry id, depth, two index entries), generous
 _WAL = 2  # room for the WAL copy of the pages a commit writes
+INDEX = "index"  # the index's directory in the tier's (see site.Site)
+#: what lies beside the entries (other processes' temp files, other fingerprints' directories
+#: under a shared root) is measured again at least this often while writes go on
+RESCAN_SECONDS = 10.0
 
 
 def index_bytes(n_tokens: int, block_tokens: int) -> int:
@@ -51,6 +58,11 @@ class Remover:
         self.site = site
         self.disk_bytes = disk_bytes
         self.free_floor = free_floor
+        #: what lies beside the entries, as last measured (:meth:`_rescan`)
+        self._beside = usage.Usage(0, [])
+        self._stale = True  # measure it again at the next write (set from any thread)
+        self._scanned_for: Index | None = None  # the index it was measured beside (a re-open: again)
+        self._scanned_at = 0.0
 
     def remove(self, index: Index, entry_ids: Iterable[str], reason: str) -> list[Record]:
         """Index first (one transaction), then each file; counted under ``reason``."""
@@ -66,6 +78,7 @@ class Remover:
             path = site.dir / Path(r.file).name
             if reason == "quarantined":
                 quarantine(path, site.quarantine_dir, site.fingerprint)
+                self._stale = True  # it lies beside the entries now: measured at the next write
             elif is_key(r.entry_id) and path == site.backend.path(r.entry_id):
                 site.backend.delete(r.entry_id)
             else:  # a file adopted under another name (not written by this build)
@@ -78,30 +91,63 @@ class Remover:
     def make_room(self, index: Index, n_tokens: int, data_bytes: int) -> bool:
         """Evict least recently used entries (and stale files) until an entry of ``data_bytes``
         plus its index rows fits the budget and the free-space floor; False if it never can (then
-        only until what is there fits: a budget lowered since the last run holds)."""
+        only until what is there fits: a budget lowered since the last run holds).
+
+        Its cost does not grow with the entry count: the entries' bytes are one row the index
+        keeps (:meth:`Index.summary`), only the records that may be evicted are read
+        (:meth:`Index.oldest`; before, every record was read and the directory listed), and what
+        lies beside the entries is measured by a walk of the cache dir (dead writers' temp files
+        swept first) at the first write, after a re-open, a quarantine or a removed path, every
+        :data:`RESCAN_SECONDS`, and when the entry does not fit what was measured."""
         site = self.site
-        sweep_temp(site.dir)  # a killed writer's temp file was kept, unevictable, until a restart
         incoming = data_bytes + 4 * n_tokens + HEADER_SLACK + index_bytes(n_tokens, site.block_tokens)
-        for attempt in (0, 1):
-            use = usage.scan(site.root, site.fingerprint, index.records())
-            free = shutil.disk_usage(site.root).free
-            plan = budget.select_victims(use.items, used=use.used, incoming=incoming,
-                                         budget=self.disk_bytes, free=free,
-                                         floor=self.free_floor)  # fmt: skip
-            if attempt or plan.fits and not plan.victims:
-                break
+        fresh = self._stale or self._scanned_for is not index or (
+            time.monotonic() - self._scanned_at >= RESCAN_SECONDS)  # fmt: skip
+        if fresh:
+            self._rescan(index)
+        use, free = self._measure(index, incoming)
+        plan = self._select(use, free, incoming)
+        if plan.victims or not plan.fits:
             index.checkpoint()  # before evicting for room the WAL holds: measured after it
+            if not plan.fits and not fresh:
+                self._rescan(index)  # what lies beside may have changed since it was measured
+            use, free = self._measure(index, incoming)
+            plan = self._select(use, free, incoming)
         if not plan.fits:
             site.faults.once("budget", "cold entry of %d bytes does not fit the disk budget",
                              incoming)  # fmt: skip
             # the budget still holds for what is there (one lowered since the last run)
-            plan = budget.select_victims(use.items, used=use.used, incoming=0,
-                                         budget=self.disk_bytes, free=free,
-                                         floor=self.free_floor)  # fmt: skip
-            self._evict(index, plan.victims)
+            self._evict(index, self._select(use, free, 0).victims)
             return False
         self._evict(index, plan.victims)
         return True
+
+    def _rescan(self, index: Index) -> None:
+        """Measure what lies beside ``index``'s entries: other fingerprints, quarantine, temp
+        files and orphans (the index's own files are measured at each write)."""
+        site = self.site
+        self._stale = False  # first: a quarantine while it measures has it measured again
+        sweep_temp(site.dir)  # a killed writer's temp file was kept, unevictable, until a restart
+        self._beside = usage.beside(site.root, site.fingerprint, index.files(), measured=(INDEX,))
+        self._scanned_for, self._scanned_at = index, time.monotonic()
+
+    def _measure(self, index: Index, incoming: int) -> tuple[usage.Usage, int]:
+        """(usage: every byte and the units that may have to go, free bytes on the disk)."""
+        site = self.site
+        _, entries = index.summary()
+        used = entries + usage.tree_size(site.dir / INDEX)[0] + self._beside.used
+        free = shutil.disk_usage(site.root).free
+        need = max(used + incoming - self.disk_bytes, self.free_floor - free + incoming)
+        items = list(self._beside.items)
+        if need > 0:  # the least recently used entries whose bytes cover it, and no more
+            items += [budget.Item(("entry", r.entry_id), r.nbytes, r.last_used)
+                      for r in index.oldest(need)]  # fmt: skip
+        return usage.Usage(used, items), free
+
+    def _select(self, use: usage.Usage, free: int, incoming: int) -> budget.Plan:
+        return budget.select_victims(use.items, used=use.used, incoming=incoming,
+                                     budget=self.disk_bytes, free=free,
+                                     floor=self.free_floor)  # fmt: skip
 
     def _evict(self, index: Index, victims: list[budget.Item]) -> None:
         ids = [v.key[1] for v in victims if v.key[0] == "entry"]  # type: ignore[index]
@@ -110,4 +156,5 @@ class Remover:
         for p in paths:
             usage.remove_path(p, self.site.root)
         if paths:
+            self._stale = True  # measured again at the next write
             self.site.faults.count("evictions", len(paths))
