@@ -5,7 +5,9 @@ inside another transaction) is how a serving tier takes entries out, whatever th
 ``evicted`` (budget), ``superseded`` (a continuation replaced it), ``vanished`` (its file is
 gone), ``quarantined`` (corrupt or foreign): the index change commits first, then the file is
 deleted (or moved to quarantine), so a crash in between leaves an orphan file (adopted or
-removed at the next open), never a record without its file.
+removed at the next open), never a record without its file. A file whose size is not its
+row's is checked whole first (:meth:`Remover.settle_size`): a good one keeps its entry, the
+row takes its size.
 
 It is not the only code that deletes. The others, each keeping "index first, then files":
 :meth:`Remover.make_room` also removes whole paths the index does not hold (other fingerprints'
@@ -25,16 +27,17 @@ checkpointed (cut to nothing) before anything is evicted for room it holds
 from __future__ import annotations
 
 import shutil
+import sqlite3
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from tiered_kv.cold import budget, usage
+from tiered_kv.cold import budget, store, usage
 from tiered_kv.cold.backend import is_key
 from tiered_kv.cold.index import Index
 from tiered_kv.cold.rows import Record
 from tiered_kv.cold.site import Site
-from tiered_kv.cold.verify import quarantine, sweep_temp
+from tiered_kv.cold.verify import check_entry, quarantine, sweep_temp
 
 HEADER_SLACK = 64 << 10  # bytes reserved for an entry file's header
 _ROW = 96  # index bytes per block row (key, entry id, depth, two index entries), generous
@@ -87,6 +90,32 @@ class Remover:
                    "quarantined": "quarantined"}[reason]  # fmt: skip
         if records:
             site.faults.count(counter, len(records))
+
+    def settle_size(self, index: Index, rec: Record, path: Path) -> None:
+        """A file whose size is not its row's (``rec``; a load refused it before allocating):
+        checked whole (:func:`verify.check_entry`, no arrays made: a planted header may declare
+        GiBs). It checks out: the row was wrong and takes the file's size (an index error; the
+        good file was quarantined before). It does not: quarantined, as a load does."""
+        site = self.site
+        try:
+            stored = index.tokens(rec.entry_id)
+            if stored is None:
+                return  # removed meanwhile
+            header = check_entry(path, site.fingerprint, stored)
+            size = header.data_start + header.data_len
+            if index.resize(rec.entry_id, size, was=rec.nbytes):
+                site.faults.count("index_errors")
+                site.faults.once("index_size", "cold index row of %s said %d bytes, its file "
+                                 "(checked whole) holds %d: row repaired", rec.file, rec.nbytes,
+                                 size)  # fmt: skip
+        except FileNotFoundError:
+            return  # gone meanwhile: the next load finds it so
+        except store.CorruptEntry as e:
+            site.faults.once(f"corrupt:{type(e).__name__}", "cold entry %s quarantined: %s",
+                             rec.file, e)  # fmt: skip
+            self.remove(index, [rec.entry_id], "quarantined")
+        except (OSError, sqlite3.Error) as e:  # unreadable now: not known to be bad, left as is
+            site.faults.once("settle", "cold entry %s not checked: %s", rec.file, e)
 
     def make_room(self, index: Index, n_tokens: int, data_bytes: int) -> bool:
         """Evict least recently used entries (and stale files) until an entry of ``data_bytes``

@@ -284,6 +284,13 @@ class Index:
         with self._tx() as c:
             return self._delete(c, ids)
 
+    def resize(self, entry_id: str, nbytes: int, was: int) -> bool:
+        """Set a record's ``nbytes`` to its file's (found to differ) where it still is ``was``
+        (the totals follow). True: it was changed."""
+        with self._tx() as c:
+            q = "UPDATE entries SET nbytes=? WHERE id=? AND nbytes=?"
+            return c.execute(q, (nbytes, entry_id, was)).rowcount > 0
+
     def touch(self, entry_id: str, when: float) -> None:
         """Raise last_used (never resurrects a record another process removed)."""
         with self._tx() as c:
