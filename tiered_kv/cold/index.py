@@ -306,8 +306,15 @@ class Index:
     def checkpoint(self) -> None:
         """Copy the WAL into the database and cut it to nothing (the budget counts it), as far
         as readers allow: one still reading an older snapshot keeps what it reads (not an
-        error)."""
-        self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        error). Waits for readers (another process's too) 0.1 s at most, not the connection's
+        10 s: it runs before a write."""
+        conn = self._conn()
+        (wait,) = conn.execute("PRAGMA busy_timeout").fetchone()
+        conn.execute("PRAGMA busy_timeout=100")
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={int(wait)}")
 
     def close(self) -> None:
         """Close every thread's connection (a later call opens a new one). Only where no other
