@@ -1,6 +1,8 @@
-"""Cold-tier micro-benchmarks (print, never assert): lookup latency and reload GB/s vs ``dd``, cold and warm.
+"""Cold-tier micro-benchmarks (print, never assert): lookup latency, reload GB/s vs ``dd`` (cold
+and warm), and the write path's cost per entry beside N indexed entries.
 
     python -m bench.cold_lookup [--entries 10000] [--prompt 32768] [--reload-mib 256]
+    python -m bench.cold_lookup --writes-at 1000,3000 [--writes 50]   # the write path only
 
 The lookup index is filled directly (records + token ids, no entry files): lookup never reads
 files. All entries share a 1024-token "system prompt" with the probe, the worst case for the
@@ -120,12 +122,71 @@ def bench_reload(root: Path, mib: int) -> dict:
             "load_GBps": gb / min(loads[False]), "dd_GBps": gb / min(dds[False])}  # fmt: skip
 
 
+def bench_writes(root: Path, entries: int, writes: int) -> dict:
+    """ms per ``persist`` (write-through: the writer thread's whole write, budget check, file
+    publish and index commit) of a small entry beside ``entries`` indexed entries, each with a
+    (small) file of its own, as the budget check lists them; and the part of it spent on making
+    room (``Remover.make_room``: before, it read every record and listed the directory)."""
+    from mlx_lm.models import cache as C
+
+    cfg = Config(cache_dir=root, block_tokens=16, disk_free_floor=0)
+    tier = ColdTier(root, "writes", cfg)
+    rng = np.random.default_rng(0)
+    batch = []
+    for i in range(entries):
+        toks = rng.integers(0, 50_000, 64, dtype=np.int32)
+        blocks = tuple(keys.block_hashes(toks, cfg.block_tokens, tier.seed))
+        name = f"{i:032x}.safetensors"
+        (tier.dir / name).write_bytes(b"\0" * 4096)
+        batch.append((Record(f"{i:032x}", name, len(toks), 4096, i, i, blocks, trimmable=True),
+                      toks.tobytes()))  # fmt: skip
+    tier.index.add_many(batch)
+    spent: list[float] = []
+    real = tier.remover.make_room
+
+    def timed(index: Index, n_tokens: int, data_bytes: int) -> bool:
+        t = time.perf_counter()
+        try:
+            return real(index, n_tokens, data_bytes)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    tier.remover.make_room = timed  # type: ignore[method-assign]
+    caches = []
+    for _ in range(writes):
+        c = C.KVCache()
+        x = mx.random.normal((1, 2, 64, 8)).astype(mx.bfloat16)
+        c.update_and_fetch(x, x)
+        caches.append(c)
+    times = []
+    for c in caches:
+        t = time.perf_counter()
+        tier.persist(rng.integers(0, 50_000, 64, dtype=np.int32), [c])
+        times.append(time.perf_counter() - t)
+    assert tier.stats()["spills"] == writes, tier.stats()
+    tier.close()
+    return {"entries": entries, "write_ms_median": 1e3 * statistics.median(times),
+            "write_ms_mean": 1e3 * statistics.mean(times),
+            "make_room_ms_median": 1e3 * statistics.median(spent),
+            "make_room_ms_mean": 1e3 * statistics.mean(spent)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=10_000)
     ap.add_argument("--prompt", type=int, default=32_768)
     ap.add_argument("--reload-mib", type=int, default=256)
+    ap.add_argument("--writes-at", default="", help="entry counts (1000,3000): write path only")
+    ap.add_argument("--writes", type=int, default=50, help="writes timed at each count")
     args = ap.parse_args()
+    if args.writes_at:
+        for n in (int(x) for x in args.writes_at.split(",")):
+            with tempfile.TemporaryDirectory() as d:
+                r = bench_writes(Path(d) / "writes", n, args.writes)
+            print(f"writes  entries {r['entries']:6}  ms/write median {r['write_ms_median']:6.2f} "
+                  f"mean {r['write_ms_mean']:6.2f}  make_room ms median "
+                  f"{r['make_room_ms_median']:6.2f} mean {r['make_room_ms_mean']:6.2f}")
+        return
     with tempfile.TemporaryDirectory() as d:
         for k, v in bench_lookup(Path(d) / "lookup", args.entries, args.prompt).items():
             print(f"lookup  {k:18} {v:.3f}" if isinstance(v, float) else f"lookup  {k:18} {v}")

@@ -5,7 +5,8 @@ A cache dir or index that another user owns or can write to is refused (:func:`c
 whoever can write there could plant entries or an index. The index dir is made 0700 and
 ``cache.db`` 0600 before sqlite opens it, no symlink there is followed. Writers connect with WAL
 and ``synchronous=FULL``; readers by a ``mode=ro`` URI, or ``immutable=1`` on a read-only file
-system. :class:`Connections` is safe from any thread: each gets its own connection; an index replaced
+system; the WAL is kept small (:data:`WAL_PAGES`, :data:`WAL_BYTES`: it counts against the disk
+budget). :class:`Connections` is safe from any thread: each gets its own connection; an index replaced
 while others may still read it is released (:meth:`Connections.release`), never closed under them.
 """
 
@@ -20,6 +21,11 @@ from pathlib import Path
 
 from tiered_kv.cold import fsafe
 from tiered_kv.cold.schema import DB
+
+#: a writer's WAL is checkpointed once it holds this many pages, and cut back to
+#: :data:`WAL_BYTES` when it restarts: the WAL stays near 256 KiB, not sqlite's 4 MB
+WAL_PAGES = 64
+WAL_BYTES = 256 << 10
 
 
 class IndexUnreadable(RuntimeError):
@@ -97,6 +103,10 @@ class Connections:
                                        isolation_level=None, timeout=10)  # fmt: skip
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")  # a committed record survives power loss
+                # the WAL counts against the disk budget: left alone it grew to ~4 MB (sqlite's
+                # 1000-page checkpoint) and never shrank, so a budget of a few MB held nothing
+                conn.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")
+                conn.execute(f"PRAGMA journal_size_limit={WAL_BYTES}")
             conn.execute("PRAGMA trusted_schema=OFF")
             self._local.conn = conn
             with self._lock:

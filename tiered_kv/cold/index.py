@@ -75,7 +75,10 @@ class Index:
             conn.executescript(schema.DDL)
             with self._tx() as c:  # one transaction: two processes opening at once add them once
                 schema.add_columns(c)
+                schema.recount(c)
         have = schema.columns(conn)  # a read-only index made before some lacks them
+        self._totals = bool(conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='totals'").fetchone())  # fmt: skip
         self._prompts = "prompt_tokens" in have
         self._read = schema.record_columns(have)
         self._serving = schema.serving_columns(have)
@@ -105,9 +108,37 @@ class Index:
         return [rows.record(r) for r in found]
 
     def summary(self) -> tuple[int, int]:
-        """(entries, bytes) — one query."""
-        n, b = self._conn().execute("SELECT count(*), coalesce(sum(nbytes), 0) FROM entries").fetchone()
+        """(entries, bytes): one row read (the ``totals`` the triggers keep; the budget asks
+        before every write), or one sum over the entries where an index made before it is read
+        only. Raises Damaged when a row's ``nbytes`` is no count of bytes."""
+        conn = self._conn()
+        row = conn.execute(schema.TOTALS).fetchone() if self._totals else None
+        n, b, bad = row if row is not None else conn.execute(schema.COUNT).fetchone()
+        if bad:
+            raise rows.Damaged(f"{bad} index rows have malformed sizes")
         return int(n), int(b)
+
+    def files(self) -> set[str]:
+        """Every record's file name (one query)."""
+        return {f for (f,) in self._conn().execute("SELECT file FROM entries")}
+
+    def oldest(self, nbytes: int) -> list[Record]:
+        """Records least recently used first, as many as it takes for their bytes to reach
+        ``nbytes``, and every one tied with the last (all, when they never reach it): the budget's
+        LRU victims are among them, whatever else it weighs. Reads no further rows."""
+        out: list[Record] = []
+        total = 0
+        cur = self._conn().execute(f"SELECT {self._read} FROM entries ORDER BY last_used, id")
+        try:
+            for row in cur:
+                rec = rows.record(row)
+                if total >= nbytes and (not out or rec.last_used != out[-1].last_used):
+                    break
+                out.append(rec)
+                total += rec.nbytes
+        finally:
+            cur.close()  # the statement ends here: the evictions' transaction follows
+        return out
 
     def get(self, entry_id: str) -> Record | None:
         row = self._conn().execute(f"SELECT {self._read} FROM entries WHERE id=?", (entry_id,)).fetchone()
@@ -253,6 +284,13 @@ class Index:
         with self._tx() as c:
             return self._delete(c, ids)
 
+    def resize(self, entry_id: str, nbytes: int, was: int) -> bool:
+        """Set a record's ``nbytes`` to its file's (found to differ) where it still is ``was``
+        (the totals follow). True: it was changed."""
+        with self._tx() as c:
+            q = "UPDATE entries SET nbytes=? WHERE id=? AND nbytes=?"
+            return c.execute(q, (nbytes, entry_id, was)).rowcount > 0
+
     def touch(self, entry_id: str, when: float) -> None:
         """Raise last_used (never resurrects a record another process removed)."""
         with self._tx() as c:
@@ -264,6 +302,19 @@ class Index:
             c.execute("DELETE FROM entries")
             c.execute("DELETE FROM meta")
         self._meta = None
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database and cut it to nothing (the budget counts it), as far
+        as readers allow: one still reading an older snapshot keeps what it reads (not an
+        error). Waits for readers (another process's too) 0.1 s at most, not the connection's
+        10 s: it runs before a write."""
+        conn = self._conn()
+        (wait,) = conn.execute("PRAGMA busy_timeout").fetchone()
+        conn.execute("PRAGMA busy_timeout=100")
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={int(wait)}")
 
     def close(self) -> None:
         """Close every thread's connection (a later call opens a new one). Only where no other

@@ -13,6 +13,10 @@
                                                   and checkpoints (JSON list of positions): what a
                                                   lookup needs to say what the entry serves
                                                   (NULL: not recorded, an older writer's row)
+    totals(id = 0, entries, nbytes, bad)          one row: the entries' count and byte sum (and
+                                                  how many rows' nbytes is malformed), kept by
+                                                  triggers, recounted at each open for writing:
+                                                  the budget reads it before every write
     blocks(hash INTEGER, entry TEXT, depth INTEGER, last INTEGER)
                                                   one row per full block of an entry: its chained
                                                   key (as signed 64-bit), 1-based depth, 1 on the
@@ -40,7 +44,33 @@ CREATE TABLE IF NOT EXISTS blocks(hash INTEGER NOT NULL, entry TEXT NOT NULL,
 CREATE INDEX IF NOT EXISTS blocks_hash ON blocks(hash);
 CREATE INDEX IF NOT EXISTS blocks_last ON blocks(hash) WHERE last=1;
 CREATE INDEX IF NOT EXISTS blocks_entry ON blocks(entry);
+CREATE TABLE IF NOT EXISTS totals(id INTEGER PRIMARY KEY CHECK (id = 0),
+    entries INTEGER NOT NULL, nbytes INTEGER NOT NULL, bad INTEGER NOT NULL);
+CREATE TRIGGER IF NOT EXISTS totals_insert AFTER INSERT ON entries BEGIN
+    UPDATE totals SET entries = entries + 1,
+        nbytes = nbytes + (CASE WHEN typeof(NEW.nbytes) = 'integer' AND NEW.nbytes >= 0
+                           THEN NEW.nbytes ELSE 0 END),
+        bad = bad + (typeof(NEW.nbytes) != 'integer' OR NEW.nbytes < 0) WHERE id = 0; END;
+CREATE TRIGGER IF NOT EXISTS totals_delete AFTER DELETE ON entries BEGIN
+    UPDATE totals SET entries = entries - 1,
+        nbytes = nbytes - (CASE WHEN typeof(OLD.nbytes) = 'integer' AND OLD.nbytes >= 0
+                           THEN OLD.nbytes ELSE 0 END),
+        bad = bad - (typeof(OLD.nbytes) != 'integer' OR OLD.nbytes < 0) WHERE id = 0; END;
+CREATE TRIGGER IF NOT EXISTS totals_update AFTER UPDATE OF nbytes ON entries BEGIN
+    UPDATE totals SET
+        nbytes = nbytes - (CASE WHEN typeof(OLD.nbytes) = 'integer' AND OLD.nbytes >= 0
+                           THEN OLD.nbytes ELSE 0 END)
+                        + (CASE WHEN typeof(NEW.nbytes) = 'integer' AND NEW.nbytes >= 0
+                           THEN NEW.nbytes ELSE 0 END),
+        bad = bad - (typeof(OLD.nbytes) != 'integer' OR OLD.nbytes < 0)
+                  + (typeof(NEW.nbytes) != 'integer' OR NEW.nbytes < 0) WHERE id = 0; END;
 """
+#: (entries, bytes, rows whose nbytes is no count of bytes) of ``entries``, counted row by row
+COUNT = ("SELECT count(*), coalesce(sum(CASE WHEN typeof(nbytes) = 'integer' AND nbytes >= 0 "
+         "THEN nbytes END), 0), coalesce(sum(typeof(nbytes) != 'integer' OR nbytes < 0), 0) "
+         "FROM entries")  # fmt: skip
+#: the same, as the ``totals`` row keeps it (None: an index made before it, opened read-only)
+TOTALS = "SELECT entries, nbytes, bad FROM totals WHERE id = 0"
 COLS = "id, file, n_tokens, nbytes, created, last_used"
 #: added after schema 2's first release: an index made before gets them (NULL) when opened for
 #: writing; both versions read and write the same file (older ones leave them NULL)
@@ -68,6 +98,13 @@ def add_columns(c: sqlite3.Connection) -> None:
         if name not in have:
             c.execute(f"ALTER TABLE entries ADD COLUMN {name} {kind}")
     c.execute(PROMPT_INDEX)
+
+
+def recount(c: sqlite3.Connection) -> None:
+    """Set the ``totals`` row from the entries themselves (at each open for writing: an index
+    made before it, or one whose row an older build's commits or a crash left unset). ``c`` is
+    inside the caller's transaction; the triggers keep it from there on."""
+    c.execute(f"INSERT OR REPLACE INTO totals SELECT 0, * FROM ({COUNT})")
 
 
 def record_columns(have: set[str]) -> str:

@@ -169,9 +169,8 @@ class Site:
         """Before a write: re-create a vanished directory (fresh index rebuilt from what files
         remain), rebuild an index found damaged, or retry a degraded open (at most every 30 s).
         The index to write to, or None."""
-        if self.damaged:  # a write or a lookup found the index damaged while serving
-            self.damaged = False
-            self.faults.count("index_errors")
+        if self.damaged:  # a write or a lookup found the index damaged while serving (whoever
+            self.damaged = False  # found it counted it as an index error: once, not here again)
             self.open()  # its database or a row unreadable: rebuilt aside from the files
         elif self.index is not None and self.writable:
             if (self.dir / "index" / DB).exists():

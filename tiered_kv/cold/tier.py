@@ -56,6 +56,10 @@ _MIN_RATE = 50e6  # bytes/s below which a write-through wait gives up (the write
 _READER_WAIT = 2.0
 
 
+class SizeDiffers(store.CorruptEntry):
+    """An entry file whose size is not its index row's: the row or the file is wrong."""
+
+
 class Loaded(NamedTuple):
     caches: list
     tokens: np.ndarray
@@ -216,7 +220,7 @@ class ColdTier:
             if header.n_tokens != len(stored):
                 raise store.CorruptEntry("file token count differs from the index")
             if header.data_start + header.data_len != rec.nbytes:  # before anything is allocated
-                raise store.CorruptEntry("file size differs from the index")
+                raise SizeDiffers("file size differs from the index")
         except (OSError, store.CorruptEntry) as e:
             header = e
         return rec, path, header, stored
@@ -224,6 +228,8 @@ class ColdTier:
     def _bad(self, rec: Record, path: Path, err: Exception) -> None:
         if isinstance(err, FileNotFoundError) or self._was_replaced(rec, path):
             self._vanished(rec)  # deleted between our reads: a miss, not corruption
+        elif isinstance(err, SizeDiffers):  # a miss now; the row or the file is wrong: which,
+            self.writer.submit(lambda: self._judge(rec, path), 0, droppable=False)  # the writer says
         elif isinstance(err, OSError):  # unreadable (EACCES, EIO): a miss; the file may be fine
             self.faults.count("load_errors")
             self.faults.once(f"load:{err.errno}", "cold entry %s unreadable: %s", rec.file, err)
@@ -231,6 +237,13 @@ class ColdTier:
             self.faults.once(f"corrupt:{type(err).__name__}", "cold entry %s quarantined: %s",
                              rec.file, err)  # fmt: skip
             self._remove([rec.entry_id], "quarantined")
+
+    def _judge(self, rec: Record, path: Path) -> None:
+        """Writer thread: the row or the file is wrong (:meth:`Remover.settle_size`)."""
+        index = self.site.index
+        if index is not None and self.site.writable:
+            self.remover.settle_size(index, rec, path)
+            self._refresh_summary()
 
     def _vanished(self, rec: Record) -> None:
         self._remove([rec.entry_id], "vanished")

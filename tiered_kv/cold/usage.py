@@ -6,7 +6,7 @@ as a link (see :mod:`fsafe`)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,13 +49,17 @@ def scan(root: Path, own: str, records: Iterable[Record]) -> Usage:
     files one by one (mtime). The live index and temp files count but are kept. Nothing else
     under ``root`` is the cache's (``TIERED_KV_DIR`` may be a folder that also holds models, or
     a home directory): it is neither counted nor ever a unit to delete."""
+    recs = list(records)
+    items = [Item(("entry", r.entry_id), r.nbytes, r.last_used) for r in recs]
+    rest = beside(root, own, {r.file for r in recs})
+    return Usage(sum(i.nbytes for i in items) + rest.used, items + rest.items)
+
+
+def beside(root: Path, own: str, indexed: Collection[str], measured: Collection[str] = ()) -> Usage:
+    """:func:`scan` of all but the entries: what lies beside own's ``indexed`` files (and beside
+    ``measured``, names in own's directory that the caller measures itself)."""
     used = 0
     items: list[Item] = []
-    own_files: set[str] = set()
-    for r in records:
-        items.append(Item(("entry", r.entry_id), r.nbytes, r.last_used))
-        used += r.nbytes
-        own_files.add(r.file)
     try:
         children = list(os.scandir(root))
     except FileNotFoundError:
@@ -64,7 +68,7 @@ def scan(root: Path, own: str, records: Iterable[Record]) -> Usage:
         path = Path(child.path)
         if child.name == own and child.is_dir(follow_symlinks=False):
             for sub in os.scandir(path):
-                if sub.name not in own_files:
+                if sub.name not in indexed and sub.name not in measured:
                     used += tree_size(Path(sub.path))[0]
         elif child.name == QUARANTINE and child.is_dir(follow_symlinks=False):
             for sub in os.scandir(path):

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from tiered_kv import declared, keys
 from tiered_kv.cold import backend, fsafe, scan, store
 from tiered_kv.cold.index import Index
@@ -170,6 +172,17 @@ def reconcile(
     return counts
 
 
+def check_entry(path: Path, fingerprint: str, stored: np.ndarray | None) -> store.Header:
+    """The whole check of one entry file: its header, every chunk digest (read in pieces: no
+    arrays), its ids against ``stored`` (the index's; None: not compared). Its header; raises
+    CorruptEntry / ForeignEntry, FileNotFoundError, OSError."""
+    header = store.read_header(path, fingerprint)
+    scan.check_data(path, header)
+    if stored is not None and stored.tobytes() != store.read_tokens(path, header).tobytes():
+        raise store.CorruptEntry("tokens differ from the index")
+    return header
+
+
 def verify_dir(
     fp_dir: Path, fingerprint: str, index: Index | None, qdir: Path, fix: bool = False
 ) -> VerifyReport:
@@ -183,13 +196,13 @@ def verify_dir(
     bad: list[Path] = []
     for path in files:
         try:
-            header = store.read_header(path, fingerprint)
-            scan.check_data(path, header)
             rec = by_file.get(path.name)
+            stored = None
             if rec is not None and index is not None:
                 stored = index.tokens(rec.entry_id)
-                if stored is None or stored.tobytes() != store.read_tokens(path, header).tobytes():
+                if stored is None:
                     raise store.CorruptEntry("tokens differ from the index")
+            check_entry(path, fingerprint, stored)
         except FileNotFoundError:
             continue  # superseded / evicted by a running process meanwhile
         except store.ForeignEntry:

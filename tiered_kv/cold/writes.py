@@ -70,6 +70,7 @@ class WritePath:
                 if damaged(e):  # not a database (any more), or rows no writer of ours made
                     self.site.damaged = True  # re-opened (rebuilt from the files) by ensure()
                     if attempt == 0:
+                        self.site.faults.count("index_errors")  # found here: counted once, here
                         continue
                 self.site.faults.io_error("spill", e)
             except (OSError, sqlite3.Error, IndexUnreadable) as e:

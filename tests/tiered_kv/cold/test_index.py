@@ -302,3 +302,54 @@ def test_read_only_where_the_path_holds_uri_characters(tmp_path):
         ro = Index(path, readonly=True, create=False)
         assert [r.entry_id for r in ro.records()] == ["x"], name
         ro.close()
+
+
+def _sums(index: Index) -> tuple[int, int]:
+    """(entries, bytes) summed over the records, as the budget did before every write."""
+    recs = index.records()
+    return len(recs), sum(r.nbytes for r in recs)
+
+
+def test_the_totals_row_follows_every_change_and_an_older_index_gains_it(tmp_path):
+    """The budget summed every record before each write (its cost grew with the entries); it
+    reads one row the index's triggers keep now. It follows adds, replacements, removals and a
+    cleared index; an index made before it (an older build) gains it, counted, when opened for
+    writing, and one opened read-only sums the rows as before."""
+    index = Index(tmp_path / "index")
+    index.claim_meta({"schema": 2})
+    for i in range(5):
+        index.add(Record(f"e{i}", f"e{i}.safetensors", 8, 100 + i, i, i), b"\0" * 32)
+    index.add(Record("e1", "e1.safetensors", 8, 7, 9, 9), b"\0" * 32, remove=["e2", "nope"])
+    index.add_many([(Record(f"m{i}", f"m{i}.safetensors", 8, 1000, 1, 1), b"\0" * 32)
+                    for i in range(3)])  # fmt: skip
+    index.remove(["e3"])
+    assert index.summary() == _sums(index) == (6, 100 + 7 + 104 + 3000)
+    conn = sqlite3.connect(tmp_path / "index" / "cache.db")
+    conn.executescript("DROP TABLE totals; DROP TRIGGER totals_insert; DROP TRIGGER totals_delete;"
+                       "DROP TRIGGER totals_update")  # fmt: skip
+    conn.close()
+    index.close()
+    ro = Index(tmp_path / "index", readonly=True)
+    assert ro.summary() == _sums(ro)
+    ro.close()
+    index = Index(tmp_path / "index")
+    assert index.summary() == _sums(index) == (6, 3211)
+    index.add(Record("x", "x.safetensors", 8, 5, 9, 9), b"\0" * 32)
+    assert index.summary() == (7, 3216)
+    assert index.claim_meta({"schema": 3}) and index.summary() == (0, 0)
+    index.close()
+
+
+def test_a_row_of_malformed_bytes_makes_the_totals_damaged(tmp_path):
+    index = Index(tmp_path / "index")
+    index.add(Record("a", "a.safetensors", 8, 100, 1, 1), b"\0" * 32)
+    conn = sqlite3.connect(tmp_path / "index" / "cache.db")
+    conn.execute("UPDATE entries SET nbytes='12 MB'")
+    conn.commit()
+    with pytest.raises(Damaged):
+        index.summary()
+    conn.execute("UPDATE entries SET nbytes=50")
+    conn.commit()
+    conn.close()
+    assert index.summary() == (1, 50)
+    index.close()

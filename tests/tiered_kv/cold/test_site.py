@@ -358,3 +358,22 @@ def test_closing_the_tier_never_closes_a_connection_its_reader_is_querying_on(tm
     q.resume.set()
     tier.reader._thread.join(30)  # the closed reader ends after its call
     assert len(q.got) == 3 and all(isinstance(r, tuple) for r in q.got), q.got
+
+
+@pytest.mark.parametrize("finder", ["lookup", "write"])
+def test_a_damaged_row_found_while_serving_counts_one_index_error(tmp_path, finder):
+    """A lookup that found a damaged row counted ``index_errors`` and then the writer's re-open
+    (``Site.ensure``) counted it again: one damaged row, two errors. Whoever finds it counts it
+    (the lookup's reader call, the write path); the re-open that rebuilds it does not."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(16), [kv_cache(16)])
+    if finder == "lookup":
+        damage_index(tier, "UPDATE entries SET checkpoints='garbage', trimmable=2")
+        assert tier.lookup(list(range(14)) + [99]) is None  # this one finds it
+    else:
+        damage_index(tier, "UPDATE entries SET nbytes='12 MB'")
+        tier.persist(np.arange(16) + 50, [kv_cache(16)])  # the budget check reads every record
+    assert tier.flush(30)
+    assert tier.stats()["index_errors"] == 1, tier.stats()
+    assert tier.lookup(list(range(16)) + [1]) is not None  # rebuilt from the files
+    tier.close()

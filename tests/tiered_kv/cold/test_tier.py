@@ -19,6 +19,7 @@ import pytest
 from tests.fixtures import (
     TIER_FP,
     cold_tier,
+    damage_index,
     entry_file,
     flip_byte,
     kv_cache,
@@ -348,6 +349,7 @@ def test_an_entry_grown_past_its_indexed_size_is_refused_before_it_is_read(tmp_p
     monkeypatch.setattr(codec, "load_steps", load_steps)
     hit = tier.lookup(list(range(8)))
     assert hit is None or tier.load(hit) is None
+    assert tier.flush(30)  # the writer checks it whole (a row may be what is wrong): corrupt
     assert loads == [] and tier.stats()["quarantined"] == 1
     tier.close()
 
@@ -405,4 +407,37 @@ def test_a_count_that_is_no_integer_is_quarantined(tmp_path, key, value):
     rewrite_meta(entry_file(tier), **{key: value})
     assert tier.load(tier.lookup(list(range(8)))) is None
     assert tier.stats()["quarantined"] == 1
+    tier.close()
+
+
+@pytest.mark.parametrize("off", [100, -100])
+def test_a_row_of_the_wrong_size_is_repaired_not_its_good_file_quarantined(tmp_path, off):
+    """An index row whose ``nbytes`` differed from its file's size had the file quarantined,
+    though the file checked out against its own header (size included) and checksums: the row
+    was wrong, not the file. The load still refuses it before allocating anything (a miss), and
+    the writer checks the file whole: the row is repaired and the entry served from then on."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(16), [kv_cache(16)])
+    size = entry_file(tier).stat().st_size
+    damage_index(tier, "UPDATE entries SET nbytes = nbytes + ?", off)
+    assert tier.load(tier.lookup(list(range(16)))) is None  # refused before anything is made
+    assert tier.flush(30)
+    st = tier.stats()
+    assert st["quarantined"] == 0 and st["index_errors"] == 1 and st["bytes"] == size, st
+    assert [r.nbytes for r in tier.index.records()] == [size]
+    got = tier.load(tier.lookup(list(range(16))))
+    assert got is not None and np.array_equal(got.tokens, np.arange(16))
+    assert tier.flush(30) and tier.stats()["index_errors"] == 1  # repaired once
+    tier.close()
+
+
+def test_a_row_of_the_wrong_size_over_a_damaged_file_still_quarantines_it(tmp_path):
+    """The file is the truth only where its checksums say so: damaged data is still quarantined."""
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(16), [kv_cache(16)])
+    flip_byte(entry_file(tier), -3)
+    damage_index(tier, "UPDATE entries SET nbytes = nbytes + 100")
+    assert tier.load(tier.lookup(list(range(16)))) is None
+    assert tier.flush(30)
+    assert tier.stats()["quarantined"] == 1 and tier.stats()["entries"] == 0
     tier.close()
