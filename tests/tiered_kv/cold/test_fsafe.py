@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.fixtures import intact, kv_cache, precious
-from tiered_kv.cold import fsafe, usage
+from tiered_kv.cold import evict, fsafe, usage
 from tiered_kv.cold.index import Index
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
@@ -64,18 +64,28 @@ def test_make_dir_refuses_a_symlink(tmp_path):
 
 
 def test_budget_eviction_does_not_empty_a_symlinked_quarantine(tmp_path):
+    """An eviction under the budget measures and removes; a quarantine that is a planted symlink
+    to elsewhere is neither emptied nor followed. The budget is the tier's from its start (set
+    on a built tier, the remover never saw it and nothing was evicted: the test proved nothing)."""
     root, out = tmp_path / "kv", tmp_path / "elsewhere"
     victims = [precious(out, f"file{i}") for i in range(3)]
-    tier = ColdTier(root, FP, Config(cache_dir=root, block_tokens=8, disk_free_floor=0))
+    cfg = Config(cache_dir=root, block_tokens=8, disk_free_floor=0)
+    tier = ColdTier(root, FP, cfg)
     tier.persist(np.arange(16), [kv_cache(16)])
-    (root / usage.QUARANTINE).symlink_to(out, target_is_directory=True)
     tier.flush()
+    tier.index.checkpoint()  # the WAL's bytes as a later write measures them
+    first = {r.entry_id for r in tier.index.records()}
     used = usage.scan(tier.root, tier.fingerprint, tier.index.records()).used
-    incoming = 2 * (2 * 16 * 8 * 2) + 4 * 16 + (64 << 10)  # the tier's estimate
-    tier.config = dataclasses.replace(tier.config, disk_bytes=used + incoming - 1)
-    tier.persist(np.arange(16) + 100, [kv_cache(16)])  # must evict something
-    tier.flush()
     tier.close()
+    data = 2 * (2 * 16 * 8 * 2)  # the entry's keys and values
+    incoming = data + 4 * 16 + evict.HEADER_SLACK + evict.index_bytes(16, 8)  # the tier's estimate
+    (root / usage.QUARANTINE).symlink_to(out, target_is_directory=True)
+    tier = ColdTier(root, FP, dataclasses.replace(cfg, disk_bytes=used + incoming - 1))
+    tier.persist(np.arange(16) + 100, [kv_cache(16)])  # must evict the first
+    tier.flush()
+    left = {r.entry_id for r in tier.index.records()}
+    tier.close()
+    assert len(first) == len(left) == 1 and not first & left  # the first entry was evicted
     assert all(intact(v) for v in victims)
 
 
