@@ -10,7 +10,8 @@ bytes (no ASGI, no MLX; :func:`engine.http_edge.read_body` calls it in the threa
 Past ``limit`` decoded bytes a 413: every decompressor is driven with an output limit, so a bomb
 never decodes more than the bound (+1 byte). A body that is not what its encoding says (damaged,
 cut short, or with bytes after its stream) is a 400 ``invalid_body_encoding``; an encoding not read
-here is a 415 naming those that are.
+here is a 415 naming those that are. A stacked ``Content-Encoding`` (``gzip, zstd``) is undone
+the last coding first, each step within the bound.
 """
 
 from __future__ import annotations
@@ -109,22 +110,27 @@ def _zstd(body: bytes, limit: int) -> list[bytes]:
 DECODERS: dict[str, Callable[[bytes, int], list[bytes]]] = {
     "gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "zstd": _zstd,
 }  # fmt: skip
+#: the most codings one body may list: each may decode up to the bound, so the work is bounded
+MAX_CODINGS = 4
 
 
 def decode(body: bytes, encoding: str, limit: int) -> bytes:
-    """``body`` as its ``Content-Encoding`` says: at most ``limit`` bytes decoded (413), an
-    encoding not read a 415, a body that is not what it says a 400."""
-    coding = encoding.strip().lower()
-    if coding in ("", "identity"):
-        return body
-    read = DECODERS.get(coding)
-    if read is None:
-        raise ApiError(415, f"request Content-Encoding {encoding[:40]!r} is not supported: send "
-                       f"the body as {', '.join(DECODERS)} or not encoded",
+    """``body`` as its ``Content-Encoding`` says: a list of codings is undone the last first (RFC
+    9110 § 8.4 lists them in the order applied), each step at most ``limit`` bytes decoded (413);
+    a coding not read, or more than :data:`MAX_CODINGS` of them, a 415; a body that is not what it
+    says a 400."""
+    listed = (c.strip().lower() for c in encoding.split(","))
+    codings = [c for c in listed if c not in ("", "identity")]
+    unread = [c for c in codings if c not in DECODERS]
+    if unread or len(codings) > MAX_CODINGS:
+        why = f"{unread[0][:40]!r} is" if unread else f"{len(codings)} codings are"
+        raise ApiError(415, f"request Content-Encoding {why} not supported: send the body as "
+                       f"{', '.join(DECODERS)} (at most {MAX_CODINGS} of them) or not encoded",
                        code="unsupported_content_encoding")  # fmt: skip
-    try:
-        parts = read(body, limit)
-    except Invalid as e:
-        raise ApiError(400, f"request body is not valid {coding}: {e}",
-                       code="invalid_body_encoding") from None  # fmt: skip
-    return b"".join(parts)
+    for coding in reversed(codings):
+        try:
+            body = b"".join(DECODERS[coding](body, limit))
+        except Invalid as e:
+            raise ApiError(400, f"request body is not valid {coding}: {e}",
+                           code="invalid_body_encoding") from None  # fmt: skip
+    return body

@@ -47,9 +47,11 @@ class Output(Protocol):
 
 class _Logprobs:
     """A request's token log-probabilities as they come: every one listed (the body), and those
-    not yet sent (the next streamed chunk). With a chat ``parser``, a token is listed when some of
-    its text is shown as content (OpenAI's ``logprobs.content`` is the message content's tokens:
-    reasoning, think markers and call markup are not), once the parser has settled its text."""
+    not yet sent (the next streamed chunk). A token is listed once some of its text is shown, and
+    never when none is (a ``stop`` string's tokens: the text ends before it). With a chat
+    ``parser``, shown means as content (OpenAI's ``logprobs.content`` is the message content's
+    tokens: reasoning, think markers and call markup are not), once the parser has settled its
+    text (:meth:`settle`); for a completion, sent as its text (:meth:`release`)."""
 
     def __init__(self, token_bytes: TokenBytes, parser: output.ChatOutput | None = None) -> None:
         self.token_bytes = token_bytes
@@ -58,8 +60,8 @@ class _Logprobs:
         self.pending: list[LogprobEntry] = []
         self.sent = TextOffsets()  # where the next token starts in the completion's text
         self.first = True
-        # chat: each token's characters in the text the parser was fed (after a forced call's
-        # opener), until the parser has settled them
+        # each token's characters in the text generated (for chat, in the text the parser was
+        # fed, after a forced call's opener) until it is listed or known never to be
         self.base = parser.fed if parser is not None else 0
         self.offsets = TextOffsets()
         self.waiting: collections.deque[tuple[LogprobEntry, int, int]] = collections.deque()
@@ -74,23 +76,30 @@ class _Logprobs:
             return Piece(piece_text(raw), raw)
 
         entry = (piece(lp.token), lp.logprob, [(piece(t), v) for t, v in lp.top])
-        if self.parser is None:
-            self.all.append(entry)
-            self.pending.append(entry)
-            return
         start = self.offsets.advance(entry[0].raw)  # a part of a character: that character
         end = max(self.offsets.chars, start + 1)
         self.waiting.append((entry, self.base + start, self.base + end))
 
+    def _list(self, entry: LogprobEntry) -> None:
+        self.all.append(entry)
+        self.pending.append(entry)
+
     def settle(self) -> None:
-        """The tokens whose text the parser has settled: listed when shown as content."""
+        """Chat: the tokens whose text the parser has settled: listed when shown as content."""
         assert self.parser is not None
         settled = self.parser.settled
         while self.waiting and self.waiting[0][2] <= settled:
             entry, start, end = self.waiting.popleft()
             if self.parser.shown.meets(start, end):
-                self.all.append(entry)
-                self.pending.append(entry)
+                self._list(entry)
+
+    def release(self, chars: int, end: str | None = None, cut: bool = False) -> None:
+        """A completion: the tokens of which some text is in the ``chars`` characters sent; at its
+        ``end`` (a finish reason) the rest too, unless a stop string ``cut`` the text before them."""
+        while self.waiting and (self.waiting[0][1] < chars or (end is not None and not cut)):
+            self._list(self.waiting.popleft()[0])
+        if end is not None:
+            self.waiting.clear()
 
     def attach(self, chunks: list[dict[str, Any]], shape: Callable[..., dict[str, Any]]) -> None:
         """The pending entries onto the first of ``chunks`` that has a choice."""
@@ -134,17 +143,20 @@ class CompletionOutput(_Base):
         self, model: str, include_usage: bool = False, token_bytes: TokenBytes | None = None
     ) -> None:
         super().__init__(model, include_usage, openai_bodies.new_id("cmpl"), token_bytes)
+        self.chars = 0  # of the text sent
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         self.text.append(chunk.text)
+        self.chars += len(chunk.text)
         finish = openai_bodies.openai_finish(chunk.finish_reason, False)
         out = []
         if chunk.text or finish:
             out.append(openai_bodies.completion_chunk(self.rid, self.created, self.model,
                                                       chunk.text, finish))  # fmt: skip
         if self.logprobs is not None:
-            self.logprobs.add(chunk.logprob)
             lp = self.logprobs
+            lp.add(chunk.logprob)
+            lp.release(self.chars, chunk.finish_reason, chunk.stop_sequence is not None)
             lp.attach(out, lambda entries: openai_bodies.completion_logprobs(entries, lp.sent))
         if chunk.finish_reason is not None:
             self.finish, self.usage = finish, chunk.usage

@@ -5,11 +5,13 @@ blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours
 none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
 :mod:`engine.chat`), and Llama 3.x's bare JSON calls. Whoever parsed a block, :class:`CallParser`
 keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
-call of a multi-call block alone, and gives every call an id the conversation does not hold yet.
+call of a multi-call block alone where the format marks each call (else a block with a call that is
+none is text, as vLLM reads it), and gives every call an id the conversation does not hold yet.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import re
@@ -72,6 +74,27 @@ _EACH_CALL = {
 }
 
 
+def _pythonic_calls(text: str) -> int:
+    """How many calls a pythonic block (LFM2's ``[a(x=1), b(y=2)]``) holds: its list's elements
+    where it is Python, else the call openers after its ``[`` and each ``,``."""
+    start, end = text.find("["), text.rfind("]")
+    payload = text[start : end + 1] if 0 <= start < end else text
+    try:
+        tree = ast.parse(payload, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        tree = None
+    if isinstance(tree, ast.List):
+        return len(tree.elts)
+    return len(re.findall(r"[\[,]\s*[\w.]+\(", payload))
+
+
+# Formats whose parser may read fewer calls than the block holds: how many it holds. mlx-lm's
+# pythonic parser falls back to a regex that reads one call, to the first ``)]``: on a block of
+# several with one malformed, a first call with the others' text in its arguments (a call the model
+# never wrote). Such a block is the text it is, as vLLM's lfm2 / pythonic parsers keep it.
+_HOLDS = {"pythonic": _pythonic_calls}
+
+
 class CallParser:
     """One request's reading of call blocks with ``parse`` (the format's parser, named
     ``parser_name``): a block's text → OpenAI calls naming the request's ``tools``, or None (the
@@ -109,6 +132,11 @@ class CallParser:
             log.info("model output is not a %s tool call (%s)", self.parser_name, e)
             return None
         items = parsed if isinstance(parsed, list) else [parsed]
+        holds = _HOLDS.get(self.parser_name)
+        if holds is not None and len(items) != holds(text):
+            log.info("model output holds %d %s calls, %d parsed", holds(text), self.parser_name,
+                     len(items))  # fmt: skip
+            return None
         calls = []
         for item in items:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):

@@ -101,3 +101,30 @@ def test_gzip_members_trailing_junk_and_raw_deflate(guarded):
     _chat(bomb_body, "deflate", 413, "request_too_large", guarded)
     _chat(gzip.compress(_RAW) + gzip.compress(b" " * 1_000_000), "gzip", 413, "request_too_large",
           guarded)  # fmt: skip
+
+
+def test_stacked_codings_are_undone_last_applied_first(guarded):
+    """``Content-Encoding: gzip, zstd`` (RFC 9110 § 8.4: the codings in the order applied) was a
+    415 naming the whole list; each coding is undone now, the last first, every step within
+    ``max_body_bytes`` of decoded bytes (a bomb under an outer coding is a 413). A coding not read
+    anywhere in the list is still a 415, and so is a list of more than 4 codings (each step may
+    decode up to the bound); the list in the wrong order is a 400."""
+    import gzip
+    import zlib
+
+    import zstandard
+
+    z = zstandard.ZstdCompressor()
+    _chat(z.compress(gzip.compress(_RAW)), "gzip, zstd", 200, None, guarded)
+    _chat(gzip.compress(zlib.compress(_RAW)), "deflate,gzip", 200, None, guarded)
+    _chat(gzip.compress(_RAW), "identity, gzip", 200, None, guarded)
+    _chat(gzip.compress(_RAW), "gzip, br", 415, "unsupported_content_encoding", guarded)
+    _chat(gzip.compress(_RAW), "br, gzip", 415, "unsupported_content_encoding", guarded)
+    _chat(z.compress(gzip.compress(_RAW)), "zstd, gzip", 400, "invalid_body_encoding", guarded)
+    bomb = gzip.compress(b" " * 1_000_000)  # within the bound as sent, not once the gzip is undone
+    assert len(z.compress(bomb)) < 4000
+    _chat(z.compress(bomb), "gzip, zstd", 413, "request_too_large", guarded)
+    deep = _RAW
+    for _ in range(5):  # past the 4 codings undone
+        deep = gzip.compress(deep)
+    _chat(deep, ", ".join(["gzip"] * 5), 415, "unsupported_content_encoding", guarded)

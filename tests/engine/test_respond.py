@@ -22,16 +22,20 @@ from tests.serving import TOOLS
 KIMI = "<|tool_call_begin|>functions.%s:%d<|tool_call_argument_begin|>%s<|tool_call_end|>"
 
 
-def _chunks(tok: Any, text: str) -> list[Chunk]:
+def _chunks(tok: Any, text: str, stop: tuple[str, ...] = ()) -> list[Chunk]:
     """``text`` as the engine's chunks: one per token (its text as the engine's TextStream gives
-    it, its log-probability made up), then the finish."""
+    it, its log-probability made up) until a ``stop`` string ends it, then the finish."""
     ids = tok.encode(text, add_special_tokens=False)
-    stream = TextStream(tok, SamplingParams(max_tokens=len(ids) + 1), eos=())
-    out = [Chunk(stream.add(t)[0], t, logprob=TokenLogprob(t, -0.01 * i, ((t, -0.01 * i),)))
-           for i, t in enumerate(ids)]  # fmt: skip
-    usage = Usage(prompt_tokens=9, completion_tokens=len(ids), cached_tokens=0, cache_tier="none",
+    stream = TextStream(tok, SamplingParams(max_tokens=len(ids) + 1, stop=stop), eos=())
+    out = []
+    for i, t in enumerate(ids):
+        piece, reason = stream.add(t)
+        out.append(Chunk(piece, t, logprob=TokenLogprob(t, -0.01 * i, ((t, -0.01 * i),))))
+        if reason is not None:
+            break
+    usage = Usage(prompt_tokens=9, completion_tokens=len(out), cached_tokens=0, cache_tier="none",
                   ttft_seconds=0.1)  # fmt: skip
-    return out + [Chunk(stream.tail(), None, "stop", usage)]
+    return out + [Chunk(stream.tail(), None, "stop", usage, stop_sequence=stream.stopped_by)]
 
 
 def _output(tok: Any, tools: bool) -> respond.ChatOutput:
@@ -115,3 +119,70 @@ def test_only_a_failure_inside_the_template_is_the_requests_400(tiny_model_dir):
     for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
         with pytest.raises(ValueError, match="chat_template is not set"):
             prompt(None, **extra)
+
+
+#: a stop string over several whole tokens, and one that starts inside a token (the tiny model
+#: writes " sunny" as " s", "un", "n", "y": "un" is listed, its "u" shown)
+_STOPPED = [(" The end", "It is 42. The end of it.", "It is 42.", "It is 42."),
+            ("nny", "Paris is sunny today.", "Paris is su", "Paris is sun")]  # fmt: skip
+
+
+def _streamed(out: Any, chunks: list[Chunk]) -> list[dict[str, Any]]:
+    """The ``logprobs`` objects the streamed chunks carry, in order."""
+    return [ch["choices"][0]["logprobs"] for c in chunks for ch in out.feed(c)
+            if ch["choices"] and ch["choices"][0].get("logprobs")]  # fmt: skip
+
+
+@pytest.mark.parametrize("stop, text, shown, listed", _STOPPED, ids=["whole-tokens", "inside-a-token"])
+def test_chat_logprobs_end_where_a_stop_string_cuts_the_content(tiny_model_dir, stop, text, shown, listed):
+    """A ``stop`` string is not part of the content, yet the tokens that wrote it were listed in
+    ``logprobs.content`` (OpenAI's field lists the content's tokens). They are not now; a token
+    of which some text is shown (``"un"`` before ``"nny"``) is, as everywhere else; streamed
+    chunks carry the same entries."""
+    tok = load_tokenizer(tiny_model_dir)
+    out = _output(tok, tools=False)
+    for c in _chunks(tok, text, (stop,)):
+        out.feed(c)
+    body = out.body()
+    assert body["choices"][0]["message"]["content"] == shown
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == listed
+    sent = [e for lp in _streamed(_output(tok, tools=False), _chunks(tok, text, (stop,))) for e in lp["content"]]
+    assert sent == entries
+
+
+@pytest.mark.parametrize("stop, text, shown, listed", _STOPPED, ids=["whole-tokens", "inside-a-token"])
+def test_completion_logprobs_end_where_a_stop_string_cuts_the_text(tiny_model_dir, stop, text, shown, listed):
+    """The legacy completions' ``logprobs.tokens`` listed the tokens of the stop string that the
+    text leaves out, with ``text_offset``s past its end. They end with the text now (a token of
+    which some text is in it, listed); streamed, no entry comes before some of its token's text
+    did, and the chunks carry the body's entries and offsets."""
+    from engine.api import CompletionRequest
+
+    tok = load_tokenizer(tiny_model_dir)
+    req = CompletionRequest.model_validate({"prompt": "Say it.", "logprobs": 1, "stop": [stop]})
+
+    def output() -> respond.CompletionOutput:
+        return respond.completion_prompt(tok.encode, req, "m", lambda n, p: None, tok)[1]
+
+    out = output()
+    for c in _chunks(tok, text, (stop,)):
+        out.feed(c)
+    body = out.body()["choices"][0]
+    assert body["text"] == shown
+    lp = body["logprobs"]
+    assert "".join(lp["tokens"]) == listed
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    assert all(at < len(shown) for at in lp["text_offset"])
+    streamed, sent_text = output(), ""
+    merged: dict[str, list[Any]] = {k: [] for k in lp}
+    for c in _chunks(tok, text, (stop,)):
+        for ch in streamed.feed(c):
+            if not ch["choices"]:
+                continue
+            sent_text += ch["choices"][0]["text"]
+            got = ch["choices"][0].get("logprobs") or {k: [] for k in lp}
+            assert all(at < len(sent_text) for at in got["text_offset"])  # its text came first
+            for k in lp:
+                merged[k] += got[k]
+    assert merged == lp

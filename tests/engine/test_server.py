@@ -322,6 +322,31 @@ def test_logprobs_over_http(live):
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(5)]
 
 
+
+def test_logprobs_end_where_a_stop_string_cuts_the_text_over_http(live):
+    """A completion cut by a ``stop`` string listed the stop string's tokens in ``logprobs``
+    (their ``text_offset``s past the text's end); the tokens of which some text is in the text are
+    listed now, and no other, streamed or not. The stop string is 3 characters of the same greedy
+    completion without it: the first that starts past its start, is found there first, and ends in
+    a token after the one it starts in (the model generates that one before the stop)."""
+    ask = {"model": "tiny", "prompt": "the cache holds", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    whole = live.client.completions.create(**ask).choices[0]
+    text, lp = whole.text, whole.logprobs
+    ends = lp.text_offset[1:] + [len(text)]  # where each token's text ends
+
+    def stops_later(c: int) -> bool:  # 3 characters first found at c that end in a later token
+        return text.find(text[c : c + 3]) == c and c + 3 > min(e for e in ends if e > c)
+
+    cut = next(c for c in range(1, len(text) - 3) if stops_later(c))
+    kept = [t for t, at in zip(lp.tokens, lp.text_offset, strict=True) if at < cut]
+    c = live.client.completions.create(**ask, stop=[text[cut : cut + 3]]).choices[0]
+    assert c.text == text[:cut] and c.logprobs.tokens == kept
+    assert c.logprobs.text_offset == lp.text_offset[: len(kept)]
+    streamed = [t for ch in live.client.completions.create(**ask, stop=[text[cut : cut + 3]], stream=True)
+                if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]  # fmt: skip
+    assert streamed == kept
+
+
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 12}
 
 

@@ -82,6 +82,33 @@ def test_a_block_of_several_calls_keeps_its_valid_ones(family_dirs, family, open
     assert named_calls(got) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 
+LFM2_PARIS = 'get_weather(city="Paris", days=3)'
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ['get_weather("Oslo")', "get_weather(city=)", 'get_weather(city="Oslo", days=3)) + [x(y=1)',
+     "rm_rf()"],
+    ids=["positional-argument", "no-python", "no-python-closing-early", "unknown-tool"],
+)  # fmt: skip
+def test_an_lfm2_block_with_a_malformed_call_is_text_not_a_mangled_call(family_dirs, bad):
+    """LFM2's block is one Python list of calls, and a block with a call that is none is the
+    text it is, as vLLM's lfm2 and pythonic parsers read it (a Llama 3.x output likewise: no call
+    of it marks its own end). Where the list was no list of calls, mlx-lm's fallback read the first
+    call by a regex to the first ``)]``: a positional argument in the second call made the first
+    ``get_weather(city="Paris", days="3)")`` — a call the model never wrote — and dropped the
+    second without a word."""
+    fmt, _ = fmt_and_prompt(family_dirs, "lfm2.5")
+    assert fmt.parser_name == "pythonic"
+    text = f"One moment.<|tool_call_start|>[{LFM2_PARIS}, {bad}]<|tool_call_end|>"
+    for n in (len(text), 1, 5):
+        got, finish = run_output(ChatOutput(fmt, TOOLS), in_pieces(text, n))
+        assert (got.content, got.tool_calls, finish) == (text, [], "stop")
+    one = "<|tool_call_start|>[search(q=hello world)]<|tool_call_end|>"  # mlx-lm's fallback's case
+    got, _ = run_output(ChatOutput(fmt, None), [one])
+    assert named_calls(got) == [{"name": "search", "arguments": {"q": "hello world"}}]
+
+
 @pytest.mark.parametrize(
     "call, args",
     [
