@@ -98,6 +98,9 @@ class Remover:
         good file was quarantined before). It does not: quarantined, as a load does."""
         site = self.site
         try:
+            now = index.get(rec.entry_id)
+            if now is None or now.nbytes != rec.nbytes or now.file != rec.file:
+                return  # removed, or settled by a check queued before (each failed load asks)
             stored = index.tokens(rec.entry_id)
             if stored is None:
                 return  # removed meanwhile

@@ -100,7 +100,8 @@ class Learned:
 
     def factor(self, kind: str, seconds: float | None = None) -> float:
         """The correction of ``kind``: the median ratio of its outcomes predicted within
-        :data:`NEAR` times ``seconds`` (what a way leaves out is mostly fixed: at 1B 8k on the
+        :data:`NEAR` times ``seconds`` (a whole prediction, as outcomes record it: the restore and
+        the prompt's prefill after it; what a way leaves out is mostly fixed: at 1B 8k on the
         H100 a `both` took 1.3x its prediction, at 8B 128k 1.0x, and one median over both sizes
         was wrong for each), else of all its outcomes; 1.0 when none was seen. Clamped."""
         rows = [(p, r) for way, p, r in self.correction if way == kind]
@@ -227,16 +228,23 @@ def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
     return m, cost(m)
 
 
-def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
+def plan(hit: Hit, learned: Learned, mode: Mode = "auto", after: float = 0.0) -> Plan:
     """The way to restore ``hit`` (see the module doc). ``mode`` other than auto forces a way;
-    a forced `both` that the entry cannot do falls back to auto's choice of load / compute."""
+    a forced `both` that the entry cannot do falls back to auto's choice of load / compute.
+    ``after``: the predicted seconds of the prompt's prefill after the hit (the same whatever the
+    way): outcomes are recorded with it in their prediction, so a way's correction is looked up
+    near its seconds plus these (:meth:`Learned.factor`)."""
     n = hit.tokens
     raw_load = load_seconds(hit, learned)
     raw_compute = hit.compute_seconds(learned.prefill, n) if learned.prefill else None
     raw_both = split(hit, learned) if not hit.both_blocker else None
-    fl = learned.factor("load", raw_load)
-    fc = learned.factor("compute", raw_compute)
-    fb = learned.factor("both", raw_both[1] if raw_both else None)
+
+    def total(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds + after
+
+    fl = learned.factor("load", total(raw_load))
+    fc = learned.factor("compute", total(raw_compute))
+    fb = learned.factor("both", total(raw_both[1]) if raw_both else None)
     load_s = raw_load * fl if raw_load is not None else None
     compute_s = raw_compute * fc if raw_compute is not None else None
     both = (raw_both[0], raw_both[1] * fb) if raw_both is not None else None
@@ -257,7 +265,7 @@ def plan(hit: Hit, learned: Learned, mode: Mode = "auto") -> Plan:
             return Plan("both", m, 0.0, "forced, not learned", **est)
         # the entry cannot be split (or is too short to be): choose as auto does, and say why
         why = hit.both_blocker or "too short to split"
-        return replace(plan(hit, learned, "auto"), reason=f"both unavailable: {why}")
+        return replace(plan(hit, learned, "auto", after), reason=f"both unavailable: {why}")
     if load_s is None or compute_s is None:
         return Plan("load", 0, load_s or 0.0, "not learned", **est, factor=fl)
     reason = f"learned; both unavailable: {hit.both_blocker}" if hit.both_blocker else "learned"

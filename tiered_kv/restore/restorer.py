@@ -149,9 +149,9 @@ class Restorer:
         entry_tokens = max(1, int(hit.entry_tokens))
         h = Hit(n, nbytes, nbytes / entry_tokens, warm, self.blocker, self.step, start)
         learned = self.costs.learned
-        p: Plan = plan(h, learned, self.mode)
-        raw = p.seconds / p.factor
         suffix = learned.prefill.seconds(prompt_len - n, n) if learned.prefill else 0.0
+        p: Plan = plan(h, learned, self.mode, suffix)  # outcomes are priced with the suffix too
+        raw = p.seconds / p.factor
         known = p.seconds > 0 and learned.prefill is not None
         d = Decision(p.kind, n, p.m, p.seconds + suffix if known else 0.0, p.reason,
                      raw + suffix if known else 0.0, p.informed, start)  # fmt: skip

@@ -181,3 +181,33 @@ def test_the_victims_are_those_of_the_whole_scan(tmp_path, over):
     assert got == want and (over < 10**9 or not got.fits)
     assert len(got.victims) > 1
     tier.close()
+
+
+def test_a_wrong_size_is_settled_once_however_many_loads_asked(tmp_path, monkeypatch):
+    """Each load that finds a row of the wrong size queues a whole-file check on the writer
+    (non-droppable). Every queued check read the whole file again, though the first had repaired
+    the row: 100 requests for a 16 GB entry before the writer came to them were 1.6 TB of reads
+    holding up every spill. A check whose row is no longer the one the load found reads nothing."""
+    from tests.fixtures import entry_file
+    from tiered_kv.cold import evict
+
+    tier = cold_tier(tmp_path, disk_free_floor=0)
+    tier.persist(np.arange(16), [kv_cache(16)])
+    tier.flush()
+    path = entry_file(tier)
+    size = path.stat().st_size
+    damage_index(tier, "UPDATE entries SET nbytes = nbytes + 100")
+    (stale,) = tier.index.records()  # what each failed load hands the writer
+    checked = []
+    real = evict.check_entry
+
+    def check_entry(*a, **k):
+        checked.append(a[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(evict, "check_entry", check_entry)
+    for _ in range(3):
+        tier.remover.settle_size(tier.index, stale, path)
+    assert [r.nbytes for r in tier.index.records()] == [size]
+    assert checked == [path] and tier.stats()["index_errors"] == 1
+    tier.close()

@@ -410,6 +410,13 @@ def test_a_whole_file_read_keeps_the_kernels_readahead(tmp_path, monkeypatch):
     assert os.POSIX_FADV_RANDOM in advised
 
 
+#: reopen's own description needs Linux's /proc; elsewhere (macOS) it is a dup, as documented
+needs_proc_fd = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"),
+    reason="no /proc/self/fd (macOS): ranged.reopen is a dup there, sharing the description")
+
+
+@needs_proc_fd
 @pytest.mark.parametrize("through", ["host", "upload"])
 def test_each_tensor_of_a_whole_file_is_read_through_its_own_open_file(tmp_path, monkeypatch, through):
     """The kernel keeps readahead per open file description: readers that share one, each going
@@ -446,7 +453,23 @@ def test_each_tensor_of_a_whole_file_is_read_through_its_own_open_file(tmp_path,
         np.testing.assert_array_equal(v, np.array(want[k]).view(np.uint8).reshape(-1))
 
 
-def test_a_reopened_file_is_the_same_file_with_a_description_of_its_own(tmp_path):
+def test_a_reopened_file_is_the_same_file(tmp_path):
+    """Where there is a /proc or not (a dup there): the file the descriptor names, renamed since."""
+    p = tmp_path / "f"
+    p.write_bytes(b"abcdef")
+    fd = os.open(p, os.O_RDONLY)
+    p.rename(tmp_path / "g")  # renamed since: still the file the descriptor names
+    own = ranged.reopen(fd)
+    try:
+        assert own != fd and os.fstat(own).st_ino == os.fstat(fd).st_ino
+        assert os.pread(own, 2, 1) == b"bc"
+    finally:
+        os.close(own)
+        os.close(fd)
+
+
+@needs_proc_fd
+def test_a_reopened_file_has_a_description_of_its_own(tmp_path):
     p = tmp_path / "f"
     p.write_bytes(b"abcdef")
     fd = os.open(p, os.O_RDONLY)

@@ -31,6 +31,7 @@ from tests.fixtures import (
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.hot import new_entry
+from tiered_kv.restore import plan as plan_mod
 from tiered_kv.restore.costs import CostBook
 from tiered_kv.restore.restorer import Decision, Restorer, blocker_of
 from tiered_kv.steps import drain
@@ -607,3 +608,33 @@ def test_a_both_records_its_head_against_the_prefill_alone(plain):
     (predicted, actual), = r.costs.obs["head"]
     assert predicted == pytest.approx(alone.seconds(300)) and actual == pytest.approx(got.phases["head"])
     assert r.costs.learned.head_factor == pytest.approx(actual / predicted)
+
+
+def test_a_plans_correction_comes_from_outcomes_priced_as_it_is(plain):
+    """An outcome is recorded with its whole prediction (the restore and the prompt's prefill
+    after it), but the correction was looked up near the restore's seconds alone: with a suffix
+    that outweighs the restore, a plan's own outcomes were never "near" it, and those of the same
+    restore without a suffix corrected it instead (here: 1.0 where its own said 1.4)."""
+    r = plain.restorer("load")
+    for k in (256, 1024, 4096, 16384):  # what this machine prefills and reads, as learned
+        r.costs.observe_prefill(k, 0, k / 2000)
+        for warm in (0.0, 1.0):  # priced either way: the file's pages may be cached or not
+            r.costs.observe_load(k * 4096, k * 4096 / 2e9, warm)
+    hit = plain.cold.lookup(plain.ids)
+    suffix = 4000  # tokens after the hit: a prefill of ~2 s beside a load of ~ms
+    alone = r.plan(plain.cold, hit, N, N)
+    after = r.plan(plain.cold, hit, N, N + suffix)
+    assert after.raw_total_s > 2 * plan_mod.NEAR * alone.raw_total_s
+    for _ in range(3):
+        r.outcome(alone, alone.raw_total_s * 1.0)
+        r.outcome(after, after.raw_total_s * 1.4)
+    assert len(r.costs.obs["outcome"]) == 6
+    prefill = r.costs.learned.prefill
+    assert prefill is not None
+
+    def factor(d: Decision, tail: int) -> float:
+        s = prefill.seconds(tail, N)  # the prompt's prefill after the hit: never corrected
+        return (d.predicted_total_s - s) / (d.raw_total_s - s)
+
+    assert factor(r.plan(plain.cold, hit, N, N + suffix), suffix) == pytest.approx(1.4)
+    assert factor(r.plan(plain.cold, hit, N, N), 0) == pytest.approx(1.0)
