@@ -31,6 +31,10 @@ ZSTD_MAX_WINDOW = 8 * 1024**2
 _ZSTD_CHUNK = 64 * 1024
 #: compressed bytes handed to a decoder at first, and at most (:func:`_feed`)
 _FIRST_SLICE, _MAX_SLICE = 256, 1 << 20
+#: gzip members / zstd frames read from one body: a client sends one (a few where it compresses
+#: piece by piece); each costs a decoder, and 16 MiB of empty members took 1.3 s (gzip) to 2.3 s
+#: (zstd) of a worker thread per request
+MAX_STREAMS = 256
 
 
 class Invalid(Exception):
@@ -78,6 +82,7 @@ def _gzip(body: bytes, limit: int) -> list[bytes]:
     view = memoryview(body)
     parts: list[bytes] = []
     pos = size = 0
+    members = 1
     while True:  # a member after a member: RFC 1952 § 2.2, "a series of members"
         try:
             out, pos = _inflate(view, pos, GZIP, limit - size, limit)
@@ -89,6 +94,14 @@ def _gzip(body: bytes, limit: int) -> list[bytes]:
         size += sum(map(len, out))
         if pos == len(body):
             return parts
+        members += 1
+        _count(members, "gzip members")
+
+
+def _count(streams: int, what: str) -> None:
+    """Invalid once a body has more than :data:`MAX_STREAMS` ``what``."""
+    if streams > MAX_STREAMS:
+        raise Invalid(f"more than {MAX_STREAMS} {what}")
 
 
 def _deflate(body: bytes, limit: int) -> list[bytes]:
@@ -119,7 +132,10 @@ def _zstd(body: bytes, limit: int) -> list[bytes]:
         view = memoryview(body)
         parts: list[bytes] = []
         pos = 0
+        frames = 0
         while pos < len(body):  # frame after frame (RFC 8878 § 3: a stream of frames), each whole
+            frames += 1
+            _count(frames, "zstd frames")
             frame = dctx.decompressobj()
             for piece, end in _feed(view, pos):
                 parts.append(frame.decompress(piece))
