@@ -300,7 +300,7 @@ class CostBook:
             cost: ReadCost | None = getattr(le, name)
             out[f"{name}_gb_s"] = cost.bytes_per_s / 1e9 if cost else 0.0
         out["join_gb_s"] = (le.join_bytes_per_s or 0.0) / 1e9
-        out["head_factor"] = le.head_factor
+        out["head_factor"] = le.head_slower  # as plans use it
         for way in WAYS:
             out[f"correction_{way}"] = le.factor(way)
         for kind in KINDS:

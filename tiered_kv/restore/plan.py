@@ -98,6 +98,11 @@ class Learned:
     #: and its hand-off, first-call overheads) with what this machine did; see :meth:`factor`.
     correction: tuple[tuple[str, float, float], ...] = ()
 
+    @property
+    def head_slower(self) -> float:
+        """:attr:`head_factor` as plans price heads with it (clamped to :data:`HEAD_CLAMP`)."""
+        return min(HEAD_CLAMP[1], max(HEAD_CLAMP[0], self.head_factor))
+
     def factor(self, kind: str, seconds: float | None = None) -> float:
         """The correction of ``kind``: the median ratio of its outcomes predicted within
         :data:`NEAR` times ``seconds`` (a whole prediction, as outcomes record it: the restore and
@@ -207,7 +212,7 @@ def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
     def at(b: int) -> int:
         return s + b * block
 
-    slower = min(HEAD_CLAMP[1], max(HEAD_CLAMP[0], learned.head_factor))
+    slower = learned.head_slower
 
     def cost(m: int) -> float:
         r = range_seconds(hit, learned, n - m) or 0.0

@@ -207,3 +207,6 @@ def test_heads_beside_their_reads_become_the_head_factor_and_persist(tmp_path):
     assert len(again.obs["head"]) == 3
     assert again.learned.head_factor == pytest.approx(1.15)
     assert again.stats()["head_factor"] == pytest.approx(1.15)
+    quick = CostBook(None, "fp")
+    quick.observe_head(1.0, 0.5)  # ran faster than alone: plans (and /metrics) price it as alone
+    assert quick.learned.head_factor == 0.5 and quick.stats()["head_factor"] == 1.0
