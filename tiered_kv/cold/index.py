@@ -13,6 +13,7 @@ the request-path queries through its deadline-bound reader thread.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -302,6 +303,13 @@ class Index:
             c.execute("DELETE FROM entries")
             c.execute("DELETE FROM meta")
         self._meta = None
+
+    def wal_bytes(self) -> int:
+        """Bytes of the WAL file now (0 when there is none)."""
+        try:
+            return os.lstat(self.path / f"{schema.DB}-wal").st_size
+        except OSError:
+            return 0
 
     def checkpoint(self) -> None:
         """Copy the WAL into the database and cut it to nothing (the budget counts it), as far
