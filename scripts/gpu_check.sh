@@ -29,6 +29,7 @@ tests() {
   timeout 540 "$PY" -m pytest -q -rfE -p no:cacheprovider -m "not slow" \
     tests/tiered_kv/restore tests/tiered_kv/cold/test_codec.py tests/tiered_kv/cold/test_gpu.py \
     tests/tiered_kv/cold/test_ranged.py tests/tiered_kv/cold/test_landing.py tests/tiered_kv/cold/test_tier.py \
+    tests/tiered_kv/cold/test_loads.py \
     tests/tiered_kv/test_background.py tests/tiered_kv/test_tiered.py tests/tiered_kv/test_finding.py \
     tests/tiered_kv/test_cache_types.py \
     tests/engine/test_restore.py tests/engine/test_prefill.py tests/engine/test_leasing.py \

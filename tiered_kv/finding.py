@@ -242,7 +242,7 @@ class Finder:
 
 def loaded_entry(got: Any) -> Entry:
     """The entry of an entry loaded from the cold tier or adopted from the shared tier (a
-    ``cold.tier.Loaded``): already on disk."""
+    ``cold.loads.Loaded``): already on disk."""
     return new_entry(
         got.tokens, got.caches, got.checkpoints, persisted=True, prompt_tokens=got.prompt_tokens
     )

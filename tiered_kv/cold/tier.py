@@ -1,6 +1,11 @@
-"""ColdTier: the disk tier's facade. Each concern has one owner module:
+"""ColdTier: the disk tier's facade and one door; it hands writes to the writer, owns the lifecycle.
+
+Here: the request thread's hand-over to the writer (``spill`` / ``persist`` / ``adopt``) and the
+lifecycle (``flush``, ``stats``, ``verify``, ``close``). Each other concern has one owner module:
 
 * :mod:`site`   — directories, backend, index opening / rebuild / degraded mode;
+* :mod:`loads`  — the read path: lookup, load, describe, recent, and what a failed load means
+  (vanished, a wrong row repaired, unreadable, quarantined);
 * :mod:`lookup` — which entry serves the most of a prompt (what it serves: ``policy.servable``);
 * :mod:`codec`  — caches ⇄ tensors (MLX, request thread), verified loads;
 * :mod:`store`  — the entry file format and its checksums (bytes only);
@@ -27,10 +32,9 @@ quarantined, counted and turned into misses; I/O errors are counted by kind and 
 from __future__ import annotations
 
 import sqlite3
-import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -40,9 +44,9 @@ from tiered_kv.cold.codec import Prepared
 from tiered_kv.cold.evict import Remover
 from tiered_kv.cold.faults import Faults
 from tiered_kv.cold.index import Index
-from tiered_kv.cold.lookup import ColdHit, Finder
-from tiered_kv.cold.reader import Late, Reader
-from tiered_kv.cold.rows import Record, damaged
+from tiered_kv.cold.loads import Loaded, ReadPath
+from tiered_kv.cold.lookup import ColdHit
+from tiered_kv.cold.reader import Reader
 from tiered_kv.cold.site import Site
 from tiered_kv.cold.verify import VerifyReport, verify_dir
 from tiered_kv.cold.writer import Writer
@@ -54,19 +58,6 @@ _MIN_RATE = 50e6  # bytes/s below which a write-through wait gives up (the write
 #: at shutdown, how long a running lookup (an index query, a header read) is waited for before
 #: the index is let go of rather than closed under it
 _READER_WAIT = 2.0
-
-
-class SizeDiffers(store.CorruptEntry):
-    """An entry file whose size is not its index row's: the row or the file is wrong."""
-
-
-class Loaded(NamedTuple):
-    caches: list
-    tokens: np.ndarray
-    #: position → snapshot of the non-positional layers (recurrent / sliding window) there
-    checkpoints: dict[int, list]
-    #: how many of ``tokens`` were the request's prompt (None: all, or not known)
-    prompt_tokens: int | None = None
 
 
 class ColdTier:
@@ -84,14 +75,16 @@ class ColdTier:
         self.faults = Faults()
         self.site = Site(Path(root), self.fingerprint, config, self.faults)
         self.root, self.dir = self.site.root, self.site.dir
-        self.finder = Finder(self.dir, self.fingerprint, self.block_tokens)
         self.quarantine_dir, self.seed = self.site.quarantine_dir, self.site.seed
         self.remover = Remover(self.site, config.disk_bytes, config.disk_free_floor)
         self.writes = WritePath(self.site, self.remover)
         self.writer = Writer(config.spill_queue_bytes, self.faults.drop)
         self.reader = Reader()
+        parts = (self.remover, self.writes, self.writer, self.reader)
+        self.loads = ReadPath(
+            self.site, config.cold_deadline, self.faults, parts, self._refresh_summary
+        )
         self._summary = (0, 0)
-        self._touched: dict[str, float] = {}
         self._refresh_summary()
 
     @property
@@ -100,196 +93,36 @@ class ColdTier:
         assert self.site.index is not None, "cold tier has no index (degraded)"
         return self.site.index
 
-    # -- request thread: lookup / load -----------------------------------------------------------
+    # -- request thread: lookup / load (:mod:`loads`) --------------------------------------------
     def lookup(
         self, prompt_ids: Sequence[int] | np.ndarray, exclude: Collection[str] = ()
     ) -> ColdHit | None:
         """The entry that serves the most of ``prompt_ids`` (``ColdHit.serves``), none of
         ``exclude`` (entries the caller failed to load), or None (also when the index does not
         answer within ``cold_deadline``)."""
-        tokens = keys.as_int32(prompt_ids)
-        hashes = keys.block_hashes(tokens, self.block_tokens, self.seed)
-        if not hashes:
-            return None
-        # a copy: a lookup past its deadline goes on on the reader thread as the caller adds more
-        skip = frozenset(exclude)
-        return self._ask(lambda: self._lookup(tokens, hashes, skip), None)
-
-    def _lookup(self, tokens: np.ndarray, hashes: list, exclude: Collection[str]) -> ColdHit | None:
-        index = self.site.index
-        return None if index is None else self.finder.best(index, tokens, hashes, exclude)
-
-    def _ask(self, fn: Any, default: Any, deadline: float | None = None) -> Any:
-        """``fn()`` on the reader thread within the deadline; ``default`` when late or when the
-        index fails (counted, logged once)."""
-        try:
-            return self.reader.call(fn, self.config.cold_deadline if deadline is None else deadline)
-        except Late as e:
-            self.faults.count("lookup_timeouts")
-            self.faults.once("late", "cold index / disk too slow, treating as a miss: %s", e)
-        except sqlite3.Error as e:
-            self.faults.count("index_errors")
-            self.faults.once("index_read", "cold index unreadable, treating as a miss: %s", e)
-            if damaged(e):  # rows no writer of ours made: rebuilt from the files (writer thread)
-                self._rebuild_soon()
-        return default
-
-    def _rebuild_soon(self) -> None:
-        """Have the writer re-open the index, rebuilt from the files (once, however many
-        lookups found it damaged meanwhile). Not on a read-only or full disk: nothing can be
-        rebuilt there, and each re-open would find the same row again."""
-        if self.site.damaged or not self.site.writable:
-            return
-        self.site.damaged = True
-        self.writer.submit(self.site.ensure, 0, droppable=False)
+        return self.loads.lookup(prompt_ids, exclude)
 
     def load(self, hit: ColdHit) -> Loaded | None:
         """(caches holding the whole entry, entry token ids, checkpoints) or None (missing /
         corrupt / too slow). The caller trims to ``hit.tokens``. Request thread only."""
-        return drain(self.load_steps(hit))
+        return drain(self.loads.load_steps(hit))
 
     def load_steps(self, hit: ColdHit, beside: bool = False) -> Steps[Loaded | None]:
         """:meth:`load`; ``beside``, for a request thread with other work to keep going (the
         batch loop's decode steps): each ``next()`` returns at once while a thread of the load
         reads the file (``codec.load_steps``). Request thread."""
-        found = self._ask(lambda: self._locate(hit.entry_id), None)
-        if found is None:
-            return None
-        if found == "gone":  # removed since the lookup (superseded / evicted, maybe elsewhere)
-            self.faults.count("misses_missing")
-            return None
-        rec, path, header, stored = found
-        if isinstance(header, Exception):
-            self._bad(rec, path, header)
-            return None
-        t0 = time.perf_counter()
-        try:
-            arrays = yield from codec.load_steps(path, header, beside)
-            tokens = codec.tokens_of(arrays)
-            if not np.array_equal(stored, tokens):
-                raise store.CorruptEntry("file tokens differ from the index")
-            caches, checkpoints = codec.decode(arrays, header.metadata)
-        except FileNotFoundError:
-            self._vanished(rec)
-            return None
-        except (store.CorruptEntry, layers.CorruptState, layers.UnsupportedCache) as e:
-            self._bad(rec, path, e)
-            return None
-        except OSError as e:  # the read failed
-            self._bad(rec, path, e)
-            return None
-        except RuntimeError as e:  # MLX refused the arrays' memory (CUDA: out of memory): a miss
-            self.faults.count("load_errors")
-            self.faults.once("load:memory", "cold entry %s not loaded: %s", rec.file, e)
-            return None
-        self.faults.add_load(rec.nbytes, time.perf_counter() - t0)
-        now = time.time()
-        self._touched[rec.entry_id] = now  # seen by recent() before the queued touch commits
-        self.writer.submit(lambda: self._touch(rec.entry_id, now), 0, droppable=False)
-        return Loaded(caches, tokens, checkpoints, store.prompt_of(header.metadata, len(tokens)))
+        return self.loads.load_steps(hit, beside)
 
     def describe(self, hit: ColdHit) -> tuple[Path, int] | None:
         """(entry file path, file bytes) of a hit, or None when its record is gone or the index
         does not answer within the deadline (issue 15: the restore plan sizes the read and probes
         the page cache with it). Request thread; the index query runs on the reader thread."""
-        return self._ask(lambda: self._describe(hit.entry_id), None)
-
-    def _describe(self, entry_id: str) -> tuple[Path, int] | None:
-        index = self.site.index
-        rec = index.get(entry_id) if index is not None else None
-        return None if rec is None else (self.dir / Path(rec.file).name, rec.nbytes)
-
-    def _touch(self, entry_id: str, when: float) -> None:
-        self.writes.touch(entry_id, when)
-        if self._touched.get(entry_id) == when:
-            del self._touched[entry_id]
-
-    def _locate(self, entry_id: str) -> tuple[Record, Path, Any, np.ndarray] | str | None:
-        """Reader thread: the record, its path, its checked header (or the error reading it)
-        and the indexed token ids."""
-        index = self.site.index
-        if index is None:
-            return None
-        rec = index.get(entry_id)
-        stored = index.tokens(entry_id) if rec is not None else None
-        if rec is None or stored is None:
-            return "gone"
-        path = self.dir / Path(rec.file).name
-        try:
-            header: Any = store.read_header(path, self.fingerprint)
-            if header.n_tokens != len(stored):
-                raise store.CorruptEntry("file token count differs from the index")
-            if header.data_start + header.data_len != rec.nbytes:  # before anything is allocated
-                raise SizeDiffers("file size differs from the index")
-        except (OSError, store.CorruptEntry) as e:
-            header = e
-        return rec, path, header, stored
-
-    def _bad(self, rec: Record, path: Path, err: Exception) -> None:
-        if isinstance(err, FileNotFoundError) or self._was_replaced(rec, path):
-            self._vanished(rec)  # deleted between our reads: a miss, not corruption
-        elif isinstance(err, SizeDiffers):  # a miss now; the row or the file is wrong: which,
-            self.writer.submit(lambda: self._judge(rec, path), 0, droppable=False)  # the writer says
-        elif isinstance(err, OSError):  # unreadable (EACCES, EIO): a miss; the file may be fine
-            self.faults.count("load_errors")
-            self.faults.once(f"load:{err.errno}", "cold entry %s unreadable: %s", rec.file, err)
-        else:
-            self.faults.once(f"corrupt:{type(err).__name__}", "cold entry %s quarantined: %s",
-                             rec.file, err)  # fmt: skip
-            self._remove([rec.entry_id], "quarantined")
-
-    def _judge(self, rec: Record, path: Path) -> None:
-        """Writer thread: the row or the file is wrong (:meth:`Remover.settle_size`)."""
-        index = self.site.index
-        if index is not None and self.site.writable:
-            self.remover.settle_size(index, rec, path)
-            self._refresh_summary()
-
-    def _vanished(self, rec: Record) -> None:
-        self._remove([rec.entry_id], "vanished")
-
-    def _remove(self, ids: list[str], reason: str) -> None:
-        index = self.site.index
-        if index is None:
-            return
-
-        def remove() -> None:
-            self.remover.remove(index, ids, reason)
-            self._refresh_summary()
-
-        try:
-            self._ask(remove, None)
-        except OSError as e:  # quarantine cannot move / delete (read-only disk)
-            self.faults.once("remove", "cold entry removal failed: %s", e)
-
-    def _was_replaced(self, rec: Record, path: Path) -> bool:
-        """The file is gone or its record was removed (another process superseded / evicted
-        it while we read): what we read may be half of a vanished file, not a corrupt one."""
-        index = self.site.index
-        if index is None:
-            return True
-        return bool(self._ask(lambda: not path.exists() or index.tokens(rec.entry_id) is None, True))
+        return self.loads.describe(hit)
 
     def recent(self, limit_entries: int, limit_bytes: int) -> list[ColdHit]:
         """Most recently used entries first, within both limits (0 = no limit on that axis;
         both 0 = nothing), for warm-start prefetch."""
-        if limit_entries <= 0 and limit_bytes <= 0 or self.site.index is None:
-            return []
-        index = self.site.index
-        # the touches not yet committed, copied before the records are read: one that commits
-        # in between is in the records (copied after, it was in neither)
-        touched = dict(self._touched)
-        recs = self._ask(index.records, [], deadline=max(5.0, self.config.cold_deadline))
-        out: list[ColdHit] = []
-        total = 0
-        for r in sorted(recs, key=lambda r: -max(r.last_used, touched.get(r.entry_id, 0.0))):
-            if limit_entries > 0 and len(out) >= limit_entries:
-                break
-            if limit_bytes > 0 and total + r.nbytes > limit_bytes:
-                break
-            out.append(ColdHit(r.entry_id, r.n_tokens, r.n_tokens, r.n_tokens))
-            total += r.nbytes
-        return out
+        return self.loads.recent(limit_entries, limit_bytes)
 
     # -- request thread: hand over to the writer ----------------------------------------------
     def spill(
@@ -392,7 +225,7 @@ class ColdTier:
         """Block until every queued spill is written (or ``timeout`` passes); False if late."""
         done = self.writer.wait_idle(timeout)
         if done:
-            self._ask(self._refresh_summary, None)
+            self.loads.ask(self._refresh_summary, None)
         return done
 
     def begin_close(self) -> None:
