@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -404,33 +405,50 @@ def _validated(data: dict[str, Any], model: type[RequestBody]) -> Any:
         ) from None
 
 
+#: where a value sits in the request JSON: None (the top), or (where its container sits, its key)
+Where = tuple["Where", object] | None
+
+
 def check_json(data: Any) -> None:
     """Refuse what json.loads accepts but the engine cannot use: nesting deeper than
     MAX_JSON_DEPTH (templates and validators recurse) and lone surrogates (not encodable text:
-    the tokenizer and the response encoder fail on them). Iterative: no recursion to exhaust."""
-    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    the tokenizer and the response encoder fail on them). Iterative: no recursion to exhaust;
+    one open container per level (memory bounded by the depth, not by the body: pushing every
+    container of a level with its path held 0.5 GB for 3.7M empty lists, in 2.9 s)."""
+    stack: list[tuple[Any, int, Where]] = [(_items(data), 1, None)]
     while stack:
-        value, depth, path = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise ApiError(400, f"request JSON is nested deeper than {MAX_JSON_DEPTH} levels",
-                           param=path or None, code="invalid_json")  # fmt: skip
-        items = value.items() if isinstance(value, dict) else enumerate(value)
+        items, depth, where = stack[-1]
         for k, v in items:
             if isinstance(k, str) and _bad_text(k):
-                _surrogate(_join(path, k))
+                _surrogate(_path((where, k)))
             if isinstance(v, str):
                 if _bad_text(v):
-                    _surrogate(_join(path, k))
+                    _surrogate(_path((where, k)))
             elif isinstance(v, (dict, list)):
-                stack.append((v, depth + 1, _join(path, k)))
+                if depth == MAX_JSON_DEPTH:
+                    raise ApiError(400, f"request JSON is nested deeper than {MAX_JSON_DEPTH} levels",
+                                   param=_path((where, k)), code="invalid_json")  # fmt: skip
+                if v:  # an empty one holds nothing to check
+                    stack.append((_items(v), depth + 1, (where, k)))
+                    break
+        else:
+            stack.pop()
+
+
+def _items(value: dict[str, Any] | list[Any]) -> Iterator[tuple[object, Any]]:
+    return iter(value.items()) if isinstance(value, dict) else enumerate(value)
 
 
 def _bad_text(s: str) -> bool:
     return not s.isascii() and _SURROGATE.search(s) is not None
 
 
-def _join(path: str, key: object) -> str:
-    return f"{path}.{key}" if path else str(key)
+def _path(where: Where) -> str:
+    keys: list[str] = []
+    while where is not None:
+        where, key = where
+        keys.append(str(key))
+    return ".".join(reversed(keys))
 
 
 def _surrogate(param: str) -> None:
