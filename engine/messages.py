@@ -54,6 +54,11 @@ class CountTokensRequest(api.RequestBody):
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
 
+    @classmethod
+    def turns(cls, data: dict[str, Any]) -> int:
+        """Each message is a chat message at least (:func:`to_chat`)."""
+        return len(api.listed(data, "messages"))
+
 
 class MessagesRequest(CountTokensRequest):
     """A ``/v1/messages`` body: ``max_tokens`` is required, as Anthropic's (a request without it
@@ -62,13 +67,15 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(gt=0)
 
 
-def parse(raw: bytes, model: type[CountTokensRequest] = MessagesRequest) -> ChatRequest:
+def parse(
+    raw: bytes, model: type[CountTokensRequest] = MessagesRequest, context_length: int | None = None
+) -> ChatRequest:
     """A Messages body (``model``: what it must hold) as the chat request it asks for. Raises
-    ApiError (400 / 413 as for chat)."""
-    return to_chat(api.parse_body(raw, model))
+    ApiError (400 / 413 as for chat; more turns than ``context_length``: ``api.check_turns``)."""
+    return to_chat(api.parse_body(raw, model, context_length), context_length)
 
 
-def to_chat(req: CountTokensRequest) -> ChatRequest:
+def to_chat(req: CountTokensRequest, context_length: int | None = None) -> ChatRequest:
     """The OpenAI chat request of ``req``: system first, each ``tool_result`` block a ``tool``
     message (in its place, before the user's text), each ``tool_use`` an assistant tool call,
     ``thinking`` blocks the assistant's ``reasoning_content``; a ``system`` turn among the messages
@@ -99,7 +106,7 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
         body["reasoning_effort"] = effort
     if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
         body["continue_final_message"] = True  # a prefill: the model goes on from its text
-    chat: ChatRequest = api.validate(body, ChatRequest)
+    chat: ChatRequest = api.validate(body, ChatRequest, context_length)
     return chat
 
 

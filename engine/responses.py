@@ -27,10 +27,12 @@ from engine.items import Items
 from engine.openai_bodies import new_id, now
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+_OWN_TURN = ("message", "function_call_output")  # input item types each a chat message
 ITEM = {"reasoning": "reasoning", "content": "message"}  # items.Items channel → output item type
 
 
 class ResponsesRequest(api.RequestBody):
+    prompt_param: ClassVar[str] = "input"
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -51,6 +53,14 @@ class ResponsesRequest(api.RequestBody):
             raise ValueError("previous_response_id is not supported (nothing is stored): send the whole input")
         return v
 
+    @classmethod
+    def turns(cls, data: dict[str, Any]) -> int:
+        """Input items that are chat messages of their own (:func:`to_chat`): a message, a
+        function_call_output (a function_call may join the turn before it, a reasoning item the
+        turn after)."""
+        return sum(isinstance(x, dict) and x.get("type", "message") in _OWN_TURN
+                   for x in api.listed(data, "input"))  # fmt: skip
+
 
 class ResponsesChat(ChatRequest):
     """The chat request a Responses body asks for, with the Codex tool namespace of each function
@@ -61,12 +71,13 @@ class ResponsesChat(ChatRequest):
     instructions: str | None = None  # echoed in the response, as OpenAI's
 
 
-def parse(raw: bytes) -> ResponsesChat:
-    """A Responses body as the chat request it asks for. Raises ApiError (400 / 413 as for chat)."""
-    return to_chat(api.parse_body(raw, ResponsesRequest))
+def parse(raw: bytes, context_length: int | None = None) -> ResponsesChat:
+    """A Responses body as the chat request it asks for. Raises ApiError (400 / 413 as for chat;
+    more turns than ``context_length``: ``api.check_turns``)."""
+    return to_chat(api.parse_body(raw, ResponsesRequest, context_length), context_length)
 
 
-def to_chat(req: ResponsesRequest) -> ResponsesChat:
+def to_chat(req: ResponsesRequest, context_length: int | None = None) -> ResponsesChat:
     """The chat request of ``req``: ``instructions`` as the system message, then the input items in
     order (a ``function_call`` joins the assistant turn before it, a ``reasoning`` item becomes the
     next assistant turn's ``reasoning_content``, a ``function_call_output`` a tool message)."""
@@ -126,7 +137,7 @@ def to_chat(req: ResponsesRequest) -> ResponsesChat:
         body["reasoning_effort"] = effort
     body["namespaces"] = namespaces(req.tools)
     body["instructions"] = req.instructions
-    chat: ResponsesChat = api.validate(body, ResponsesChat)
+    chat: ResponsesChat = api.validate(body, ResponsesChat, context_length)
     return chat
 
 

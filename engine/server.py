@@ -112,7 +112,7 @@ class Server:
         self,
         request: Request,
         endpoint: str,
-        parse: Callable[[bytes], Any],
+        parse: Callable[..., Any],  # (body, context_length=) → request
         prepare: Callable[[Any], Any],
         anthropic: bool = False,
     ) -> Response:
@@ -123,7 +123,9 @@ class Server:
             arrival = self.worker.arrive()
             try:
                 body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
-                req = await self._off_loop(parse, body)
+                # the context bounds the turns a body may hold, checked before they are validated
+                ctx = self.engine.context_length
+                req = await self._off_loop(partial(parse, context_length=ctx), body)
                 ids, out = await self._off_loop(prepare, req)
                 params = respond.sampling(
                     req, ids, self.engine.context_length, self.engine.vocab_size,
@@ -171,7 +173,6 @@ class Server:
         job.stop()
 
     def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], respond.ChatOutput]:
-        api.check_messages(len(req.messages), self.engine.context_length)  # before rendering
         self._check_chars(req.content_chars(), "messages")
         return respond.chat_prompt(
             self.engine.tokenizer, self.engine.encode_text, req, self.model_id,
@@ -204,7 +205,9 @@ class Server:
         """Anthropic's ``/v1/messages/count_tokens``: the rendered prompt's length."""
         try:
             body = await read_body(request, self.config.max_body_bytes, self.body_timeout)
-            req = await self._off_loop(messages.parse, body, messages.CountTokensRequest)
+            parse = partial(messages.parse, model=messages.CountTokensRequest,
+                            context_length=self.engine.context_length)  # fmt: skip
+            req = await self._off_loop(parse, body)
             ids, _ = await self._off_loop(self._chat_prompt, req)
         except Exception as e:
             return self._error("count_tokens", e, anthropic=True)

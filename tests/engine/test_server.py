@@ -613,6 +613,48 @@ def test_more_messages_than_the_context_has_tokens_is_refused_before_rendering(g
     assert err["param"] == "messages" and "65 messages" in err["message"]
 
 
+EMPTY = {"role": "user", "content": ""}
+RESULT = {"type": "tool_result", "tool_use_id": "t", "content": ""}
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"messages": [EMPTY] * 65}, "messages"),
+        ("/v1/messages", {"max_tokens": 8, "messages": [EMPTY] * 65}, "messages"),
+        ("/v1/messages/count_tokens", {"messages": [EMPTY] * 65}, "messages"),
+        ("/v1/responses", {"input": [EMPTY] * 65}, "input"),
+        # one Anthropic message of 65 tool results: 65 chat messages, counted before they are validated
+        ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [RESULT] * 65}]},
+         "messages"),
+    ],
+)  # fmt: skip
+def test_more_turns_than_the_context_has_tokens_are_refused_before_validation(
+    guarded, monkeypatch, path, body, param
+):
+    """The count bound ran after pydantic had validated every message: 400k empty messages (13 MB)
+    held a parse slot 3-4 s on each endpoint before their 400. Now no request model is validated
+    with more turns than the context (64 tokens) has: spied on the real models' validation."""
+    from engine import api
+
+    validated: list[tuple[str, int]] = []
+    real = api.RequestBody.model_validate.__func__  # type: ignore[attr-defined]
+
+    def counting(cls, data, *a, **kw):
+        turns = data.get("messages") or data.get("input") if isinstance(data, dict) else None
+        validated.append((cls.__name__, len(turns) if isinstance(turns, list) else 0))
+        return real(cls, data, *a, **kw)
+
+    monkeypatch.setattr(api.RequestBody, "model_validate", classmethod(counting))
+    r = httpx.post(guarded.url + path, json=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert [v for v in validated if v[1] > 64] == []
+    if not path.startswith("/v1/messages"):  # Anthropic's error body has no code or param
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param
+    assert "65 messages" in r.json()["error"]["message"]
+
+
 def test_a_completion_too_long_for_the_context_names_its_prompt():
     """/v1/completions named ``messages``, a field its body does not have."""
     from engine.api import CompletionRequest
