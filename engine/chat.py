@@ -131,12 +131,19 @@ RESERVED_TEMPLATE_ARGS = frozenset({
 })  # fmt: skip
 
 
+#: template arguments one request or the server may pass: templates read a handful (a body of
+#: 1M names took 4 s to render, and a 200)
+MAX_TEMPLATE_ARGS = 64
+
+
 def template_args(args: Any) -> dict[str, Any]:
     """Extra variables for the chat template (``enable_thinking``, ``reasoning_effort``, …), as
-    mlx_lm.server takes them: a JSON object whose names are identifiers that are not
-    :data:`RESERVED_TEMPLATE_ARGS`. ValueError saying which name is refused."""
+    mlx_lm.server takes them: a JSON object of at most :data:`MAX_TEMPLATE_ARGS` names, each an
+    identifier that is not in :data:`RESERVED_TEMPLATE_ARGS`. ValueError saying what is refused."""
     if not isinstance(args, dict):
         raise ValueError("template arguments must be a JSON object")
+    if len(args) > MAX_TEMPLATE_ARGS:
+        raise ValueError(f"at most {MAX_TEMPLATE_ARGS} template arguments (got {len(args)})")
     for name in args:
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"template argument names are identifiers (got {str(name)[:40]!r})")

@@ -187,6 +187,15 @@ def test_template_arguments_never_replace_the_templates_own(args):
     assert chat.template_args({"enable_thinking": False}) == {"enable_thinking": False}
 
 
+def test_template_arguments_are_a_handful_not_a_million():
+    """A body whose ``chat_template_kwargs`` held 1M names took 4 s of rendering and got a 200."""
+    many = {f"a{i}": i for i in range(chat.MAX_TEMPLATE_ARGS + 1)}
+    with pytest.raises(ValueError, match="at most"):
+        chat.template_args(many)
+    many.popitem()
+    assert chat.template_args(many) == many
+
+
 def test_every_parameter_of_apply_chat_template_is_reserved():
     """transformers 5 added ``sanitize_control_tokens``: as a request's template argument it
     reached ``apply_chat_template`` itself, which refused it (a ValueError around the template)."""
