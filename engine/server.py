@@ -173,7 +173,7 @@ class Server:
         job.stop()
 
     def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], respond.ChatOutput]:
-        self._check_chars(req.content_chars(), "messages")
+        self._check_chars(req.content_chars(), req.prompt_param)
         return respond.chat_prompt(
             self.engine.tokenizer, self.engine.encode_text, req, self.model_id,
             self._check_chars, self.template_defaults,

@@ -602,6 +602,18 @@ def test_context_length_code(guarded):
     assert r.json()["error"]["param"] == "messages"
 
 
+def test_a_responses_input_past_the_character_bound_names_input(live):
+    """The pre-render character bound named ``messages`` on ``/v1/responses`` too, whose prompt is
+    ``input``; chat keeps ``messages``."""
+    text = "x " * 2_000_000  # past any context this model has, in characters
+    for path, body, param in (("/v1/responses", {"input": text}, "input"),
+                              ("/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": text}]}, "messages")):  # fmt: skip
+        r = httpx.post(live.url + path, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+
+
 def test_more_messages_than_the_context_has_tokens_is_refused_before_rendering(guarded):
     """Empty messages have no characters for the pre-render bound to count: 400k of them (13 MB)
     were rendered (5.5 s of a parse slot) before the prompt's length refused them. Each message
