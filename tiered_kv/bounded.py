@@ -72,10 +72,12 @@ class BoundedWorker:
             self._hold = True
 
     def submit(self, fn: Callable[[], Any], nbytes: int, droppable: bool = True) -> bool:
-        """Enqueue ``fn``; False only when the worker is closed (``on_drop`` was told)."""
+        """Enqueue ``fn``; False only when the worker is closed (``on_drop`` was told, for a
+        droppable task: what may not be dropped is no drop, e.g. a cold tier's touch)."""
         with self._cond:
             if self._closed:
-                self._on_drop(nbytes, "closed")
+                if droppable:
+                    self._on_drop(nbytes, "closed")
                 return False
             droppable = droppable and not self._hold
             while droppable and self._pending + nbytes > self.max_bytes:

@@ -94,3 +94,16 @@ def test_close_after_a_timed_out_drain_discards_and_refuses_later_tasks():
     with pytest.raises(RuntimeError):
         w.run_sync(lambda: None)
     gate.set()
+
+
+def test_a_task_that_may_not_be_dropped_is_no_drop_when_refused_closed():
+    """A closed worker refuses every task, but only a droppable one (a spill) is a drop: the cold
+    tier's maintenance tasks (a touch, a size check, an index rebuild; non-droppable, 0 bytes)
+    refused after close were counted and logged as dropped spills."""
+    drops: list = []
+    w = BoundedWorker(100, lambda n, why: drops.append((n, why)))
+    assert w.close(5)
+    assert not w.submit(lambda: None, 0, droppable=False)
+    assert drops == []
+    assert not w.submit(lambda: None, 7)
+    assert drops == [(7, "closed")]
