@@ -66,8 +66,6 @@ class _HintedConnection(h11.Connection):
             raise
 
 
-
-
 class _HeaderDeadline(H11Protocol):
     """H11Protocol that closes a connection whose request headers are not complete in time, and
     answers a request h11 cannot read with its status, then closes lingering."""

@@ -132,9 +132,10 @@ class CallParser:
             log.info("model output is not a %s tool call (%s)", self.parser_name, e)
             return None
         items = parsed if isinstance(parsed, list) else [parsed]
-        holds = _HOLDS.get(self.parser_name)
-        if holds is not None and len(items) != holds(text):
-            log.info("model output holds %d %s calls, %d parsed", holds(text), self.parser_name,
+        count = _HOLDS.get(self.parser_name)
+        held = count(text) if count is not None else len(items)
+        if len(items) != held:
+            log.info("model output holds %d %s calls, %d parsed", held, self.parser_name,
                      len(items))  # fmt: skip
             return None
         calls = []

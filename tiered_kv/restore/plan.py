@@ -18,6 +18,7 @@ teaches the read bandwidth. :func:`worth_spilling` is the admission rule built o
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -115,10 +116,7 @@ class Learned:
             rows = near or rows
         if not rows:
             return 1.0
-        ratios = sorted(r for _, r in rows)
-        mid = len(ratios) // 2
-        med = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-        return min(CLAMP[1], max(CLAMP[0], med))
+        return min(CLAMP[1], max(CLAMP[0], statistics.median(r for _, r in rows)))
 
 
 @dataclass(frozen=True)
