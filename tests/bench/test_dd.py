@@ -53,3 +53,9 @@ def test_a_warm_read_has_every_page_resident(tmp_path: Path) -> None:
 def test_write_times_the_requested_bytes(tmp_path: Path) -> None:
     assert dd.write(tmp_path / "w.bin", 1000) > 0
     assert (tmp_path / "w.bin").stat().st_size == dd.BLOCK  # whole blocks written, time scaled
+
+
+def test_a_read_into_fresh_memory_reads_the_whole_file_cold(tmp_path: Path) -> None:
+    (path, _) = _files(tmp_path)
+    assert dd.read_fresh(path, cold=True) > 0
+    assert _resident(path) == path.stat().st_size  # every byte was read, from a dropped cache
