@@ -61,7 +61,7 @@ def verify(shared: SharedAdmin, fix: bool) -> int:
     clean = True
     for fp, r in sorted(reports.items()):
         print(f"{fp}: {len(r.ok)} ok (shared)")
-        for kind in ("corrupt", "incomplete"):
+        for kind in ("corrupt", "incomplete", "unreachable"):
             for eid in getattr(r, kind):
                 print(f"  {kind}: {eid}")
         if r.orphan_chunks:
@@ -70,7 +70,8 @@ def verify(shared: SharedAdmin, fix: bool) -> int:
             print(f"  orphan token ids (their entry's facts evicted): {r.orphan_tokens}")
         clean = clean and r.clean
     if fix and not clean:
-        print("fixed: bad and incomplete shared entries, orphan chunks and token ids unlinked")
+        print("fixed: bad, incomplete and unreachable shared entries, orphan chunks and token ids "
+              "unlinked")  # fmt: skip
         return 0
     return 0 if clean else 1
 

@@ -130,7 +130,9 @@ class Remover:
         (:meth:`Index.oldest`; before, every record was read and the directory listed), and what
         lies beside the entries is measured by a walk of the cache dir (dead writers' temp files
         swept first) at the first write, after a re-open, a quarantine or a removed path, every
-        :data:`RESCAN_SECONDS`, and when the entry does not fit what was measured."""
+        :data:`RESCAN_SECONDS`, and when the entry does not fit what was measured; the files that
+        lay loose in its own directory then are measured again at each write (:meth:`_loose`:
+        nothing another process indexed since is counted twice)."""
         site = self.site
         incoming = data_bytes + 4 * n_tokens + HEADER_SLACK + index_bytes(n_tokens, site.block_tokens)
         fresh = self._stale or self._scanned_for is not index or (
@@ -171,7 +173,8 @@ class Remover:
         """(usage: every byte and the units that may have to go, free bytes on the disk)."""
         site = self.site
         _, entries = index.summary()
-        used = entries + usage.tree_size(site.dir / INDEX)[0] + self._beside.used
+        beside = self._beside.used - sum(self._beside.loose.values()) + self._loose(index)
+        used = entries + usage.tree_size(site.dir / INDEX)[0] + beside
         free = shutil.disk_usage(site.root).free
         need = self._need(usage.Usage(used, []), free, incoming)
         items = list(self._beside.items)
@@ -179,6 +182,20 @@ class Remover:
             items += [budget.Item(("entry", r.entry_id), r.nbytes, r.last_used)
                       for r in index.oldest(need)]  # fmt: skip
         return usage.Usage(used, items), free
+
+    def _loose(self, index: Index) -> int:
+        """Bytes of what lay loose beside the entries at the last walk, as it is now: a file
+        gone since counts nothing (a temp file renamed into an entry), nor one the index holds
+        now (another process's entry published before the walk, indexed after it: counted in
+        the index's totals — it was counted twice until the next walk, and entries were evicted
+        for room there was). A stat per loose name and one lookup of those named as entries."""
+        loose = self._beside.loose
+        if not loose:
+            return 0
+        ids = {n.removesuffix(store.SUFFIX): n for n in loose if n.endswith(store.SUFFIX)}
+        named = {k: n for k, n in ids.items() if is_key(k) and n == self.site.backend.path(k).name}
+        held = {named[k] for k in index.present(named)}
+        return sum(usage.tree_size(self.site.dir / n)[0] for n in loose if n not in held)
 
     def _need(self, use: usage.Usage, free: int, incoming: int) -> int:
         """Bytes to free before ``incoming`` fits the budget and the free-space floor."""

@@ -123,6 +123,15 @@ class Index:
         """Every record's file name (one query)."""
         return {f for (f,) in self._conn().execute("SELECT file FROM entries")}
 
+    def present(self, entry_ids: Collection[str]) -> set[str]:
+        """Those of ``entry_ids`` the index holds (primary-key lookups: no row decoded)."""
+        ids, out = list(entry_ids), set[str]()
+        for lo in range(0, len(ids), 500):  # under SQLite's bound on a statement's parameters
+            part = ids[lo : lo + 500]
+            sql = f"SELECT id FROM entries WHERE id IN ({','.join('?' * len(part))})"
+            out.update(i for (i,) in self._conn().execute(sql, part))
+        return out
+
     def oldest(self, nbytes: int) -> list[Record]:
         """Records least recently used first, as many as it takes for their bytes to reach
         ``nbytes``, and every one tied with the last (all, when they never reach it): the budget's

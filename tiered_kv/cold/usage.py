@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered_kv.cold import fsafe
@@ -21,6 +21,9 @@ QUARANTINE = "quarantine"
 class Usage:
     used: int  # every byte under the cache dir
     items: list[Item]  # deletable units; keys: ("entry", id) | ("path", Path)
+    #: of ``used``: what lay loose in own's directory (neither indexed nor the caller's to
+    #: measure: temp files, another process's entry not indexed yet, orphans), bytes per name
+    loose: dict[str, int] = field(default_factory=dict)
 
 
 def tree_size(path: Path) -> tuple[int, float]:
@@ -60,6 +63,7 @@ def beside(root: Path, own: str, indexed: Collection[str], measured: Collection[
     ``measured``, names in own's directory that the caller measures itself)."""
     used = 0
     items: list[Item] = []
+    loose: dict[str, int] = {}
     try:
         children = list(os.scandir(root))
     except FileNotFoundError:
@@ -69,7 +73,8 @@ def beside(root: Path, own: str, indexed: Collection[str], measured: Collection[
         if child.name == own and child.is_dir(follow_symlinks=False):
             for sub in os.scandir(path):
                 if sub.name not in indexed and sub.name not in measured:
-                    used += tree_size(Path(sub.path))[0]
+                    loose[sub.name] = tree_size(Path(sub.path))[0]
+                    used += loose[sub.name]
         elif child.name == QUARANTINE and child.is_dir(follow_symlinks=False):
             for sub in os.scandir(path):
                 size, mtime = tree_size(Path(sub.path))
@@ -81,7 +86,7 @@ def beside(root: Path, own: str, indexed: Collection[str], measured: Collection[
             size, mtime = tree_size(path)
             items.append(Item(("path", path), size, mtime))
             used += size
-    return Usage(used, items)
+    return Usage(used, items, loose)
 
 
 def remove_path(path: Path, root: Path | None = None) -> bool:

@@ -69,7 +69,9 @@ _CANDIDATES = 3
 MAX_ENTRY_BYTES = 256 << 30  # a claimed size past this is never allocated
 _MIN_RATE = 50e6  # bytes/s: a fetch slower than this overall is abandoned (a miss)
 MAX_CHUNKS = 1 << 16  # chunks an entry may have (256 GiB in 64 MiB chunks is 4096)
-_PROBE = 64  # chunks of an entry whose facts are gone unlinked per round trip (:meth:`unlink_lost`)
+#: chunk names of an entry whose facts are gone asked in its first round trip, doubling up to
+#: ``_PROBE_MAX`` (:meth:`unlink_lost`)
+_PROBE, _PROBE_MAX = 64, 4096
 
 #: entry bytes → its token ids, after the entry format's own integrity checks; raises ValueError
 #: (e.g. ``store.CorruptEntry``) for anything corrupt or foreign
@@ -329,18 +331,33 @@ class SharedTier:
         self.client.unlink(*names)
 
     def unlink_lost(self, eid: str) -> None:
-        """An entry whose facts Redis evicted (its chunk count gone with them): its token ids and
-        the chunks its naming finds, ``_PROBE`` names a round trip until a batch finds none. A run
-        of that many chunks evicted before the rest leaves those to LRU (``verify --fix``: orphan
-        chunks)."""
-        for lo in range(0, MAX_CHUNKS, _PROBE):
+        """An entry whose facts Redis evicted: its token ids and every chunk of it still there.
+        Nothing in Redis holds its chunk count any more, and LRU may have taken any run of its
+        chunks (the oldest first: chunk 0 on), so no run of missing names ends the search (a
+        run of 64 did, and every chunk past it was left for LRU). It ends at the entry's last
+        chunk — the one shorter than a full chunk: every chunk before the last is full (this
+        tier's ``chunk_bytes``, or the longest seen, for one another server cut larger) — or at
+        ``MAX_CHUNKS`` (the last chunk evicted too, or a size of whole chunks): names asked 64
+        a round trip, doubling to 4096, so at most ~20 round trips. Each round trip asks the
+        names' lengths and unlinks them."""
+        full, lo, n = self.chunk_bytes, 0, _PROBE
+        while lo < MAX_CHUNKS:
+            names = [self.key("c", eid, i) for i in range(lo, min(lo + n, MAX_CHUNKS))]
             pipe = self.client.pipeline(transaction=False)
-            for i in range(lo, lo + _PROBE):
-                pipe.unlink(self.key("c", eid, i))
+            for name in names:
+                pipe.strlen(name)
+            pipe.unlink(*names)
             if lo == 0:
                 pipe.unlink(self.key("t", eid))
-            if not any(pipe.execute()[:_PROBE]):
+            replies = pipe.execute(raise_on_error=False)
+            refused = [r for r in replies[len(names) :] if isinstance(r, Exception)]
+            if refused:
+                raise refused[0]
+            lengths = [r for r in replies[: len(names)] if isinstance(r, int) and r > 0]
+            full = max([full, *lengths])
+            if any(x < full for x in lengths):  # its last chunk: nothing of it past this one
                 return
+            lo, n = lo + n, min(2 * n, _PROBE_MAX)
 
     # -- health ----------------------------------------------------------------------------
     @property

@@ -2,7 +2,10 @@
 
 Walks the ``tkv:<fingerprint>:`` namespaces with SCAN (never KEYS: a shared Redis keeps serving
 while we look). ``verify`` fetches every entry's chunks and runs the entry format's checks; with
-``fix`` it unlinks corrupt and incomplete entries, orphan chunks idle for ten minutes (a
+``fix`` it unlinks corrupt and incomplete entries, unreachable ones (indexed, but named by no
+block key: displaced by a newer publish whose unlink of them failed, or whose block keys Redis
+evicted — no lookup can find them again, :func:`_named` says why none is taken for one while a
+publish runs), orphan chunks idle for ten minutes (a
 publish that died between its chunks and its index; a running one's are fresh) and the token ids
 of entries whose facts Redis evicted (``t:`` without ``e:``). Keys of the
 layout holding what no publisher writes (another type, a time no clock gives) are corrupt, never
@@ -30,6 +33,8 @@ from tiered_kv.shared.redis_tier import Check, SharedTier
 _E = re.compile(rb"^tkv:([^:]{1,128}):e:([0-9a-f]{32})$")
 _C = re.compile(rb"^tkv:([^:]{1,128}):c:([0-9a-f]{32}):\d+$")
 _T = re.compile(rb"^tkv:([^:]{1,128}):t:([0-9a-f]{32})$")
+_B = re.compile(rb"^tkv:([^:]{1,128}):b:[0-9a-f]{1,32}$")
+_BATCH = 1000  # block keys read per round trip
 _BOUNDS = {**reads.FACTS, **reads.CREATED}
 #: an orphan chunk younger than this may be a running publish's (its index not written yet)
 ORPHAN_GRACE_SECONDS = 600
@@ -51,12 +56,14 @@ class SharedReport:
     ok: list[str] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)  # a chunk evicted
+    unreachable: list[str] = field(default_factory=list)  # indexed, named by no block key
     orphan_chunks: int = 0
     orphan_tokens: int = 0  # token ids (``t:``) of an entry whose facts Redis evicted
 
     @property
     def clean(self) -> bool:
-        return not (self.corrupt or self.incomplete or self.orphan_chunks or self.orphan_tokens)
+        return not (self.corrupt or self.incomplete or self.unreachable or self.orphan_chunks
+                    or self.orphan_tokens)  # fmt: skip
 
 
 def entries(client: redis.Redis) -> list[EntryInfo]:
@@ -114,11 +121,13 @@ def server(client: redis.Redis) -> dict[str, Any]:
 def verify(
     client: redis.Redis, url: str, check_for: Callable[[str], Check], fix: bool = False
 ) -> dict[str, SharedReport]:
-    """Per fingerprint: every entry fetched and checked; ``fix`` unlinks what is bad."""
+    """Per fingerprint: every entry a block key names fetched and checked, the others
+    unreachable; ``fix`` unlinks what is bad or unreachable."""
     reports: dict[str, SharedReport] = defaultdict(SharedReport)
     known: set[tuple[str, str]] = set()
     tiers: dict[str, SharedTier] = {}
     found, bad = _survey(client)
+    named = _named(client)  # after the survey: see there
     for fp, eid in bad:  # an index key no publisher wrote so: corrupt (its chunks age out below)
         known.add((fp, eid))
         reports[fp].corrupt.append(eid)
@@ -130,7 +139,8 @@ def verify(
         if tier is None:
             tier = tiers[e.fingerprint] = SharedTier(url, e.fingerprint, 1 << 30,
                                                      check_for(e.fingerprint), timeout=30.0)  # fmt: skip
-        verdict = _check_one(client, tier, e)
+        reachable = (e.fingerprint, e.entry_id) in named
+        verdict = _check_one(client, tier, e) if reachable else "unreachable"
         getattr(reports[e.fingerprint], verdict).append(e.entry_id)
         if fix and verdict != "ok":
             tier.unlink(e.entry_id, e.nchunks)
@@ -149,6 +159,36 @@ def verify(
     for t in tiers.values():
         t.close()
     return dict(reports)
+
+
+def _named(client: redis.Redis) -> set[tuple[str, str]]:
+    """Every (fingerprint, entry id) a block key names now; read *after* the survey of the
+    entries. An entry is reachable only through its block keys, and only its own publish names
+    it in one, in the MULTI/EXEC that writes its facts: so every key naming an entry the survey
+    found existed before this walk began (SCAN returns every key there all along), and a key
+    that stops naming it never names it again. An entry named by some key when the walk ends
+    was named by it throughout, and is seen; one not seen is unreachable for good. (Read the
+    other way round, an entry published between the two walks would have facts and no key.)"""
+    out: set[tuple[str, str]] = set()
+    batch: list[tuple[str, str]] = []
+
+    def read() -> None:
+        pipe = client.pipeline(transaction=False)
+        for _, k in batch:
+            reads.queue_eid(pipe, k)  # a block key is another writer's data: 512 MB
+        for (fp, _), raw in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+            if (eid := reads.eid_of(raw)) is not None:
+                out.add((fp, eid))
+        batch.clear()
+
+    for k in client.scan_iter(match="tkv:*:b:*", count=1000):
+        if m := _B.match(k):
+            batch.append((m.group(1).decode(), k.decode()))
+            if len(batch) == _BATCH:
+                read()
+    if batch:
+        read()
+    return out
 
 
 def _orphan_tokens(client: redis.Redis, reports: dict[str, SharedReport],

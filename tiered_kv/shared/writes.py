@@ -17,8 +17,8 @@ would read keys it cannot name in advance, and neither touches the other two cas
 leaves is the loser's bytes sent once.
 
 A failure after the index write (unlinking what it displaced) leaves the publish standing: the
-entry is published, the displaced ones stay (unreachable) until LRU takes them, counted
-``displaced_left``.
+entry is published, the displaced ones stay (unreachable) until LRU or ``verify --fix`` takes
+them, each counted ``displaced_left`` (entries, not failed calls).
 
 An entry already there whole (the lookup's longest match holds the same ids, every chunk of it
 in Redis) is not sent again; chunks written before a failure are unlinked (never indexed).
@@ -89,10 +89,11 @@ def publish(tier: Tier, data: Any, token_ids: Sequence[int] | np.ndarray) -> boo
     done = tier.health.call("publish", lambda: _publish(tier, view, tokens, hashes), None)
     if done is None:
         return False
-    # published (its index committed): a failure from here on leaves what it displaced, unlinked
-    # by nothing but LRU (unreachable: no lookup finds it), and the publish stands
-    if not tier.health.call("unlink displaced", lambda: _unlink_displaced(tier, *done), False):
-        tier.health.count("displaced_left")
+    # published (its index committed): a failure from here on leaves what it displaced for LRU
+    # or verify --fix (unreachable: no lookup finds it), and the publish stands
+    left: list[str] = []  # the entries it displaced, not unlinked yet
+    if not tier.health.call("unlink displaced", lambda: _unlink_displaced(tier, *done, left), False):
+        tier.health.count("displaced_left", len(left))  # entries, not failed calls
     return True
 
 
@@ -138,7 +139,7 @@ def _publish(
     return replies[: len(names)], eid
 
 
-def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str) -> bool:
+def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str, left: list[str]) -> bool:
     """Unlink each entry whose deepest block key ``eid``'s index write took (``was``: what the
     block keys named just before, in block order): it holds no block ``eid`` does not, so
     every block key that named it names ``eid`` now — no lookup can find it again (a
@@ -147,7 +148,9 @@ def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str) -> bool:
     block key, so nothing makes it reachable again. One whose facts Redis evicted (its ``e:``
     hash gone) is unlinked too, by its id and chunk naming: a lookup reads the facts first, so
     it was unreachable already. One round trip when any was displaced.
-    True when done; a failure raises (:meth:`Health.call` counts it)."""
+    True when done; a failure raises (:meth:`Health.call` counts it), ``left`` then holds the
+    entries not unlinked: those it displaced, or, where reading which it displaced failed, every
+    entry its index write took a block key from."""
     deepest: dict[str, int] = {}
     for depth, raw in enumerate(was):
         other = reads.eid_of(raw)
@@ -155,17 +158,25 @@ def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str) -> bool:
             deepest[other] = depth
     if not deepest:
         return True
+    left[:] = deepest  # which of them it displaced is known once their facts are read
     pipe = tier.client.pipeline(transaction=False)
     for other in deepest:
         reads.queue_fields(pipe, tier.key("e", other), reads.FACTS)
+    displaced: list[tuple[str, int | None]] = []  # (id, chunk count; None: its facts evicted)
     for (other, depth), reply in zip(deepest.items(), pipe.execute(raise_on_error=False),
                                      strict=True):  # fmt: skip
         got = reads.fields_of(reply, reads.FACTS)
         facts = reads.facts_of(got.values) if got is not None else None
         if facts is not None and facts[0] // tier.block_tokens == depth + 1:
-            tier.unlink(other, facts[2])
-            tier.health.count("superseded")
+            displaced.append((other, facts[2]))
         elif got is not None and got.gone:  # its facts evicted: no lookup serves it, at any depth
+            displaced.append((other, None))
+    left[:] = [other for other, _ in displaced]
+    for other, nchunks in displaced:
+        if nchunks is None:
             tier.unlink_lost(other)
-            tier.health.count("superseded")
+        else:
+            tier.unlink(other, nchunks)
+        left.remove(other)
+        tier.health.count("superseded")
     return True

@@ -249,3 +249,38 @@ def test_a_full_budget_checkpoints_only_where_the_wal_would_make_the_room(tmp_pa
     assert evicting >= 10 and st["skipped"] == 0, (evicting, st)
     assert all(wal >= n for wal, n in seen), seen
     assert len(seen) < evicting, (len(seen), evicting)  # was one at every evicting write
+
+
+def test_an_entry_another_process_indexed_since_the_walk_is_counted_once(tmp_path, monkeypatch):
+    """Two processes on one dir: A walked the directory while B's entry file was published but
+    not yet indexed (so it lay beside A's entries, counted), then B indexed it. Until A's next
+    walk (up to ``RESCAN_SECONDS``) A counted that file twice — in the index's totals and beside
+    them — and evicted entries to make room it had."""
+    from tiered_kv.cold import evict, usage
+    from tiered_kv.cold.index import Index
+
+    monkeypatch.setattr(evict, "RESCAN_SECONDS", 1e9)  # only A's first write walks the dir
+    a, b = cold_tier(tmp_path, disk_free_floor=0), cold_tier(tmp_path, disk_free_floor=0)
+    real_add, walked = Index.add, list[bool]()
+
+    def add(self, *args, **kw):  # B's file is in place, its index row not yet committed
+        if self is b.index and not walked:
+            walked.append(True)
+            a.persist(np.arange(8), [kv_cache(8, d=64)])  # A's first write: it walks the dir now
+            assert a.flush(60)
+        return real_add(self, *args, **kw)
+
+    monkeypatch.setattr(Index, "add", add)
+    big = np.arange(64) + 500
+    b.persist(big, [kv_cache(64, d=2048)])  # 1 MiB
+    assert b.flush(60) and walked
+    a.index.checkpoint()  # as the tier does before it evicts: the WAL is not what is measured
+    used = usage.scan(a.root, a.fingerprint, a.index.records()).used
+    incoming = 2 * (2 * 8 * 64 * 2) + 4 * 8 + evict.HEADER_SLACK + evict.index_bytes(8, BLOCK)
+    a.remover.disk_bytes = used + incoming + (256 << 10)  # room for it, far less than B's 1 MiB
+    a.persist(np.arange(8) + 100, [kv_cache(8, d=64)])
+    assert a.flush(60)
+    assert a.stats()["evictions"] == 0
+    assert a.lookup(list(range(8))) is not None and a.lookup(big.tolist()) is not None
+    a.close()
+    b.close()

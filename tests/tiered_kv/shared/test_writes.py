@@ -171,3 +171,37 @@ def test_a_displaced_entry_whose_facts_redis_evicted_is_unlinked_all_the_same(re
     assert c.keys(f"*{old.entry_id}*") == []
     hit = t.lookup(toks)
     assert hit is not None and t.fetch(hit) is not None
+
+
+def test_displaced_left_counts_the_entries_left_not_the_failed_unlinks(redis_server):
+    """A publish displacing two entries whose unlink Redis refused counted one ``displaced_left``
+    (one failed call), though two entries stayed in Redis unreachable."""
+    t = tier(redis_server.url)
+    toks = ids(67, 64)
+    assert t.publish(entry(toks[:48]), toks[:48])  # blocks 0-2
+    assert t.publish(entry(toks[:32]), toks[:32])  # blocks 0-1: takes their keys, not block 2's
+    c = redis_server.client()
+    assert len(c.keys(t.key("e", "*"))) == 2
+    c.acl_setuser("default", enabled=True, nopass=True, keys=["*"], channels=["*"],
+                  commands=["+@all", "-unlink"])  # fmt: skip
+    assert t.publish(entry(toks), toks)  # blocks 0-3: the deepest key of each of them
+    s = t.stats()
+    assert s["publishes"] == 3 and s["superseded"] == 0 and s["displaced_left"] == 2, s
+    assert len(c.keys(t.key("e", "*"))) == 3
+
+
+def test_a_displaced_entry_whose_facts_and_first_64_chunks_redis_evicted_is_unlinked_whole(
+    redis_server,
+):
+    """Redis evicted an entry's facts and its first 64 chunks: the displacing publish looked for
+    its chunks 64 names a round trip and stopped at the first round trip that found none, leaving
+    every chunk past that run (here 7) for LRU."""
+    t = tier(redis_server.url)
+    toks = ids(68, 64)
+    assert t.publish(entry(toks[:32], payload=70_000), toks[:32])  # 71 chunks
+    old = t.lookup(toks[:32])
+    assert old is not None and old.nchunks == 71
+    c = redis_server.client()
+    c.delete(t.key("e", old.entry_id), *(t.key("c", old.entry_id, i) for i in range(64)))
+    assert t.publish(entry(toks), toks)
+    assert c.keys(f"*{old.entry_id}*") == [] and t.stats()["superseded"] == 1
