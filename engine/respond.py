@@ -342,11 +342,15 @@ def sampling(
     )
 
 
+#: the response headers naming a request's cache hit (:func:`hit_headers`)
+HIT_HEADERS = ("x-tiered-kv-cache-tier", "x-tiered-kv-cached-tokens")
+
+
 def hit_headers(first: Any) -> dict[str, str]:
     """Response headers naming the cache tier, when the lookup's result came first."""
     if not isinstance(first, Hit):
         return {}
-    return {"x-tiered-kv-cache-tier": first.tier, "x-tiered-kv-cached-tokens": str(first.tokens)}
+    return dict(zip(HIT_HEADERS, (first.tier, str(first.tokens)), strict=True))
 
 
 def error_chunk(e: Exception) -> dict[str, Any]:
