@@ -37,9 +37,9 @@ CASES = [
     (COMPLETIONS, b'{"prompt": "hi", "seed": ' + b"1" * 5000 + b"}"),
     (COMPLETIONS, b'{"prompt": "hi \\ud800", "max_tokens": 2}'),
     (CHAT, b'{"messages": [{"role": "user", "content": "hi \\udc00"}], "max_tokens": 2}'),
-    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "seed": -1}'),
+    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "seed": -9223372036854775809}'),  # < int64
     (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "seed": 18446744073709551616}'),
-    (CHAT, json.dumps({"messages": [USER], "max_tokens": 2, "seed": -5}).encode()),
+    (CHAT, json.dumps({"messages": [USER], "max_tokens": 2, "seed": -(2**70)}).encode()),
     (CHAT, _call("get_weather")),
     (CHAT, _call(["get_weather"])),
     (CHAT, _call(7)),
@@ -79,7 +79,7 @@ def test_failed_turn_keeps_the_cached_conversation(live):
                        json={"messages": history, "max_tokens": 8, "temperature": 0}).json()  # fmt: skip
     history += [first["choices"][0]["message"], {"role": "user", "content": "and then?"}]
     bad = httpx.post(live.url + CHAT, timeout=60,
-                     json={"messages": history, "max_tokens": 4, "seed": -1})  # fmt: skip
+                     json={"messages": history, "max_tokens": 4, "seed": -(2**70)})  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
     good = httpx.post(live.url + CHAT, timeout=60,
                       json={"messages": history, "max_tokens": 4, "seed": 1}).json()  # fmt: skip
