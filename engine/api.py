@@ -28,7 +28,9 @@ from engine.errors import ApiError, invalid
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: deepest JSON nesting a request may have (OpenAI bodies need < 20; tool schemas a few more)
 MAX_JSON_DEPTH = 64
-SEED_LIMIT = 2**64  # seeds are unsigned 64-bit (what mx.random.seed takes)
+#: a seed is any 64-bit integer, signed (OpenAI's range: int64) or unsigned (what mx.random.key
+#: takes); it is taken modulo 2**64, so -1 is 2**64 - 1
+SEED_MIN, SEED_LIMIT = -(2**63), 2**64
 _SURROGATE = re.compile("[\ud800-\udfff]")  # "\ud800" in JSON: valid JSON, not valid text
 # pydantic puts union member types into error locations ("content.str"); a param names fields only
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|literal\[.*)$")
@@ -137,7 +139,7 @@ class _Sampling(RequestBody):
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
+    seed: int | None = Field(default=None, ge=SEED_MIN, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -154,6 +156,13 @@ class _Sampling(RequestBody):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_context_size: int = Field(default=20, ge=1)
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _unsigned_seed(cls, v: int | None) -> int | None:
+        """The seed as the unsigned 64-bit key MLX takes: a negative one (OpenAI's seeds are
+        signed; they were a 400) wraps modulo 2**64, so the same seed still gives the same draw."""
+        return None if v is None else v % SEED_LIMIT
 
     @field_validator("max_tokens")
     @classmethod

@@ -81,8 +81,6 @@ def run(args: argparse.Namespace) -> int:
         except ModelDirError as e:
             print(f"tiered-kv serve: {e}", file=sys.stderr)
             return 2
-    import uvicorn
-
     from engine.generate import CacheDirError, Engine
     from engine.loading import looks_like_hub_id
     from engine.server import batch_limits, create_app, template_defaults
@@ -123,33 +121,45 @@ def run(args: argparse.Namespace) -> int:
     )
     soft, hard = conn.raise_nofile_limit()
     log.info("open-file limit: %s (hard %s)", soft, hard)
-    server = _server(
-        worker,
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="info",
-            timeout_graceful_shutdown=5,
-            timeout_keep_alive=args.idle_timeout,  # a float works (loop.call_later)
-            http=conn.guarded_h11(args.header_timeout),
-        )
-    )
+    server = http_server(app, args.host, args.port, args.header_timeout, args.idle_timeout)
     conn.install_repeat_filter(conn.RepeatFilter())  # after uvicorn set up its log handlers
     server.run()
     return 0
 
 
-def _server(worker: Any, config: Any) -> Any:
-    """uvicorn's server, whose SIGTERM / SIGINT first ends the worker's jobs (each a 503 after
-    its cache is stored), so every open response ends whole — a stream with its error event —
-    before uvicorn waits on them (it cut them when its graceful timeout ran out, and a request
-    cut so could read as a whole answer)."""
+def http_server(
+    app: Any,
+    host: str,
+    port: int,
+    header_timeout: float = conn.HEADER_TIMEOUT_SECONDS,
+    idle_timeout: float = conn.IDLE_TIMEOUT_SECONDS,
+    log_level: str = "info",
+    graceful_seconds: int = 5,
+) -> Any:
+    """The one way the app is served (`tiered-kv serve`, and the tests' in-process server): uvicorn
+    with the guarded h11 protocol (``engine/conn.py``: the header deadline, JSON 400 / 431 for
+    unreadable requests with a lingering close), the idle keep-alive timeout and a graceful
+    shutdown of ``graceful_seconds`` (open responses are cancelled past it). Its SIGTERM / SIGINT (where it runs on the main thread) first ends the worker's jobs
+    (each a 503 after its cache is stored), so every open response ends whole — a stream with
+    its error event — before uvicorn waits on them (it cut them when its graceful timeout ran
+    out, and a request cut so could read as a whole answer). ``app``: :func:`create_app`'s."""
     import uvicorn
+
+    worker = app.state.server.worker
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             worker.begin_close()
             super().handle_exit(sig, frame)
 
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=graceful_seconds,
+        # typed int, but a float works (uvicorn hands it to loop.call_later)
+        timeout_keep_alive=idle_timeout,  # type: ignore[arg-type]
+        http=conn.guarded_h11(header_timeout),
+    )
     return Server(config)

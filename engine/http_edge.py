@@ -1,4 +1,4 @@
-"""The HTTP edge's guards (ASGI / Starlette, no MLX): the API key, a 503 for requests cut by
+"""The HTTP edge's guards (ASGI / Starlette, no MLX): CORS, the API key, a 503 for requests cut by
 shutdown, a bounded request body (decoded as its ``Content-Encoding`` says), and the client going
 away. Their errors are OpenAI-shaped, and
 Anthropic-shaped on Anthropic's routes (:func:`error_response`)."""
@@ -11,10 +11,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
-from engine import messages
+from engine import messages, respond
 from engine.content_coding import body_too_large, decode
 from engine.errors import ApiError, ClientClosed, ShuttingDown
 
@@ -42,6 +44,33 @@ def error_response(path: str, e: ApiError, headers: Mapping[str, str] | None = N
     body = messages.error_body(e) if anthropic_route(path) else e.body()
     headers = {**retry_after(e.status), **(headers or {})}
     return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+class Cors(CORSMiddleware):
+    """ASGI middleware, outermost: Starlette's CORS for ``origins`` (``TIERED_KV_ALLOWED_ORIGINS``;
+    ``*``: any). A preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) of
+    any path is answered here, before the API key is checked (browsers send no credentials on
+    it), allowing every method and the headers it asks for; every other response, errors
+    included, carries ``Access-Control-Allow-Origin`` for an allowed origin, and lets the page
+    read ``Retry-After`` and the cache-hit headers. A refused preflight is an OpenAI-shaped 400."""
+
+    def __init__(self, app: Any, origins: tuple[str, ...]) -> None:
+        super().__init__(
+            app, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+            # a public page's call to this (local) server: Chrome's Private Network Access
+            # preflight; the origin check above is the gate
+            allow_private_network=True,
+            expose_headers=["retry-after", *respond.HIT_HEADERS],
+        )  # fmt: skip
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        answer = super().preflight_response(request_headers)
+        if answer.status_code != 400:
+            return answer
+        headers = {k: v for k, v in answer.headers.items() if k not in ("content-length", "content-type")}
+        why = bytes(answer.body).decode()  # "Disallowed CORS origin, headers"
+        e = ApiError(400, f"{why} (TIERED_KV_ALLOWED_ORIGINS)", code="cors_disallowed")
+        return JSONResponse(e.body(), status_code=400, headers=headers)
 
 
 class Auth:

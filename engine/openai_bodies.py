@@ -14,7 +14,11 @@ from typing import Any, NamedTuple
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    """A fresh id: ``prefix`` (its separator included) and 24 hex digits. The prefixes are the
+    providers' own: ``chatcmpl-`` and ``cmpl-`` (Chat Completions, Completions), ``resp_``,
+    ``msg_``, ``rs_``, ``fc_`` (a Responses response and its message, reasoning and function call
+    items), ``msg_`` (an Anthropic message)."""
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:

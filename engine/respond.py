@@ -142,7 +142,7 @@ class CompletionOutput(_Base):
     def __init__(
         self, model: str, include_usage: bool = False, token_bytes: TokenBytes | None = None
     ) -> None:
-        super().__init__(model, include_usage, openai_bodies.new_id("cmpl"), token_bytes)
+        super().__init__(model, include_usage, openai_bodies.new_id("cmpl-"), token_bytes)
         self.chars = 0  # of the text sent
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
@@ -187,7 +187,7 @@ class ChatOutput(_Base):
         parser: output.ChatOutput,
         token_bytes: TokenBytes | None = None,
     ) -> None:
-        super().__init__(model, include_usage, openai_bodies.new_id("chatcmpl"), None)
+        super().__init__(model, include_usage, openai_bodies.new_id("chatcmpl-"), None)
         self.parser = parser
         self.logprobs = None if token_bytes is None else _Logprobs(token_bytes, parser)
 
@@ -342,11 +342,15 @@ def sampling(
     )
 
 
+#: the response headers naming a request's cache hit (:func:`hit_headers`)
+HIT_HEADERS = ("x-tiered-kv-cache-tier", "x-tiered-kv-cached-tokens")
+
+
 def hit_headers(first: Any) -> dict[str, str]:
     """Response headers naming the cache tier, when the lookup's result came first."""
     if not isinstance(first, Hit):
         return {}
-    return {"x-tiered-kv-cache-tier": first.tier, "x-tiered-kv-cached-tokens": str(first.tokens)}
+    return dict(zip(HIT_HEADERS, (first.tier, str(first.tokens)), strict=True))
 
 
 def error_chunk(e: Exception) -> dict[str, Any]:

@@ -220,7 +220,7 @@ class ResponsesOutput:
     named_events = True
 
     def __init__(self, model: str, parser: output.ChatOutput, prompt_tokens: int, chat: ResponsesChat) -> None:
-        self.id, self.created, self.model = new_id("resp"), now(), model
+        self.id, self.created, self.model = new_id("resp_"), now(), model
         self.parser, self.prompt_tokens = parser, prompt_tokens
         self.namespaces = chat.namespaces
         self.echo = {"parallel_tool_calls": chat.parallel_tool_calls, "temperature": chat.temperature,
@@ -302,11 +302,11 @@ class ResponsesOutput:
         item: dict[str, Any]
         part: dict[str, Any]
         if kind == "message":
-            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+            item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
                     "content": []}  # fmt: skip
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
-            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": "in_progress",
                     "content": []}  # fmt: skip
             part = {"type": "reasoning_text", "text": ""}
         self.output.append(item)
@@ -332,7 +332,7 @@ class ResponsesOutput:
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         fn = call["function"]
-        item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
+        item: dict[str, Any] = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
                                 "call_id": call["id"], "name": fn["name"], "arguments": ""}  # fmt: skip
         if fn["name"] in self.namespaces:
             item["namespace"] = self.namespaces[fn["name"]]

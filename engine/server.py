@@ -32,6 +32,7 @@ from engine.errors import ApiError, error_body
 from engine.events import END, Failed
 from engine.http_edge import (
     Auth,
+    Cors,
     ShutdownGuard,
     error_response,
     hangup,
@@ -297,5 +298,7 @@ def create_app(
 
     if config.api_key:
         app.add_middleware(Auth, api_key=config.api_key)
-    app.add_middleware(ShutdownGuard)  # outermost
+    app.add_middleware(ShutdownGuard)
+    if config.allowed_origins:  # outermost: its preflight needs no key, every answer its headers
+        app.add_middleware(Cors, origins=config.allowed_origins)
     return app

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from engine.cli_serve import http_server
 from engine.events import SamplingParams
 from engine.generate import Engine
 from engine.server import create_app
@@ -141,10 +142,13 @@ def started(server: uvicorn.Server, timeout: float = 30.0) -> threading.Thread:
 @contextmanager
 def serve(make_engine: Callable[[], Any], config: Config, keepalive: float = 0.2) -> Iterator[Live]:
     """Serve the engine that ``make_engine`` builds (on the server's engine thread): an Engine, or a
-    stand-in with its interface (test_server.py's scripted engine)."""
+    stand-in with its interface (test_server.py's scripted engine), as `tiered-kv serve` does
+    (:func:`engine.cli_serve.http_server`), on a thread."""
     app = create_app(make_engine, config, keepalive_seconds=keepalive)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # `tiered-kv serve`'s own server (the guarded h11 protocol and its timeouts): every HTTP test
+    # goes through the production edge
+    server = http_server(app, "127.0.0.1", port, log_level="warning")
     thread = started(server)
     try:
         yield Live(app, port)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from engine import api
@@ -234,7 +235,7 @@ def test_surrogate_pairs_are_fine():
     assert parse(b'{"prompt": "\\ud83d\\ude00"}', CompletionRequest).prompt_text() == "\U0001f600"
 
 
-@pytest.mark.parametrize("seed", [-1, -(2**70), 2**64, 2**80])
+@pytest.mark.parametrize("seed", [-(2**63) - 1, -(2**70), 2**64, 2**80])
 def test_seed_out_of_range_is_400(seed):
     assert error_of({**CHAT_OK, "seed": seed}).param == "seed"
 
@@ -242,6 +243,24 @@ def test_seed_out_of_range_is_400(seed):
 def test_seed_range_accepted():
     assert parse({**CHAT_OK, "seed": 0}).seed == 0
     assert parse({**CHAT_OK, "seed": 2**64 - 1}).seed == 2**64 - 1
+    assert parse({**CHAT_OK, "seed": -(2**63)}).seed == 2**63  # OpenAI's int64 minimum
+
+
+def test_a_negative_seed_samples_as_its_unsigned_64_bit_value(live):
+    """OpenAI takes signed 64-bit seeds; a negative one was a 400. It wraps modulo 2**64 (-1 is
+    2**64 - 1), so the same seed gives the same text, and so does its unsigned twin."""
+    url = live.url + "/v1/chat/completions"
+
+    def said(seed: int) -> str:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+                "temperature": 1.0, "seed": seed}  # fmt: skip
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    first = said(-1)
+    assert said(-1) == first == said(2**64 - 1)
+    assert said(-(2**63)) == said(2**63)
 
 
 @pytest.mark.parametrize("function", ["get_weather", ["get_weather"], 3, None, {"arguments": "{}"},

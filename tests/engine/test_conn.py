@@ -1,10 +1,13 @@
-"""engine/conn.py: the repeated-log-line filter and the file-handle limits (the header deadline is
-tested with real sockets in tests/reliability/test_connections.py)."""
+"""engine/conn.py: the repeated-log-line filter, the file-handle limits, and the JSON 431 of the
+in-process test server (the header deadline and the rest are tested with real sockets against
+`tiered-kv serve` in tests/reliability/test_connections.py)."""
 
 from __future__ import annotations
 
 import logging
 import resource
+
+import httpx
 
 from engine import conn
 
@@ -46,3 +49,14 @@ def test_raise_nofile_limit_within_hard():
         assert conn.raise_nofile_limit(want=100)[0] == 128  # never lowered
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_in_process_server_answers_an_oversized_header_block_with_a_json_431(live):
+    """The tests' in-process server runs `tiered-kv serve`'s own (``cli_serve.http_server``: the
+    guarded h11 protocol), so every HTTP test goes through the production edge; it ran plain
+    uvicorn, whose answer to a 200 KB header is a plain-text 400 and a reset."""
+    for _ in range(2):
+        r = httpx.get(f"{live.url}/health", headers={"x-big": "a" * 200_000}, timeout=30)
+        assert r.status_code == 431, r.text
+        assert r.json()["error"]["code"] == "request_headers_too_large"
+    assert httpx.get(f"{live.url}/health", timeout=10).status_code == 200

@@ -313,6 +313,7 @@ def test_thinking_of_a_reasoning_model(family_dirs, tmp_path):
         msg = c.messages.create(model="t", max_tokens=64, messages=USER, tools=TOOLS)
     assert [b.type for b in msg.content] == ["thinking", "tool_use"]
     assert msg.content[0].thinking == "Paris, so the weather tool." and msg.content[1].input == {"city": "Paris"}
+    assert msg.id.startswith("msg_"), msg.id  # Anthropic's prefix (it was msg-)
 
 
 def _anthropic_error(r: httpx.Response, status: int, kind: str) -> None:

@@ -306,3 +306,26 @@ def test_reasoning_of_a_reasoning_model(family_dirs, tmp_path):
         resp = live.client.responses.create(model="t", input=ASK, tools=TOOLS)
     assert [o.type for o in resp.output] == ["reasoning", "function_call"]
     assert resp.output[0].content[0].text == "Paris, so the weather tool."
+
+
+def test_ids_have_openais_prefixes(family_dirs, tmp_path):
+    """A response is ``resp_…``, its items ``rs_…``, ``msg_…``, ``fc_…`` (and a call ``call_…``),
+    streamed or not, as OpenAI's; they were ``resp-…``, ``rs-…``, ``msg-…``, ``fc-…``."""
+    script = ["<think>\nParis.\n</think>\n\nLet me look.\n<tool_call>\n",
+              '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']  # fmt: skip
+    config = hot_config(tmp_path)
+    with serve(lambda: Scripted(Engine(family_dirs["qwen3"], config), []), config) as live:
+        engine = live.app.state.server.engine
+        engine.script = list(script)
+        resp = live.client.responses.create(model="t", input=ASK, tools=TOOLS)
+        engine.script = list(script)
+        events = list(live.client.responses.create(model="t", input=ASK, tools=TOOLS, stream=True))
+    streamed = events[-1].response
+    for r in (resp, streamed):
+        assert r.id.startswith("resp_"), r.id
+        assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+        prefixes = [o.id.split("_")[0] + "_" for o in r.output]
+        assert prefixes == ["rs_", "msg_", "fc_"], [o.id for o in r.output]
+        assert r.output[2].call_id.startswith("call_")
+    added = [e.item.id for e in events if e.type == "response.output_item.added"]
+    assert added == [o.id for o in streamed.output]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
+from engine import cli_serve
 from engine.generate import Engine
 from engine.server import create_app
 from tests.reliability.server import Server
@@ -37,9 +37,9 @@ CASES = [
     (COMPLETIONS, b'{"prompt": "hi", "seed": ' + b"1" * 5000 + b"}"),
     (COMPLETIONS, b'{"prompt": "hi \\ud800", "max_tokens": 2}'),
     (CHAT, b'{"messages": [{"role": "user", "content": "hi \\udc00"}], "max_tokens": 2}'),
-    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "seed": -1}'),
+    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "seed": -9223372036854775809}'),  # < int64
     (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "seed": 18446744073709551616}'),
-    (CHAT, json.dumps({"messages": [USER], "max_tokens": 2, "seed": -5}).encode()),
+    (CHAT, json.dumps({"messages": [USER], "max_tokens": 2, "seed": -(2**70)}).encode()),
     (CHAT, _call("get_weather")),
     (CHAT, _call(["get_weather"])),
     (CHAT, _call(7)),
@@ -79,7 +79,7 @@ def test_failed_turn_keeps_the_cached_conversation(live):
                        json={"messages": history, "max_tokens": 8, "temperature": 0}).json()  # fmt: skip
     history += [first["choices"][0]["message"], {"role": "user", "content": "and then?"}]
     bad = httpx.post(live.url + CHAT, timeout=60,
-                     json={"messages": history, "max_tokens": 4, "seed": -1})  # fmt: skip
+                     json={"messages": history, "max_tokens": 4, "seed": -(2**70)})  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
     good = httpx.post(live.url + CHAT, timeout=60,
                       json={"messages": history, "max_tokens": 4, "seed": 1}).json()  # fmt: skip
@@ -120,8 +120,7 @@ def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
     config = Config(cache_dir=tmp_path, tiers=("hot",), max_batch=1)
     app = create_app(lambda: _Slow(Engine(tiny_model_dir, config), 30.0), config)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
-                                           timeout_graceful_shutdown=1))  # fmt: skip
+    server = cli_serve.http_server(app, "127.0.0.1", port, log_level="critical", graceful_seconds=1)
     thread = started(server)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -153,13 +152,12 @@ def test_requests_cut_by_shutdown_get_503_json(tiny_model_dir, tmp_path):
 
 
 def test_sigterm_ends_running_requests_whole_each_a_503(tiny_model_dir, tmp_path):
-    """``tiered-kv serve``'s SIGTERM (``cli_serve._server``'s handle_exit) ends the worker's jobs
+    """``tiered-kv serve``'s SIGTERM (``cli_serve.http_server``'s handle_exit) ends the worker's jobs
     before uvicorn waits on the open responses. Before, uvicorn's graceful timeout cut them: a
     non-streamed request could come back as a complete 200 (``finish_reason: "stop"``, a third of
     its tokens), a stream broke mid-body without its error or ``[DONE]``."""
     import signal
 
-    from engine import cli_serve
     from engine.server import batch_limits
     from engine.worker import Worker
 
@@ -173,8 +171,7 @@ def test_sigterm_ends_running_requests_whole_each_a_503(tiny_model_dir, tmp_path
     worker = Worker(engine, **batch_limits(config))
     app = create_app(worker, config)
     port = free_port()
-    server = cli_serve._server(worker, uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                      log_level="critical", timeout_graceful_shutdown=5))  # fmt: skip
+    server = cli_serve.http_server(app, "127.0.0.1", port, log_level="critical")
     thread = started(server, timeout=60)
     url = f"http://127.0.0.1:{port}"
     body = {"messages": [USER], "max_tokens": 30000, "temperature": 0}

@@ -39,6 +39,7 @@ BAD: dict[str, list[str]] = {
     "TIERED_KV_SHUTDOWN_SECONDS": ["0", "1e9", "forever"],
     "TIERED_KV_CHAT_TEMPLATE_ARGS": ["[1]", "{nope", '"thinking"'],
     "TIERED_KV_MAX_TOKENS": ["-1", "lots", "1.5"],
+    "TIERED_KV_ALLOWED_ORIGINS": ["localhost:3000", "http://ui.example/", "http://a.example,,*"],
 }
 SIZE_BAD = ["-1", "12XB", "1.5.5GB", "GB", "inf"]
 

@@ -62,6 +62,9 @@ def test_values_from_env(tmp_path):
         ("TIERED_KV_CHAT_TEMPLATE_ARGS", "[1]"),
         ("TIERED_KV_DISK_BYTES", "1" + "0" * 400),  # was an OverflowError traceback
         ("TIERED_KV_PREFETCH", "1e400"),
+        ("TIERED_KV_ALLOWED_ORIGINS", "localhost:3000"),
+        ("TIERED_KV_ALLOWED_ORIGINS", "http://localhost:3000/"),
+        ("TIERED_KV_ALLOWED_ORIGINS", "http://a.example,,http://b.example"),
     ],
 )
 def test_bad_value_names_the_variable(name, value):
@@ -121,3 +124,11 @@ def test_chat_template_args_are_a_json_object():
     assert Config().chat_template_args == ""
     got = from_env({"TIERED_KV_CHAT_TEMPLATE_ARGS": ' { "enable_thinking" : false } '})
     assert got.chat_template_args == '{"enable_thinking":false}'
+
+
+def test_allowed_origins():
+    assert Config().allowed_origins == ("*",)  # any page, as mlx_lm.server and llama.cpp's server
+    got = from_env({"TIERED_KV_ALLOWED_ORIGINS": " http://localhost:3000, https://chat.example.com "})
+    assert got.allowed_origins == ("http://localhost:3000", "https://chat.example.com")
+    assert from_env({"TIERED_KV_ALLOWED_ORIGINS": "none"}).allowed_origins == ()
+    assert from_env({"TIERED_KV_ALLOWED_ORIGINS": "tauri://localhost,*"}).allowed_origins == ("*",)
