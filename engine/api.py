@@ -31,6 +31,17 @@ MAX_JSON_DEPTH = 64
 #: a seed is any 64-bit integer, signed (OpenAI's range: int64) or unsigned (what mx.random.key
 #: takes); it is taken modulo 2**64, so -1 is 2**64 - 1
 SEED_MIN, SEED_LIMIT = -(2**63), 2**64
+#: JSON values (objects, arrays, strings, numbers, …: the entries of every object and array) a
+#: request may hold. A 1M-token agent conversation of short turns is ~200k (test_api builds one);
+#: 60k arrays nested 62 deep (7.5 MB) were 3.7M, walked and validated for 3.7 s to a 200
+MAX_JSON_VALUES = 1_000_000
+#: tools one request may list. OpenAI refuses more than 128 ("array too long ... maximum length
+#: 128", code array_above_max_length); Claude Code with MCP servers sends more than that, so 4x
+#: OpenAI's. 200k tools took 4 s to validate and render before the prompt's length refused them
+MAX_TOOLS = 512
+#: logit_bias entries one request may have. OpenAI documents none (ids to -100..100); a client
+#: bans or favours a word list's tokens, tens to hundreds. 1M took 1.6 s to validate
+MAX_LOGIT_BIAS = 1024
 _SURROGATE = re.compile("[\ud800-\udfff]")  # "\ud800" in JSON: valid JSON, not valid text
 # pydantic puts union member types into error locations ("content.str"); a param names fields only
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|literal\[.*)$")
@@ -52,11 +63,13 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=False)
     #: the body field that holds the prompt (named by a context_length_exceeded error)
     prompt_param: ClassVar[str] = "messages"
+    #: the most entries each top-level array or object field may have (:func:`check_sizes`)
+    sizes: ClassVar[dict[str, int]] = {}
 
     @classmethod
     def turns(cls, data: dict[str, Any]) -> int:
-        """How many chat messages ``data`` (this model's JSON, not yet validated) renders at
-        least: each takes a token, so :func:`check_turns` refuses more than the context has before
+        """How many chat messages and tool calls ``data`` (this model's JSON, not yet validated)
+        renders at least: each takes a token, so :func:`check_turns` refuses more than the context has before
         validating any of them. 0: a body without turns to count."""
         return 0
 
@@ -135,6 +148,7 @@ def listed(data: dict[str, Any], field: str) -> list[Any]:
 
 
 class _Sampling(RequestBody):
+    sizes: ClassVar[dict[str, int]] = {"logit_bias": MAX_LOGIT_BIAS}
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -225,6 +239,7 @@ class _Sampling(RequestBody):
 
 
 class ChatRequest(_Sampling):
+    sizes: ClassVar[dict[str, int]] = {**_Sampling.sizes, "tools": MAX_TOOLS}
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
@@ -242,7 +257,10 @@ class ChatRequest(_Sampling):
 
     @classmethod
     def turns(cls, data: dict[str, Any]) -> int:
-        return len(listed(data, "messages"))
+        """Messages and their tool calls: a call renders a token at least too (400k calls in one
+        message took 4.9 s to validate and render before the prompt's length refused them)."""
+        msgs = listed(data, "messages")
+        return len(msgs) + sum(len(listed(m, "tool_calls")) for m in msgs if isinstance(m, dict))
 
     def logprob_count(self) -> int:
         """-1: no log-probabilities; else how many alternatives each token lists."""
@@ -377,6 +395,7 @@ def parse_body(raw: bytes, model: type[RequestBody], context_length: int | None 
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     check_turns(data, model, context_length)
+    check_sizes(data, model)
     check_json(data)
     return _validated(data, model)
 
@@ -387,6 +406,7 @@ def validate(
     """A JSON object → a validated request model, or ApiError(400) naming the offending field
     (``context_length``: see :func:`check_turns`)."""
     check_turns(data, model, context_length)
+    check_sizes(data, model)
     return _validated(data, model)
 
 
@@ -399,6 +419,19 @@ def check_turns(
     validated one by one, only for the count to refuse them after."""
     if context_length is not None:
         check_messages(model.turns(data), context_length, model.prompt_param)
+
+
+def check_sizes(data: dict[str, Any], model: type[RequestBody]) -> None:
+    """A 400 naming the field, as OpenAI's, for a top-level array or object of more entries than
+    ``model.sizes`` allows it: counted before anything walks or validates them."""
+    for field, most in model.sizes.items():
+        v = data.get(field)
+        if isinstance(v, (list, dict)) and len(v) > most:
+            what, code = ("array", "array_above_max_length") if isinstance(v, list) else (
+                "object", "invalid_value")  # fmt: skip
+            raise ApiError(400, f"Invalid '{field}': {what} too long. Expected an {what} with "
+                           f"at most {most} entries, but got {len(v)} instead.", param=field,
+                           code=code)  # fmt: skip
 
 
 def _validated(data: dict[str, Any], model: type[RequestBody]) -> Any:
@@ -420,10 +453,13 @@ Where = tuple["Where", object] | None
 
 def check_json(data: Any) -> None:
     """Refuse what json.loads accepts but the engine cannot use: nesting deeper than
-    MAX_JSON_DEPTH (templates and validators recurse) and lone surrogates (not encodable text:
-    the tokenizer and the response encoder fail on them). Iterative: no recursion to exhaust;
-    one open container per level (memory bounded by the depth, not by the body: pushing every
-    container of a level with its path held 0.5 GB for 3.7M empty lists, in 2.9 s)."""
+    MAX_JSON_DEPTH (templates and validators recurse), more than MAX_JSON_VALUES values (each
+    costs its walk and validation) and lone surrogates (not encodable text: the tokenizer and the
+    response encoder fail on them). Iterative: no recursion to exhaust; one open container per
+    level (memory bounded by the depth, not by the body: pushing every container of a level with
+    its path held 0.5 GB for 3.7M empty lists, in 2.9 s). Values are counted by the containers
+    that hold them, as each is reached, so a body past the bound is refused before its rest."""
+    values = _count(0, data, None)
     stack: list[tuple[Any, int, Where]] = [(_items(data), 1, None)]
     while stack:
         items, depth, where = stack[-1]
@@ -438,10 +474,22 @@ def check_json(data: Any) -> None:
                     raise ApiError(400, f"request JSON is nested deeper than {MAX_JSON_DEPTH} levels",
                                    param=_path((where, k)), code="invalid_json")  # fmt: skip
                 if v:  # an empty one holds nothing to check
+                    values = _count(values, v, (where, k))
                     stack.append((_items(v), depth + 1, (where, k)))
                     break
         else:
             stack.pop()
+
+
+def _count(values: int, container: dict[str, Any] | list[Any], where: Where) -> int:
+    """``values`` with the container's entries added; past MAX_JSON_VALUES the 400 naming the
+    top-level field it sits in."""
+    values += len(container)
+    if values > MAX_JSON_VALUES:
+        field = _path(where).split(".", 1)[0] or None
+        raise ApiError(400, f"request JSON holds more than {MAX_JSON_VALUES} values",
+                       param=field, code="invalid_json")  # fmt: skip
+    return values
 
 
 def _items(value: dict[str, Any] | list[Any]) -> Iterator[tuple[object, Any]]:
@@ -490,7 +538,7 @@ def check_messages(n_messages: int, context_length: int, param: str = "messages"
         raise ApiError(
             400,
             f"this model's maximum context length is {context_length} tokens; the conversation "
-            f"has {n_messages} messages, each taking at least one",
+            f"has {n_messages} messages (tool calls included), each taking at least one",
             param=param,
             code="context_length_exceeded",
         )

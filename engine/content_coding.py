@@ -8,7 +8,7 @@ bytes (no ASGI, no MLX; :func:`engine.http_edge.read_body` calls it in the threa
   frame asking for more is refused before the decoder allocates it); Codex-style clients send it.
 
 Past ``limit`` decoded bytes a 413: every decompressor is driven with an output limit, so a bomb
-never decodes more than the bound (+1 byte). A body that is not what its encoding says (damaged,
+never decodes more than the bound (+1 byte; zstd: + one 128 KiB block), each body once. A body that is not what its encoding says (damaged,
 cut short, or with bytes after its stream) is a 400 ``invalid_body_encoding``; an encoding not read
 here is a 415 naming those that are. A stacked ``Content-Encoding`` (``gzip, zstd``) is undone
 the last coding first, each step within the bound.
@@ -27,8 +27,11 @@ from engine.errors import ApiError
 GZIP, ZLIB, RAW_DEFLATE = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS, -zlib.MAX_WBITS
 #: the largest zstd window decoded (RFC 9659 § 3: HTTP's zstd encoders stay within 8 MiB)
 ZSTD_MAX_WINDOW = 8 * 1024**2
-#: decoded bytes per read while a zstd body is measured
-_ZSTD_CHUNK = 64 * 1024
+#: the most bytes one compressed byte of zstd decodes to: an RLE block (RFC 8878 § 3.1.1.2.2), a
+#: 3-byte header and its byte, repeats it up to the 128 KiB a block holds
+ZSTD_MAX_RATIO = 32 * 1024
+#: the longest zstd frame header (RFC 8878 § 3.1.1.1: 4 + 14 bytes)
+_ZSTD_HEADER = 18
 #: compressed bytes handed to a decoder at first, and at most (:func:`_feed`)
 _FIRST_SLICE, _MAX_SLICE = 256, 1 << 20
 #: gzip members / zstd frames read from one body: a client sends one (a few where it compresses
@@ -118,34 +121,50 @@ def _deflate(body: bytes, limit: int) -> list[bytes]:
     return out
 
 
+def _zstd_frame(
+    dctx: zstandard.ZstdDecompressor, view: memoryview, pos: int, room: int, limit: int
+) -> tuple[list[bytes], int]:
+    """The zstd frame of ``view`` from ``pos``, at most ``room`` bytes of it (the 413 past
+    ``limit`` else), and the position after it, decoded once (it was measured by zstandard's
+    stream reader, then decoded again: that reader bounds its output but passes a cut frame as
+    an end). The frame decoder has no output limit: a frame that declares its size is refused
+    past the room before it is decoded (the decoder refuses to write more than it declared);
+    one that does not (a streamed frame) is handed no more than decodes within the room left,
+    so it goes past it by one block at most."""
+    declared = zstandard.get_frame_parameters(view[pos : pos + _ZSTD_HEADER]).content_size
+    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > room:
+        raise body_too_large(limit)
+    frame = dctx.decompressobj()
+    out: list[bytes] = []
+    size = 0
+    step = _FIRST_SLICE
+    while pos < len(view):
+        most = step if declared != zstandard.CONTENTSIZE_UNKNOWN else (room - size) // ZSTD_MAX_RATIO
+        piece = view[pos : pos + max(1, min(step, most))]
+        pos += len(piece)
+        got = frame.decompress(piece)
+        size += len(got)
+        if size > room:
+            raise body_too_large(limit)
+        out.append(got)
+        if frame.eof:  # its leftover is at most this slice (:func:`_feed`)
+            return out, pos - len(frame.unused_data)
+        step = min(2 * step, _MAX_SLICE)
+    raise Invalid("it ends early")
+
+
 def _zstd(body: bytes, limit: int) -> list[bytes]:
     dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+    view = memoryview(body)
+    parts: list[bytes] = []
+    pos = size = frames = 0
     try:
-        # zstandard's stream reader bounds its output but passes a cut frame as an end, and its
-        # frame decoder tells a frame's end but holds all its output: measure, then decode
-        with dctx.stream_reader(body, read_across_frames=True) as reader:
-            size = 0
-            while chunk := reader.read(_ZSTD_CHUNK):
-                size += len(chunk)
-                if size > limit:
-                    raise body_too_large(limit)
-        view = memoryview(body)
-        parts: list[bytes] = []
-        pos = 0
-        frames = 0
-        while pos < len(body):  # frame after frame (RFC 8878 § 3: a stream of frames), each whole
+        while pos < len(body) or not frames:  # frame after frame (RFC 8878 § 3: a stream of frames)
             frames += 1
             _count(frames, "zstd frames")
-            frame = dctx.decompressobj()
-            for piece, end in _feed(view, pos):
-                parts.append(frame.decompress(piece))
-                if frame.eof:
-                    pos = end - len(frame.unused_data)
-                    break
-            else:
-                raise Invalid("it ends early")
-        if not parts:
-            raise Invalid("it ends early")
+            out, pos = _zstd_frame(dctx, view, pos, limit - size, limit)
+            parts += out
+            size += sum(map(len, out))
         return parts
     except zstandard.ZstdError as e:
         raise Invalid(str(e)) from None

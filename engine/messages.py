@@ -19,7 +19,7 @@ Usage is Anthropic's split: ``input_tokens`` are the prompt tokens computed,
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -39,6 +39,8 @@ BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # item
 
 class CountTokensRequest(api.RequestBody):
     """A ``/v1/messages/count_tokens`` body: a Messages request whose ``max_tokens`` is optional."""
+
+    sizes: ClassVar[dict[str, int]] = {"tools": api.MAX_TOOLS}
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, gt=0)

@@ -28,11 +28,13 @@ from engine.openai_bodies import new_id, now
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 _OWN_TURN = ("message", "function_call_output")  # input item types each a chat message
+_TOKENS = (*_OWN_TURN, "function_call")  # and each a token at least (a call: a tool call)
 ITEM = {"reasoning": "reasoning", "content": "message"}  # items.Items channel → output item type
 
 
 class ResponsesRequest(api.RequestBody):
     prompt_param: ClassVar[str] = "input"
+    sizes: ClassVar[dict[str, int]] = {"tools": api.MAX_TOOLS}
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -55,10 +57,10 @@ class ResponsesRequest(api.RequestBody):
 
     @classmethod
     def turns(cls, data: dict[str, Any]) -> int:
-        """Input items that are chat messages of their own (:func:`to_chat`): a message, a
-        function_call_output (a function_call may join the turn before it, a reasoning item the
-        turn after)."""
-        return sum(isinstance(x, dict) and x.get("type", "message") in _OWN_TURN
+        """Input items that render a token at least (:func:`to_chat`): a message, a
+        function_call_output (each a chat message of its own), a function_call (a tool call, of
+        the turn before it); a reasoning item joins the turn after."""
+        return sum(isinstance(x, dict) and x.get("type", "message") in _TOKENS
                    for x in api.listed(data, "input"))  # fmt: skip
 
 

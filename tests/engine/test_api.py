@@ -401,3 +401,46 @@ def test_a_completion_suffix_or_best_of_not_served_is_400():
     assert error_of({"prompt": "def f(", "suffix": "\n    return x"}, CompletionRequest).param == "suffix"
     assert error_of({"prompt": "a", "best_of": 3}, CompletionRequest).param == "best_of"
     assert parse({"prompt": "a", "suffix": "", "best_of": 1}, CompletionRequest).prompt_text() == "a"
+
+
+def test_json_past_max_json_values_is_refused_naming_its_field():
+    """60k arrays nested 62 deep (7.5 MB, 3.7M values) were walked and validated for 3.7 s to a
+    200. A body of more than MAX_JSON_VALUES values is a 400 naming the top-level field they are
+    in, counted in check_json's one walk; as many pass."""
+    n = api.MAX_JSON_VALUES
+    api.check_json({"x": [0] * (n - 1)})  # the field's own value and its entries: n values
+    with pytest.raises(ApiError) as e:
+        api.check_json({"y": 1, "x": [[0] * 1000 for _ in range(n // 1000)]})
+    assert e.value.status == 400 and e.value.code == "invalid_json" and e.value.param == "x"
+
+
+def test_a_million_token_agent_conversation_is_within_max_json_values():
+    """The bound is far from what a real client sends: a Claude Code-style conversation of 1M
+    tokens (~4 characters a token) in short turns — a text, a tool call and its result each —
+    with 100 tools holds a fraction of MAX_JSON_VALUES."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d"}
+                                               for i in range(8)}, "required": ["p0"]}  # fmt: skip
+    tools = [{"name": f"tool{i}", "description": "does a thing", "input_schema": schema}
+             for i in range(100)]  # fmt: skip
+    messages: list[dict] = [{"role": "user", "content": "fix the bug"}]
+    chars = 0
+    while chars < 4_000_000:
+        messages.append({"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look at that file. " * 4},
+            {"type": "tool_use", "id": "toolu_01", "name": "Read",
+             "input": {"file_path": "/src/app/main.py", "offset": 1, "limit": 100}},
+        ]})  # fmt: skip
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01",
+             "content": [{"type": "text", "text": "x = 1\n" * 60}],
+             "cache_control": {"type": "ephemeral"}},
+        ]})  # fmt: skip
+        chars += 104 + 360 + 60
+    body = {"model": "m", "max_tokens": 8, "system": "s", "tools": tools, "messages": messages}
+    api.check_json(body)
+
+    def values(v) -> int:
+        inner = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        return sum(1 + values(x) for x in inner)
+
+    assert values(body) < api.MAX_JSON_VALUES / 4, values(body)

@@ -204,3 +204,69 @@ def test_a_body_of_more_members_or_frames_than_a_client_sends_is_refused():
         with pytest.raises(ApiError) as e:
             content_coding.decode(body + piece(b""), encoding, 1 << 20)
         assert (e.value.status, e.value.code) == (400, "invalid_body_encoding"), encoding
+
+
+def test_a_zstd_body_is_decoded_once_within_the_bound(monkeypatch):
+    """A zstd body was decoded twice: once by zstandard's stream reader to measure it (it bounds its
+    output but passes a cut frame as an end), then again frame by frame. It is decoded once now,
+    the bound still held: a frame that declares a size past it is refused undecoded, a streamed
+    one (no size declared) is refused within a block of the bound."""
+    import zstandard
+
+    from engine import content_coding
+    from engine.errors import ApiError
+
+    decoded = [0]
+    real_zstd = zstandard.ZstdDecompressor
+
+    class Out:  # a real decoder (reader or frame decoder) adding what it decodes to ``decoded``
+        def __init__(self, inner) -> None:
+            self._inner = inner
+
+        def decompress(self, data):
+            out = self._inner.decompress(data)
+            decoded[0] += len(out)
+            return out
+
+        def read(self, n=-1):
+            out = self._inner.read(n)
+            decoded[0] += len(out)
+            return out
+
+        def __enter__(self):
+            self._inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._inner.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    class Zstd:  # wraps the real one (a subclass of the C type crashed a later garbage collection)
+        def __init__(self, **kwargs):
+            self._real = real_zstd(**kwargs)
+
+        def stream_reader(self, *args, **kwargs):
+            return Out(self._real.stream_reader(*args, **kwargs))
+
+        def decompressobj(self, *args, **kwargs):
+            return Out(self._real.decompressobj(*args, **kwargs))
+
+    monkeypatch.setattr(content_coding.zstandard, "ZstdDecompressor", Zstd)
+    z = zstandard.ZstdCompressor()
+    text = b"".join(b"%d words, " % i for i in range(100_000))
+    streamed = z.compressobj()
+    for body in (z.compress(text), streamed.compress(text) + streamed.flush()):
+        decoded[0] = 0
+        assert content_coding.decode(body, "zstd", 1 << 24) == text
+        assert decoded[0] == len(text)
+    limit = 1 << 20
+    declared = z.compress(b" " * 50_000_000)
+    streamed = z.compressobj()
+    bomb = streamed.compress(b" " * 50_000_000) + streamed.flush()
+    for body, most in ((declared, 0), (bomb, limit + 128 * 1024)):
+        decoded[0] = 0
+        with pytest.raises(ApiError) as e:
+            content_coding.decode(body, "zstd", limit)
+        assert e.value.status == 413 and decoded[0] <= most, (decoded[0], most)

@@ -111,21 +111,23 @@ def test_an_empty_input_names_input():
     assert e.value.param == "input"
 
 
-def test_the_turn_bound_counts_the_input_items_that_are_turns_of_their_own():
+def test_the_turn_bound_counts_the_input_items_that_render_a_token():
     """Before validation a Responses body's turns are counted on its items: a message and a
-    function_call_output each become a chat message, a function_call joins the assistant turn
-    before it and a reasoning item the next, so they are not counted (one turn of 40 calls fits a
-    context of 8 tokens by this bound); 9 messages do not."""
+    function_call_output each become a chat message, a function_call a tool call (each renders a
+    token at least: 400k calls took seconds to render before the prompt's length refused them),
+    a reasoning item joins the next turn and is not counted: a user turn and 6 calls (with the
+    assistant turn they make, 8 in the chat request) fit a context of 8 tokens by this bound, 8
+    calls or 9 messages do not."""
     calls = [{"type": "function_call", "name": "f", "arguments": "{}", "call_id": str(i)}
-             for i in range(40)]  # fmt: skip
-    body = {"input": [{"role": "user", "content": ASK}, *calls, {"type": "reasoning", "summary": []}]}
+             for i in range(8)]  # fmt: skip
+    body = {"input": [{"role": "user", "content": ASK}, *calls[:6], {"type": "reasoning", "summary": []}]}
     chat = responses.parse(json.dumps(body).encode(), context_length=8)
     assert [m["role"] for m in chat.message_dicts()] == ["user", "assistant"]
-    with pytest.raises(ApiError) as e:
-        responses.parse(json.dumps({"input": [{"role": "user", "content": ""}] * 9}).encode(),
-                        context_length=8)  # fmt: skip
-    assert e.value.code == "context_length_exceeded" and e.value.param == "input"
-    assert "9 messages" in e.value.message
+    for items in ([{"role": "user", "content": ASK}, *calls], [{"role": "user", "content": ""}] * 9):
+        with pytest.raises(ApiError) as e:
+            responses.parse(json.dumps({"input": items}).encode(), context_length=8)
+        assert e.value.code == "context_length_exceeded" and e.value.param == "input"
+        assert "9 messages" in e.value.message
 
 
 def test_a_namespace_whose_tools_are_no_list_holds_none():

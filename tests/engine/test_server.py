@@ -958,3 +958,83 @@ def test_a_tool_schema_the_template_cannot_read_is_a_400(family_server):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     metrics = httpx.get(live.url + "/metrics", timeout=10).text
     assert 'status="500"' not in metrics
+
+
+def _tools(n: int, anthropic: bool = False) -> list[dict[str, Any]]:
+    if anthropic:
+        return [{"name": f"f{i}", "input_schema": {"type": "object"}} for i in range(n)]
+    return [{"type": "function", "function": {"name": f"f{i}"}} for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 1}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 1}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+    ],
+)
+def test_more_tools_than_max_tools_are_refused_before_validation(live, path, body):
+    """200k tools (10 MB) were validated and rendered for 4 s before the prompt's length refused
+    them. More than MAX_TOOLS (4x the 128 OpenAI takes: agents with MCP servers send more) is a
+    400 naming ``tools`` with OpenAI's code; as many are served."""
+    from engine import api
+
+    flat = [{"type": "function", "name": f"f{i}"} for i in range(api.MAX_TOOLS + 1)]
+    tools = flat if path == "/v1/responses" else _tools(api.MAX_TOOLS + 1, path == "/v1/messages")
+    r = httpx.post(live.url + path, json={**body, "tools": tools}, timeout=60)
+    assert r.status_code == 400, r.text
+    if path != "/v1/messages":  # Anthropic's error body has no code or param
+        err = r.json()["error"]
+        assert err["param"] == "tools" and err["code"] == "array_above_max_length", err
+    assert str(api.MAX_TOOLS) in r.json()["error"]["message"]
+    ok = httpx.post(live.url + path, json={**body, "tools": tools[:-1]}, timeout=60)
+    assert str(api.MAX_TOOLS) not in ok.text, ok.text
+
+
+def test_more_logit_bias_entries_than_max_logit_bias_are_refused(live):
+    """1M logit_bias entries were validated for 1.6 s before an id past the vocabulary refused
+    them. More than MAX_LOGIT_BIAS is a 400 naming ``logit_bias``; as many are served."""
+    from engine import api
+
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "hi"})):
+        bias = {str(i): -1 for i in range(api.MAX_LOGIT_BIAS + 1)}
+        r = httpx.post(live.url + path, json={**body, "max_tokens": 1, "logit_bias": bias}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+        del bias[str(api.MAX_LOGIT_BIAS)]
+        ok = httpx.post(live.url + path, json={**body, "max_tokens": 1, "logit_bias": bias}, timeout=60)
+        assert ok.status_code == 200, ok.text
+
+
+def test_more_tool_calls_than_the_context_has_tokens_are_refused_before_validation(
+    guarded, monkeypatch
+):
+    """Each tool call renders a token at least, as each message does, but only messages were
+    counted: 400k calls in one assistant message took 4.9 s to validate and render before the
+    prompt's length refused them. Calls count with the messages now, before validation (the
+    context: 64 tokens), on each endpoint."""
+    from engine import api
+
+    validated: list[int] = []
+    real = api.RequestBody.model_validate.__func__  # type: ignore[attr-defined]
+
+    def counting(cls, data, *a, **kw):
+        msgs = data.get("messages") if isinstance(data, dict) else None
+        validated.append(sum(len(m.get("tool_calls") or ()) for m in msgs if isinstance(m, dict))
+                         if isinstance(msgs, list) else 0)  # fmt: skip
+        return real(cls, data, *a, **kw)
+
+    monkeypatch.setattr(api.RequestBody, "model_validate", classmethod(counting))
+    call = {"function": {"name": "f"}}
+    use = {"type": "tool_use", "name": "f"}
+    item = {"type": "function_call", "name": "f"}
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [call] * 64}]}),
+        ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "assistant", "content": [use] * 64}]}),
+        ("/v1/responses", {"input": [item] * 65}),
+    ):  # fmt: skip
+        validated.clear()
+        r = httpx.post(guarded.url + path, json=body, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert [v for v in validated if v > 63] == [], path
+        assert "65 messages (tool calls included)" in r.json()["error"]["message"], r.text
