@@ -131,7 +131,8 @@ def reconcile(
     block_tokens: int,
 ) -> dict[str, int]:  # fmt: skip
     """At open: remove stale temp files (dead writers only: other processes may share the
-    directory); with ``rebuild`` index every valid file, otherwise drop records whose file is
+    directory); with ``rebuild`` index every valid file, otherwise check the records' columns
+    ahead of their ids (:meth:`Index.files_by_id`: no ids blob is read), drop records whose file is
     gone and adopt orphan files (a crash between publish and commit, or another process's
     commit in flight: adopting twice is harmless, the entry id is the file name). Bad files are
     quarantined."""
@@ -139,16 +140,15 @@ def reconcile(
     sweep_temp(fp_dir)
     # records before files: a record's file is published before its commit, so one listed here
     # was there when the files are listed after (another process may commit between the two)
-    if not rebuild:
-        index.check()  # a row a lookup would find damaged (Damaged: the caller rebuilds)
-    records = [] if rebuild else index.records()
+    # (Damaged: the caller rebuilds; the rest of each row is checked where it is used)
+    records = {} if rebuild else index.files_by_id()
     files = entry_files(fp_dir)
     if not rebuild:
         names = {p.name for p in files}
-        missing = [r.entry_id for r in records if r.file not in names]
+        missing = [eid for eid, file in records.items() if file not in names]
         index.remove(missing)
         counts["missing"] = len(missing)
-        known = {r.file for r in index.records()}
+        known = set(index.files_by_id().values())
         files = [p for p in files if p.name not in known]
         counts["orphans"] = len(files)
     items = []
