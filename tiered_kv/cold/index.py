@@ -171,6 +171,18 @@ class Index:
             rec = rows.record(row[:7])
             rows.stored(row[7:], rec.entry_id)
 
+    def unserved(self) -> dict[str, str]:
+        """{entry id: file name} of the rows that do not say what they serve (an older version
+        wrote them), through their partial index: no other row is read. Writable index only."""
+        return {str(eid): str(file) for eid, file in self._conn().execute(schema.UNSERVED)}
+
+    def set_serving(self, items: Iterable[tuple[str, bool, tuple[int, ...]]]) -> None:
+        """Record what entries serve — (id, trimmable, checkpoints) — where their rows do not say
+        (one transaction)."""
+        values = [(*rows.serving(trim, points), eid) for eid, trim, points in items]
+        with self._tx() as c:
+            c.executemany(schema.SET_SERVING, values)
+
     def stored(self, entry_id: str) -> Stored | None:
         """The entry's ids and what it serves (one query), None when it is not indexed. Raises
         Damaged on a value no writer of ours makes."""

@@ -169,7 +169,26 @@ def reconcile(
     if items:
         index.add_many(items)
     counts["rebuilt"] = len(items)
+    counts["backfilled"] = 0 if rebuild else backfill_serving(fp_dir, fingerprint, index)
     return counts
+
+
+def backfill_serving(fp_dir: Path, fingerprint: str, index: Index) -> int:
+    """At an open for writing: give the rows an older version wrote, which do not say what the
+    entry serves, what their file's header says — once, so that no lookup reads a header for them
+    any more (:meth:`lookup.Finder._serving_of`, where a partial match depends on it). A header
+    that cannot be read leaves its row as it is (a load finds the file so). The rows filled."""
+    found = []
+    for eid, file in index.unserved().items():
+        try:
+            header = store.read_header(fp_dir / Path(file).name, fingerprint)
+        except (OSError, store.CorruptEntry):
+            continue
+        serves = declared.serving(header.metadata)
+        found.append((eid, serves.trimmable, serves.checkpoints))
+    if found:
+        index.set_serving(found)
+    return len(found)
 
 
 def check_entry(path: Path, fingerprint: str, stored: np.ndarray | None) -> store.Header:

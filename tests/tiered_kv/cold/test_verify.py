@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -244,4 +245,38 @@ def test_a_damaged_ids_blob_in_a_big_index_is_caught_when_used_and_never_served(
     hit = tier.lookup(list(range(16)) + [1])  # rebuilt from the files
     assert hit is not None and hit.serves == 16 and tier.load(hit) is not None
     assert tier.stats()["index_errors"] == 1 and tier.stats()["entries"] == 24
+    tier.close()
+
+
+def test_rows_an_older_version_wrote_say_what_they_serve_after_an_open_for_writing(tmp_path):
+    """A row an older version wrote does not say what its entry serves (trimmable, checkpoints
+    NULL): every lookup whose answer depended on it read the file's header, at every use, for
+    ever. The open for writing fills them in from the headers, once; a row whose file cannot be
+    read stays as it is."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from tiered_kv import checkpoints
+
+    def windowed(n: int) -> list:
+        window = RotatingKVCache(max_size=8)
+        x = mx.random.normal((1, 2, n, 8))
+        window.update_and_fetch(x, x)
+        return [kv_cache(n), window]
+
+    tier = cold_tier(tmp_path)
+    tier.persist(np.arange(16), windowed(16), {p: checkpoints.snapshot(windowed(p)) for p in (8, 12)})
+    tier.persist(np.arange(16) + 100, [kv_cache(16)])
+    tier.persist(np.arange(16) + 200, [kv_cache(16)])
+    assert tier.flush(30)
+    ids = {k: tier.lookup(list(range(k, k + 16)) + [1]).entry_id for k in (0, 100, 200)}
+    tier.close()
+    damage_index(tier, "UPDATE entries SET trimmable=NULL, checkpoints=NULL")  # an older writer's
+    flip_byte(tier.dir / f"{ids[200]}.safetensors", 10)  # its header: unreadable
+    tier = cold_tier(tmp_path)
+    served = {k: tier.index.stored(eid) for k, eid in ids.items()}
+    assert (served[0].trimmable, served[0].checkpoints) == (False, (8, 12))
+    assert (served[100].trimmable, served[100].checkpoints) == (True, ())
+    assert served[200].trimmable is None  # left as it was: its load finds the file corrupt
+    hit = tier.lookup(list(range(14)) + [99] * 4)
+    assert hit is not None and (hit.tokens, hit.serves) == (14, 12)
     tier.close()
