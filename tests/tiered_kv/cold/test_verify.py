@@ -214,8 +214,8 @@ def test_the_open_reads_no_ids_blob(tmp_path):
     tier.index.add_many(batch)
     tier.close()
     blobs = 200 * 8192 * 4
-    index = Index(tier.dir / "index")  # its own connection: nothing of it cached yet
     before = _rchar()
+    index = Index(tier.dir / "index")  # its own connection: nothing of it cached yet
     counts = verify.reconcile(tier.dir, TIER_FP, index, tier.site.quarantine_dir, False,
                               tier.seed, BLOCK)  # fmt: skip
     read = _rchar() - before
