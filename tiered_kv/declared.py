@@ -28,22 +28,42 @@ CHECKPOINT_PREFIX = "ckpt."
 #: the one tensor that is no layer's
 TOKENS = "tokens"
 
-_KV = ("keys", "values")
-_QUANTIZED = tuple(f"{kv}.{i}" for kv in _KV for i in range(3))  # (weights, scales, biases)
+# The arrays' names are spelled here and nowhere else: the codecs (:data:`tiered_kv.layers.CODECS`)
+# name what they write and read through these, and :data:`ARRAYS` checks files against them.
+#: an attention layer's two arrays (KVCache, RotatingKVCache, ChunkedKVCache, ConcatenateKVCache)
+KEYS, VALUES = "keys", "values"
+_KV = (KEYS, VALUES)
+#: a QuantizedKVCache stores each of keys / values as this many arrays (weights, scales, biases)
+QUANTIZED_PARTS = 3
+_STATE = "s"
+
+
+def quantized(kv: str, i: int) -> str:
+    """The name of part ``i`` (:data:`QUANTIZED_PARTS`) of a quantized layer's ``kv`` (KEYS / VALUES)."""
+    return f"{kv}.{i}"
+
+
+def state(i: int) -> str:
+    """The name of an ArraysCache layer's ``i``-th state array."""
+    return f"{_STATE}{i}"
+
+
+_QUANTIZED = tuple(quantized(kv, i) for kv in _KV for i in range(QUANTIZED_PARTS))
 
 
 def _recurrent(meta: Mapping[str, Any], array: str) -> bool:
-    """``s<i>`` for ``i`` below the layer's ``size`` (no list is built: the size is data)."""
-    digits = array[1:]
+    """:func:`state` ``i`` for ``i`` below the layer's ``size`` (no list is built: the size is
+    data)."""
+    digits = array[len(_STATE) :]
     size = meta.get("size")
-    return (array.startswith("s") and digits.isascii() and digits.isdigit()
+    return (array.startswith(_STATE) and digits.isascii() and digits.isdigit()
             and (digits == "0" or not digits.startswith("0")) and isinstance(size, int)
             and int(digits) < size)  # fmt: skip
 
 
 #: cache class → whether a layer of it (with its metadata) may store an array of that name;
-#: every codec of :data:`tiered_kv.layers.CODECS` writes only these (checked where entries are
-#: prepared, ``cold.codec.prepare``)
+#: every codec of :data:`tiered_kv.layers.CODECS` writes only these, named by the names above
+#: (checked where entries are prepared, ``cold.codec.prepare``)
 ARRAYS: dict[str, Callable[[Mapping[str, Any], str], bool]] = {
     "KVCache": lambda meta, a: a in _KV,
     "RotatingKVCache": lambda meta, a: a in _KV,

@@ -20,7 +20,9 @@ For every supported class a :class:`Codec` says
   quantisation parameters), the cold tier's on-disk form.
 
 Unknown classes raise :class:`UnsupportedCache`; callers turn that into "do not cache" (logged once).
-No ``globals()`` lookup: decoding only instantiates classes named in ``CODECS``.
+No ``globals()`` lookup: decoding only instantiates classes named in ``CODECS``. The arrays' names
+are :mod:`tiered_kv.declared`'s (``KEYS``, ``quantized``, ``state``): the header check that reads
+files without MLX checks them against the same spelling.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as C
+
+from tiered_kv import declared
+from tiered_kv.declared import KEYS, VALUES
 
 Arrays = dict[str, mx.array]
 Meta = dict[str, Any]
@@ -88,7 +93,7 @@ def _kv_cut(c: C.KVCache | C.QuantizedKVCache, n: int) -> Any | None:
 def _kv_encode(c: C.KVCache) -> tuple[Arrays, Meta]:
     if c.keys is None:
         return {}, {"offset": 0}
-    return {"keys": _sl(c.keys, 0, c.offset), "values": _sl(c.values, 0, c.offset)}, {
+    return {KEYS: _sl(c.keys, 0, c.offset), VALUES: _sl(c.values, 0, c.offset)}, {
         "offset": c.offset
     }
 
@@ -97,7 +102,7 @@ def _kv_decode(a: Arrays, m: Meta) -> C.KVCache:
     c = C.KVCache()
     off = int(m["offset"])
     if off:
-        k, v = a["keys"], a["values"]
+        k, v = a[KEYS], a[VALUES]
         if k.ndim != 4 or k.shape[2] != off or v.shape[2] != off:
             raise CorruptState(f"KVCache arrays do not match offset {off}")
         c.keys, c.values, c.offset = k, v, off
@@ -122,9 +127,9 @@ def _q_encode(c: C.QuantizedKVCache) -> tuple[Arrays, Meta]:
         meta["offset"] = 0
         return {}, meta
     arrays: Arrays = {}
-    for name, parts in (("keys", c.keys), ("values", c.values)):
+    for name, parts in ((KEYS, c.keys), (VALUES, c.values)):
         for i, x in enumerate(parts):
-            arrays[f"{name}.{i}"] = _sl(x, 0, c.offset)
+            arrays[declared.quantized(name, i)] = _sl(x, 0, c.offset)
     return arrays, meta
 
 
@@ -133,8 +138,9 @@ def _q_decode(a: Arrays, m: Meta) -> C.QuantizedKVCache:
     off = int(m["offset"])
     if off:
         try:
-            c.keys = tuple(a[f"keys.{i}"] for i in range(3))
-            c.values = tuple(a[f"values.{i}"] for i in range(3))
+            parts = range(declared.QUANTIZED_PARTS)
+            c.keys = tuple(a[declared.quantized(KEYS, i)] for i in parts)
+            c.values = tuple(a[declared.quantized(VALUES, i)] for i in parts)
         except KeyError as e:
             raise CorruptState(f"QuantizedKVCache missing {e}") from None
         if any(x.shape[2] != off for x in (*c.keys, *c.values)):
@@ -183,14 +189,14 @@ def _rot_encode(c: C.RotatingKVCache) -> tuple[Arrays, Meta]:
         return {}, meta
     stored = c.keys.shape[2] if c.offset > c.max_size or c._idx != c.offset else c.offset
     meta["stored"] = stored
-    return {"keys": _sl(c.keys, 0, stored), "values": _sl(c.values, 0, stored)}, meta
+    return {KEYS: _sl(c.keys, 0, stored), VALUES: _sl(c.values, 0, stored)}, meta
 
 
 def _rot_decode(a: Arrays, m: Meta) -> C.RotatingKVCache:
     c = C.RotatingKVCache(max_size=int(m["max_size"]), keep=int(m["keep"]))
     c.offset, c._idx = int(m["offset"]), int(m["idx"])
-    if "keys" in a:
-        c.keys, c.values = a["keys"], a["values"]
+    if KEYS in a:
+        c.keys, c.values = a[KEYS], a[VALUES]
         if c.keys.shape[2] != int(m["stored"]) or c.values.shape[2] != int(m["stored"]):
             raise CorruptState("RotatingKVCache arrays do not match meta")
     elif c.offset:
@@ -216,13 +222,13 @@ def _arr_cut(c: C.ArraysCache, n: int) -> None:
 def _arr_encode(c: C.ArraysCache) -> tuple[Arrays, Meta]:
     if c.left_padding is not None or c.lengths is not None:
         raise UnsupportedCache("batched ArraysCache (left_padding / lengths) is not cached")
-    arrays = {f"s{i}": x for i, x in enumerate(c.cache) if x is not None}
+    arrays = {declared.state(i): x for i, x in enumerate(c.cache) if x is not None}
     return arrays, {"size": len(c.cache)}
 
 
 def _arr_decode(a: Arrays, m: Meta) -> C.ArraysCache:
     c = C.ArraysCache(int(m["size"]))
-    c.cache = [a.get(f"s{i}") for i in range(int(m["size"]))]
+    c.cache = [a.get(declared.state(i)) for i in range(int(m["size"]))]
     return c
 
 
@@ -251,14 +257,14 @@ def _ch_encode(c: C.ChunkedKVCache) -> tuple[Arrays, Meta]:
     if c.keys is None:
         return {}, meta
     end = c.offset - c.start_position
-    return {"keys": _sl(c.keys, 0, end), "values": _sl(c.values, 0, end)}, meta
+    return {KEYS: _sl(c.keys, 0, end), VALUES: _sl(c.values, 0, end)}, meta
 
 
 def _ch_decode(a: Arrays, m: Meta) -> C.ChunkedKVCache:
     c = C.ChunkedKVCache(int(m["chunk_size"]))
     c.offset, c.start_position = int(m["offset"]), int(m["start"])
-    if "keys" in a:
-        c.keys, c.values = a["keys"], a["values"]
+    if KEYS in a:
+        c.keys, c.values = a[KEYS], a[VALUES]
         if c.keys.shape[2] != c.offset - c.start_position:
             raise CorruptState("ChunkedKVCache arrays do not match meta")
     return c
@@ -283,7 +289,7 @@ def _cat_decode(a: Arrays, m: Meta) -> Any:
     c = C.ConcatenateKVCache()
     off = int(m["offset"])
     if off:
-        c.keys, c.values, c.offset = a["keys"], a["values"], off
+        c.keys, c.values, c.offset = a[KEYS], a[VALUES], off
         if c.keys.shape[2] != off or c.values.shape[2] != off:
             raise CorruptState(f"ConcatenateKVCache arrays do not match offset {off}")
     return c

@@ -90,3 +90,21 @@ def test_a_malformed_tree_is_a_value_error(meta):
 def test_positional_classes_are_the_codecs_that_can_always_be_cut_back():
     """``serving`` reads old files without MLX: its class list is the codecs' own."""
     assert declared.POSITIONAL == {n for n, c in layers.CODECS.items() if c.positional}
+
+
+def test_the_array_names_are_spelled_in_declared_only():
+    """``declared.ARRAYS`` repeated the names the codecs of ``layers`` spelled again ("keys",
+    ``f"keys.{i}"``, ``f"s{i}"``): one renamed in a codec and not there made every file of that
+    class corrupt at its next read. The codecs name their arrays through declared's names now:
+    layers.py spells none of them."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(layers))
+    spelled = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+               and isinstance(n.value, str) and n.value in ("keys", "values", "s")}  # fmt: skip
+    formatted = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr)
+                 and isinstance(n.values[0], ast.Constant)
+                 and n.values[0].value in ("s", "keys.", "values.")]  # fmt: skip
+    assert not spelled and not formatted, (spelled, formatted)
+    assert declared.quantized(declared.KEYS, 2) == "keys.2" and declared.state(1) == "s1"

@@ -158,13 +158,39 @@ class Index:
         row = self._conn().execute("SELECT tokens FROM entries WHERE id=?", (entry_id,)).fetchone()
         return None if row is None else rows.ids(row[0], entry_id)
 
+    def files_by_id(self) -> dict[str, str]:
+        """{entry id: file name} of every record, the record columns ahead of the ids checked as
+        :func:`rows.record` checks them: the open's check. Those columns sit before the ids blob in
+        each row, so no blob page is read (the columns after it would walk the blob's overflow
+        pages: the open of 10k entries read all 92 MB of the index); the rest of a row — its ids,
+        ``prompt_tokens``, what it serves — is checked where a lookup or a load reads it, and a
+        damaged one found there has the index rebuilt as the open would. Raises Damaged."""
+        out = {}
+        for row in self._conn().execute(f"SELECT {schema.COLS} FROM entries"):
+            rec = rows.record((*row, None))
+            out[rec.entry_id] = rec.file
+        return out
+
     def check(self) -> None:
-        """Read every row as a lookup and a load would; raises Damaged on a value no writer of
-        ours makes (the index is then rebuilt from the files)."""
+        """Read every row, its ids too, as a lookup and a load would (``cache ls`` / ``verify``:
+        not the open, which reads every blob no more: :meth:`files_by_id`); raises Damaged on a
+        value no writer of ours makes (the index is then rebuilt from the files)."""
         q = f"SELECT {self._read}, tokens, {self._serving} FROM entries"
         for row in self._conn().execute(q):
             rec = rows.record(row[:7])
             rows.stored(row[7:], rec.entry_id)
+
+    def unserved(self) -> dict[str, str]:
+        """{entry id: file name} of the rows that do not say what they serve (an older version
+        wrote them), through their partial index: no other row is read. Writable index only."""
+        return {str(eid): str(file) for eid, file in self._conn().execute(schema.UNSERVED)}
+
+    def set_serving(self, items: Iterable[tuple[str, bool, tuple[int, ...]]]) -> None:
+        """Record what entries serve — (id, trimmable, checkpoints) — where their rows do not say
+        (one transaction)."""
+        values = [(*rows.serving(trim, points), eid) for eid, trim, points in items]
+        with self._tx() as c:
+            c.executemany(schema.SET_SERVING, values)
 
     def stored(self, entry_id: str) -> Stored | None:
         """The entry's ids and what it serves (one query), None when it is not indexed. Raises

@@ -3,7 +3,9 @@
 Candidates come from the index by block keys (:meth:`Index.candidates`); each one's ids are
 compared exactly, and what it serves is :func:`tiered_kv.policy.servable` of that common prefix —
 the same rule as the hot tier's — over what the index keeps of it (whether its layers can be cut
-back, its checkpoint positions). A row an older version wrote lacks those: its file's header says.
+back, its checkpoint positions). A row an older version wrote lacks those until the next open for
+writing fills them in (:func:`verify.backfill_serving`); until then (an index opened read-only),
+its file's header says.
 Index queries and header reads only; no MLX, no writes.
 """
 

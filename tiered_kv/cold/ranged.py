@@ -13,7 +13,9 @@ path checks, the ranged path checks. The cost is read granularity: a range is re
 (``checksums.CHUNK_BYTES``, 1 MiB), so it reads up to two chunks per tensor more than it serves.
 
 Files are opened with :func:`store.open_entry` (a symlink or FIFO planted in the cache dir is a
-corrupt entry, never followed or waited on) and the header is read from that same descriptor.
+corrupt entry, never followed or waited on) and the header is read from that same descriptor — or,
+where the caller passes the header it already read (a `both`'s layout), compared with the file's
+bytes there instead of parsed again (:func:`store.same_file`).
 
 Threads: :func:`read_range` and :func:`resident_share` touch only files, bytes and numpy — they
 are what the restore I/O thread runs, and never touch MLX.
@@ -87,15 +89,15 @@ def plan_tensors(header: store.Header) -> dict[str, dict[str, Any]]:
 
 
 def layout(path: Path, fingerprint: str, m: int, n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The layer tensors of the entry at ``path``, from its header alone: name → (safetensors
-    dtype, token-major shape of its first ``n`` tokens, ``(1, n, heads, ...)``). The caller
-    allocates destinations from it for ``read_range(..., m, n, into=)`` (see there). Raises as
-    :func:`read_range` does."""
-    fd = store.open_entry(path)
-    try:
-        header = store.read_header_fd(fd, fingerprint)
-    finally:
-        os.close(fd)
+    """:func:`layout_of` the header of the entry at ``path``. Raises as :func:`read_range` does."""
+    return layout_of(store.read_header(path, fingerprint), m, n)
+
+
+def layout_of(header: store.Header, m: int, n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The layer tensors of an entry, from its checked header alone: name → (safetensors dtype,
+    token-major shape of its first ``n`` tokens, ``(1, n, heads, ...)``). The caller allocates
+    destinations from it for ``read_range(..., m, n, into=, header=)`` (see there). Raises
+    Unsplittable, ValueError (range)."""
     _check_bounds(m, n, header.n_tokens)
     out = {}
     for name, t in plan_tensors(header).items():
@@ -147,9 +149,13 @@ RANGE_READERS = 8
 
 
 def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANGE_READERS,
-               into: dict[str, np.ndarray] | None = None,
-               gpu: Upload | None = None, stop: Stop = None) -> RangeRead:  # fmt: skip
+               into: dict[str, np.ndarray] | None = None, gpu: Upload | None = None,
+               stop: Stop = None, header: store.Header | None = None) -> RangeRead:  # fmt: skip
     """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor, token-major.
+
+    ``header`` (optional): the entry's header as the caller read and checked it (the one it took
+    :func:`layout_of` from): not parsed again, but the file opened here must be the one it was
+    read from (:func:`store.same_file`: a file replaced since raises CorruptEntry).
 
     ``into`` (optional): per tensor, a writable C-contiguous uint8 array ``(1, n - m, heads, row
     bytes)`` (e.g. tokens ``[m, n)`` of a byte view of a ``(1, n, heads, ...)`` array allocated
@@ -169,7 +175,10 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
     """
     t0 = time.perf_counter()
     with _reading(path, gpu if into is not None else None, spans=True) as (fd, batch):
-        header = store.read_header_fd(fd, fingerprint)
+        if header is None:
+            header = store.read_header_fd(fd, fingerprint)
+        else:
+            header = store.same_file(fd, header, fingerprint)
         chunk, total = header.chunk_bytes, header.n_tokens
         _check_bounds(m, n, total)
         tensors = plan_tensors(header)

@@ -66,10 +66,15 @@ def signed(h: int) -> int:
 def entry_row(rec: Record, tokens: bytes) -> tuple:
     """The values of ``rec``'s ``entries`` row (:data:`schema.INSERT_ENTRY`)."""
     pkey = None if rec.prompt_key is None else signed(rec.prompt_key)
-    trim = None if rec.trimmable is None else int(rec.trimmable)
-    points = None if rec.trimmable is None else json.dumps(list(rec.checkpoints))
     return (rec.entry_id, rec.file, rec.n_tokens, rec.nbytes, rec.created, rec.last_used,
-            tokens, rec.prompt_tokens, pkey, trim, points)  # fmt: skip
+            tokens, rec.prompt_tokens, pkey, *serving(rec.trimmable, rec.checkpoints))  # fmt: skip
+
+
+def serving(trimmable: bool | None, checkpoints: Sequence[int]) -> tuple[int | None, str | None]:
+    """The ``trimmable``, ``checkpoints`` values of what an entry serves (NULL, NULL: not known)."""
+    if trimmable is None:
+        return None, None
+    return int(trimmable), json.dumps(list(checkpoints))
 
 
 def block_rows(rec: Record) -> list[tuple[int, str, int, int]]:

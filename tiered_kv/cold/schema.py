@@ -12,7 +12,10 @@
                                                   none or not known), indexed; trimmable (0 / 1)
                                                   and checkpoints (JSON list of positions): what a
                                                   lookup needs to say what the entry serves
-                                                  (NULL: not recorded, an older writer's row)
+                                                  (NULL: not recorded, an older writer's row:
+                                                  filled from its file's header at the next open
+                                                  for writing, found by the partial index
+                                                  entries_unserved)
     totals(id = 0, entries, nbytes, bad)          one row: the entries' count and byte sum (and
                                                   how many rows' nbytes is malformed), kept by
                                                   triggers, recounted at each open for writing:
@@ -77,6 +80,13 @@ COLS = "id, file, n_tokens, nbytes, created, last_used"
 ADDED = (("prompt_tokens", "INTEGER"), ("prompt_key", "INTEGER"), ("trimmable", "INTEGER"),
          ("checkpoints", "TEXT"))  # fmt: skip
 PROMPT_INDEX = "CREATE INDEX IF NOT EXISTS entries_prompt ON entries(prompt_key) WHERE prompt_key IS NOT NULL"
+#: the rows that do not say what they serve (an older writer's): found without reading the others'
+#: ``trimmable``, which sits after the ids blob (reading it walks the blob's overflow pages)
+UNSERVED_INDEX = "CREATE INDEX IF NOT EXISTS entries_unserved ON entries(id) WHERE trimmable IS NULL"
+#: those rows' ids and files (:data:`UNSERVED_INDEX` only: an error, not a scan, without it)
+UNSERVED = "SELECT id, file FROM entries INDEXED BY entries_unserved WHERE trimmable IS NULL"
+#: what one of them serves, unless another opener filled it first
+SET_SERVING = "UPDATE entries SET trimmable=?, checkpoints=? WHERE id=? AND trimmable IS NULL"
 #: one entry row, in the order of :func:`rows.entry_row`
 INSERT_ENTRY = (f"INSERT INTO entries({COLS}, tokens, prompt_tokens, prompt_key, trimmable, "
                 "checkpoints) VALUES(?,?,?,?,?,?,?,?,?,?,?)")  # fmt: skip
@@ -98,6 +108,7 @@ def add_columns(c: sqlite3.Connection) -> None:
         if name not in have:
             c.execute(f"ALTER TABLE entries ADD COLUMN {name} {kind}")
     c.execute(PROMPT_INDEX)
+    c.execute(UNSERVED_INDEX)  # built once (one pass over the rows), empty from then on
 
 
 def recount(c: sqlite3.Connection) -> None:

@@ -31,7 +31,7 @@ from tiered_kv.cold.backend import FileBackend
 from tiered_kv.cold.dbfile import IndexUnreadable, UnsafeCacheDir, check_private
 from tiered_kv.cold.faults import Faults, kind_of
 from tiered_kv.cold.index import Index
-from tiered_kv.cold.rows import damaged
+from tiered_kv.cold.rows import Damaged, damaged
 from tiered_kv.cold.schema import DB, SCHEMA
 from tiered_kv.cold.verify import reconcile
 from tiered_kv.config import Config
@@ -61,8 +61,9 @@ class Site:
         return {"schema": SCHEMA, "seed": self.seed, "block_tokens": self.block_tokens}
 
     # -- opening -------------------------------------------------------------------------------
-    def open(self) -> None:
-        """(Re)open: directories, then the index (rebuilt if damaged), then reconcile with the
+    def open(self, rebuild: bool = False) -> None:
+        """(Re)open: directories, then the index (rebuilt if damaged; with ``rebuild``, one found
+        damaged while serving, rebuilt whatever the open's check finds), then reconcile with the
         files. Raises UnsafeCacheDir, or OSError for a path that can never be a directory."""
         self._tried = time.monotonic()
         check_private(self.root, follow=True)  # the root itself may be a link to another disk
@@ -80,12 +81,15 @@ class Site:
                 old.release()  # the reader thread may be querying it now
             return
         old = self.index
-        self.index, self.writable = self._open_index()
+        self.index, self.writable = self._open_index(rebuild)
         if old is not None and old is not self.index:
             old.release()  # the reader thread may be querying it now
 
-    def _open_index(self) -> tuple[Index | None, bool]:
+    def _open_index(self, rebuild: bool = False) -> tuple[Index | None, bool]:
         path = self.dir / "index"
+        if rebuild:  # the open's check reads no ids nor what a row serves: it would keep that row
+            rebuilt = self._rebuild_aside(path, Damaged("a row found damaged while serving"))
+            return rebuilt, rebuilt is not None
         try:
             index = Index(path)
         except UnsafeCacheDir:
@@ -171,7 +175,7 @@ class Site:
         The index to write to, or None."""
         if self.damaged:  # a write or a lookup found the index damaged while serving (whoever
             self.damaged = False  # found it counted it as an index error: once, not here again)
-            self.open()  # its database or a row unreadable: rebuilt aside from the files
+            self.open(rebuild=True)  # its database or a row unreadable: rebuilt from the files
         elif self.index is not None and self.writable:
             if (self.dir / "index" / DB).exists():
                 return self.index

@@ -46,7 +46,7 @@ import math
 import os
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,8 @@ class Header:
     data_len: int
     #: the tensors stored token-major (``(1, T, heads, row)`` on disk; see the module doc)
     token_major: frozenset[str] = frozenset()
+    #: the JSON header's bytes as read (:func:`same_file`: a later read of the file compares them)
+    raw: bytes = field(default=b"", repr=False, compare=False)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The logical shape of tensor ``name``: as stored, token-major ones swapped back."""
@@ -185,7 +187,7 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
     n_tokens = _count(meta.get("n_tokens", ""))
     if n_tokens is None or header.get("tokens", {}).get("shape") != [n_tokens]:
         raise CorruptEntry("tokens tensor does not match n_tokens")
-    out = Header(header, meta, 8 + n, data_len, _token_major(header, meta))
+    out = Header(header, meta, 8 + n, data_len, _token_major(header, meta), bytes(raw))
     chunk = _count(meta.get("chunk_bytes", "")) or 0
     if not 0 < chunk <= _MAX_CHUNK:
         raise CorruptEntry("bad chunk_bytes")
@@ -266,6 +268,23 @@ def read_header_fd(fd: int, fingerprint: str | None = None) -> Header:
     if len(raw) != n:
         raise CorruptEntry("short header")
     return parse_header(raw, size, fingerprint)
+
+
+def same_file(fd: int, header: Header, fingerprint: str | None = None) -> Header:
+    """``header``, already checked, once the file open at ``fd`` is shown to be the one it was
+    read from: the same size and the same header bytes (its data is then checked against the
+    header's own digests as it is read), without parsing it again. A file replaced since (an
+    entry superseded and another published under a name) raises CorruptEntry; a header of
+    another fingerprint, ForeignEntry."""
+    if fingerprint is not None and header.metadata.get("fingerprint") != fingerprint:
+        raise ForeignEntry(f"fingerprint {header.metadata.get('fingerprint')!r} is not {fingerprint!r}")
+    n = len(header.raw)
+    size = os.fstat(fd).st_size
+    if not n or size != header.data_start + header.data_len or os.pread(fd, 8 + n, 0) != (
+        struct.pack("<Q", n) + header.raw
+    ):
+        raise CorruptEntry("the file is not the one its header was read from (replaced since)")
+    return header
 
 
 def read_header(path: Path, fingerprint: str | None = None) -> Header:

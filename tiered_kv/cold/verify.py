@@ -131,7 +131,8 @@ def reconcile(
     block_tokens: int,
 ) -> dict[str, int]:  # fmt: skip
     """At open: remove stale temp files (dead writers only: other processes may share the
-    directory); with ``rebuild`` index every valid file, otherwise drop records whose file is
+    directory); with ``rebuild`` index every valid file, otherwise check the records' columns
+    ahead of their ids (:meth:`Index.files_by_id`: no ids blob is read), drop records whose file is
     gone and adopt orphan files (a crash between publish and commit, or another process's
     commit in flight: adopting twice is harmless, the entry id is the file name). Bad files are
     quarantined."""
@@ -139,16 +140,15 @@ def reconcile(
     sweep_temp(fp_dir)
     # records before files: a record's file is published before its commit, so one listed here
     # was there when the files are listed after (another process may commit between the two)
-    if not rebuild:
-        index.check()  # a row a lookup would find damaged (Damaged: the caller rebuilds)
-    records = [] if rebuild else index.records()
+    # (Damaged: the caller rebuilds; the rest of each row is checked where it is used)
+    records = {} if rebuild else index.files_by_id()
     files = entry_files(fp_dir)
     if not rebuild:
         names = {p.name for p in files}
-        missing = [r.entry_id for r in records if r.file not in names]
+        missing = [eid for eid, file in records.items() if file not in names]
         index.remove(missing)
         counts["missing"] = len(missing)
-        known = {r.file for r in index.records()}
+        known = set(index.files_by_id().values())
         files = [p for p in files if p.name not in known]
         counts["orphans"] = len(files)
     items = []
@@ -169,7 +169,26 @@ def reconcile(
     if items:
         index.add_many(items)
     counts["rebuilt"] = len(items)
+    counts["backfilled"] = 0 if rebuild else backfill_serving(fp_dir, fingerprint, index)
     return counts
+
+
+def backfill_serving(fp_dir: Path, fingerprint: str, index: Index) -> int:
+    """At an open for writing: give the rows an older version wrote, which do not say what the
+    entry serves, what their file's header says — once, so that no lookup reads a header for them
+    any more (:meth:`lookup.Finder._serving_of`, where a partial match depends on it). A header
+    that cannot be read leaves its row as it is (a load finds the file so). The rows filled."""
+    found = []
+    for eid, file in index.unserved().items():
+        try:
+            header = store.read_header(fp_dir / Path(file).name, fingerprint)
+        except (OSError, store.CorruptEntry):
+            continue
+        serves = declared.serving(header.metadata)
+        found.append((eid, serves.trimmable, serves.checkpoints))
+    if found:
+        index.set_serving(found)
+    return len(found)
 
 
 def check_entry(path: Path, fingerprint: str, stored: np.ndarray | None) -> store.Header:

@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 #: compute writes past them, never into them), or None: fresh caches holding exactly ``ids``.
 #: Step by step: it yields between prefill steps, and a close stops it there.
 Compute = Callable[[list[int], list[Any] | None], Steps[list[Any]]]
-#: ``ranged.read_range``'s signature: (path, fingerprint, m, n, into=destinations, gpu=upload or None)
+#: ``ranged.read_range``'s signature: (path, fingerprint, m, n, into=destinations, gpu=upload or
+#: None, stop=event, header=the header the layout came from)
 Reader = Callable[..., ranged.RangeRead]
 #: where a `both` spends its time (seconds), in order: landing arrays allocated, the head computed
 #: (I/O running beside it), waiting for the read after the compute, the join; and the read itself
@@ -220,7 +221,8 @@ class Restorer:
         n, m, start = d.tokens, d.m, d.start
         t0 = time.perf_counter()
         try:
-            lay = ranged.layout(path, cold.fingerprint, m, n)
+            header = store.read_header(path, cold.fingerprint)  # read once: the read checks it is
+            lay = ranged.layout_of(header, m, n)  # still the file's (store.same_file)
             full = allocate(buffers.shapes(lay, m, n, self.landing),
                             one_buffer=self.landing == "tail")
             views = buffers.byte_views(full, m, n)
@@ -230,7 +232,7 @@ class Restorer:
         up = gpu.shared() if self.landing == "tail" else None  # CUDA: copied in by the GPU
         stop = threading.Event()
         read = Call(functools.partial(self.reader, path, cold.fingerprint, m, n, into=views,
-                                      gpu=up, stop=stop), "restore-io")  # fmt: skip
+                                      gpu=up, stop=stop, header=header), "restore-io")  # fmt: skip
         del views  # the I/O thread's now; `full` is not touched until the read returned
         head_error: Exception | None = None
         try:

@@ -655,3 +655,30 @@ def test_the_prefault_tests_skip_on_a_kernel_without_populate_write():
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "2 skipped" in out, out
     assert out.count("lacks MADV_POPULATE_WRITE (Linux >= 5.14): madvise failed with EINVAL") == 2
+
+
+def test_a_read_given_its_header_refuses_a_file_replaced_since(tmp_path):
+    """The header a `both` took its layout from is passed to the read, not parsed again; the file
+    the read opens must still be the one it came from: another entry published under the name
+    since (same layout, other bytes) is a CorruptEntry, and the header of another fingerprint a
+    ForeignEntry. The same file reads as without the header."""
+    path, keys = write(tmp_path)
+    header = store.read_header(path, "fp")
+    lay = ranged.layout_of(header, 300, N)
+    assert lay == ranged.layout(path, "fp", 300, N)
+    rr = ranged.read_range(path, "fp", 300, N, header=header)
+    np.testing.assert_array_equal(rr.tensors["0.keys"][1].view(np.float32)[0].swapaxes(0, 1),
+                                  keys[0, :, 300:N])  # fmt: skip
+    with pytest.raises(store.ForeignEntry):
+        ranged.read_range(path, "other", 300, N, header=header)
+    c = KVCache()
+    x = mx.ones((1, HEADS, N, DIM))
+    c.update_and_fetch(x, x)
+    job = codec.prepare(np.arange(N, dtype=np.int32) + 1, [c], None, "fp")
+    (tmp_path / "b").mkdir()
+    other = FileBackend(tmp_path / "b")
+    other.put("e1", encode.encode(job.tokens, job.tensors, job.metadata, CHUNK))
+    os.replace(other.path("e1"), path)  # published over it between the layout and the read
+    assert ranged.layout(path, "fp", 300, N) == lay
+    with pytest.raises(store.CorruptEntry, match="replaced"):
+        ranged.read_range(path, "fp", 300, N, header=header)

@@ -638,3 +638,24 @@ def test_a_plans_correction_comes_from_outcomes_priced_as_it_is(plain):
 
     assert factor(r.plan(plain.cold, hit, N, N + suffix), suffix) == pytest.approx(1.4)
     assert factor(r.plan(plain.cold, hit, N, N), 0) == pytest.approx(1.0)
+
+
+def test_a_both_parses_its_entrys_header_once(plain, monkeypatch):
+    """A `both` read the entry's header twice: its layout parsed it (JSON, checksum, declared
+    tensors) and so did the ranged read. The read takes the layout's header now, and checks only
+    that the file is still the one it came from (test_ranged: a replaced file is refused)."""
+    from tiered_kv.cold import store
+
+    parsed: list[int] = []
+    real = store.parse_header
+
+    def counted(raw, size, fingerprint=None):
+        parsed.append(len(raw))
+        return real(raw, size, fingerprint)
+
+    monkeypatch.setattr(store, "parse_header", counted)  # the real parse, counted
+    r = plain.restorer("both")
+    hit = plain.cold.lookup(plain.ids)
+    got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, "t"))
+    assert got is not None and got.tokens.tolist() == plain.ids[: N - 1]
+    assert len(parsed) == 1, parsed
