@@ -329,7 +329,32 @@ def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
                 os.close(own)
 
         order = sorted(header.tensors, key=lambda k: header.tensors[k]["data_offsets"][0])
-        return sum(background.each(one, order, workers, "tkv-read"))
+        done = threading.Event()
+        ahead = None
+        if batch is None and _prefault["on"]:  # host memory: faulted in ahead of the readers
+            ahead = background.Call(lambda: fault_in([into[k] for k in order], done, stop), "tkv-fault")
+        try:
+            return sum(background.each(one, order, workers, "tkv-read"))
+        finally:
+            done.set()  # the readers are through: what is left is faulted in as it is written
+            if ahead is not None:
+                ahead.result()
+
+
+def fault_in(arrays: list[np.ndarray], done: threading.Event, stop: Stop = None) -> None:
+    """Fault in ``arrays`` (fresh host memory a whole read is about to fill), one
+    :data:`FAULT_PIECE` at a time in the given order, until ``done`` or ``stop`` is set: one
+    thread ahead of the readers, which then copy into pages already there (each reader's own
+    :func:`prefault` finds them resident). On the 2-core VM, a cold 4 GB read into fresh MLX
+    arrays ran at 2.26-2.60 GB/s with it and 1.90-2.07 without (6 alternating rounds;
+    1 GB: 1.70-2.48 against 1.29-2.12): the readers faulting their own pages, four at once, spent
+    up to twice the CPU on it."""
+    for a in arrays:
+        view = a.reshape(-1).data.cast("B")
+        for i in range(0, len(view), FAULT_PIECE):
+            if done.is_set() or (stop is not None and stop.is_set()):
+                return
+            prefault(view[i : i + FAULT_PIECE])
 
 
 @contextlib.contextmanager
@@ -454,6 +479,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_POPULATE_WRITE = 23
 #: smaller destinations are left to fault as they are written
 PREFAULT_MIN = 1 << 20
+#: bytes :func:`fault_in` faults in per call (a reader's group: :data:`_GROUP_BYTES`)
+FAULT_PIECE = _GROUP_BYTES
 _prefault = {"on": sys.platform == "linux"}
 
 

@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 
 import mlx.core as mx
@@ -682,3 +683,58 @@ def test_a_read_given_its_header_refuses_a_file_replaced_since(tmp_path):
     assert ranged.layout(path, "fp", 300, N) == lay
     with pytest.raises(store.CorruptEntry, match="replaced"):
         ranged.read_range(path, "fp", 300, N, header=header)
+
+
+def _resident_pages(m: mmap.mmap) -> int:
+    libc = ranged._libc()
+    assert libc is not None
+    vec = np.zeros(len(m) // mmap.PAGESIZE, dtype=np.uint8)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert libc.mincore(ctypes.c_void_p(addr), len(m), ctypes.c_void_p(vec.ctypes.data)) == 0
+    return int(np.count_nonzero(vec & 1))
+
+
+@needs_populate_write
+def test_fault_in_faults_in_every_array_until_the_readers_are_done():
+    """The fault-ahead thread's work: every page of fresh memory resident; nothing once the
+    readers are through (``done``) or the read was called off (``stop``)."""
+    maps = [mmap.mmap(-1, 3 * ranged.FAULT_PIECE // 2) for _ in range(3)]
+    arrays = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+    ranged.fault_in(arrays[:1], threading.Event())
+    assert _resident_pages(maps[0]) == len(maps[0]) // mmap.PAGESIZE
+    done, stop = threading.Event(), threading.Event()
+    done.set()
+    ranged.fault_in(arrays[1:2], done)
+    stop.set()
+    ranged.fault_in(arrays[2:], threading.Event(), stop)
+    assert _resident_pages(maps[1]) == _resident_pages(maps[2]) == 0
+    del arrays
+
+
+@needs_populate_write
+@pytest.mark.parametrize("through", ["host", "upload"])
+def test_a_whole_read_into_host_memory_faults_it_in_ahead_and_ends_that_thread(tmp_path, monkeypatch,
+                                                                              through):  # fmt: skip
+    """A whole read into fresh host memory has one thread fault the destinations in, in file
+    order, ahead of its readers (a cold 4 GB read: 2.26-2.60 GB/s with it, 1.90-2.07 without),
+    and that thread has ended when the read returns; GPU destinations (the upload) are never
+    touched by the CPU, so nothing faults them."""
+    path, _ = write(tmp_path)
+    h = store.read_header(path, "fp")
+    into = _tensor_bytes(h)
+    calls: list[tuple[str, list[int]]] = []
+    real = ranged.fault_in
+
+    def spy(arrays, done, stop=None):
+        calls.append((threading.current_thread().name, [a.ctypes.data for a in arrays]))
+        return real(arrays, done, stop)
+
+    monkeypatch.setattr(ranged, "fault_in", spy)
+    up = HostUpload(slot_bytes=4 * CHUNK) if through == "upload" else None
+    assert ranged.read_tensors(path, h, into, up) == h.data_len
+    if through == "upload":
+        assert calls == []
+        return
+    order = sorted(h.tensors, key=lambda k: h.tensors[k]["data_offsets"][0])
+    assert calls == [("tkv-fault", [into[k].ctypes.data for k in order])]
+    assert not [t for t in threading.enumerate() if t.name == "tkv-fault"]
