@@ -77,6 +77,8 @@ class Prefilling:
             self.seqs.remove(seq)
         if rows:
             self.join(rows)
+        for seq in rows:  # their first tokens are out: now the engine learns from their prefills
+            self._learn(seq)
 
     def drop_cancelled(self) -> None:
         for gone in [s for s in self.seqs if s.sink.cancelled()]:
@@ -171,17 +173,23 @@ class Prefilling:
             self.first(seq, logits)
         except Exception as e:
             self.ends.fail(seq, e, seq.lease.caches if seq.lease else None)
+        self._learn(seq)
 
-    def _publish(self, seq: Seq) -> bool:
-        """``seq``'s prefill is over (``t_prefill`` set): it is counted (the engine learns
-        prefill speed from it) and its prompt is published for the requests prefilling after it
-        (they may share its prefix). False when that failed (``seq`` failed and left)."""
-        assert seq.lease is not None
-        seq.t_prefill = time.perf_counter() - seq.started
+    def _learn(self, seq: Seq) -> None:
+        """The engine learns prefill speed (and a disk restore's outcome) from ``seq``'s prefill:
+        once its first token is out, not before — a refit and, the first time after a start, a
+        write of the cost file, kept out of the time to first token."""
         done_hook = getattr(self.engine, "prefill_done", None)
-        if done_hook is not None:
+        if done_hook is not None and seq.lease is not None:
             new = len(seq.fed) - seq.prefill_from
             done_hook(seq.lease, seq.prefill_from, new, seq.prefill_busy)
+
+    def _publish(self, seq: Seq) -> bool:
+        """``seq``'s prefill is over (``t_prefill`` set): its prompt is published for the
+        requests prefilling after it (they may share its prefix). False when that failed
+        (``seq`` failed and left)."""
+        assert seq.lease is not None
+        seq.t_prefill = time.perf_counter() - seq.started
         try:
             self.engine.cache.share(seq.lease, seq.fed)
         except Exception as e:

@@ -21,7 +21,7 @@ from tests.engine.batching import (
     run_until,
     warmed,
 )
-from tests.fixtures import make_llama, tokens
+from tests.fixtures import gemma, make_llama, tokens
 from tiered_kv.config import Config
 
 
@@ -153,3 +153,34 @@ def test_a_last_prompt_token_is_the_first_decode_step():
     shapes = engine.model.shapes
     assert shapes[: shapes.index((2, 1))] == [(1, 1), (1, 5), (1, 1)]  # a step, body, last token
     assert joining.ids == ref
+
+
+class _Learning(ModelEngine):
+    """An engine that learns from each prefill, as engine.generate.Engine does (a refit of its
+    costs, the cost file written): what the loop and the request's sink held when it was told."""
+
+    def __init__(self, model, config, sink) -> None:
+        super().__init__(model, config)
+        self.sink = sink
+        self.loop: BatchLoop | None = None
+        self.seen: list[tuple[int, int]] = []
+
+    def prefill_done(self, lease, start, new, seconds) -> None:
+        assert self.loop is not None
+        self.seen.append((self.loop.decoding, len(self.sink.ids)))
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma"])  # shared forwards / a prefill of its own
+def test_the_engine_learns_from_a_prefill_after_its_first_step(model):
+    """Learning from a prefill costs a refit and, first after a start, a write of the cost file:
+    not inside the time to first token. A prefill of its own (gemma's rotating layers) learns once
+    its first token is out; a row of shared forwards (llama) once it has joined the decode batch,
+    whose forward, queued, then runs on the device beside the learning."""
+    sink = Sink()
+    engine = _Learning(make_llama(seed=4) if model == "llama" else gemma(), Config(tiers=()), sink)
+    loop = BatchLoop(engine)
+    engine.loop = loop
+    loop.add(sink, tokens(80, 30), SamplingParams(max_tokens=3))
+    run_until(loop, lambda: sink.done)
+    ((decoding, first),) = engine.seen
+    assert decoding == 1 and first == (1 if model == "gemma" else 0)
