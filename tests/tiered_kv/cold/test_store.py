@@ -174,3 +174,27 @@ def test_tensors_its_metadata_declares_pass_the_header_check():
     assert {"1.s1", "ckpt.8.1.s0"} <= set(header.tensors)
     with pytest.raises(store.CorruptEntry, match="not declared"):  # s2 is past the size
         store.parse_buffer(memoryview(with_tensors(planted, {"1.s2": b"\x03"})), "fp")
+
+
+def test_a_headers_checksum_table_is_parsed_once_for_all_its_tensors(tmp_path, monkeypatch):
+    """A read asks the header for each tensor's digests (65 tensors for an 8B model): the table
+    (~260 kB at 8B 128k tokens) was parsed again for each, on the readers' threads."""
+    caches = [big_kv(3000) for _ in range(4)]
+    job = codec.prepare(np.arange(3000, dtype=np.int32), caches, None, "fp")
+    b = FileBackend(tmp_path)
+    b.put("e1", encode.encode(job.tokens, job.tensors, job.metadata))
+    header = store.read_header(b.path("e1"), "fp")
+    table = header.metadata["xxh3"]
+    parsed: list[int] = []
+    real = json.loads
+
+    def loads(s, *a, **k):
+        if s == table:
+            parsed.append(1)
+        return real(s, *a, **k)
+
+    monkeypatch.setattr(store.json, "loads", loads)
+    got = {name: header.digests(name) for name in header.tensors}
+    assert len(parsed) <= 1
+    want = real(table)
+    assert got == {name: want[name] for name in header.tensors} and all(got.values())
