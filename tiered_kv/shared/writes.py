@@ -91,7 +91,9 @@ def publish(tier: Tier, data: Any, token_ids: Sequence[int] | np.ndarray) -> boo
         return False
     # published (its index committed): a failure from here on leaves what it displaced for LRU
     # or verify --fix (unreachable: no lookup finds it), and the publish stands
-    left: list[str] = []  # the entries it displaced, not unlinked yet
+    # the entries it displaced, not unlinked yet: every one it took a block key from until their
+    # facts are read (an unlink skipped, Redis found down meanwhile, leaves them all)
+    left = list(_took(*done))
     if not tier.health.call("unlink displaced", lambda: _unlink_displaced(tier, *done, left), False):
         tier.health.count("displaced_left", len(left))  # entries, not failed calls
     return True
@@ -151,11 +153,7 @@ def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str, left: list[str])
     True when done; a failure raises (:meth:`Health.call` counts it), ``left`` then holds the
     entries not unlinked: those it displaced, or, where reading which it displaced failed, every
     entry its index write took a block key from."""
-    deepest: dict[str, int] = {}
-    for depth, raw in enumerate(was):
-        other = reads.eid_of(raw)
-        if other is not None and other != eid:
-            deepest[other] = depth
+    deepest = _took(was, eid)
     if not deepest:
         return True
     left[:] = deepest  # which of them it displaced is known once their facts are read
@@ -180,3 +178,14 @@ def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str, left: list[str])
         left.remove(other)
         tier.health.count("superseded")
     return True
+
+
+def _took(was: Sequence[Any], eid: str) -> dict[str, int]:
+    """{entry id: its deepest block} of the entries other than ``eid`` that ``was`` (what the
+    block keys named before ``eid``'s index write, in block order) names."""
+    deepest: dict[str, int] = {}
+    for depth, raw in enumerate(was):
+        other = reads.eid_of(raw)
+        if other is not None and other != eid:
+            deepest[other] = depth
+    return deepest

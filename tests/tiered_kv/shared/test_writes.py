@@ -205,3 +205,27 @@ def test_a_displaced_entry_whose_facts_and_first_64_chunks_redis_evicted_is_unli
     c.delete(t.key("e", old.entry_id), *(t.key("c", old.entry_id, i) for i in range(64)))
     assert t.publish(entry(toks), toks)
     assert c.keys(f"*{old.entry_id}*") == [] and t.stats()["superseded"] == 1
+
+
+def test_displaced_left_counts_entries_left_when_redis_went_down_before_their_unlink(
+    redis_server, monkeypatch
+):
+    """Another thread found Redis down (a lookup timed out) between the index write and the
+    unlink of what it displaced: the unlink was skipped (backoff), the displaced entry left in
+    Redis, and ``displaced_left`` counted 0 — no entry had been read into its list yet."""
+    t = tier(redis_server.url)
+    toks = ids(69, 64)
+    assert t.publish(entry(toks[:32]), toks[:32])
+    real = writes._publish
+
+    def then_down(*args):  # the fault: a request thread's lookup timed out meanwhile
+        done = real(*args)
+        t.health._down("lookup", TimeoutError("timed out"))
+        return done
+
+    monkeypatch.setattr(writes, "_publish", then_down)
+    assert t.publish(entry(toks), toks)  # published; its unlink skipped (Redis in backoff)
+    s = t.stats()
+    assert s["skipped_down"] == 1 and s["superseded"] == 0
+    assert len(redis_server.client().keys(t.key("e", "*"))) == 2  # the displaced one is left
+    assert s["displaced_left"] == 1, s
