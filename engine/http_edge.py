@@ -46,9 +46,14 @@ def error_response(path: str, e: ApiError, headers: Mapping[str, str] | None = N
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 
+#: the origins ``local`` stands for: pages served from this machine, any scheme a browser or a
+#: desktop web view gives them, any port
+LOCAL_ORIGINS = r"[a-z][a-z0-9+.-]*://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?\Z"  # \Z: a prefix is no match
+
+
 class Cors(CORSMiddleware):
     """ASGI middleware, outermost: Starlette's CORS for ``origins`` (``TIERED_KV_ALLOWED_ORIGINS``;
-    ``*``: any). A preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) of
+    ``*``: any; ``local``: :data:`LOCAL_ORIGINS`). A preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) of
     any path is answered here, before the API key is checked (browsers send no credentials on
     it), allowing every method and the headers it asks for; every other response, errors
     included, carries ``Access-Control-Allow-Origin`` for an allowed origin, and lets the page
@@ -56,7 +61,9 @@ class Cors(CORSMiddleware):
 
     def __init__(self, app: Any, origins: tuple[str, ...]) -> None:
         super().__init__(
-            app, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+            app, allow_origins=[o for o in origins if o != "local"],
+            allow_origin_regex=LOCAL_ORIGINS if "local" in origins else None,
+            allow_methods=["*"], allow_headers=["*"],
             # a public page's call to this (local) server: Chrome's Private Network Access
             # preflight; the origin check above is the gate
             allow_private_network=True,

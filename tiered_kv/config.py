@@ -135,10 +135,12 @@ class Config:
     #: TIERED_KV_MAX_BODY_BYTES — largest accepted request body (413 past it)
     max_body_bytes: int = 16 * 1024**2
     #: TIERED_KV_ALLOWED_ORIGINS — the web pages (CORS origins) whose scripts may call the server:
-    #: `*` any (as mlx_lm.server and llama.cpp's server), a comma-separated list of origins such as
-    #: `http://localhost:3000,https://chat.example.com`, or `none` (no CORS headers: browsers
-    #: refuse every cross-origin call). The API key still applies
-    allowed_origins: tuple[str, ...] = ("*",)
+    #: `local` (pages served from this machine: `http(s)://localhost`, `127.0.0.1` or `[::1]`, any
+    #: port), `*` any page (mlx_lm.server's and llama.cpp's default: any site open in the browser
+    #: could then probe which prompts this cache holds), a comma-separated list of origins such as
+    #: `local,https://chat.example.com`, or `none` (no CORS headers: browsers refuse every
+    #: cross-origin call). The API key still applies
+    allowed_origins: tuple[str, ...] = ("local",)
     #: TIERED_KV_SHARED — `redis://[[user]:password@]host[:port][/db]` or `rediss://…` (TLS): a
     #: cold tier shared by many servers, behind the local one
     #: ([below](#the-shared-tier-redis)); never echoed in errors or logs (kept out of repr: it may
@@ -279,13 +281,14 @@ _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+", re.IGNORECASE)  # scheme:/
 
 
 def _origins(text: str) -> tuple[str, ...]:
-    """``*``, ``none`` (or empty) or origins ``scheme://host[:port]``, comma-separated; an origin
-    as a browser sends it (no path, no trailing slash). ValueError otherwise."""
+    """``*``, ``none`` (or empty), or ``local`` and origins ``scheme://host[:port]``,
+    comma-separated; an origin as a browser sends it (no path, no trailing slash). ValueError
+    otherwise."""
     t = text.strip()
     if t.lower() in ("", "none", "off"):
         return ()
-    parts = tuple(p.strip() for p in t.split(","))
-    if any(p != "*" and not _ORIGIN.fullmatch(p) for p in parts):
+    parts = tuple("local" if p.strip().lower() == "local" else p.strip() for p in t.split(","))
+    if any(p not in ("*", "local") and not _ORIGIN.fullmatch(p) for p in parts):
         raise ValueError(text)
     return ("*",) if "*" in parts else parts
 
@@ -335,7 +338,7 @@ _SPEC: dict[str, tuple[str, object, str]] = {
     "TIERED_KV_MAX_BODY_BYTES": ("max_body_bytes", _size, SIZE_FORM),
     "TIERED_KV_ALLOWED_ORIGINS": (
         "allowed_origins", _origins,
-        '"*", "none" or comma-separated origins such as http://localhost:3000',
+        '"local", "*", "none" or comma-separated origins such as local,https://chat.example.com',
     ),  # fmt: skip
     "TIERED_KV_SHARED": ("shared_url", redis_url, REDIS_FORM),
     "TIERED_KV_SHARED_TIMEOUT": ("shared_timeout", _seconds_short, "seconds in (0, 60], e.g. 1"),

@@ -47,7 +47,7 @@ def test_every_route_answers_a_cors_preflight_without_the_key(guarded):
         for method in route.methods - {"HEAD"}:
             r = preflight(url, method)
             assert r.status_code == 200, (route.path, method, r.status_code, r.text)
-            assert r.headers["access-control-allow-origin"] == "*"
+            assert r.headers["access-control-allow-origin"] == PAGE  # a page of this machine
             assert method in r.headers["access-control-allow-methods"]
             assert r.headers["access-control-allow-headers"] == "authorization,content-type"
 
@@ -72,7 +72,7 @@ def test_answers_and_errors_carry_cors_headers(guarded):
     ]
     for status, r in cases:
         assert r.status_code == status, (r.request.url, r.text)
-        assert r.headers.get("access-control-allow-origin") == "*", (status, r.request.url, r.headers)
+        assert r.headers.get("access-control-allow-origin") == PAGE, (status, r.request.url, r.headers)
         exposed = r.headers["access-control-expose-headers"]
         assert "retry-after" in exposed and "x-tiered-kv-cache-tier" in exposed
     assert "access-control-allow-origin" not in httpx.get(u + "/health").headers  # no Origin: none
@@ -99,3 +99,26 @@ def test_allowed_origins_restrict_cors_and_none_turns_it_off(tiny_model_dir, tmp
         assert preflight(live.url + "/v1/chat/completions", "POST").status_code == 405
         r = httpx.get(live.url + "/v1/models", headers={"Origin": PAGE})
         assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("origins", [("local",), ("*",)])
+def test_by_default_only_pages_of_this_machine_may_call_and_star_opens_it(tiny_model_dir, tmp_path, origins):
+    """The default (``local``): pages served from this machine (any port, localhost, 127.0.0.1 or
+    [::1]) may call; a site on the internet open in the same browser may not (with ``*`` it could
+    use the model and, reading ``cached_tokens``, probe which prompts the cache holds). ``*``
+    opens it to any page, as mlx_lm.server does."""
+    config = hot_config(tmp_path, allowed_origins=origins)
+    with serve(lambda: Engine(tiny_model_dir, config), config) as live:
+        url = live.url + "/v1/chat/completions"
+        for page in ("http://localhost:3000", "http://127.0.0.1:8080", "http://[::1]:5173", "tauri://localhost"):
+            ok = preflight(url, "POST", page)
+            assert ok.status_code == 200, (page, ok.text)
+            assert ok.headers["access-control-allow-origin"] in (page, "*")
+        for site in ("https://evil.example", "http://localhost.evil.example", "http://127.0.0.1.evil.example"):
+            r = preflight(url, "POST", site)
+            got = httpx.get(live.url + "/v1/models", headers={"Origin": site})
+            if origins == ("*",):
+                assert r.status_code == 200 and got.headers["access-control-allow-origin"] == "*"
+            else:
+                assert r.status_code == 400 and r.json()["error"]["code"] == "cors_disallowed", site
+                assert "access-control-allow-origin" not in got.headers

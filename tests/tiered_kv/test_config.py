@@ -127,7 +127,9 @@ def test_chat_template_args_are_a_json_object():
 
 
 def test_allowed_origins():
-    assert Config().allowed_origins == ("*",)  # any page, as mlx_lm.server and llama.cpp's server
+    assert Config().allowed_origins == ("local",)  # pages of this machine (http_edge.LOCAL_ORIGINS)
+    assert from_env({"TIERED_KV_ALLOWED_ORIGINS": "Local, https://chat.example.com"}).allowed_origins == (
+        "local", "https://chat.example.com")  # fmt: skip
     got = from_env({"TIERED_KV_ALLOWED_ORIGINS": " http://localhost:3000, https://chat.example.com "})
     assert got.allowed_origins == ("http://localhost:3000", "https://chat.example.com")
     assert from_env({"TIERED_KV_ALLOWED_ORIGINS": "none"}).allowed_origins == ()
