@@ -49,21 +49,18 @@ def read_fresh(path: Path, cold: bool = True) -> float:
         drop_page_cache(path)
     size = os.stat(path).st_size
     t0 = time.perf_counter()
-    mem = mmap.mmap(-1, max(1, size))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        view, done = memoryview(mem), 0
-        while done < size:
-            got = os.preadv(fd, [view[done : done + BLOCK]], done)
-            if got <= 0:
-                break
-            done += got
-        view.release()
-    finally:
-        os.close(fd)
-    seconds = time.perf_counter() - t0
-    mem.close()
-    return seconds
+    with mmap.mmap(-1, max(1, size)) as mem, memoryview(mem) as view:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < size:
+                got = os.preadv(fd, [view[done : done + BLOCK]], done)
+                if got <= 0:
+                    break
+                done += got
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t0
 
 
 def write(path: Path, nbytes: int) -> float:
