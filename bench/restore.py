@@ -58,7 +58,7 @@ class Bench:
         self.root, self.chunk = root, chunk or default_prefill_chunk()
         self.device = str(mx.default_device())
         self.vocab = int(self.model.args.vocab_size)
-        self.suffix_s = 0.0
+        self.suffix_s = self.fetch_s = 0.0
         self.phases: dict[str, float] = {}
 
     def compute(self, ids: list[int], held: list[Any] | None = None) -> tiered_kv.Steps[list[Any]]:
@@ -77,13 +77,15 @@ class Bench:
 
     def request(self, tc: TieredCache, ids: list[int]) -> tuple[float, int, HitInfo]:
         """TTFT of ``ids`` and its greedy first token; the prefill teaches the costs (as the Engine).
-        ``self.suffix_s``: the seconds of its prefill after the restore."""
+        ``self.suffix_s``: the seconds of its prefill after the restore; ``self.fetch_s``: of the
+        fetch before it (lookup, plan, restore)."""
         r = tc.restorer
         r.last_phases = {}
         t0 = time.perf_counter()
         lease = tc.fetch(ids)
         fed = ids[: lease.hit.tokens]
         tp, start, new = time.perf_counter(), len(fed), len(lease.remaining)
+        self.fetch_s = tp - t0
         logits = prefill(self.model, lease, fed, self.chunk)
         tok = mx.argmax(logits).tolist()
         assert isinstance(tok, int)
@@ -192,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# restore benchmark: {model_dir.name} on {bench.device}, cache dir {root}"
           + (f", memory holds the first {a.held:.0%} of each hit" if a.held else ""))  # fmt: skip
     # both's phases (Restorer.last_phases): alloc → head (compute, the read beside it) → wait (for
-    # the read after the compute) → join; read = the I/O thread's time; suffix = the prefill after
+    # the read after the compute) → join; read = the I/O thread's time; suffix = the prefill after;
+    # fetch = lookup + plan + restore before it, restore = the load's (or both's) own seconds: a way
+    # chosen by auto and the same way forced, side by side, show where their difference lies
     print(
         "| tokens | pages | mode | TTFT s | plan (m) | tier | predicted s | token "
-        "| alloc s | head s | read s | wait s | join s | suffix s | runs s (in order) |"
+        "| alloc s | head s | read s | wait s | join s | suffix s | fetch s (restore s) | runs s (in order) |"
     )
-    print("|---:|---|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|")
     summary = []
     for t in (int(x) for x in a.tokens.split(",")):
         rng = np.random.default_rng(t)
@@ -212,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in rounds(modes, i):
                     share = set_pages(root / f"t{t}", state)
                     ttft, tok, hit = bench.run(t, prompt, mode, int(a.held * t))
-                    runs[mode].append((ttft, tok, hit, bench.phases, bench.suffix_s, share))
+                    runs[mode].append((ttft, tok, hit, bench.phases, bench.suffix_s, share, bench.fetch_s))
             for mode in modes:  # the row is the median run's
                 rs = sorted(runs[mode], key=lambda r: r[0])
-                ttft, tok, hit, ph, suffix_s, share = rs[len(rs) // 2]
+                ttft, tok, hit, ph, suffix_s, share, fetch_s = rs[len(rs) // 2]
                 toks = {r[1] for r in rs}
                 tok = tok if len(toks) == 1 else -1  # a run that differs shows as DIFF
                 cols = " | ".join(f"{ph[k]:.3f}" if k in ph else "-"
@@ -231,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                                 for r in runs[mode])  # fmt: skip
                 print(f"| {t} | {state} ({share if share is None else round(share, 2)}) | {mode} "
                       f"| {ttft:.3f} | {plan} | {hit.tier} | {pred} | {same} | {cols} "
-                      f"| {suffix_s:.3f} | {each} |", flush=True)  # fmt: skip
+                      f"| {suffix_s:.3f} | {fetch_s:.3f} ({hit.load_seconds:.3f}) | {each} |",
+                      flush=True)  # fmt: skip
             summary.append((t, state, ttfts))
     print("\n| tokens | pages | min(load, compute) s | both / min | auto / min | goals |")
     print("|---:|---|---:|---:|---:|---|")

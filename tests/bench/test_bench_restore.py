@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from bench import restore
 
 
@@ -15,6 +17,11 @@ def test_restore_bench_smoke(tiny_model_dir, tmp_path, capsys):
     assert all("DIFF" not in r for r in rows)  # greedy token equal whichever way
     assert any("| both (" in r and "| cold |" in r for r in rows)
     assert any("| compute (600) | none |" in r for r in rows)
+    # fetch (lookup + plan + restore) beside the restore's own seconds: 0 for a compute
+    assert "| fetch s (restore s) |" in out
+    fetch = [r.split(" | ")[-2] for r in rows[:8]]
+    assert all(re.fullmatch(r"\d+\.\d{3} \(\d+\.\d{3}\)", f) for f in fetch), fetch
+    assert any(f.endswith("(0.000)") for f, r in zip(fetch, rows[:8], strict=True) if "| compute |" in r)
 
 
 def test_restore_bench_with_a_memory_held_prefix(tiny_model_dir, tmp_path, capsys):
