@@ -120,11 +120,9 @@ class Header:
 
     @functools.cached_property
     def _table(self) -> dict[str, str]:
-        """The checksum table, parsed once per header: a read asks it for every tensor, and an
-        8B entry of 128k tokens carries ~260 kB of it (16 hex digits per MiB of KV)."""
-        return self._sums()
-
-    def _sums(self) -> dict[str, str]:
+        """The checksum table, parsed once per header (by :func:`parse_header`, which checks it):
+        a read asks it for every tensor, and an 8B entry of 128k tokens carries ~260 kB of it
+        (16 hex digits per MiB of KV)."""
         try:
             sums = json.loads(self.metadata["xxh3"])
         except (KeyError, ValueError, RecursionError) as e:  # nested past Python's stack
@@ -198,7 +196,7 @@ def parse_header(raw: bytes, size: int, fingerprint: str | None = None) -> Heade
     chunk = _count(meta.get("chunk_bytes", "")) or 0
     if not 0 < chunk <= _MAX_CHUNK:
         raise CorruptEntry("bad chunk_bytes")
-    sums = out._sums()
+    sums = out._table
     for name, t in header.items():
         start, stop = t["data_offsets"]
         if len(sums.get(name, "")) != n_digest_chars(stop - start, chunk):
