@@ -49,15 +49,16 @@ def body_too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
 
 
-def _feed(view: memoryview, pos: int) -> Iterator[tuple[memoryview, int]]:
+def _feed(view: memoryview, pos: int, cap: Callable[[], int] | None = None) -> Iterator[tuple[memoryview, int]]:
     """``view`` from ``pos`` in slices that double from :data:`_FIRST_SLICE` bytes up to
     :data:`_MAX_SLICE`, each with the position after it. A decoder handed all that is left keeps
     a copy of whatever follows its stream (``unused_data``): a body of many small members or
     frames cost the square of its size (a 2 MiB body of empty gzip members took 2.5 s, 16 MiB
-    minutes). In slices, a stream's leftover is at most the last slice, about twice the stream."""
+    minutes). In slices, a stream's leftover is at most the last slice, about twice the stream.
+    ``cap``: asked before each slice, the most bytes it may have (at least 1 is given)."""
     step = _FIRST_SLICE
     while pos < len(view):
-        piece = view[pos : pos + step]
+        piece = view[pos : pos + (step if cap is None else max(1, min(step, cap())))]
         pos += len(piece)
         yield piece, pos
         step = min(2 * step, _MAX_SLICE)
@@ -137,19 +138,19 @@ def _zstd_frame(
     frame = dctx.decompressobj()
     out: list[bytes] = []
     size = 0
-    step = _FIRST_SLICE
-    while pos < len(view):
-        most = step if declared != zstandard.CONTENTSIZE_UNKNOWN else (room - size) // ZSTD_MAX_RATIO
-        piece = view[pos : pos + max(1, min(step, most))]
-        pos += len(piece)
+
+    def within() -> int:  # compressed bytes that decode within the room left
+        return (room - size) // ZSTD_MAX_RATIO
+
+    unknown = declared == zstandard.CONTENTSIZE_UNKNOWN
+    for piece, end in _feed(view, pos, within if unknown else None):
         got = frame.decompress(piece)
         size += len(got)
         if size > room:
             raise body_too_large(limit)
         out.append(got)
         if frame.eof:  # its leftover is at most this slice (:func:`_feed`)
-            return out, pos - len(frame.unused_data)
-        step = min(2 * step, _MAX_SLICE)
+            return out, end - len(frame.unused_data)
     raise Invalid("it ends early")
 
 
