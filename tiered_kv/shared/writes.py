@@ -93,8 +93,9 @@ def publish(tier: Tier, data: Any, token_ids: Sequence[int] | np.ndarray) -> boo
     # or verify --fix (unreachable: no lookup finds it), and the publish stands
     # the entries it displaced, not unlinked yet: every one it took a block key from until their
     # facts are read (an unlink skipped, Redis found down meanwhile, leaves them all)
-    left = list(_took(*done))
-    if not tier.health.call("unlink displaced", lambda: _unlink_displaced(tier, *done, left), False):
+    took = _took(*done)
+    left = list(took)
+    if not tier.health.call("unlink displaced", lambda: _unlink_displaced(tier, took, left), False):
         tier.health.count("displaced_left", len(left))  # entries, not failed calls
     return True
 
@@ -141,9 +142,9 @@ def _publish(
     return replies[: len(names)], eid
 
 
-def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str, left: list[str]) -> bool:
-    """Unlink each entry whose deepest block key ``eid``'s index write took (``was``: what the
-    block keys named just before, in block order): it holds no block ``eid`` does not, so
+def _unlink_displaced(tier: Tier, deepest: dict[str, int], left: list[str]) -> bool:
+    """Unlink each entry whose deepest block key the new entry ``eid``'s index write took
+    (``deepest``: :func:`_took` of what the block keys named just before): it holds no block ``eid`` does not, so
     every block key that named it names ``eid`` now — no lookup can find it again (a
     continuation's older entry; the same entry published by another server at the same
     moment, whichever index write came first). Only an entry's own publish names it in a
@@ -152,11 +153,10 @@ def _unlink_displaced(tier: Tier, was: Sequence[Any], eid: str, left: list[str])
     it was unreachable already. One round trip when any was displaced.
     True when done; a failure raises (:meth:`Health.call` counts it), ``left`` then holds the
     entries not unlinked: those it displaced, or, where reading which it displaced failed, every
-    entry its index write took a block key from."""
-    deepest = _took(was, eid)
+    entry of ``deepest`` (as the caller gives it: which of them it displaced is known once their
+    facts are read)."""
     if not deepest:
         return True
-    left[:] = deepest  # which of them it displaced is known once their facts are read
     pipe = tier.client.pipeline(transaction=False)
     for other in deepest:
         reads.queue_fields(pipe, tier.key("e", other), reads.FACTS)
