@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from tiered_kv.restore import plan as plan_mod
 from tiered_kv.restore.plan import (
     Hit,
     Learned,
@@ -199,6 +200,25 @@ def test_both_after_a_memory_held_prefix_computes_from_it():
     assert forced.kind == "load" and "too short" in forced.reason  # 200 tokens: under a block
     middle = plan(hit, Learned(), "both")
     assert middle.kind == "both" and start < middle.m < N and (middle.m - start) % 256 == 0
+
+
+def test_with_a_held_prefix_both_may_read_only_what_memory_lacks():
+    """Memory holds the first half of the hit and reading is far faster than computing: the best
+    way reads ``[start, n)`` alone and joins it onto what memory holds (a `both` with no head), at
+    half a load's bytes. The split began one block past ``start``, so the plan was a load of the
+    whole file (or a head of a block, slower than reading it); with nothing held, m = 0 (a load)
+    is still no `both`."""
+    start = N // 2
+    hit = replace(HIT, start=start, warm=1.0)
+    costs = replace(learned(PREFILL_SLOW, 2.0), load_warm=reads(2.0), range_warm=reads(2.0))
+    m, seconds = split(hit, costs)  # type: ignore[misc]
+    assert m == start
+    read_half = (N - start) * BPT / (2.0 * GB)
+    assert seconds == pytest.approx(read_half + N * BPT / plan_mod.DEFAULT_JOIN_BYTES_PER_S)
+    p = plan(hit, costs)
+    assert p.kind == "both" and p.m == start and p.both_s < p.load_s  # type: ignore[operator]
+    none_held = split(replace(hit, start=0), costs)
+    assert none_held is not None and none_held[0] > 0
 
 
 def test_a_correction_comes_from_outcomes_of_a_similar_size():

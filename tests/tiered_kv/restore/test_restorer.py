@@ -237,6 +237,42 @@ def test_both_computes_its_head_onto_what_memory_holds(plain, held):
     tc.cold.close()
 
 
+def test_with_half_held_auto_reads_only_what_memory_lacks(plain):
+    """Memory holds the first half of the prompt, the disk all of it, reading is 10x faster than
+    computing here and the head computes whole steps of 64 tokens: `auto` plans a `both` with no head (m == start), reads ``[start, n)`` and
+    joins it onto a view of the hot entry. Before, a `both` always computed a block at least, so
+    the plan was a load of the whole file. The logits equal a cold prefill's; the hot entry is not
+    written into; the disk is counted for the tokens read."""
+    held = N // 2
+    path, nbytes = plain.cold.describe(plain.cold.lookup(plain.ids))
+    r = plain.restorer("auto", step=64)
+    for k in (100, 400):  # 10 ms a token; the whole file reads in as long as N / 10 tokens compute
+        r.costs.observe_prefill(k, 0, k / 100)
+    for warm in (0.0, 1.0):
+        r.costs.observe_load(nbytes, N / 1000, warm)
+        r.costs.observe_range(nbytes, N / 1000, warm)
+    tc = plain.tiered(r)
+    caches = make_prompt_cache(plain.model)
+    feed(plain.model, caches, plain.ids[:held])
+    tc.hot.insert(new_entry(plain.ids[:held], caches))
+    before = [np.array(c.keys[..., :held, :]) for c in caches]
+    ids = plain.ids + [1, 2, 3]
+    lease = tc.fetch(ids)
+    d = lease.hit.restore
+    assert d.kind == "both" and d.start == d.m == held, (d, r.counters)
+    assert lease.hit.tier == "cold" and lease.hit.tokens == N and lease.hit.held == held
+    assert tc.counters["hit_tokens_hot"] == held and tc.counters["hit_tokens_cold"] == N - held
+    assert r.counters["restore_both"] == 1 and r.counters["restore_both_fallbacks"] == 0
+    fed = ids[: lease.hit.tokens]
+    out = np.array(prefill(plain.model, lease, fed, 64))
+    np.testing.assert_allclose(out, feed(plain.model, make_prompt_cache(plain.model), ids),
+                               rtol=TOL, atol=TOL)  # fmt: skip
+    for c, b in zip(caches, before, strict=True):
+        np.testing.assert_array_equal(np.array(c.keys[..., :held, :]), b)
+    tc.hot.entries.clear()
+    tc.cold.close()
+
+
 def test_a_plan_starts_from_what_a_hot_entry_that_cannot_be_cut_serves(tmp_path):
     """A hot entry whose layers cannot be cut back (recurrent) serves only at its checkpoints: the
     plan's ``start`` is the checkpoint the lease will serve from, not the common prefix (it was,
