@@ -94,6 +94,7 @@ class Bench:
         r.costs.observe_prefill(new, start, dt)
         if lease.hit.restore is not None:
             r.outcome(lease.hit.restore, lease.hit.load_seconds + dt)
+        r.costs.settle()
         tc.store(lease, fed)
         return ttft, tok, lease.hit
 

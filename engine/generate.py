@@ -119,6 +119,7 @@ class Engine:
             self.restorer.costs.observe_prefill(new, start, seconds)
             if lease.hit.restore is not None:
                 self.restorer.outcome(lease.hit.restore, lease.hit.load_seconds + seconds)
+            self.restorer.costs.settle()  # after the first token: fit and save what was observed
         except Exception:
             log.exception("restore costs not learned from this prefill")
 

@@ -210,3 +210,19 @@ def test_heads_beside_their_reads_become_the_head_factor_and_persist(tmp_path):
     quick = CostBook(None, "fp")
     quick.observe_head(1.0, 0.5)  # ran faster than alone: plans (and /metrics) price it as alone
     assert quick.learned.head_factor == 0.5 and quick.stats()["head_factor"] == 1.0
+
+
+def test_an_observation_is_fitted_and_saved_when_settled_not_when_made(tmp_path):
+    """A restore observes its load (a `both` its head, read and join) before the request's first
+    token: each observation refitted the book and the first one after a restart wrote its file,
+    inside that TTFT. Now an observation is kept; it is fitted when a plan next reads the book
+    (or at settle) and saved at settle, which the engine calls after the first token."""
+    path = CostBook.file_for(tmp_path)
+    book = CostBook(path, "fp")
+    book.observe_load(10**8, 0.1, 0.0)
+    assert not path.exists() and book.stats()["load_cold_gb_s"] == 0.0  # kept, not yet fitted
+    assert book.learned.load_cold.bytes_per_s == pytest.approx(1e9)  # a plan reads it fitted
+    book.observe_load(10**8, 0.01, 1.0)
+    book.settle()
+    assert path.exists() and book.stats()["load_warm_gb_s"] == pytest.approx(10.0)
+    assert CostBook(path, "fp").learned == book.learned
