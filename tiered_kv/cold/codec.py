@@ -82,7 +82,7 @@ def prepare(
         for k, x in arrays.items()
     ]  # fmt: skip
     metadata = {**meta, "fingerprint": fingerprint, "layout": layers.layout(caches),
-                "created": repr(time.time()), "trimmable": str(int(trimmable))}  # fmt: skip
+                "created": f"{time.time():.6f}", "trimmable": str(int(trimmable))}  # fmt: skip
     if prompt_tokens is not None and 0 < prompt_tokens < len(tokens):
         metadata["prompt_tokens"] = str(prompt_tokens)
     return Prepared(tokens, tensors, metadata, sum(t.data.nbytes for t in tensors), serves)

@@ -324,3 +324,16 @@ def test_what_an_entry_serves_is_read_from_its_metadata(case):
     older = {k: v for k, v in meta.items() if k != "trimmable"}
     assert declared.serving(older).trimmable == (case in ("kv", "quantized"))
     assert trimmable or not declared.serving(older).trimmable
+
+
+def test_an_entrys_metadata_is_as_long_whenever_it_is_written(monkeypatch):
+    """The same KV makes a file of the same size at any time: ``created`` was ``repr(time.time())``,
+    whose length varies with the clock (1765015037.5 against 1765015037.123456), so the same
+    entry written twice differed by a header's padding (an 8-byte flake of test_shapes)."""
+    lengths = set()
+    for now in (1765015037.5, 1765015037.123456, 1765015037.1234567):
+        monkeypatch.setattr(codec.time, "time", lambda now=now: now)
+        meta = codec.prepare(np.arange(10, dtype=np.int32), [kv_cache(10)], None, "fp").metadata
+        assert float(meta["created"]) == pytest.approx(now, abs=1e-6)
+        lengths.add(len(meta["created"]))
+    assert len(lengths) == 1
