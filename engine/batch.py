@@ -108,6 +108,10 @@ class BatchLoop:
                 break
             budget -= self.prefill.advance(seq, budget, hold)
         self.prefill.join_ready()
+        if not self.active:  # idle: what the requests' restores observed is settled at no one's cost
+            settle = getattr(self.engine, "settle_costs", None)
+            if settle is not None:
+                settle()
 
     def _hold(self) -> Hold:
         """Whose prefill waits for first texts: requests with a token but no text yet, and

@@ -123,6 +123,17 @@ class Engine:
         except Exception:
             log.exception("restore costs not learned from this prefill")
 
+    def settle_costs(self) -> None:
+        """The batch went idle: fit and save what the restore costs observed since the last
+        :meth:`prefill_done` (a request cancelled or failed after its restore and before its
+        first token settles nothing; its load would stay unfitted on /metrics and unsaved)."""
+        if self.restorer is None:
+            return
+        try:
+            self.restorer.costs.settle()
+        except Exception:
+            log.exception("restore costs not settled")
+
     def logits(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, HitInfo]:
         """Next-token logits after ``prompt_ids`` through the cache (stores the entry)."""
         lease = self.cache.fetch(prompt_ids)

@@ -16,6 +16,7 @@ from tests.fixtures import Steps
 from tests.serving import serve
 from tiered_kv import drain
 from tiered_kv.config import Config
+from tiered_kv.restore.costs import CostBook
 
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex jolly boxers".split()
 MESSAGES = [{"role": "user", "content": " ".join(WORDS[i * 7 % len(WORDS)] for i in range(120))}]
@@ -173,3 +174,23 @@ def test_the_engines_computed_prefix_is_whole_steps(tiny_model_dir, tmp_path):
     caches = drain(engine.compute_prefix(list(range(3, 35))))
     assert engine.model.lengths == [16, 16] and caches[0].offset == 32
     engine.cache.close()
+
+
+def test_a_restore_whose_request_never_reached_its_first_token_is_settled(tiny_model_dir, tmp_path):
+    """The restore costs are fitted and saved at settle(), after a request's first token. A
+    request cancelled after its disk load and before that token left the load observed but not
+    fitted: /metrics said ``learned_load_*_gb_s 0`` and the file lacked it until another request
+    came (or the shutdown). The loop settles them when it goes idle."""
+    cfg = config(tmp_path, restore="load")
+    run_once(tiny_model_dir, cfg)  # learns prefill; close spills the entry
+    engine = Engine(tiny_model_dir, cfg)
+    prompt = engine.encode_chat(MESSAGES)
+    hits: list = []
+    out = list(engine.generate(prompt + [5] * 300, SamplingParams(max_tokens=4),
+                               should_stop=lambda: bool(hits), on_hit=hits.append))  # fmt: skip
+    assert hits and hits[0].tier == "cold" and out[-1].finish_reason == "cancelled", (hits, out)
+    assert engine.restorer.costs.obs["load"]  # the load was observed ...
+    stats = engine.cache.stats()  # ... and is fitted, for /metrics and the file
+    assert stats["learned_load_cold_gb_s"] + stats["learned_load_warm_gb_s"] > 0
+    assert CostBook(engine.restorer.costs.path, engine.fingerprint).obs["load"]
+    engine.close()

@@ -14,9 +14,10 @@ and fits them (non-negative least squares on relative error) into the pure
 :class:`~tiered_kv.restore.plan.Learned` that :func:`~tiered_kv.restore.plan.plan` reads.
 
 An observation is only kept when made: the fit runs when :attr:`CostBook.learned` is next read, or
-at :meth:`CostBook.settle`, which the engine calls after a request's first token. A restore's own
-observations (its load; a `both`'s head, range read and join) are made before that token, and
-each refit and the first write of the file after a restart had run inside its TTFT.
+at :meth:`CostBook.settle`, which the engine calls after a request's first token and when its
+batch goes idle (a request cancelled before that token), and the calibration at its end. A
+restore's own observations (its load; a `both`'s head, range read and join) are made before that
+token, and each refit and the first write of the file after a restart had run inside its TTFT.
 
 Persistence: one JSON file per (model fingerprint, machine) in the cold tier's directory, written
 atomically (temp + ``os.replace``) by :meth:`CostBook.settle`, at most every ``save_every`` seconds,

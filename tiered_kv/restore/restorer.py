@@ -351,8 +351,9 @@ def calibrate(compute: Compute, costs: CostBook, budget_s: float = 2.0) -> int:
     """A short prefill calibration when nothing is known: a warm-up, then prompts of growing
     length until ``budget_s`` is spent, each run twice and the faster one recorded (a length's
     first run may compile kernels: on CUDA 256 tokens took 0.47 s once and 0.11 s after, and the
-    slow one made every long prefill predicted ~1.7x too slow). Returns the prefills recorded.
-    Engine thread."""
+    slow one made every long prefill predicted ~1.7x too slow). Fitted and saved at its end (it
+    runs at start, before any request settles the book). Returns the prefills recorded. Engine
+    thread."""
     drain(compute([1] * 8, None))  # warm-up: first-call overheads are not the machine's speed
     done, t_all = 0, time.perf_counter()
     for k in (64, 256, 1024, 4096):
@@ -367,6 +368,7 @@ def calibrate(compute: Compute, costs: CostBook, budget_s: float = 2.0) -> int:
         done += 1
         if time.perf_counter() - t_all + 8 * dt > budget_s:
             break  # the next one is 4x longer, run twice
+    costs.settle()  # no request's first token settles these: fitted (for /metrics) and saved now
     return done
 
 

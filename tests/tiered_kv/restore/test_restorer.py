@@ -628,6 +628,20 @@ def test_calibration_records_each_length_after_its_first_run():
     assert all(s < 0.1 for _, _, s in costs.obs["prefill"])
 
 
+def test_a_calibration_is_fitted_and_saved_when_it_ends(plain, tmp_path):
+    """The calibration at start observes prefills that no request's first token settles: it
+    settles them itself. Kept unfitted, /metrics said ``learned_prefill_tok_s 0`` and the cost
+    file was not written until the first request's first token (a restart that served none
+    calibrated again)."""
+    from tiered_kv.restore.restorer import calibrate
+
+    path = CostBook.file_for(tmp_path)
+    costs = CostBook(path, "fp")
+    assert calibrate(compute_with(plain.model), costs, budget_s=0.5) > 0
+    assert costs.stats()["prefill_tok_s"] > 0 and path.exists()
+    assert CostBook(path, "fp").learned == costs.learned
+
+
 def test_a_both_records_its_head_against_the_prefill_alone(plain):
     """Each `both` tells how its head, computed beside the read, compared with the same prefill
     alone as the costs predict it: the head factor ``plan.split`` prices heads with. Before any
