@@ -12,7 +12,8 @@ run per layer); the join copies the computed ``[0, m)`` into them in place and s
 ``swapaxes`` view, ``(1, heads, n, ...)``: the read tail is copied once, kernel to final array.
 On CUDA the landing holds only the tail, which the I/O thread's readers stage in pinned memory and
 the GPU copies into it (:mod:`tiered_kv.cold.gpu`), and the join concatenates on the GPU. The
-CostBook it feeds is saved at most every few seconds and at :meth:`close`.
+CostBook it feeds is fitted and saved when settled (after a request's first token, when the batch
+goes idle, after the calibration; saves at most every few seconds) and at :meth:`close`.
 """
 
 from __future__ import annotations
