@@ -98,10 +98,12 @@ _HOLDS = {"pythonic": _pythonic_calls}
 class CallParser:
     """One request's reading of call blocks with ``parse`` (the format's parser, named
     ``parser_name``): a block's text → OpenAI calls naming the request's ``tools``, or None (the
-    block is the text it is). Holds no state between blocks; the caller keeps the ids taken."""
+    block is the text it is). Holds no state between blocks; the caller keeps the ids taken.
+    ``id_prefix``: what the ids it makes begin with, the API's own (:func:`new_call_id`)."""
 
-    def __init__(self, parse: Parser, parser_name: str, tools: Any = None) -> None:
+    def __init__(self, parse: Parser, parser_name: str, tools: Any = None, id_prefix: str = "call_") -> None:
         self.parse, self.parser_name, self.tools = parse, parser_name, tools
+        self.id_prefix = id_prefix
         self.names = tool_names(tools)
 
     def calls_of(self, text: str) -> list[tuple[int, int, list[dict[str, Any]] | None]]:
@@ -118,7 +120,7 @@ class CallParser:
         """An id none of ``taken`` (the conversation's call ids) is, in the format's own form where
         it has one (Kimi's ``functions.NAME:N``, which its template writes back to the model)."""
         if self.parser_name != "kimi_k2":
-            return new_call_id(self.parser_name)
+            return new_call_id(self.parser_name, self.id_prefix)
         n = 0
         while f"functions.{name}:{n}" in taken:
             n += 1
@@ -146,23 +148,25 @@ class CallParser:
                 # lenient parsers (GLM's) make a call of any text in a block: "unknown", "I"
                 log.info("model output names %r, none of the request's tools", item["name"])
                 return None
-            call = _openai_call(item, self.parser_name)
+            call = _openai_call(item, self.parser_name, self.id_prefix)
             if call is None:
                 return None
             calls.append(call)
         return calls or None
 
 
-def new_call_id(parser_name: str) -> str:
-    """A fresh call id. Mistral templates refuse history whose ids are not 9 alphanumerics."""
+def new_call_id(parser_name: str, prefix: str = "call_") -> str:
+    """A fresh call id: ``prefix`` (the API's: OpenAI's ``call_``, Anthropic's ``toolu_``) and 24
+    hex digits. Mistral templates refuse history whose ids are not 9 alphanumerics: theirs are."""
     if parser_name == "mistral":
         return uuid.uuid4().hex[:9]
-    return "call_" + uuid.uuid4().hex[:24]
+    return prefix + uuid.uuid4().hex[:24]
 
 
-def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any] | None:
+def _openai_call(parsed: dict[str, Any], parser_name: str, id_prefix: str = "call_") -> dict[str, Any] | None:
     """A parsed call as OpenAI's, its arguments a JSON object's text (``arguments``, or
-    ``parameters`` as some models write it); None where they are no object."""
+    ``parameters`` as some models write it); None where they are no object. An id the model wrote
+    (Kimi's, Mistral's) is kept as it is: the template renders it back where the model wrote it."""
     args = parsed.get("arguments", parsed.get("parameters"))
     if args is None:
         args = {}
@@ -178,7 +182,7 @@ def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any] | N
         return None
     cid = parsed.get("id")
     return {
-        "id": cid if isinstance(cid, str) and cid else new_call_id(parser_name),
+        "id": cid if isinstance(cid, str) and cid else new_call_id(parser_name, id_prefix),
         "type": "function",
         "function": {"name": parsed["name"], "arguments": args},
     }

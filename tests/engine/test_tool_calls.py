@@ -13,10 +13,13 @@ from tests.engine.parsing import USER, fmt_and_prompt, in_pieces, named_calls, r
 from tests.serving import TOOLS
 
 
-def test_mistral_call_ids_fit_its_template(family_dirs):
-    """Mistral Small 3.2's template raises on history whose call ids are not 9 alphanumerics."""
+@pytest.mark.parametrize("prefix", ["call_", "toolu_"])
+def test_mistral_call_ids_fit_its_template(family_dirs, prefix):
+    """Mistral Small 3.2's template raises on history whose call ids are not 9 alphanumerics: so
+    are its ids whatever the API's prefix (Anthropic's ``toolu_`` too)."""
     fmt, _ = fmt_and_prompt(family_dirs, "mistral-small-3.2")
-    got, _ = run_output(ChatOutput(fmt, TOOLS), ['[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'])
+    out = ChatOutput(fmt, TOOLS, call_id_prefix=prefix)
+    got, _ = run_output(out, ['[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'])
     cid = got.tool_calls[0]["id"]
     assert len(cid) == 9 and cid.isalnum()
     tok = load_tokenizer(family_dirs["mistral-small-3.2"])
