@@ -3,7 +3,8 @@
 Pure functions and one small per-request reader, no state machine (``engine/output.py`` finds the
 blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are the two it has
 none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
-:mod:`engine.chat`), and Llama 3.x's bare JSON calls. Whoever parsed a block, :class:`CallParser`
+:mod:`engine.chat`), and Llama 3.x's bare JSON calls; and one around mlx-lm's Mistral parser, for
+calls written with their ids (``name[CALL_ID]id[ARGS]{…}``). Whoever parsed a block, :class:`CallParser`
 keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
 call of a multi-call block alone where the format marks each call (else a block with a call that is
 none is text, as vLLM reads it), and gives every call an id the conversation does not hold yet.
@@ -18,6 +19,8 @@ import re
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+from mlx_lm.tool_parsers import mistral
 
 log = logging.getLogger(__name__)
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -63,6 +66,31 @@ def parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
     if not calls:
         raise ValueError("no call")
     return calls
+
+
+# Mistral Small 3.x's header of a call with its id, as its template writes calls back (and its
+# model so writes them): ``name[CALL_ID]id[ARGS]{…}``
+_MISTRAL_CALL_ID = re.compile(r"([\w-]+)\s*\[CALL_ID\]\s*(\w+)\s*(?=\[ARGS\])")
+
+
+def parse_mistral(text: str, tools: Any = None) -> Any:
+    """mlx-lm's Mistral calls, and those written ``name[CALL_ID]id[ARGS]{…}``, each with the id the
+    model wrote: mlx-lm's parser reads such a header as a call of a function named by the id (a
+    block shown as text). The id is kept, as the template renders it back where the model wrote it."""
+    ids = [m.group(2) for m in _MISTRAL_CALL_ID.finditer(text)]
+    if not ids:
+        return mistral.parse_tool_call(text, tools)
+    parsed = mistral.parse_tool_call(_MISTRAL_CALL_ID.sub(r"\1", text), tools)
+    items = parsed if isinstance(parsed, list) else [parsed]
+    if len(items) != len(ids):
+        raise ValueError(f"{len(ids)} call ids for {len(items)} calls")
+    for item, cid in zip(items, ids, strict=True):
+        item["id"] = cid
+    return parsed
+
+
+#: parsers of ours in place of mlx-lm's, by its parser module's name
+OWN_PARSERS: dict[str, Parser] = {"mistral": parse_mistral}
 
 
 # Formats whose call block holds several calls, each in markers of its own (Kimi's section of
