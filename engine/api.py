@@ -73,6 +73,13 @@ class RequestBody(BaseModel):
         validating any of them. 0: a body without turns to count."""
         return 0
 
+    @classmethod
+    def entries(cls, field: str, value: list[Any] | dict[str, Any]) -> int:
+        """How many entries ``value`` (this model's JSON ``field``, not yet validated) counts
+        against ``sizes`` (:func:`check_sizes`): its length, unless its entries hold more that the
+        request makes entries of its own (a Responses ``namespace``'s tools)."""
+        return len(value)
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_not_given(cls, data: Any) -> Any:
@@ -423,14 +430,19 @@ def check_turns(
 
 def check_sizes(data: dict[str, Any], model: type[RequestBody]) -> None:
     """A 400 naming the field, as OpenAI's, for a top-level array or object of more entries than
-    ``model.sizes`` allows it: counted before anything walks or validates them."""
+    ``model.sizes`` allows it (entries as ``model.entries`` counts them): counted before anything
+    walks or validates them."""
     for field, most in model.sizes.items():
         v = data.get(field)
-        if isinstance(v, (list, dict)) and len(v) > most:
+        if not isinstance(v, (list, dict)):
+            continue
+        n = model.entries(field, v)
+        if n > most:
             what, code = ("array", "array_above_max_length") if isinstance(v, list) else (
                 "object", "invalid_value")  # fmt: skip
+            listed = f" ({len(v)} listed, {n} in all)" if n != len(v) else ""
             raise ApiError(400, f"Invalid '{field}': {what} too long. Expected an {what} with "
-                           f"at most {most} entries, but got {len(v)} instead.", param=field,
+                           f"at most {most} entries, but got {n} instead{listed}.", param=field,
                            code=code)  # fmt: skip
 
 

@@ -35,6 +35,10 @@ from engine.openai_bodies import new_id
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
 _UNSUPPORTED = ("image", "document", "search_result", "container_upload")
 BLOCK = {"reasoning": "thinking", "content": "text", "tool": "tool_use"}  # items.Items channel → block
+#: what the ids the server makes for ``tool_use`` blocks begin with: Anthropic's (``toolu_…``), not
+#: OpenAI's ``call_``; an id the model wrote itself (Kimi's ``functions.NAME:N``) and the 9
+#: alphanumerics Mistral's templates require stay as they are, since the template renders them back
+CALL_ID_PREFIX = "toolu_"
 
 
 class CountTokensRequest(api.RequestBody):

@@ -121,11 +121,13 @@ class ChatOutput:
         parallel_tool_calls: bool = True,
         start_in_reasoning: bool = False,
         taken_ids: set[str] | None = None,
+        call_id_prefix: str = "call_",
     ) -> None:
-        """``taken_ids``: call ids the conversation already holds (never given to a new call)."""
+        """``taken_ids``: call ids the conversation already holds (never given to a new call);
+        ``call_id_prefix``: what the ids made for calls begin with (the API's own)."""
         self.fmt, self.tools, self.parallel = fmt, tools, parallel_tool_calls
         self.ids = set(taken_ids or ())
-        self._calls = CallParser(fmt.parse, fmt.parser_name, tools)
+        self._calls = CallParser(fmt.parse, fmt.parser_name, tools, call_id_prefix)
         edges = fmt.edges(parse_tools)
         self._sm = TextStateMachine(edges).make_state(REASONING if start_in_reasoning else NORMAL)
         self._marker = {(src, dst): m for src, out in edges.items() for m, dst in out}

@@ -17,7 +17,14 @@ from typing import Any
 from mlx_lm.generate import TextStateMachine
 
 from engine import chat
-from engine.tool_calls import HERMES_END, HERMES_START, Parser, parse_hermes, parse_json_calls
+from engine.tool_calls import (
+    HERMES_END,
+    HERMES_START,
+    OWN_PARSERS,
+    Parser,
+    parse_hermes,
+    parse_json_calls,
+)
 
 NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
 THINK_TOOL = "think_tool"  # a call block opened inside a think block: it closes back into reasoning
@@ -54,7 +61,8 @@ class OutputFormat:
         if parser is None or not getattr(tokenizer, "tool_call_start", None):
             return cls(think)
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
-        return cls(think, tool, parser, parser.__module__.rsplit(".", 1)[-1])
+        name = parser.__module__.rsplit(".", 1)[-1]
+        return cls(think, tool, OWN_PARSERS.get(name, parser), name)
 
     def opens_reasoning(self, prompt_text: str, continued: str = "") -> bool:
         """Whether the model starts inside a think block: the generation prompt opens one (the

@@ -232,10 +232,12 @@ def chat_prompt(
     model: str,
     check_chars: CheckChars,
     template_defaults: dict[str, Any] | None = None,
+    call_id_prefix: str = "call_",
 ) -> tuple[list[int], ChatOutput]:
     """The chat template's prompt (plus a forced tool call's opener) as ids, and its Output (the
     output formats come from the model's tokenizer). ``template_defaults``: the server's extra
-    template variables (a request's own override them)."""
+    template variables (a request's own override them); ``call_id_prefix``: what the ids made for
+    the output's calls begin with (the API's own: ``messages.CALL_ID_PREFIX`` for Anthropic's)."""
     req.check_tool_choice()
     tools = req.tool_dicts()
     fmt = OutputFormat.of(tokenizer)
@@ -250,7 +252,7 @@ def chat_prompt(
     continued = chat.content_text(req.messages[-1].content) if req.continue_final_message else ""
     reasoning = fmt.opens_reasoning(text, continued) and not prefix
     ids = {str(c["id"]) for c in history if c.get("id")}
-    parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning, ids)
+    parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning, ids, call_id_prefix)
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")
     texts = TokenBytes(tokenizer, not continues(req)) if req.logprob_count() >= 0 else None

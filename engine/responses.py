@@ -63,6 +63,22 @@ class ResponsesRequest(api.RequestBody):
         return sum(isinstance(x, dict) and x.get("type", "message") in _TOKENS
                    for x in api.listed(data, "input"))  # fmt: skip
 
+    @classmethod
+    def entries(cls, field: str, value: list[Any] | dict[str, Any]) -> int:
+        """``tools`` counts as :func:`_tools` flattens them: a namespace its tools (each a chat
+        tool), any other tool one. A namespace counted as one entry let a request past
+        ``api.MAX_TOOLS`` have its tools walked and flattened before the chat request refused them."""
+        if field != "tools" or not isinstance(value, list):
+            return super().entries(field, value)
+        n, lists = 0, [value]
+        while lists:
+            for t in lists.pop():
+                if isinstance(t, dict) and t.get("type") == "namespace":
+                    lists.append(_listed(t.get("tools")))
+                else:
+                    n += 1
+        return n
+
 
 class ResponsesChat(ChatRequest):
     """The chat request a Responses body asks for, with the Codex tool namespace of each function
@@ -154,17 +170,20 @@ def namespaces(tools: list[dict[str, Any]] | None) -> dict[str, str]:
     return out
 
 
-def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Function tools (a namespace's flattened) in chat form; hosted tools dropped."""
+def _tools(tools: list[Any], where: str = "tools") -> list[dict[str, Any]]:
+    """Function tools (a namespace's flattened) in chat form; hosted tools dropped. ``where``: the
+    path of ``tools`` in the body (a namespace's tool is named by its own: ``tools.3.tools.0``)."""
     out = []
     for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            continue
         if t.get("type") == "namespace":
-            out += _tools([x for x in _listed(t.get("tools")) if isinstance(x, dict)])
+            out += _tools(_listed(t.get("tools")), f"{where}.{i}.tools")
         elif t.get("type") == "function":
             if not isinstance(t.get("name"), str):
-                raise invalid('a function tool needs a "name"', f"tools.{i}")
+                raise invalid('a function tool needs a "name"', f"{where}.{i}")
             if not isinstance(t.get("parameters") or {}, dict):  # else named by its chat form's path
-                raise invalid("a function tool's parameters are a JSON Schema object", f"tools.{i}.parameters")
+                raise invalid("a function tool's parameters are a JSON Schema object", f"{where}.{i}.parameters")
             out.append(api.function_tool(t["name"], t.get("parameters"), t.get("description")))
     return out
 

@@ -173,11 +173,11 @@ class Server:
         await hangup(request)
         job.stop()
 
-    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], respond.ChatOutput]:
+    def _chat_prompt(self, req: ChatRequest, call_id_prefix: str = "call_") -> tuple[list[int], respond.ChatOutput]:
         self._check_chars(req.content_chars(), req.prompt_param)
         return respond.chat_prompt(
             self.engine.tokenizer, self.engine.encode_text, req, self.model_id,
-            self._check_chars, self.template_defaults,
+            self._check_chars, self.template_defaults, call_id_prefix,
         )  # fmt: skip
 
     async def chat_completions(self, request: Request) -> Response:
@@ -188,7 +188,7 @@ class Server:
         """Anthropic's Messages API over the chat path (``engine/messages.py``)."""
 
         def prepare(req: ChatRequest) -> tuple[list[int], messages.MessagesOutput]:
-            ids, chat_out = self._chat_prompt(req)
+            ids, chat_out = self._chat_prompt(req, messages.CALL_ID_PREFIX)
             return ids, messages.MessagesOutput(self.model_id, chat_out.parser, len(ids))
 
         return await self._serve(request, "messages", messages.parse, prepare, anthropic=True)

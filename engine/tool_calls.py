@@ -3,7 +3,8 @@
 Pure functions and one small per-request reader, no state machine (``engine/output.py`` finds the
 blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are the two it has
 none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
-:mod:`engine.chat`), and Llama 3.x's bare JSON calls. Whoever parsed a block, :class:`CallParser`
+:mod:`engine.chat`), and Llama 3.x's bare JSON calls; and one around mlx-lm's Mistral parser, for
+calls written with their ids (``name[CALL_ID]id[ARGS]{…}``). Whoever parsed a block, :class:`CallParser`
 keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
 call of a multi-call block alone where the format marks each call (else a block with a call that is
 none is text, as vLLM reads it), and gives every call an id the conversation does not hold yet.
@@ -18,6 +19,8 @@ import re
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+from mlx_lm.tool_parsers import mistral
 
 log = logging.getLogger(__name__)
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -65,6 +68,31 @@ def parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
     return calls
 
 
+# Mistral Small 3.x's header of a call with its id, as its template writes calls back (and its
+# model so writes them): ``name[CALL_ID]id[ARGS]{…}``
+_MISTRAL_CALL_ID = re.compile(r"([\w-]+)\s*\[CALL_ID\]\s*(\w+)\s*(?=\[ARGS\])")
+
+
+def parse_mistral(text: str, tools: Any = None) -> Any:
+    """mlx-lm's Mistral calls, and those written ``name[CALL_ID]id[ARGS]{…}``, each with the id the
+    model wrote: mlx-lm's parser reads such a header as a call of a function named by the id (a
+    block shown as text). The id is kept, as the template renders it back where the model wrote it."""
+    ids = [m.group(2) for m in _MISTRAL_CALL_ID.finditer(text)]
+    if not ids:
+        return mistral.parse_tool_call(text, tools)
+    parsed = mistral.parse_tool_call(_MISTRAL_CALL_ID.sub(r"\1", text), tools)
+    items = parsed if isinstance(parsed, list) else [parsed]
+    if len(items) != len(ids):
+        raise ValueError(f"{len(ids)} call ids for {len(items)} calls")
+    for item, cid in zip(items, ids, strict=True):
+        item["id"] = cid
+    return parsed
+
+
+#: parsers of ours in place of mlx-lm's, by its parser module's name
+OWN_PARSERS: dict[str, Parser] = {"mistral": parse_mistral}
+
+
 # Formats whose call block holds several calls, each in markers of its own (Kimi's section of
 # ``<|tool_call_begin|>…<|tool_call_end|>``, MiniMax's ``<invoke …>…</invoke>``): the one call text
 # each parser reads alone.
@@ -98,10 +126,12 @@ _HOLDS = {"pythonic": _pythonic_calls}
 class CallParser:
     """One request's reading of call blocks with ``parse`` (the format's parser, named
     ``parser_name``): a block's text → OpenAI calls naming the request's ``tools``, or None (the
-    block is the text it is). Holds no state between blocks; the caller keeps the ids taken."""
+    block is the text it is). Holds no state between blocks; the caller keeps the ids taken.
+    ``id_prefix``: what the ids it makes begin with, the API's own (:func:`new_call_id`)."""
 
-    def __init__(self, parse: Parser, parser_name: str, tools: Any = None) -> None:
+    def __init__(self, parse: Parser, parser_name: str, tools: Any = None, id_prefix: str = "call_") -> None:
         self.parse, self.parser_name, self.tools = parse, parser_name, tools
+        self.id_prefix = id_prefix
         self.names = tool_names(tools)
 
     def calls_of(self, text: str) -> list[tuple[int, int, list[dict[str, Any]] | None]]:
@@ -118,7 +148,7 @@ class CallParser:
         """An id none of ``taken`` (the conversation's call ids) is, in the format's own form where
         it has one (Kimi's ``functions.NAME:N``, which its template writes back to the model)."""
         if self.parser_name != "kimi_k2":
-            return new_call_id(self.parser_name)
+            return new_call_id(self.parser_name, self.id_prefix)
         n = 0
         while f"functions.{name}:{n}" in taken:
             n += 1
@@ -146,23 +176,25 @@ class CallParser:
                 # lenient parsers (GLM's) make a call of any text in a block: "unknown", "I"
                 log.info("model output names %r, none of the request's tools", item["name"])
                 return None
-            call = _openai_call(item, self.parser_name)
+            call = _openai_call(item, self.parser_name, self.id_prefix)
             if call is None:
                 return None
             calls.append(call)
         return calls or None
 
 
-def new_call_id(parser_name: str) -> str:
-    """A fresh call id. Mistral templates refuse history whose ids are not 9 alphanumerics."""
+def new_call_id(parser_name: str, prefix: str = "call_") -> str:
+    """A fresh call id: ``prefix`` (the API's: OpenAI's ``call_``, Anthropic's ``toolu_``) and 24
+    hex digits. Mistral templates refuse history whose ids are not 9 alphanumerics: theirs are."""
     if parser_name == "mistral":
         return uuid.uuid4().hex[:9]
-    return "call_" + uuid.uuid4().hex[:24]
+    return prefix + uuid.uuid4().hex[:24]
 
 
-def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any] | None:
+def _openai_call(parsed: dict[str, Any], parser_name: str, id_prefix: str = "call_") -> dict[str, Any] | None:
     """A parsed call as OpenAI's, its arguments a JSON object's text (``arguments``, or
-    ``parameters`` as some models write it); None where they are no object."""
+    ``parameters`` as some models write it); None where they are no object. An id the model wrote
+    (Kimi's, Mistral's) is kept as it is: the template renders it back where the model wrote it."""
     args = parsed.get("arguments", parsed.get("parameters"))
     if args is None:
         args = {}
@@ -178,7 +210,7 @@ def _openai_call(parsed: dict[str, Any], parser_name: str) -> dict[str, Any] | N
         return None
     cid = parsed.get("id")
     return {
-        "id": cid if isinstance(cid, str) and cid else new_call_id(parser_name),
+        "id": cid if isinstance(cid, str) and cid else new_call_id(parser_name, id_prefix),
         "type": "function",
         "function": {"name": parsed["name"], "arguments": args},
     }

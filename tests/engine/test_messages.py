@@ -10,6 +10,7 @@ import json
 
 import anthropic
 import httpx
+import pydantic
 import pytest
 
 from engine import messages, output
@@ -385,3 +386,119 @@ def test_a_call_block_cut_by_a_stop_string_is_text():
     assert [b["type"] for b in out.body()["content"]] == ["text"]
     assert out.body()["content"][0]["text"].endswith(half)
     assert out.body()["stop_reason"] == "stop_sequence"
+
+
+def test_tool_use_ids_are_anthropics_and_round_trip_while_chat_calls_keep_openais(tiny_model_dir, tmp_path):
+    """A tool_use block's id is Anthropic's ``toolu_…``, streamed and not (it was OpenAI's
+    ``call_…``); the chat API's calls keep ``call_``; a tool_result naming the id is the next turn,
+    whose prompt holds the result after the call and hits the cache."""
+    call = TOOL_TEXT.split("<tool_call>")[1].split("</tool_call>")[0]
+    scripts = [["<tool_call>", call, "</tool_call>"] for _ in range(3)] + [["It is ", "sunny."]]
+    config = hot_config(tmp_path)
+    engine = None
+
+    def make():
+        nonlocal engine
+        engine = ScriptedTurns(Engine(tiny_model_dir, config), scripts)
+        return engine
+
+    with serve(make, config) as live:
+        c = anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0)
+        whole = c.messages.create(model="t", max_tokens=64, messages=USER, tools=TOOLS)
+        with c.messages.stream(model="t", max_tokens=64, messages=USER, tools=TOOLS) as s:
+            starts = [e.content_block for e in s if e.type == "content_block_start"]
+            streamed = s.get_final_message()
+        chat = live.client.chat.completions.create(
+            model="t", messages=USER, tools=[{"type": "function", "function": {
+                "name": "get_weather", "parameters": dict(TOOLS[0]["input_schema"])}}])  # fmt: skip
+        uses = [whole.content[0], streamed.content[0], starts[0]]
+        assert all(u.type == "tool_use" and u.id.startswith("toolu_") for u in uses), uses
+        assert starts[0].id == streamed.content[0].id and whole.content[0].id != streamed.content[0].id
+        assert chat.choices[0].message.tool_calls[0].id.startswith("call_")
+        use = whole.content[0]
+        history: list = [*USER, {"role": "assistant", "content": whole.content},
+                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                         "content": "sunny, 21C"}]}]  # fmt: skip
+        again = c.messages.create(model="t", max_tokens=64, messages=history, tools=TOOLS)
+    assert again.content[0].text == "It is sunny." and again.stop_reason == "end_turn"
+    assert (again.usage.cache_read_input_tokens or 0) >= whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+    assert engine is not None and engine.prompts[-1].index('"get_weather"') < engine.prompts[-1].index("sunny, 21C")
+
+
+def test_an_id_the_model_wrote_is_kept_and_rendered_back(family_dirs, tmp_path):
+    """Kimi writes its own ids (``functions.NAME:N``) and its template renders them back where the
+    model wrote them: the Messages API keeps them (a ``toolu_`` id in their place would differ from
+    the cached tokens of the call), and the next turn renders the id the tool_result names."""
+    call = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')  # fmt: skip
+    config = hot_config(tmp_path)
+    engine = None
+
+    def make():
+        nonlocal engine
+        engine = ScriptedTurns(Engine(family_dirs["kimi-k2"], config), [[call], ["It is sunny."]])
+        return engine
+
+    with serve(make, config) as live:
+        c = anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0)
+        first = c.messages.create(model="t", max_tokens=64, messages=USER, tools=TOOLS)
+        use = first.content[0]
+        assert use.type == "tool_use" and use.id == "functions.get_weather:0", first.content
+        history: list = [*USER, {"role": "assistant", "content": first.content},
+                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                         "content": "sunny, 21C"}]}]  # fmt: skip
+        again = c.messages.create(model="t", max_tokens=64, messages=history, tools=TOOLS)
+    assert again.content[0].text == "It is sunny."
+    assert (again.usage.cache_read_input_tokens or 0) >= first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    assert engine is not None and call.split("<|tool_call_argument_begin|>")[0] in engine.prompts[-1]
+
+
+def _raw_events(text: str) -> list[tuple[str | None, dict]]:
+    """An SSE body's named events: (the ``event:`` name, the data's object)."""
+    out, name = [], None
+    for line in text.splitlines():
+        if line.startswith("event:"):
+            name = line.removeprefix("event:").strip()
+        elif line.startswith("data:"):
+            out.append((name, json.loads(line.removeprefix("data:"))))
+            name = None
+    return out
+
+
+def test_bodies_and_events_are_the_sdks_types(family_dirs, tmp_path):
+    """The raw body and every raw event parse as the ``anthropic`` SDK's own models, with no field
+    beyond them but the usage's ``cache_tier``; each event is named by its type; the events go
+    message_start, blocks (start, deltas, stop, indexed in order), message_delta, message_stop."""
+    script = ["<think>\nParis, so ", "the weather tool.\n</think>\n\nLet me look.", "\n<tool_call>\n",
+              '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']  # fmt: skip
+    config = hot_config(tmp_path)
+    body = {"model": "t", "max_tokens": 64, "messages": USER, "tools": TOOLS}
+    with serve(lambda: Scripted(Engine(family_dirs["qwen3"], config), script), config) as live:
+        whole = httpx.post(live.url + "/v1/messages", json=body).json()
+        streamed = httpx.post(live.url + "/v1/messages", json={**body, "stream": True}).text
+    msg = anthropic.types.Message.model_validate(whole)
+    assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"] and msg.stop_reason == "tool_use"
+    assert _extra(msg) == {"usage": {"cache_tier": "none"}}
+    events = _raw_events(streamed)
+    assert all(name == data["type"] for name, data in events), events
+    parse = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent).validate_python
+    typed = [parse(data) for _, data in events]
+    assert all(set(_extra(e)) <= {"message", "usage"} for e in typed), [_extra(e) for e in typed]
+    kinds = [e.type for e in typed]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    blocks = [e for e in typed[1:-2] if e.type != "content_block_delta"]
+    assert [(e.type, e.index) for e in blocks] == [(t, i) for i in range(3)
+                                                  for t in ("content_block_start", "content_block_stop")]
+    assert [e.content_block.type for e in blocks[::2]] == ["thinking", "text", "tool_use"]
+    assert typed[-2].delta.stop_reason == "tool_use" and typed[-2].usage.output_tokens == msg.usage.output_tokens
+
+
+def _extra(m: pydantic.BaseModel) -> dict:
+    """The fields of ``m`` and of the models in it that its type does not have, by where they are."""
+    out: dict = dict(m.model_extra or {})
+    for name in type(m).model_fields:
+        value = getattr(m, name)
+        for i, v in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(v, pydantic.BaseModel) and (inner := _extra(v)):
+                out[name if not isinstance(value, list) else f"{name}.{i}"] = inner
+    return out

@@ -19,7 +19,7 @@ from openai.types.responses import (
     ResponseStreamEvent,
 )
 
-from engine import output, responses
+from engine import api, output, responses
 from engine.errors import ApiError
 from engine.events import Chunk, Usage
 from engine.generate import Engine
@@ -128,6 +128,27 @@ def test_the_turn_bound_counts_the_input_items_that_render_a_token():
             responses.parse(json.dumps({"input": items}).encode(), context_length=8)
         assert e.value.code == "context_length_exceeded" and e.value.param == "input"
         assert "9 messages" in e.value.message
+
+
+def test_the_tool_bound_counts_a_namespaces_tools_before_they_are_walked():
+    """``api.MAX_TOOLS`` counts each tool a namespace holds, as the chat request counts them once
+    flattened, before anything walks them: a namespace counted as one entry had its tools walked
+    and flattened (300k in a 12 MB body: 1.4 s, 0.1 s listed flat) before the chat request refused
+    them, so its malformed last tool, past the bound, was the error. As many in namespaces are
+    served; a namespace's malformed tool is named by its path (it was by its index in the namespace)."""
+    many = [{"type": "function", "name": f"f{i}"} for i in range(api.MAX_TOOLS)]
+    split = [{"type": "namespace", "name": "a", "tools": many[:200]}, {"type": "namespace", "name": "b",
+                                                                        "tools": many[200:]}]  # fmt: skip
+    assert len(responses.parse(json.dumps({"input": ASK, "tools": split}).encode()).tool_dicts()) == api.MAX_TOOLS
+    over = [{"type": "namespace", "name": "a", "tools": [*many, {"type": "function"}]}]
+    with pytest.raises(ApiError) as e:
+        responses.parse(json.dumps({"input": ASK, "tools": over}).encode())
+    assert (e.value.param, e.value.code) == ("tools", "array_above_max_length"), e.value.message
+    assert f"got {api.MAX_TOOLS + 1} instead" in e.value.message
+    bad = [FN, {"type": "namespace", "name": "a", "tools": [FN, {"type": "function"}]}]
+    with pytest.raises(ApiError) as e:
+        responses.parse(json.dumps({"input": ASK, "tools": bad}).encode())
+    assert e.value.param == "tools.1.tools.1"
 
 
 def test_a_namespace_whose_tools_are_no_list_holds_none():

@@ -13,10 +13,13 @@ from tests.engine.parsing import USER, fmt_and_prompt, in_pieces, named_calls, r
 from tests.serving import TOOLS
 
 
-def test_mistral_call_ids_fit_its_template(family_dirs):
-    """Mistral Small 3.2's template raises on history whose call ids are not 9 alphanumerics."""
+@pytest.mark.parametrize("prefix", ["call_", "toolu_"])
+def test_mistral_call_ids_fit_its_template(family_dirs, prefix):
+    """Mistral Small 3.2's template raises on history whose call ids are not 9 alphanumerics: so
+    are its ids whatever the API's prefix (Anthropic's ``toolu_`` too)."""
     fmt, _ = fmt_and_prompt(family_dirs, "mistral-small-3.2")
-    got, _ = run_output(ChatOutput(fmt, TOOLS), ['[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'])
+    out = ChatOutput(fmt, TOOLS, call_id_prefix=prefix)
+    got, _ = run_output(out, ['[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'])
     cid = got.tool_calls[0]["id"]
     assert len(cid) == 9 and cid.isalnum()
     tok = load_tokenizer(family_dirs["mistral-small-3.2"])
@@ -26,6 +29,26 @@ def test_mistral_call_ids_fit_its_template(family_dirs):
         {"role": "tool", "tool_call_id": cid, "content": "sunny"},
     ]
     tok.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_mistral_call_with_its_own_id_is_a_call_with_that_id(family_dirs):
+    """Mistral Small 3.2's template writes a call back as ``name[CALL_ID]id[ARGS]{…}``, and its
+    model writes calls so: mlx-lm's parser read the id as the function's name, and the block was
+    text. Each call keeps the id the model wrote (the template renders it back where it was)."""
+    fmt, _ = fmt_and_prompt(family_dirs, "mistral-small-3.2")
+    text = ('[TOOL_CALLS]get_weather[CALL_ID]abc123xyz[ARGS]{"city": "Oslo"}'
+            '[TOOL_CALLS]get_weather[CALL_ID]Q9w8e7r6t[ARGS]{"city": "Paris"}')  # fmt: skip
+    got, finish = run_output(ChatOutput(fmt, TOOLS, call_id_prefix="toolu_"), [text])
+    assert finish == "tool_calls" and got.content == ""
+    assert [c["id"] for c in got.tool_calls] == ["abc123xyz", "Q9w8e7r6t"]
+    assert named_calls(got) == [{"name": "get_weather", "arguments": {"city": c}} for c in ("Oslo", "Paris")]
+    tok = load_tokenizer(family_dirs["mistral-small-3.2"])
+    calls = [{"id": c["id"], "type": "function", "function": {"name": "get_weather", "arguments": a}}
+             for c, a in zip(got.tool_calls, ({"city": "Oslo"}, {"city": "Paris"}), strict=True)]  # fmt: skip
+    history = USER + [{"role": "assistant", "content": "", "tool_calls": calls}]
+    history += [{"role": "tool", "tool_call_id": c["id"], "content": "sunny"} for c in calls]
+    rendered = tok.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text in rendered  # what the model wrote, as the next turn's prompt holds it
 
 
 @pytest.mark.parametrize(
