@@ -444,3 +444,31 @@ def test_a_million_token_agent_conversation_is_within_max_json_values():
         return sum(1 + values(x) for x in inner)
 
     assert values(body) < api.MAX_JSON_VALUES / 4, values(body)
+
+
+def test_a_body_surely_past_max_json_values_is_refused_before_it_is_parsed(monkeypatch):
+    """16 MiB of ``[],`` took 1.0 s in json.loads (5.6M lists, the GIL held: every stream's decode
+    waited) before check_json refused it. More commas outside strings than MAX_JSON_VALUES is more
+    values for certain: the same 400, and json.loads never runs. Commas inside strings (escaped
+    quotes and backslashes among them) are not counted: such bodies parse as before."""
+    n = api.MAX_JSON_VALUES
+    lists = b'{"messages": [], "x": [' + b"[]," * (n + 10) + b"[]]}"
+    strings = b'{"x": [' + b'",\\\\",' * (n - 10) + b'""]}'  # n - 9 strings, each with a comma
+    text = json.dumps({"messages": [{"role": "user", "content": 'a, "b",\\ ' * (n // 2)}]}).encode()
+    assert text.count(b",") > n and strings.count(b",") > n
+    assert api.surely_past_max_values(lists)
+    assert not api.surely_past_max_values(strings) and not api.surely_past_max_values(text)
+    parsed: list[int] = []
+    real = json.loads
+
+    def loads(raw: bytes) -> object:
+        parsed.append(len(raw))
+        return real(raw)
+
+    monkeypatch.setattr(api.json, "loads", loads)
+    with pytest.raises(ApiError) as e:
+        api.parse_body(lists, ChatRequest)
+    assert e.value.status == 400 and e.value.code == "invalid_json" and not parsed
+    assert str(n) in e.value.message
+    assert api.parse_body(text, ChatRequest).messages[0].content.startswith("a, ")
+    assert parsed == [len(text)]
