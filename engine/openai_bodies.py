@@ -8,6 +8,7 @@ carry (Anthropic's and Responses' too) come from here.
 from __future__ import annotations
 
 import codecs
+import datetime
 import time
 import uuid
 from typing import Any, NamedTuple
@@ -169,9 +170,16 @@ def completion_logprobs(entries: list[LogprobEntry], offsets: TextOffsets) -> di
 
 
 def model_object(model_id: str, created: int) -> dict[str, Any]:
-    """The served model as ``/v1/models`` lists it and ``/v1/models/{id}`` returns it."""
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "tiered-kv"}
+    """The served model as ``/v1/models`` lists it and ``/v1/models/{id}`` returns it: OpenAI's
+    fields (``object``, ``created``, ``owned_by``) and Anthropic's (``type``, ``display_name``,
+    ``created_at``, ``lifecycle``), one path serving both SDKs' ``models.list`` / ``retrieve``."""
+    at = datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat().replace("+00:00", "Z")
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "tiered-kv",
+            "type": "model", "display_name": model_id, "created_at": at,
+            "lifecycle": "active"}  # fmt: skip
 
 
 def models_response(model_id: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_object(model_id, created)]}
+    """The list: OpenAI's ``object`` and ``data``, and Anthropic's page fields (one page)."""
+    return {"object": "list", "data": [model_object(model_id, created)], "has_more": False,
+            "first_id": model_id, "last_id": model_id}  # fmt: skip

@@ -237,6 +237,22 @@ def test_messages_and_the_cache_over_http(client):
     assert "".join(b.text for b in cut.content) == said[: said.index(stop)]
 
 
+def test_the_anthropic_sdk_lists_and_retrieves_the_model(client):
+    """``models.list`` / ``models.retrieve`` of the anthropic SDK (Claude Code asks for the model):
+    the one ``/v1/models`` path carries Anthropic's fields beside OpenAI's. It had OpenAI's only:
+    no ``type``, ``display_name``, ``created_at`` or ``lifecycle``, and no page fields."""
+    c, s = client
+    page = c.models.list()
+    (model,) = page.data
+    assert model.type == "model" and model.display_name == model.id and model.created_at.year >= 2024
+    assert page.has_more is False and page.first_id == page.last_id == model.id
+    got = c.models.retrieve(model.id)
+    assert got.id == model.id and got.type == "model" and got.lifecycle == "active"
+    raw = httpx.get(s.url + "/v1/models/" + model.id, headers={"x-api-key": "sekret"}).json()
+    assert raw["object"] == "model" and raw["owned_by"] == "tiered-kv"  # OpenAI's, as before
+    assert anthropic.types.ModelInfo.model_validate(raw).created_at == got.created_at
+
+
 def test_errors_are_anthropic_shaped(client):
     c, live = client
     with pytest.raises(anthropic.BadRequestError) as e:
