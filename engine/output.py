@@ -24,7 +24,7 @@ from typing import Any
 from mlx_lm.generate import TextStateMachine
 
 from engine.output_format import CALLS, NORMAL, REASONING, THINK_TOOL, TOOL, OutputFormat
-from engine.tool_calls import PYTHON_TAG, CallParser
+from engine.tool_calls import CALL_ID_PREFIX, PYTHON_TAG, CallParser
 
 # What joins a channel's text across a break where the model wrote no whitespace: two think
 # blocks back to back are two thoughts; content gets nothing the model did not write.
@@ -121,7 +121,7 @@ class ChatOutput:
         parallel_tool_calls: bool = True,
         start_in_reasoning: bool = False,
         taken_ids: set[str] | None = None,
-        call_id_prefix: str = "call_",
+        call_id_prefix: str = CALL_ID_PREFIX,
     ) -> None:
         """``taken_ids``: call ids the conversation already holds (never given to a new call);
         ``call_id_prefix``: what the ids made for calls begin with (the API's own)."""

@@ -25,6 +25,7 @@ from engine.errors import ApiError, error_body
 from engine.events import Chunk, Hit, SamplingParams, TokenLogprob, Usage
 from engine.openai_bodies import LogprobEntry, Piece, TextOffsets
 from engine.output_format import OutputFormat
+from engine.tool_calls import CALL_ID_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ def chat_prompt(
     model: str,
     check_chars: CheckChars,
     template_defaults: dict[str, Any] | None = None,
-    call_id_prefix: str = "call_",
+    call_id_prefix: str = CALL_ID_PREFIX,
 ) -> tuple[list[int], ChatOutput]:
     """The chat template's prompt (plus a forced tool call's opener) as ids, and its Output (the
     output formats come from the model's tokenizer). ``template_defaults``: the server's extra

@@ -41,6 +41,7 @@ from engine.http_edge import (
 )
 from engine.loading import max_token_chars
 from engine.metrics import CONTENT_TYPE, Metrics
+from engine.tool_calls import CALL_ID_PREFIX
 from engine.worker import Job, QueueFull, Worker
 from tiered_kv import Config, ConfigError
 
@@ -173,7 +174,9 @@ class Server:
         await hangup(request)
         job.stop()
 
-    def _chat_prompt(self, req: ChatRequest, call_id_prefix: str = "call_") -> tuple[list[int], respond.ChatOutput]:
+    def _chat_prompt(
+        self, req: ChatRequest, call_id_prefix: str = CALL_ID_PREFIX
+    ) -> tuple[list[int], respond.ChatOutput]:
         self._check_chars(req.content_chars(), req.prompt_param)
         return respond.chat_prompt(
             self.engine.tokenizer, self.engine.encode_text, req, self.model_id,

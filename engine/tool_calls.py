@@ -25,6 +25,9 @@ from mlx_lm.tool_parsers import mistral
 log = logging.getLogger(__name__)
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
+#: what the ids the server makes for calls begin with: OpenAI's (Anthropic's API passes its own,
+#: ``messages.CALL_ID_PREFIX``)
+CALL_ID_PREFIX = "call_"
 Parser = Callable[[str, Any], Any]
 
 
@@ -129,7 +132,8 @@ class CallParser:
     block is the text it is). Holds no state between blocks; the caller keeps the ids taken.
     ``id_prefix``: what the ids it makes begin with, the API's own (:func:`new_call_id`)."""
 
-    def __init__(self, parse: Parser, parser_name: str, tools: Any = None, id_prefix: str = "call_") -> None:
+    def __init__(self, parse: Parser, parser_name: str, tools: Any = None,
+                 id_prefix: str = CALL_ID_PREFIX) -> None:  # fmt: skip
         self.parse, self.parser_name, self.tools = parse, parser_name, tools
         self.id_prefix = id_prefix
         self.names = tool_names(tools)
@@ -183,7 +187,7 @@ class CallParser:
         return calls or None
 
 
-def new_call_id(parser_name: str, prefix: str = "call_") -> str:
+def new_call_id(parser_name: str, prefix: str = CALL_ID_PREFIX) -> str:
     """A fresh call id: ``prefix`` (the API's: OpenAI's ``call_``, Anthropic's ``toolu_``) and 24
     hex digits. Mistral templates refuse history whose ids are not 9 alphanumerics: theirs are."""
     if parser_name == "mistral":
@@ -191,7 +195,7 @@ def new_call_id(parser_name: str, prefix: str = "call_") -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def _openai_call(parsed: dict[str, Any], parser_name: str, id_prefix: str = "call_") -> dict[str, Any] | None:
+def _openai_call(parsed: dict[str, Any], parser_name: str, id_prefix: str) -> dict[str, Any] | None:
     """A parsed call as OpenAI's, its arguments a JSON object's text (``arguments``, or
     ``parameters`` as some models write it); None where they are no object. An id the model wrote
     (Kimi's, Mistral's) is kept as it is: the template renders it back where the model wrote it."""
