@@ -119,14 +119,15 @@ class Engine:
             self.restorer.costs.observe_prefill(new, start, seconds)
             if lease.hit.restore is not None:
                 self.restorer.outcome(lease.hit.restore, lease.hit.load_seconds + seconds)
-            self.restorer.costs.settle()  # after the first token: fit and save what was observed
+            self.settle_costs()  # after the first token: fit and save what was observed
         except Exception:
             log.exception("restore costs not learned from this prefill")
 
     def settle_costs(self) -> None:
-        """The batch went idle: fit and save what the restore costs observed since the last
-        :meth:`prefill_done` (a request cancelled or failed after its restore and before its
-        first token settles nothing; its load would stay unfitted on /metrics and unsaved)."""
+        """Fit and save what the restore costs observed: after a request's first token
+        (:meth:`prefill_done`), and when the batch goes idle (a request cancelled or failed after
+        its restore and before its first token settles nothing; its load would stay unfitted on
+        /metrics and unsaved)."""
         if self.restorer is None:
             return
         try:
