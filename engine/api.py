@@ -407,19 +407,20 @@ def parse_body(raw: bytes, model: type[RequestBody], context_length: int | None 
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    check_turns(data, model, context_length)
-    check_sizes(data, model)
-    check_json(data)
-    return _validated(data, model)
+    return validate(data, model, context_length, walk=True)
 
 
 def validate(
-    data: dict[str, Any], model: type[RequestBody], context_length: int | None = None
-) -> Any:
+    data: dict[str, Any], model: type[RequestBody], context_length: int | None = None,
+    walk: bool = False,
+) -> Any:  # fmt: skip
     """A JSON object → a validated request model, or ApiError(400) naming the offending field
-    (``context_length``: see :func:`check_turns`)."""
+    (``context_length``: see :func:`check_turns`). The counts first (turns, then sizes), then,
+    with ``walk`` (a body just parsed), the whole of it walked (:func:`check_json`)."""
     check_turns(data, model, context_length)
     check_sizes(data, model)
+    if walk:
+        check_json(data)
     return _validated(data, model)
 
 
