@@ -103,6 +103,20 @@ class Setup:
                         blocker_of(make_prompt_cache(self.model)), self.cfg.kv_bits,
                         self.cfg.kv_group_size, **kw)  # fmt: skip
 
+    def taught(self, mode, step, per_token):
+        """A restorer whose costs are known: ``per_token`` seconds a token computed, the whole
+        entry file read (page cache cold or warm) in as long as N ms."""
+        r = self.restorer(mode, step=step)
+        desc = self.cold.describe(self.cold.lookup(self.ids))
+        assert desc is not None
+        nbytes = desc[1]
+        for k in (100, 400):
+            r.costs.observe_prefill(k, 0, k * per_token)
+        for warm in (0.0, 1.0):
+            r.costs.observe_load(nbytes, N / 1000, warm)
+            r.costs.observe_range(nbytes, N / 1000, warm)
+        return r
+
     def both(self, m, n, landing=""):
         r = self.restorer(landing=landing)
         hit = self.cold.lookup(self.ids)
@@ -244,13 +258,7 @@ def test_with_half_held_auto_reads_only_what_memory_lacks(plain):
     the plan was a load of the whole file. The logits equal a cold prefill's; the hot entry is not
     written into; the disk is counted for the tokens read."""
     held = N // 2
-    path, nbytes = plain.cold.describe(plain.cold.lookup(plain.ids))
-    r = plain.restorer("auto", step=64)
-    for k in (100, 400):  # 10 ms a token; the whole file reads in as long as N / 10 tokens compute
-        r.costs.observe_prefill(k, 0, k / 100)
-    for warm in (0.0, 1.0):
-        r.costs.observe_load(nbytes, N / 1000, warm)
-        r.costs.observe_range(nbytes, N / 1000, warm)
+    r = plain.taught("auto", 64, 1 / 100)  # the whole file reads in as long as N / 10 tokens compute
     tc = plain.tiered(r)
     caches = make_prompt_cache(plain.model)
     feed(plain.model, caches, plain.ids[:held])
@@ -429,15 +437,9 @@ def test_both_computes_whole_prefill_steps(plain, mode):
     """m is a multiple of the compute's prefill step: a head of whole steps runs only chunk
     lengths every prefill has run (on CUDA a new one compiles kernels: 0.34 s against 0.14 s for
     the same 4255-token head the second time)."""
-    path, nbytes = plain.cold.describe(plain.cold.lookup(plain.ids))
 
     def split(step):
-        r = plain.restorer(mode, step=step)
-        for k in (100, 400):  # 1 ms a token; the whole file reads in as long as N tokens compute
-            r.costs.observe_prefill(k, 0, k / 1000)
-        for warm in (0.0, 1.0):
-            r.costs.observe_load(nbytes, N / 1000, warm)
-            r.costs.observe_range(nbytes, N / 1000, warm)
+        r = plain.taught(mode, step, 1 / 1000)  # the whole file reads in as long as N tokens compute
         d = r.plan(plain.cold, plain.cold.lookup(plain.ids), N, N + 1)
         assert d.kind == "both", d
         return d.m
