@@ -10,10 +10,13 @@ What the model writes back is split by ``engine/output.py``.
 from __future__ import annotations
 
 import json
+import re
+import string
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import xxhash
 from jinja2 import TemplateError
 
 Probes = weakref.WeakKeyDictionary[Any, bool]
@@ -36,6 +39,8 @@ _tool_support: Probes = weakref.WeakKeyDictionary()  # does its template render 
 _PROBE_NOTE = "tiered_kv_probe_note"
 _midway_system: Probes = weakref.WeakKeyDictionary()  # a system turn mid-conversation?
 _json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
+_any_ids: Probes = weakref.WeakKeyDictionary()  # call ids other than 9 alphanumerics rendered?
+_short_ids: Probes = weakref.WeakKeyDictionary()  # call ids of 9 alphanumerics rendered?
 
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -227,6 +232,53 @@ def template_writes_json_calls(tokenizer: Any) -> bool:
     return _probed(_json_calls, tokenizer, probe, [_PROBE_TOOL], written)
 
 
+def _call_and_result(call_id: str) -> list[dict[str, Any]]:
+    call = {"name": "tiered_kv_probe_fn", "arguments": {}}
+    return [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function", "function": call}]},
+        {"role": "tool", "tool_call_id": call_id, "content": _PROBE_NOTE},
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "hi"},
+    ]  # fmt: skip
+
+
+def template_wants_short_call_ids(tokenizer: Any) -> bool:
+    """Whether the chat template renders tool-call ids of 9 alphanumerics and refuses others
+    (Mistral Small 3.2's: "Tool call IDs should be alphanumeric strings with length 9!"); probed
+    once per tokenizer."""
+    if _probed(_any_ids, tokenizer, _call_and_result("tiered_kv_probe_id"), [_PROBE_TOOL], _PROBE_NOTE):
+        return False
+    return _probed(_short_ids, tokenizer, _call_and_result("a1b2c3d4e"), [_PROBE_TOOL], _PROBE_NOTE)
+
+
+_SHORT_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ALNUM = string.digits + string.ascii_letters
+
+
+def short_call_id(call_id: str) -> str:
+    """``call_id`` as 9 alphanumerics: itself when it is so already, else digits of its xxh3 hash
+    (the same id always the same: a call and its result still pair, and a conversation renders
+    the same prompt turn after turn, the cache's prefix)."""
+    if _SHORT_ID.fullmatch(call_id):
+        return call_id
+    h = xxhash.xxh3_64_intdigest(call_id.encode("utf-8", "surrogatepass"))
+    return "".join(_ALNUM[(h // 62**i) % 62] for i in range(9))
+
+
+def shorten_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Normalised messages with every tool-call id (an assistant's calls, a tool result's
+    ``tool_call_id``) as :func:`short_call_id` makes it."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**tc, "id": short_call_id(str(tc.get("id", "")))}
+                                     for tc in m["tool_calls"]]}  # fmt: skip
+        if m["role"] == "tool":
+            m = {**m, "tool_call_id": short_call_id(str(m.get("tool_call_id", "")))}
+        out.append(m)
+    return out
+
+
 def template_keeps_midway_system(tokenizer: Any) -> bool:
     """Whether the chat template renders a system turn that comes after the conversation began,
     followed by an assistant turn (Claude Code sends its environment so, after the first user
@@ -317,5 +369,7 @@ def render_chat(
     if not template_keeps_midway_system(tokenizer):
         msgs = fold_midway_system(msgs)
     if template_supports_tools(tokenizer):
+        if template_wants_short_call_ids(tokenizer):
+            msgs = shorten_call_ids(msgs)
         return _apply(tokenizer, msgs, tools or None, extra, continue_final)
     return _apply(tokenizer, hermes_messages(msgs, tools), None, extra, continue_final)

@@ -285,3 +285,42 @@ def test_continue_final_leaves_the_assistants_message_open(tiny_tok):
     with pytest.raises(ApiError) as e:
         respond.chat_prompt(tiny_tok, tiny_tok.encode, req, "m", lambda n, p: None)
     assert e.value.param == "continue_final_message"
+
+
+# a conversation another API began: its tool-call ids are Anthropic's / OpenAI's, not 9 alphanumerics
+FOREIGN_IDS = [
+    {"role": "user", "content": "weather in Paris and Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "toolu_01A09q90qw90lq917835lq9", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_abc123", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+    ]},
+    {"role": "tool", "tool_call_id": "toolu_01A09q90qw90lq917835lq9", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_abc123", "content": "rain"},
+    {"role": "assistant", "content": "Paris is sunny, Oslo rainy."},
+    {"role": "user", "content": "thanks"},
+]  # fmt: skip
+
+
+def test_ids_a_template_refuses_are_rendered_as_nine_alphanumerics(family_dirs):
+    """Mistral Small 3.2's template raises on any tool-call id that is not 9 alphanumerics ("Tool call IDs
+    should be alphanumeric strings with length 9!"): a conversation begun on another API (Claude's
+    ``toolu_…`` ids, OpenAI's ``call_…``) was a 400 on every turn. Such templates get each id as 9
+    alphanumerics derived from it (the same id always the same, so a call and its result still
+    pair, and a turn renders its history as the turn before did); ids that are 9 alphanumerics
+    already, and every other family's ids, are rendered as sent."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(family_dirs["mistral-small-3.2"])
+    assert chat.template_wants_short_call_ids(tok)
+    text = chat.render_chat(tok, FOREIGN_IDS, TOOLS)
+    paris, oslo = chat.short_call_id(FOREIGN_IDS[1]["tool_calls"][0]["id"]), chat.short_call_id("call_abc123")
+    assert len({paris, oslo}) == 2 and all(len(i) == 9 and i.isalnum() for i in (paris, oslo))
+    assert text.count(paris) == 2 and text.count(oslo) == 2 and "toolu_" not in text  # call + result
+    assert paris in chat.render_chat(tok, FOREIGN_IDS[:4], TOOLS)  # the next turn's: the same ids
+    assert chat.short_call_id("a1B2c3D4e") == "a1B2c3D4e"
+    for family, path in family_dirs.items():
+        if family != "mistral-small-3.2":
+            t = load_tokenizer(path)
+            assert not chat.template_wants_short_call_ids(t), family
