@@ -4,7 +4,8 @@
 A copy is asynchronous, as on a copy engine: ``cuMemcpyHtoDAsync_v2`` queues it on its stream's
 thread, which runs it a little later and reads the pinned source *then* (a slot reused before its
 copy ran would hand the copy the next chunk's bytes). Events and stream synchronisation keep
-CUDA's order on each stream. ``fail`` makes chosen calls return an error (name → the 1-based call
+CUDA's order on each stream; a population (``cuMemPrefetchAsync_v2``) runs on its stream the same
+way, and ``ran`` lists what each stream's thread ran, in order. ``fail`` makes chosen calls return an error (name → the 1-based call
 numbers that fail). "Device addresses" are host addresses here: the destinations are numpy
 arrays. The real driver and copy engine are tested on the GPU (``tests/tiered_kv/cold/test_gpu.py``
 with CUDA).
@@ -44,6 +45,7 @@ class FakeDriver:
         self.calls: collections.Counter[str] = collections.Counter()
         self.pending = 0  # copies issued and not yet run
         self.copied = 0  # bytes the copies moved
+        self.ran: list[tuple[str, int, int]] = []  # ("populate" | "copy", address, bytes), as run
         self._pinned: dict[int, Any] = {}  # address → buffer, until cuMemFreeHost
         self._streams: dict[int, _Stream] = {}
         self._events: dict[int, threading.Event] = {}
@@ -128,10 +130,37 @@ class FakeDriver:
             with self._lock:
                 self.pending -= 1
                 self.copied += n
+                self.ran.append(("copy", d, n))
 
         with self._lock:
             self.pending += 1
         self._streams[int(stream.value)].ops.put(run)
+        return 0
+
+    def cuCtxGetDevice(self, out: Any) -> int:
+        if err := self._result("cuCtxGetDevice"):
+            return err
+        out._obj.value = 0
+        return 0
+
+    def cuMemPrefetchAsync_v2(self, addr: Any, nbytes: Any, location: Any, flags: Any,
+                              stream: Any) -> int:  # fmt: skip
+        if err := self._result("cuMemPrefetchAsync_v2"):
+            return err
+        a, n = int(addr.value), int(nbytes.value)
+
+        def run() -> None:
+            time.sleep(self.delay_s * 5)  # slower than a copy: a copy not made to wait runs first
+            with self._lock:
+                self.ran.append(("populate", a, n))
+
+        self._streams[int(stream.value)].ops.put(run)
+        return 0
+
+    def cuStreamWaitEvent(self, stream: Any, event: Any, flags: Any) -> int:
+        if err := self._result("cuStreamWaitEvent"):
+            return err
+        self._streams[int(stream.value)].ops.put(self._events[int(event.value)].wait)
         return 0
 
     def cuEventRecord(self, event: Any, stream: Any) -> int:

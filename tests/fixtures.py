@@ -418,7 +418,8 @@ class HostUpload:
     buffers and a "copy" is a ``memmove`` into host memory, done at once. It drives the readers'
     real staging path (whole chunks into a slot, verified there, the destination's part copied
     out) on the CPU; the real upload is run on CUDA by ``tests/tiered_kv/cold/test_gpu.py``.
-    Records every copy (destination address, bytes) and the copies issued before each wait."""
+    Records every copy (destination address, bytes), the copies issued before each wait, and
+    each population asked for (its extents, with the copies issued before it)."""
 
     def __init__(self, slot_bytes: int = 1 << 20, slots: int = 3, fail_after: int | None = None):
         self.slot_bytes, self.bytes = slot_bytes, 0
@@ -428,10 +429,15 @@ class HostUpload:
         self._lock = threading.Lock()
         self.copies: list[tuple[int, int]] = []
         self.waits: list[int] = []
+        self.populated: list[tuple[list[tuple[int, int]], int]] = []  # (extents, copies before)
         self.fail_after = fail_after  # raise gpu.DeviceError at that copy
 
     def batch(self) -> HostUpload:
         return self
+
+    def populate(self, extents: list[tuple[int, int]]) -> None:
+        with self._lock:
+            self.populated.append((list(extents), len(self.copies)))
 
     def slot(self) -> Any:
         up = self

@@ -17,6 +17,13 @@ where there is no CUDA, no driver or no context, and after a driver call failed 
 loads and `both`'s readers then write the (managed) arrays from the CPU. A failed call raises :class:`DeviceError`: the bytes did not reach the GPU, the file is
 not to blame.
 
+Population: an array the reader lands in is fresh managed memory (MLX allocates every load's arrays
+anew after a restart) that no page backs yet, and a copy into it faults its pages in one by one.
+:meth:`Batch.populate` asks the driver (``cuMemPrefetchAsync``) to back the destinations on the GPU
+in bulk first, on a stream of its own, and every copy of the batch waits for that (an event)
+without blocking a reader. It is a hint: a failing call turns it off (logged once), never the
+upload. :data:`POPULATE` off leaves it out (an A/B switch for measurements).
+
 Slots: made at the open (those made before a failing one are freed), taken by a reader for one
 piece and given back. Once the upload is off they are never used again, so they are freed (pinned
 memory is page-locked: out of the page cache's reach) as soon as no batch is open — the last one
@@ -36,7 +43,8 @@ import ctypes
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -46,8 +54,17 @@ log = logging.getLogger(__name__)
 SLOT_BYTES = 16 << 20
 #: staging buffers: two per reader thread of a ranged read (one filling, one being copied)
 SLOTS = 8
+#: back a batch's destinations on the GPU before its copies (:meth:`Batch.populate`); read at the open
+POPULATE = True
+#: destinations closer than this are one range to populate (arrays of one allocation sit a page apart)
+EXTENT_GAP = 4096
+_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit ordering with MLX's streams
 _NO_TIMING = 2  # CU_EVENT_DISABLE_TIMING
+
+
+class _Location(ctypes.Structure):  # CUmemLocation
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
 class DeviceError(RuntimeError):
@@ -57,13 +74,16 @@ class DeviceError(RuntimeError):
 class Staging:
     """A slot being filled by one reader thread: ``buf`` to read into, :meth:`copy` to send."""
 
-    def __init__(self, up: Upload, slot: _Slot) -> None:
-        self._up, self._slot = up, slot
+    def __init__(self, up: Upload, slot: _Slot, after: ctypes.c_void_p | None = None) -> None:
+        self._up, self._slot, self._after = up, slot, after
         self.buf = slot.buf
 
     def copy(self, start: int, nbytes: int, dst: int) -> None:
-        """Start copying ``buf[start:start + nbytes]`` to device address ``dst``; returns at once."""
+        """Start copying ``buf[start:start + nbytes]`` to device address ``dst``; returns at once
+        (the copy runs once the batch's destinations are populated)."""
         up, s = self._up, self._slot
+        if self._after is not None:
+            up._call("cuStreamWaitEvent", s.stream, self._after, ctypes.c_uint(0))
         up._call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(dst),
                  ctypes.c_void_p(s.base + start), ctypes.c_size_t(nbytes), s.stream)  # fmt: skip
         up._call("cuEventRecord", s.event, s.stream)
@@ -106,9 +126,13 @@ class Upload:
         self._lock = threading.Lock()
         self.ok = True
         self.bytes = 0  # bytes copied to the GPU
+        self.populated = 0  # bytes of destinations populated on the GPU before their copies
         self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         self._open = 0  # batches not yet waited for
         self._released = False
+        #: whether batches populate their destinations (a driver without the call: never)
+        self.populating = POPULATE and hasattr(lib, "cuMemPrefetchAsync_v2")
+        self._device, self._populate = ctypes.c_int(), ctypes.c_void_p()  # made at the first use
         self._call("cuCtxSetCurrent", self._context)
         try:
             for _ in range(slots):
@@ -116,6 +140,24 @@ class Upload:
         except DeviceError:
             self._release()
             raise
+
+    def _populate_stream(self) -> ctypes.c_void_p | None:
+        """The stream populations run on (made at the first; None: off, or it cannot be made)."""
+        with self._lock:
+            if self.populating and not self._populate.value:
+                err = self._try("cuCtxGetDevice", ctypes.byref(self._device)) or self._try(
+                    "cuStreamCreate", ctypes.byref(self._populate), _NON_BLOCKING)  # fmt: skip
+                if err:
+                    self._populate = ctypes.c_void_p()
+                    self.populating = False
+                    log.info("GPU upload: destinations not populated ahead: CUDA error %s", err)
+            return self._populate if self.populating else None
+
+    def _populate_off(self, why: str) -> None:
+        with self._lock:
+            if self.populating:
+                log.info("GPU upload: destinations no longer populated ahead: %s", why)
+            self.populating = False
 
     def batch(self) -> Batch:
         """The copies of one read, waited for together (:meth:`Batch.wait` closes it)."""
@@ -142,6 +184,10 @@ class Upload:
             kept = len(slots)
         else:
             kept = sum(not s.free(self) for s in slots)
+            p = self._populate
+            if p.value and not self._try("cuStreamSynchronize", p):
+                self._try("cuStreamDestroy_v2", p)
+                self._populate = ctypes.c_void_p()
         log.info("GPU upload: %d pinned slots freed, %d kept", len(slots) - kept, kept)
 
     def _try(self, name: str, *args: object) -> int:
@@ -168,6 +214,34 @@ class Batch:
         self._used: set[_Slot] = set()
         self._lock = threading.Lock()
         self._waited = False
+        self._after: ctypes.c_void_p | None = None  # recorded once the destinations are populated
+
+    def populate(self, extents: Sequence[tuple[int, int]]) -> None:
+        """Back the destinations (device address, bytes) with GPU memory before this batch's
+        copies land in them (module doc); returns at once. Before any :meth:`slot`, by the thread
+        that made the batch."""
+        up = self._up
+        if (not up.ok or not extents or self._after is not None
+                or up._try("cuCtxSetCurrent", up._context)):  # fmt: skip
+            return
+        stream = up._populate_stream()
+        if stream is None:
+            return
+        event = ctypes.c_void_p()
+        err = up._try("cuEventCreate", ctypes.byref(event), _NO_TIMING)
+        for addr, nbytes in extents:
+            err = err or up._try("cuMemPrefetchAsync_v2", ctypes.c_uint64(addr),
+                                 ctypes.c_size_t(nbytes), _Location(_DEVICE, up._device.value),
+                                 ctypes.c_uint(0), stream)  # fmt: skip
+        err = err or up._try("cuEventRecord", event, stream)
+        if err:  # the copies need not wait: they fault their pages in, as without it
+            if event.value:
+                up._try("cuEventDestroy_v2", event)
+            up._populate_off(f"CUDA error {err}")
+            return
+        self._after = event
+        with up._lock:
+            up.populated += sum(n for _, n in extents)
 
     @contextlib.contextmanager
     def slot(self) -> Iterator[Staging]:
@@ -186,7 +260,7 @@ class Batch:
             up._call("cuEventSynchronize", s.event)
             with self._lock:
                 self._used.add(s)
-            yield Staging(up, s)
+            yield Staging(up, s, self._after)
         finally:
             up._free.put(s)
 
@@ -211,6 +285,8 @@ class Batch:
                 raise failed
         finally:
             if first:
+                if self._after is not None:  # freed once recorded work is done, if it is not yet
+                    up._try("cuEventDestroy_v2", self._after)
                 up._closed()
 
 
@@ -228,6 +304,20 @@ def shared() -> Upload | None:
     return up if up is not None and up.ok else None
 
 
+def extents(views: Iterable[Any], gap: int = EXTENT_GAP) -> list[tuple[int, int]]:
+    """The (address, bytes) ranges that ``views`` (C-contiguous arrays, e.g. byte views of the
+    arrays a read lands in) cover, by address, those less than ``gap`` apart merged into one."""
+    spans = sorted((int(v.ctypes.data), int(v.nbytes)) for v in views if v.nbytes)
+    out: list[tuple[int, int]] = []
+    for addr, nbytes in spans:
+        if out and addr - (out[-1][0] + out[-1][1]) < gap:
+            lo = out[-1][0]
+            out[-1] = (lo, max(out[-1][0] + out[-1][1], addr + nbytes) - lo)
+        else:
+            out.append((addr, nbytes))
+    return out
+
+
 def uploaded_bytes() -> int:
     """Bytes the process's upload has copied to the GPU (0 where there is none)."""
     up = _SHARED[0] if _SHARED else None
@@ -242,6 +332,9 @@ def _open() -> Upload | None:
         lib = ctypes.CDLL("libcuda.so.1")
         for name, args in _SIGNATURES.items():
             getattr(lib, name).argtypes = args
+        for name, args in _POPULATE_SIGNATURES.items():
+            if hasattr(lib, name):
+                getattr(lib, name).argtypes = args
     except (OSError, AttributeError) as e:
         log.info("no GPU upload of cold KV: %s", e)
         return None
@@ -286,4 +379,10 @@ _SIGNATURES = {
     "cuMemFreeHost": [_P],
     "cuStreamDestroy_v2": [_P],
     "cuEventDestroy_v2": [_P],
+    "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
+    "cuStreamWaitEvent": [_P, _P, ctypes.c_uint],
+}
+#: what populating needs beyond the copies (a driver without it copies all the same)
+_POPULATE_SIGNATURES = {
+    "cuMemPrefetchAsync_v2": [ctypes.c_uint64, ctypes.c_size_t, _Location, ctypes.c_uint, _P],
 }

@@ -43,7 +43,7 @@ import xxhash
 
 from tiered_kv import background
 from tiered_kv.cold import checksums, fsafe, store
-from tiered_kv.cold.gpu import Batch, Upload
+from tiered_kv.cold.gpu import Batch, Upload, extents
 
 _HEX = checksums.HEX
 
@@ -184,6 +184,8 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
         tensors = plan_tensors(header)
         if into is not None and set(into) != set(tensors):
             raise ValueError("destinations differ from the entry's tensors")
+        if batch is not None and into is not None:
+            batch.populate(extents(into.values()))
 
         def span(name: str, t: dict[str, Any], dst: np.ndarray, first: int,
                  to: Batch | None = None) -> int:  # fmt: skip
@@ -315,6 +317,8 @@ def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
     with _reading(path, gpu, spans=False) as (fd, batch):
         if os.fstat(fd).st_size != header.data_start + header.data_len:
             raise store.CorruptEntry("file size changed since its header was read")
+        if batch is not None:
+            batch.populate(extents(into.values()))
 
         def one(name: str) -> int:
             start, end = (int(x) for x in header.tensors[name]["data_offsets"])

@@ -257,6 +257,9 @@ def test_a_cuda_load_reads_through_the_gpu_upload(tmp_path, monkeypatch, beside)
     monkeypatch.setattr(gpu, "shared", lambda: up)
     got = drain(codec.load_steps(path, header, beside, host=False))
     assert up.bytes == store.data_end(header) and up.waits == [len(up.copies)]
+    [(extents, before)] = up.populated  # the landing, populated before any copy was issued
+    assert before == 0 and sum(n for _, n in extents) >= up.bytes
+    assert all(any(a <= d and d + k <= a + n for a, n in extents) for d, k in up.copies)
     for i in (0, 1):
         assert mx.array_equal(got[f"{i}.keys"], caches[i].keys[..., :12_000, :]).item()
         assert mx.array_equal(got[f"{i}.values"], caches[i].values[..., :12_000, :]).item()

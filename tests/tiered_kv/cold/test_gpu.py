@@ -80,6 +80,8 @@ def test_a_load_on_cuda_goes_through_the_upload_and_equals_the_caches(tmp_path):
             assert mx.array_equal(got[f"{i}.values"], c.values[..., :9000, :]).item()
         assert codec.tokens_of(got).tolist() == list(range(9000))
     assert gpu.uploaded_bytes() - before == 2 * header.data_len
+    up = gpu.shared()
+    assert up is not None and up.populated >= 2 * header.data_len  # both loads populated theirs
 
 
 @needs_cuda
@@ -93,17 +95,27 @@ def test_a_flipped_byte_fails_a_cuda_load(tmp_path, where):
 
 
 @needs_cuda
-def test_a_ranged_read_through_the_upload_equals_the_host_read(tmp_path):
+@pytest.mark.parametrize("populate", [True, False])
+def test_a_ranged_read_through_the_upload_equals_the_host_read(tmp_path, monkeypatch, populate):
+    """With its landing populated on the GPU before the copies (the default), and without."""
     path, _, caches = entry(tmp_path)
     m, n = 3000, 9000
     lay = ranged.layout(path, "fp", m, n)
     tail = allocate({k: (d, (1, n - m, *s[2:])) for k, (d, s) in lay.items()}, one_buffer=True)
     views = {k: np.frombuffer(a, dtype=np.uint8).reshape(1, n - m, a.shape[2], -1)  # type: ignore[call-overload]
              for k, a in tail.items()}  # fmt: skip
-    ranged.read_range(path, "fp", m, n, into=views, gpu=gpu.shared())
+    up = gpu.shared()
+    assert up is not None and up.populating
+    monkeypatch.setattr(up, "populating", populate)
+    before = up.populated
+    ranged.read_range(path, "fp", m, n, into=views, gpu=up)
+    landed = sum(v.nbytes for v in views.values())
+    assert up.populated - before >= (landed if populate else 0)  # its extents: the views' gaps too
+    assert up.populated - before < (landed + len(views) * gpu.EXTENT_GAP if populate else 1)
     del views
     for i, c in enumerate(caches):
         assert mx.array_equal(mx.swapaxes(tail[f"{i}.keys"], 1, 2), c.keys[..., m:n, :]).item()
+        assert mx.array_equal(mx.swapaxes(tail[f"{i}.values"], 1, 2), c.values[..., m:n, :]).item()
 
 
 @needs_cuda
@@ -204,6 +216,73 @@ def test_a_failed_stream_sync_still_waits_on_every_other_stream(monkeypatch):
     assert lib.calls["cuStreamSynchronize"] == 3 and not up.ok
     held.wait()  # the last batch: each stream synchronised again, then the slots freed
     assert lib.pinned_bytes == 0 and lib.pending == 0
+
+
+def test_extents_are_the_address_ranges_of_views_one_per_allocation():
+    a, b = np.zeros(3 * 4096, np.uint8), np.zeros(100, np.uint8)
+    views = [a[8192:], a[:4000], a[4096:8000], b[:0], b]  # gaps under a page: one allocation
+    got = gpu.extents(views)
+    lo = a.ctypes.data
+    assert (lo, a.nbytes) in got and (b.ctypes.data, 100) in got and len(got) == 2
+    assert got == sorted(got)
+    assert gpu.extents([a[:4000], a[8192:]]) == [(lo, 4000), (lo + 8192, 4096)]  # a page apart
+    assert gpu.extents([]) == []
+
+
+def test_a_batch_populates_its_destinations_before_any_copy_lands(monkeypatch):
+    """Fresh managed memory is faulted in page by page by the copies that land in it; a batch
+    asks the driver to back its destinations first, and every copy waits for that on its own
+    stream (the reader threads never block on it). (tests/cuda_driver.py: without CUDA.)"""
+    from tests.cuda_driver import upload
+
+    up, lib = upload(monkeypatch, SLOT, 2)
+    data, dst = np.arange(3 * SLOT, dtype=np.uint8), np.zeros(3 * SLOT, np.uint8)
+    batch = up.batch()
+    batch.populate(gpu.extents([dst]))
+    for i in range(3):
+        _send(batch, data[i * SLOT : (i + 1) * SLOT], dst[i * SLOT :])
+    batch.wait()
+    assert lib.ran[0] == ("populate", dst.ctypes.data, dst.nbytes)
+    assert [k for k, _, _ in lib.ran[1:]] == ["copy"] * 3
+    assert np.array_equal(dst, data) and up.populated == dst.nbytes
+    assert lib.live == (2, 3, 2)  # the slots' and the population's stream; its event destroyed
+
+
+@pytest.mark.parametrize("call", ["cuMemPrefetchAsync_v2", "cuCtxGetDevice", "cuEventCreate"])
+def test_a_failed_population_leaves_the_copies_as_they_were(monkeypatch, call):
+    """Populating is a hint: a failing call turns it off for good, never the upload, and the
+    copies land all the same, unordered behind it."""
+    from tests.cuda_driver import upload
+
+    up, lib = upload(monkeypatch, SLOT, 2, fail={call: {1 if call != "cuEventCreate" else 3}})
+    data, dst = np.arange(SLOT, dtype=np.uint8), np.zeros(SLOT, np.uint8)
+    for _ in range(2):
+        batch = up.batch()
+        batch.populate(gpu.extents([dst]))
+        _send(batch, data, dst)
+        batch.wait()
+        assert np.array_equal(dst, data) and up.ok and not up.populating
+    assert lib.calls["cuMemPrefetchAsync_v2"] == (call == "cuMemPrefetchAsync_v2")
+    assert [k for k, _, _ in lib.ran] == ["copy", "copy"] and up.populated == 0
+    assert lib.live[2] == 2  # no event of a population left behind
+
+
+def test_an_upload_turned_off_destroys_its_population_stream(monkeypatch):
+    from tests.cuda_driver import upload
+
+    up, lib = upload(monkeypatch, SLOT, 2, fail={"cuMemcpyHtoDAsync_v2": {2}})
+    data, dst = np.arange(SLOT, dtype=np.uint8), np.zeros(SLOT, np.uint8)
+    batch = up.batch()
+    batch.populate(gpu.extents([dst]))
+    _send(batch, data, dst)
+    with pytest.raises(gpu.DeviceError):
+        _send(batch, data, dst)
+    batch.wait()
+    assert not up.ok and lib.pinned_bytes == 0 and lib.live == (0, 0, 0)
+    batch = up.batch()
+    batch.populate(gpu.extents([dst]))  # off: nothing asked of the driver
+    batch.wait()
+    assert lib.calls["cuMemPrefetchAsync_v2"] == 1
 
 
 @pytest.mark.parametrize("call", ["cuMemAllocHost_v2", "cuStreamCreate", "cuEventCreate"])

@@ -344,6 +344,8 @@ def test_a_read_through_the_gpu_upload_lands_the_same_rows(tmp_path, m):
     spans = [(v.ctypes.data, v.ctypes.data + v.nbytes) for v in dev.values()]
     assert all(any(a <= d and d + b <= z for a, z in spans) for d, b in up.copies)
     assert rr.tokens.tolist() == list(range(n))
+    [(extents, before)] = up.populated  # the destinations, populated before any copy
+    assert before == 0 and sorted(extents) == sorted((a, z - a) for a, z in spans)
 
 
 def test_a_chunk_that_fails_is_never_copied_and_the_copies_are_waited_for(tmp_path):
@@ -552,7 +554,9 @@ def test_a_failed_driver_call_fails_the_read_after_every_copy_ran(tmp_path, monk
     before the copies already issued ran, whose destinations the caller then lets go. (A stream
     whose synchronisation fails may still copy: the caller keeps those arrays, codec._STRANDED.)"""
     path, _ = write(tmp_path)
-    up, lib = upload(monkeypatch, 2000, 3, fail={call: {1}})
+    # the read's first event is recorded after its destinations' population (a hint: its failure
+    # is test_gpu's); the copies' come after it
+    up, lib = upload(monkeypatch, 2000, 3, fail={call: {2 if call == "cuEventRecord" else 1}})
     lay = ranged.layout(path, "fp", 100, N)
     dev = {k: np.zeros((1, N - 100, s[2], s[3] * 4), np.uint8) for k, (_, s) in lay.items()}
     with pytest.raises(gpu.DeviceError):
