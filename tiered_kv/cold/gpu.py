@@ -285,7 +285,11 @@ class Batch:
                 raise failed
         finally:
             if first:
-                if self._after is not None:  # freed once recorded work is done, if it is not yet
+                if self._after is not None:  # the population is done too before the caller may
+                    # free the destinations (a failure only says the hint was not taken)
+                    if up._try("cuCtxSetCurrent", up._context) or up._try(
+                            "cuEventSynchronize", self._after):  # fmt: skip
+                        up._populate_off("its event did not synchronise")
                     up._try("cuEventDestroy_v2", self._after)
                 up._closed()
 

@@ -345,7 +345,8 @@ def test_a_read_through_the_gpu_upload_lands_the_same_rows(tmp_path, m):
     assert all(any(a <= d and d + b <= z for a, z in spans) for d, b in up.copies)
     assert rr.tokens.tolist() == list(range(n))
     [(extents, before)] = up.populated  # the destinations, populated before any copy
-    assert before == 0 and sorted(extents) == sorted((a, z - a) for a, z in spans)
+    assert before == 0 and sorted(extents) == gpu.extents(dev.values())
+    assert all(any(a <= lo and hi <= a + k for a, k in extents) for lo, hi in spans)
 
 
 def test_a_chunk_that_fails_is_never_copied_and_the_copies_are_waited_for(tmp_path):
