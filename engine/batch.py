@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from engine.decoding import Decoding, Group, batchable
-from engine.events import SamplingParams
+from engine.events import END, Failed, SamplingParams
 from engine.inflight import End, Ends, Hold, Progress, Seq, Sink
 from engine.leasing import Leasing
 from engine.prefilling import Prefilling
@@ -76,9 +76,18 @@ class BatchLoop:
         progress: Progress | None = None,
         enqueued: float | None = None,
     ) -> None:
-        """Admit a request; it is leased and prefilled when the prefill order reaches it."""
+        """Admit a request; it is leased and prefilled when the prefill order reaches it. A
+        prompt holding an id outside the model's vocabulary fails at once (its sink hears a
+        ValueError): MLX's embedding gather would read past its table (the CPU's segfaulted)."""
         now = time.perf_counter()
         ids = list(prompt_ids)
+        vocab = int(self.engine.vocab_size)
+        if ids and not (0 <= min(ids) and max(ids) < vocab):
+            wrong = next(i for i in ids if not 0 <= i < vocab)
+            sink.emit(Failed(ValueError(f"prompt token id {wrong} is outside the model's "
+                                        f"vocabulary of {vocab}")))  # fmt: skip
+            sink.emit(END)
+            return
         seq = Seq(sink, ids, params, progress, enqueued or now, np.array(ids, dtype=np.int32))
         self.leasing.waiting.append(seq)
 

@@ -175,8 +175,7 @@ class Engine:
         sink = _ListSink(should_stop or (lambda: False))
         loop.add(sink, prompt_ids, params, on_progress)
         try:
-            while loop.active:
-                loop.step()
+            while True:  # what add() said first (a refused prompt), then each step's events
                 for ev in sink.take():
                     if isinstance(ev, Hit):
                         if on_hit is not None:
@@ -185,6 +184,9 @@ class Engine:
                         raise ev.error
                     elif isinstance(ev, Chunk):
                         yield ev
+                if not loop.active:
+                    break
+                loop.step()
         finally:
             loop.close()
 

@@ -222,7 +222,7 @@ class QuantizedLlama:
 
     def __init__(self) -> None:
         self.inner = make_llama(seed=3, **HEAD_DIM_64)
-        self.layers = self.inner.layers
+        self.layers, self.args = self.inner.layers, self.inner.args
 
     def __call__(self, x, cache):
         return self.inner(x, cache=cache)

@@ -68,6 +68,7 @@ class ModelEngine:
 
     def __init__(self, model: Any, config: Config) -> None:
         self.model, self.config = Recorded(model), replace(config, prefill_chunk=8)
+        self.vocab_size = int(model.args.vocab_size)
         make = model.make_cache if hasattr(model, "make_cache") else None
         self.cache = TieredCache(config, make or (lambda: make_prompt_cache(model)))
 
