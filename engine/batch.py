@@ -82,13 +82,18 @@ class BatchLoop:
         now = time.perf_counter()
         ids = list(prompt_ids)
         vocab = int(self.engine.vocab_size)
-        if ids and not (0 <= min(ids) and max(ids) < vocab):
-            wrong = next(i for i in ids if not 0 <= i < vocab)
-            sink.emit(Failed(ValueError(f"prompt token id {wrong} is outside the model's "
+        try:
+            arr = np.array(ids, dtype=np.int32)  # an id past 32 bits: OverflowError
+            inside = not arr.size or (int(arr.min()) >= 0 and int(arr.max()) < vocab)
+        except (OverflowError, TypeError, ValueError):
+            inside = False
+        if not inside:
+            wrong = next((i for i in ids if not (isinstance(i, int) and 0 <= i < vocab)), None)
+            sink.emit(Failed(ValueError(f"prompt token id {wrong!r} is outside the model's "
                                         f"vocabulary of {vocab}")))  # fmt: skip
             sink.emit(END)
             return
-        seq = Seq(sink, ids, params, progress, enqueued or now, np.array(ids, dtype=np.int32))
+        seq = Seq(sink, ids, params, progress, enqueued or now, arr)
         self.leasing.waiting.append(seq)
 
     # -- the loop ---------------------------------------------------------------------------

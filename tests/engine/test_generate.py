@@ -122,7 +122,7 @@ def test_failure_after_fetch_gives_the_lease_back(engines):
     assert run(cached, turn, max_tokens=4)[2].usage.cached_tokens >= len(ids)
 
 
-@pytest.mark.parametrize("bad", ["past", "negative"])
+@pytest.mark.parametrize("bad", ["past", "negative", "past 32 bits"])
 def test_prompt_ids_outside_the_vocabulary_fail_the_request_not_the_process(engines, bad):
     """MLX's embedding gather reads past its table for an id outside the vocabulary: on the CPU
     the process died of a segfault (every request with it). The HTTP API takes text, so only a
@@ -130,7 +130,7 @@ def test_prompt_ids_outside_the_vocabulary_fail_the_request_not_the_process(engi
     the request fails with the id named, before any lookup or prefill, and the engine serves on."""
     cached, cold = engines
     ids = ids_of(cold, TEXT)
-    wrong = cold.vocab_size + 30_000 if bad == "past" else -3
+    wrong = {"past": cold.vocab_size + 30_000, "negative": -3, "past 32 bits": 1 << 40}[bad]
     for engine in engines:
         with pytest.raises(ValueError, match=f"token id {wrong} .*vocabulary of {cold.vocab_size}"):
             list(engine.generate(ids[:5] + [wrong] + ids[5:], SamplingParams(max_tokens=4)))
