@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,7 +174,7 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
     (``workers`` daemon threads of its own read the tensors, and never touch MLX either).
     """
     t0 = time.perf_counter()
-    with _reading(path, gpu if into is not None else None, spans=True) as (fd, batch):
+    with _reading(path, gpu, True, into) as (fd, batch):
         if header is None:
             header = store.read_header_fd(fd, fingerprint)
         else:
@@ -184,8 +184,6 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
         tensors = plan_tensors(header)
         if into is not None and set(into) != set(tensors):
             raise ValueError("destinations differ from the entry's tensors")
-        if batch is not None and into is not None:
-            batch.populate(extents(into.values()))
 
         def span(name: str, t: dict[str, Any], dst: np.ndarray, first: int,
                  to: Batch | None = None) -> int:  # fmt: skip
@@ -314,11 +312,9 @@ def read_tensors(path: Path, header: store.Header, into: dict[str, np.ndarray],
     only: any thread."""
     if set(into) != set(header.tensors):
         raise ValueError("destinations differ from the entry's tensors")
-    with _reading(path, gpu, spans=False) as (fd, batch):
+    with _reading(path, gpu, False, into) as (fd, batch):
         if os.fstat(fd).st_size != header.data_start + header.data_len:
             raise store.CorruptEntry("file size changed since its header was read")
-        if batch is not None:
-            batch.populate(extents(into.values()))
 
         def one(name: str) -> int:
             start, end = (int(x) for x in header.tensors[name]["data_offsets"])
@@ -362,19 +358,25 @@ def fault_in(arrays: list[np.ndarray], done: threading.Event, stop: Stop = None)
 
 
 @contextlib.contextmanager
-def _reading(path: Path, gpu: Upload | None, spans: bool) -> Iterator[tuple[int, Batch | None]]:
+def _reading(
+    path: Path, gpu: Upload | None, spans: bool, into: Mapping[str, np.ndarray] | None
+) -> Iterator[tuple[int, Batch | None]]:
     """A descriptor of ``path`` for positioned reads (never through a symlink; readahead off for
-    ``spans``, a range's spans, :func:`no_readahead`) and the batch its GPU copies go in (None
-    without ``gpu``). On leaving, every copy of the batch has finished — on an error too: nothing
-    stays in flight into memory the caller may free — and the descriptor is closed.
+    ``spans``, a range's spans, :func:`no_readahead`) and the batch its GPU copies into ``into``
+    go in (None without ``gpu`` or ``into``), those destinations populated on the GPU before any
+    copy (:meth:`Batch.populate`). On leaving, every copy of the batch has finished — on an error
+    too: nothing stays in flight into memory the caller may free — and the descriptor is closed.
 
     A whole file (``spans`` false) keeps the kernel's readahead: its readers each go through a
     tensor front to back, in file order, and a cold 1 GB reload of the bench shape ran at
     2.35 GB/s with it where it ran at 1.79 without (0.25 GB: 1.82 / 1.59, 4 GB: 1.47 / 1.28;
     medians of 4-8 on the 2-core VM, where mlx-lm's load read 2.28, 1.84, 1.62)."""
     fd = store.open_entry(path)
-    batch = gpu.batch() if gpu is not None else None
+    batch: Batch | None = None
     try:
+        if gpu is not None and into is not None:
+            batch = gpu.batch()
+            batch.populate(extents(into.values()))
         if spans:
             no_readahead(fd)
         yield fd, batch
