@@ -7,7 +7,8 @@ A :class:`CostBook` keeps a bounded, diverse set of observations per kind —
 * ``range`` (bytes, seconds, share warm) from the ranged reads of `both`;
 * ``join``  (bytes, seconds) from joining computed and read halves (allocation + join, per byte
   of the whole restored prefix);
-* ``head``  (predicted seconds alone, seconds) of each `both`'s head, computed beside its read;
+* ``head``  (predicted seconds alone, seconds, the read's share warm) of each `both`'s head,
+  computed beside its read;
 * ``outcome`` (way, predicted seconds, actual seconds) of every restore taken —
 
 and fits them (non-negative least squares on relative error) into the pure
@@ -46,7 +47,8 @@ from tiered_kv.cold import backend, fsafe
 from tiered_kv.restore.plan import WARM, Learned, PrefillCost, ReadCost
 
 log = logging.getLogger(__name__)
-#: 2: join observations are per byte of the restored prefix (were: per byte read, of a slower join)
+#: 2: join observations are per byte of the restored prefix (were: per byte read, of a slower join).
+#: A head row of two numbers (before its read's share warm was kept) counts as beside a cold read.
 VERSION = 2
 KINDS = ("prefill", "load", "range", "join", "head", "outcome")
 WAYS = ("load", "compute", "both")  # an outcome's way is stored as its index + 1
@@ -76,7 +78,8 @@ def valid(kind: str, obs: list[float]) -> bool:
     """An observation a real prefill, read or restore can make: finite, positive sizes and
     seconds within bounds no machine reaches (a planted or damaged file's rows made the fit
     overflow or ``log2`` fail: a server that did not start, or a worker that died)."""
-    if len(obs) != (2 if kind in ("join", "head") else 3) or not all(math.isfinite(x) for x in obs):
+    sizes = {"join": (2,), "head": (2, 3)}.get(kind, (3,))
+    if len(obs) not in sizes or not all(math.isfinite(x) for x in obs):
         return False
     if kind == "prefill":
         k, c, sec = obs
@@ -86,7 +89,7 @@ def valid(kind: str, obs: list[float]) -> bool:
         way, predicted, actual = obs
         return way in (1, 2, 3) and 0 < predicted <= _MAX_SECONDS and 0 < actual <= _MAX_SECONDS
     if kind == "head":
-        return all(0 < x <= _MAX_SECONDS for x in obs)
+        return all(0 < x <= _MAX_SECONDS for x in obs[:2]) and (len(obs) == 2 or -1 <= obs[2] <= 1)
     ok = 0 < obs[0] <= _MAX_BYTES and 0 < obs[1] <= _MAX_SECONDS and obs[0] / obs[1] <= _MAX_BYTES_PER_S
     return ok and (kind == "join" or -1 <= obs[2] <= 1)
 
@@ -105,7 +108,7 @@ def _bucket(kind: str, obs: list[float]) -> tuple[int, ...]:
     if kind == "outcome":
         return (int(obs[0]), round(math.log2(max(obs[1] * 1e3, 1))))
     if kind == "head":
-        return (round(math.log2(max(obs[0] * 1e3, 1))),)
+        return (round(math.log2(max(obs[0] * 1e3, 1))), int(len(obs) > 2 and obs[2] >= WARM))
     if kind == "prefill":
         k, c = obs[0], obs[1]
         return (round(math.log2(max(k, 1))), round(math.log2(c + 1)))
@@ -148,11 +151,14 @@ def corrections(outcomes: list[list[float]]) -> tuple[tuple[str, float, float], 
     return tuple((WAYS[int(r[0]) - 1], r[1], r[2] / r[1]) for r in outcomes if r[1] > 0)
 
 
-def head_factor(heads: list[list[float]]) -> float:
-    """How much slower a `both`'s head computes than the same prefill alone: the median of
-    actual / predicted over the heads seen (1.0 before any; ``plan`` clamps it)."""
-    ratios = [r[1] / r[0] for r in heads if r[0] > 0]
-    return float(np.median(ratios)) if ratios else 1.0
+def head_factor(heads: list[list[float]], warm: bool = False) -> float | None:
+    """How much slower a `both`'s head computes than the same prefill alone beside a read of a
+    page-cache-``warm`` file (or a cold one): the median of actual / predicted over those heads
+    (None before one; ``plan`` clamps it). Apart, for the two differ: on the H100 a head beside a
+    cold read (the disk's 1-2 GB/s) computed as fast as alone (0.93-1.08x, 1B and 8B, 8k-128k),
+    beside a warm one (the page cache's 10-25 GB/s copied to the GPU) 1.2-2.0x slower."""
+    ratios = [r[1] / r[0] for r in heads if r[0] > 0 and (len(r) > 2 and r[2] >= WARM) == warm]
+    return float(np.median(ratios)) if ratios else None
 
 
 def fastest_per_bucket(kind: str, obs: list[list[float]]) -> list[list[float]]:
@@ -241,10 +247,11 @@ class CostBook:
         if nbytes > 0 and seconds > 0:
             self._add("join", [float(nbytes), seconds])
 
-    def observe_head(self, predicted: float, seconds: float) -> None:
-        """A `both`'s head predicted (alone, by the prefill fit) and actually taking these seconds."""
+    def observe_head(self, predicted: float, seconds: float, warm: float | None = None) -> None:
+        """A `both`'s head predicted (alone, by the prefill fit) and actually taking these seconds,
+        beside a read of a file with share ``warm`` in the page cache (None: not known)."""
         if predicted > 0 and seconds > 0:
-            self._add("head", [predicted, seconds])
+            self._add("head", [predicted, seconds, -1.0 if warm is None else warm])
 
     def _add(self, kind: str, obs: list[float]) -> None:
         if not valid(kind, obs):
@@ -295,6 +302,7 @@ class CostBook:
             range_warm=reads("range", True),
             join_bytes_per_s=join_bw,
             head_factor=head_factor(self.obs["head"]),
+            head_factor_warm=head_factor(self.obs["head"], warm=True),
             correction=corrections(self.obs["outcome"]),
         )
 
@@ -318,7 +326,8 @@ class CostBook:
             cost: ReadCost | None = getattr(le, name)
             out[f"{name}_gb_s"] = cost.bytes_per_s / 1e9 if cost else 0.0
         out["join_gb_s"] = (le.join_bytes_per_s or 0.0) / 1e9
-        out["head_factor"] = le.head_slower  # as plans use it
+        out["head_factor"] = le.head_slower(0.0)  # as plans use them
+        out["head_factor_warm"] = le.head_slower(1.0)
         for way in WAYS:
             out[f"correction_{way}"] = le.factor(way)
         for kind in KINDS:

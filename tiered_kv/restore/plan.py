@@ -91,21 +91,34 @@ class Learned:
     range_cold: ReadCost | None = None
     range_warm: ReadCost | None = None
     join_bytes_per_s: float | None = None
-    #: how much longer a `both`'s head computes than the same prefill alone (median of actual /
-    #: predicted over the heads seen; 1.0 before one ran): it computes beside the I/O thread's
-    #: copies. On the H100 a 1B 8k head of 4096 tokens took 0.046 s where alone it takes 0.040,
-    #: an 8B one of 2048 tokens 0.12 s for 0.08: priced at the alone rate, `m` came out too large
+    #: how much longer a `both`'s head computes than the same prefill alone beside a read of a
+    #: file on disk (median of actual / predicted over such heads; None before one ran): it
+    #: computes beside the I/O thread's copies. Priced at the alone rate, `m` came out too large
     #: and `both` looked faster than the load it then lost to.
-    head_factor: float = 1.0
+    head_factor: float | None = None
+    #: the same beside a read out of the page cache, which copies ten times as fast: on the H100
+    #: heads took 1.2-2.0x as long as alone beside a warm read, 0.93-1.08x beside a cold one, and
+    #: one median over both priced warm `both`s at half their time (1B 64k: 0.15 s predicted,
+    #: 0.26 taken; the load it was chosen over took 0.19)
+    head_factor_warm: float | None = None
     #: outcomes seen, ``(way, predicted seconds, actual / predicted)``: how much longer than
     #: predicted each way took here. It corrects what the cost model leaves out (the `both` join
     #: and its hand-off, first-call overheads) with what this machine did; see :meth:`factor`.
     correction: tuple[tuple[str, float, float], ...] = ()
 
-    @property
-    def head_slower(self) -> float:
-        """:attr:`head_factor` as plans price heads with it (clamped to :data:`HEAD_CLAMP`)."""
-        return min(HEAD_CLAMP[1], max(HEAD_CLAMP[0], self.head_factor))
+    def head_slower(self, warm: float | None) -> float:
+        """How much slower than alone plans price a head beside a read of a file with share
+        ``warm`` in the page cache (None: not known, as cold): the factors of the two kinds
+        mixed by that share, one standing in for the other until it is seen (1.0 before
+        either), each clamped to :data:`HEAD_CLAMP`."""
+
+        def clamp(x: float) -> float:
+            return min(HEAD_CLAMP[1], max(HEAD_CLAMP[0], x))
+
+        cold = self.head_factor if self.head_factor is not None else self.head_factor_warm
+        hot = self.head_factor_warm if self.head_factor_warm is not None else cold
+        f = 0.0 if warm is None else min(1.0, max(0.0, warm))
+        return f * clamp(hot or 1.0) + (1 - f) * clamp(cold or 1.0)
 
     def factor(self, kind: str, seconds: float | None = None) -> float:
         """The correction of ``kind``: the median ratio of its outcomes predicted within
@@ -214,7 +227,7 @@ def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
     def at(b: int) -> int:
         return s + b * block
 
-    slower = learned.head_slower
+    slower = learned.head_slower(hit.warm)
 
     def cost(m: int) -> float:
         r = range_seconds(hit, learned, n - m) or 0.0

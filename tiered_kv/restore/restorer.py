@@ -259,14 +259,15 @@ class Restorer:
         except (store.CorruptEntry, ranged.Unsplittable, OSError, ValueError, gpu.DeviceError) as e:
             return self._fell_back(f"{type(e).__name__}: {e}")  # `full` (unverified) is dropped
         t_read = time.perf_counter()
+        warm = self._warm.pop(hit.entry_id, None)  # the file's share in the page cache, planned
         alone = self.costs.learned.prefill  # before this head teaches it
         if alone is not None:  # how much the read beside it slowed the head (plan.split)
-            self.costs.observe_head(alone.seconds(m - start, start), t_head - t_alloc)
+            self.costs.observe_head(alone.seconds(m - start, start), t_head - t_alloc, warm)
         self.costs.observe_prefill(m - start, start, t_head - t_alloc)
         # bytes served, not read: the learned range rate then prices in the whole-chunk overread
         served = sum(u8.nbytes for _, u8 in rr.tensors.values())
         rr.tensors.clear()  # the views into `full`: the join may update it in place
-        self.costs.observe_range(served, rr.seconds, self._warm.pop(hit.entry_id, None))
+        self.costs.observe_range(served, rr.seconds, warm)
         if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
             return self._fell_back("file tokens differ from the prompt")
         nbytes = sum(store.nbytes(dt, shp) for dt, shp in lay.values())  # n tokens

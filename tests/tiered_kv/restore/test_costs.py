@@ -198,9 +198,10 @@ def test_observations_stay_bounded_and_diverse():
 def test_heads_beside_their_reads_become_the_head_factor_and_persist(tmp_path):
     path = CostBook.file_for(tmp_path)
     book = CostBook(path, "fp")
-    assert book.learned.head_factor == 1.0  # no head seen: priced as alone
+    assert book.learned.head_factor is None  # no head seen: priced as alone
+    assert book.learned.head_slower(0.0) == book.learned.head_slower(1.0) == 1.0
     for predicted, actual in ((0.04, 0.046), (0.08, 0.12), (1.0, 1.1)):
-        book.observe_head(predicted, actual)
+        book.observe_head(predicted, actual, 0.0)
     book.observe_head(0.0, 1.0)  # nothing predicted: no row
     book.save(force=True)
     again = CostBook(path, "fp")
@@ -210,6 +211,29 @@ def test_heads_beside_their_reads_become_the_head_factor_and_persist(tmp_path):
     quick = CostBook(None, "fp")
     quick.observe_head(1.0, 0.5)  # ran faster than alone: plans (and /metrics) price it as alone
     assert quick.learned.head_factor == 0.5 and quick.stats()["head_factor"] == 1.0
+
+
+def test_heads_beside_warm_and_cold_reads_are_learned_apart(tmp_path):
+    """The H100's heads: beside cold reads as alone (0.93-1.08x), beside warm ones 1.2-2.0x. One
+    median over both priced a warm `both` at half its time; each kind now has its own, and a
+    head whose read's share was not known counts as cold (as do rows of books written before the
+    share was kept)."""
+    path = CostBook.file_for(tmp_path)
+    book = CostBook(path, "fp")
+    for predicted, actual, warm in ((0.2, 0.2, 0.0), (0.8, 0.82, 0.0), (4.1, 4.4, 0.0),
+                                    (0.07, 0.084, 1.0), (0.36, 0.55, 1.0), (1.0, 1.9, 0.9)):  # fmt: skip
+        book.observe_head(predicted, actual, warm)
+    book.observe_head(2.0, 2.0, None)
+    le = book.learned
+    assert le.head_factor == pytest.approx(1.0125) and le.head_factor_warm == pytest.approx(1.53, abs=0.01)
+    assert book.stats()["head_factor_warm"] == pytest.approx(1.53, abs=0.01)
+    book.save(force=True)
+    raw = json.loads(path.read_text())
+    raw["observations"]["head"].append([1.0, 3.0])  # a row of a book written before the share was kept
+    path.write_text(json.dumps(raw))
+    again = CostBook(path, "fp")
+    assert again.learned.head_factor == pytest.approx(1.025)  # the old row counts as cold
+    assert again.learned.head_factor_warm == le.head_factor_warm
 
 
 def test_an_observation_is_fitted_and_saved_when_settled_not_when_made(tmp_path):

@@ -267,3 +267,23 @@ def test_a_head_slowed_beside_its_read_moves_the_split_and_the_choice():
     assert plan(HIT, replace(costs, head_factor=3.0)).kind != "both"
     # never priced faster than alone: a head that happened to run quicker moves nothing
     assert split(HIT, replace(costs, head_factor=0.5)) == (m_alone, s_alone)
+
+
+def test_a_head_is_priced_by_the_page_state_of_the_read_beside_it():
+    """Heads beside a warm read (the page cache copied to the GPU at 10-25 GB/s) ran 1.2-2.0x as
+    long as alone on the H100, beside a cold one (the disk's 1-2 GB/s) as alone. With one factor
+    for both, a warm `both` was priced at half its time and chosen over a faster load (1B 64k:
+    0.15 s predicted, 0.26 taken, the load 0.19). Each kind prices its own heads; a file partly
+    warm mixes them; a kind not seen yet borrows the other's."""
+    costs = replace(learned(PREFILL_FAST, 0.5), load_warm=reads(2.0), range_warm=reads(2.0))
+    warm, cold = replace(HIT, warm=1.0), HIT
+    both_kinds = replace(costs, head_factor=1.0, head_factor_warm=2.0)
+    assert split(cold, both_kinds) == split(cold, costs)  # cold heads: as alone
+    assert split(warm, both_kinds) == split(warm, replace(costs, head_factor=2.0))
+    assert split(warm, both_kinds)[1] > split(warm, costs)[1]  # type: ignore[index]
+    assert plan(warm, costs).kind == "both" and plan(warm, both_kinds).kind == "compute"
+    assert both_kinds.head_slower(0.5) == pytest.approx(1.5)
+    assert both_kinds.head_slower(None) == 1.0  # a share not known: as cold
+    only_warm = replace(costs, head_factor_warm=2.0)
+    assert only_warm.head_slower(0.0) == only_warm.head_slower(1.0) == 2.0
+    assert costs.head_slower(1.0) == 1.0  # no head seen: priced as alone

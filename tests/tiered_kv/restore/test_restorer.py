@@ -657,7 +657,8 @@ def test_a_both_records_its_head_against_the_prefill_alone(plain):
     alone = r.costs.learned.prefill
     got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, "t"))
     assert got is not None and alone is not None
-    (predicted, actual), = r.costs.obs["head"]
+    (predicted, actual, warm), = r.costs.obs["head"]
+    assert warm == -1.0  # no plan priced it: the read's page state was not probed
     assert predicted == pytest.approx(alone.seconds(300)) and actual == pytest.approx(got.phases["head"])
     assert r.costs.learned.head_factor == pytest.approx(actual / predicted)
 
