@@ -108,7 +108,7 @@ def _bucket(kind: str, obs: list[float]) -> tuple[int, ...]:
     if kind == "outcome":
         return (int(obs[0]), round(math.log2(max(obs[1] * 1e3, 1))))
     if kind == "head":
-        return (round(math.log2(max(obs[0] * 1e3, 1))), int(len(obs) > 2 and obs[2] >= WARM))
+        return (round(math.log2(max(obs[0] * 1e3, 1))), int(_beside_warm(obs)))
     if kind == "prefill":
         k, c = obs[0], obs[1]
         return (round(math.log2(max(k, 1))), round(math.log2(c + 1)))
@@ -151,13 +151,19 @@ def corrections(outcomes: list[list[float]]) -> tuple[tuple[str, float, float], 
     return tuple((WAYS[int(r[0]) - 1], r[1], r[2] / r[1]) for r in outcomes if r[1] > 0)
 
 
+def _beside_warm(head: list[float]) -> bool:
+    """Whether a head row's read was of a page-cache-warm file (a row of two numbers, written
+    before the share was kept, or an unknown share: cold)."""
+    return len(head) > 2 and head[2] >= WARM
+
+
 def head_factor(heads: list[list[float]], warm: bool = False) -> float | None:
     """How much slower a `both`'s head computes than the same prefill alone beside a read of a
     page-cache-``warm`` file (or a cold one): the median of actual / predicted over those heads
     (None before one; ``plan`` clamps it). Apart, for the two differ: on the H100 a head beside a
     cold read (the disk's 1-2 GB/s) computed as fast as alone (0.93-1.08x, 1B and 8B, 8k-128k),
     beside a warm one (the page cache's 10-25 GB/s copied to the GPU) 1.2-2.0x slower."""
-    ratios = [r[1] / r[0] for r in heads if r[0] > 0 and (len(r) > 2 and r[2] >= WARM) == warm]
+    ratios = [r[1] / r[0] for r in heads if r[0] > 0 and _beside_warm(r) == warm]
     return float(np.median(ratios)) if ratios else None
 
 

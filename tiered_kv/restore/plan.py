@@ -112,13 +112,11 @@ class Learned:
         mixed by that share, one standing in for the other until it is seen (1.0 before
         either), each clamped to :data:`HEAD_CLAMP`."""
 
-        def clamp(x: float) -> float:
-            return min(HEAD_CLAMP[1], max(HEAD_CLAMP[0], x))
+        def clamp(x: float | None) -> float | None:
+            return None if x is None else min(HEAD_CLAMP[1], max(HEAD_CLAMP[0], x))
 
-        cold = self.head_factor if self.head_factor is not None else self.head_factor_warm
-        hot = self.head_factor_warm if self.head_factor_warm is not None else cold
-        f = 0.0 if warm is None else min(1.0, max(0.0, warm))
-        return f * clamp(hot or 1.0) + (1 - f) * clamp(cold or 1.0)
+        mixed = _blend(warm, clamp(self.head_factor), clamp(self.head_factor_warm))
+        return 1.0 if mixed is None else mixed
 
     def factor(self, kind: str, seconds: float | None = None) -> float:
         """The correction of ``kind``: the median ratio of its outcomes predicted within
@@ -184,16 +182,24 @@ def _priced(warm: float | None, cold_cost: ReadCost | None, warm_cost: ReadCost 
     return (warm_cost if warm is not None and warm >= WARM else cold_cost) is not None
 
 
+def _blend(warm: float | None, cold: float | None, hot: float | None) -> float | None:
+    """A value for a file with share ``warm`` in the page cache (unknown share: cold), from its
+    value when cold and when warm, mixed by that share; one stands in for the other until it is
+    known; None when neither is."""
+    if cold is None and hot is None:
+        return None
+    cold = hot if cold is None else cold
+    hot = cold if hot is None else hot
+    assert cold is not None and hot is not None
+    f = 0.0 if warm is None else min(1.0, max(0.0, warm))
+    return f * hot + (1 - f) * cold
+
+
 def _mix(warm: float | None, cold_cost: ReadCost | None, warm_cost: ReadCost | None,
          nbytes: float) -> float | None:  # fmt: skip
     """Seconds to read ``nbytes`` with share ``warm`` in the page cache (unknown share: cold)."""
-    if cold_cost is None and warm_cost is None:
-        return None
-    cold_cost = cold_cost or warm_cost
-    warm_cost = warm_cost or cold_cost
-    assert cold_cost is not None and warm_cost is not None
-    f = 0.0 if warm is None else min(1.0, max(0.0, warm))
-    return f * warm_cost.seconds(nbytes) + (1 - f) * cold_cost.seconds(nbytes)
+    return _blend(warm, cold_cost.seconds(nbytes) if cold_cost else None,
+                  warm_cost.seconds(nbytes) if warm_cost else None)  # fmt: skip
 
 
 def load_seconds(hit: Hit, learned: Learned) -> float | None:
