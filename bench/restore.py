@@ -194,15 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     modes, pages = a.modes.split(","), a.pages.split(",")
     print(f"# restore benchmark: {model_dir.name} on {bench.device}, cache dir {root}"
           + (f", memory holds the first {a.held:.0%} of each hit" if a.held else ""))  # fmt: skip
-    # both's phases (Restorer.last_phases): alloc → head (compute, the read beside it) → wait (for
+    # both's phases (Restorer.last_phases): alloc → head (compute, the read beside it) → extend (the
+    # compute carried on past m while the read still ran; plan (m→m') says where it got) → wait (for
     # the read after the compute) → join; read = the I/O thread's time; suffix = the prefill after;
     # fetch = lookup + plan + restore before it, restore = the load's (or both's) own seconds: a way
     # chosen by auto and the same way forced, side by side, show where their difference lies
     print(
         "| tokens | pages | mode | TTFT s | plan (m) | tier | predicted s | token "
-        "| alloc s | head s | read s | wait s | join s | suffix s | fetch s (restore s) | runs s (in order) |"
+        "| alloc s | head s | extend s | read s | wait s | join s | suffix s | fetch s (restore s) | runs s (in order) |"
     )
-    print("|---:|---|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|")
+    print("|---:|---|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     summary = []
     for t in (int(x) for x in a.tokens.split(",")):
         rng = np.random.default_rng(t)
@@ -224,11 +225,13 @@ def main(argv: list[str] | None = None) -> int:
                 toks = {r[1] for r in rs}
                 tok = tok if len(toks) == 1 else -1  # a run that differs shows as DIFF
                 cols = " | ".join(f"{ph[k]:.3f}" if k in ph else "-"
-                                  for k in ("alloc", "head", "read", "wait", "join"))  # fmt: skip
+                                  for k in ("alloc", "head", "extend", "read", "wait", "join"))  # fmt: skip
                 d = hit.restore
                 first_tok = tok if first_tok is None else first_tok
                 ttfts[mode] = ttft
                 plan = f"{d.kind} ({d.m})" if d else "-"
+                if d and d.kind == "both" and hit.held + hit.computed != d.m:
+                    plan = f"both ({d.m}→{hit.held + hit.computed})"  # the compute went on
                 pred = f"{d.predicted_total_s:.3f}" if d and d.predicted_total_s else "-"
                 same = "=" if tok == first_tok else f"DIFF {tok}"
                 # each run with its way's initial (l / c / b): what auto chose run by run

@@ -173,7 +173,7 @@ class Finder:
             if got is not None:
                 entry = new_entry(got.tokens, got.caches, {}, persisted=True)
                 return Candidate(entry, len(got.tokens), "cold", got.seconds, got.nbytes, d,
-                                 d.m - d.start, d.start)  # fmt: skip
+                                 got.m - d.start, d.start)  # fmt: skip
         if d.kind == "both":  # it fell back: the load's time is no outcome of a both
             d = dataclasses.replace(d, kind="load", informed=False)
         cand = yield from self._load(hit, prompt, background)

@@ -72,6 +72,39 @@ class RangeRead:
     metadata: dict[str, str]
     nbytes: int  # bytes read (whole chunks: ≥ the bytes served)
     seconds: float
+    #: the first token read and verified in every tensor: ``start``, or more where a
+    #: :class:`Meet` let the read stop early (the rows before it hold unverified bytes)
+    first: int = 0
+    served: int = 0  # bytes of the tensors' rows read and verified ([first, stop) or more)
+
+
+class Meet:
+    """Where a `both`'s read and its compute meet, shared by the engine thread and the readers.
+
+    The engine thread raises :attr:`floor` (tokens of the hit it has computed) as it computes past
+    the planned ``m`` while the read is still going; the readers go through each tensor's span
+    from its end backwards and stop once all that is left of it lies below the floor. They count
+    the bytes they served, so the engine thread can tell how much of the read is left
+    (:meth:`left`), and record, per tensor, the first token they read (:attr:`reached`)."""
+
+    def __init__(self, floor: int) -> None:
+        self.floor = floor  # written by the engine thread only; read between a reader's pieces
+        self.total = 0  # bytes the read serves if it never stops early (set before it starts)
+        self.reached: dict[str, int] = {}  # tensor → first byte read (from its start)
+        self._done = 0
+        self._lock = threading.Lock()
+
+    def served(self, nbytes: int) -> None:
+        with self._lock:
+            self._done += nbytes
+
+    @property
+    def done(self) -> int:
+        return self._done
+
+    def left(self) -> float:
+        """The share of :attr:`total` not read yet (1.0 before the read started)."""
+        return 1.0 - self._done / self.total if self.total else 1.0
 
 
 def plan_tensors(header: store.Header) -> dict[str, dict[str, Any]]:
@@ -150,8 +183,14 @@ RANGE_READERS = 8
 
 def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANGE_READERS,
                into: dict[str, np.ndarray] | None = None, gpu: Upload | None = None,
-               stop: Stop = None, header: store.Header | None = None) -> RangeRead:  # fmt: skip
+               stop: Stop = None, header: store.Header | None = None,
+               meet: Meet | None = None) -> RangeRead:  # fmt: skip
     """Verified tokens ``[0, n)`` and rows ``[m, n)`` of every layer tensor, token-major.
+
+    ``meet`` (optional, a `both`'s): each tensor's rows are read from ``n`` backwards, and a
+    tensor's read ends once what is left of it lies below ``meet.floor`` (the compute holds those
+    tokens); the result's ``first`` is then the first row read in every tensor, and only rows
+    ``[first, n)`` are verified.
 
     ``header`` (optional): the entry's header as the caller read and checked it (the one it took
     :func:`layout_of` from): not parsed again, but the file opened here must be the one it was
@@ -186,13 +225,13 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
             raise ValueError("destinations differ from the entry's tensors")
 
         def span(name: str, t: dict[str, Any], dst: np.ndarray, first: int,
-                 to: Batch | None = None) -> int:  # fmt: skip
+                 to: Batch | None = None, meeting: Meet | None = None) -> int:  # fmt: skip
             """Tokens from ``first`` of tensor ``name`` into ``dst`` (one contiguous span)."""
             base = header.data_start + int(t["data_offsets"][0])
             size = int(t["data_offsets"][1]) - int(t["data_offsets"][0])
             per = dst[0].nbytes // max(1, dst.shape[1])  # bytes of one token
             return read_span(fd, base, size, first * per, dst, header.digests(name), chunk, name, to,
-                             stop)  # fmt: skip
+                             stop, meeting, per)  # fmt: skip
 
         def one(name: str, t: dict[str, Any]) -> tuple[str, tuple[str, np.ndarray], int]:
             shape = (1, n - m, int(t["shape"][2]), _row_bytes(t))
@@ -203,8 +242,10 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
                 if (buf.shape != shape or buf.dtype != np.uint8 or not buf.flags.writeable
                         or not buf.flags.c_contiguous):  # fmt: skip
                     raise ValueError(f"destination of {name} is not contiguous writable uint8 {shape}")
-            return name, (t["dtype"], buf), span(name, t, buf, m, batch)
+            return name, (t["dtype"], buf), span(name, t, buf, m, batch, meet)
 
+        if meet is not None:
+            meet.total = sum((n - m) * int(t["shape"][2]) * _row_bytes(t) for t in tensors.values())
         tok = np.empty((1, n, 4), dtype=np.uint8)
         read = span("tokens", header.tensors["tokens"], tok, 0)
         # positioned reads release the GIL: a few in flight keep a fast disk (or the page cache) busy
@@ -212,7 +253,13 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
     out = {name: value for name, value, _ in done}
     read += sum(got for _, _, got in done)
     tokens = tok.reshape(-1).view("<i4").copy()
-    return RangeRead(m, n, tokens, out, dict(header.metadata), read, time.perf_counter() - t0)
+    first, served = m, sum(u8.nbytes for _, u8 in out.values())
+    if meet is not None:  # each tensor's first whole row read
+        per = {k: u8[0].nbytes // max(1, u8.shape[1]) for k, (_, u8) in out.items()}
+        first = max([m] + [-(-meet.reached.get(k, n * p) // p) for k, p in per.items() if p])
+        served = meet.done
+    return RangeRead(m, n, tokens, out, dict(header.metadata), read, time.perf_counter() - t0,
+                     first, served)  # fmt: skip
 
 
 #: bytes (whole chunks) read per positioned read, then verified while still in cache
@@ -221,7 +268,8 @@ _IOV_MAX = 512
 
 
 def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, digests: str,
-              chunk: int, name: str, gpu: Batch | None = None, stop: Stop = None) -> int:  # fmt: skip
+              chunk: int, name: str, gpu: Batch | None = None, stop: Stop = None,
+              meet: Meet | None = None, per: int = 0) -> int:  # fmt: skip
     """Fill ``dest`` (a writable contiguous uint8 array) with the bytes from ``first`` of the
     tensor of ``size`` bytes at file offset ``base``. The whole checksum chunks covering them are
     read, a few per ``preadv``, straight into ``dest`` (the chunk bytes before and after it land
@@ -231,29 +279,30 @@ def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, diges
     With ``gpu`` (``dest`` is a view of GPU memory: its address is all that is used) the chunks
     are read into a pinned slot instead, hashed there, and the GPU copies the part that belongs
     to ``dest`` — only verified bytes are sent. Raises gpu.DeviceError when a copy failed, and
-    Cancelled before a read once ``stop`` is set."""
+    Cancelled before a read once ``stop`` is set.
+
+    With ``meet`` the pieces are read from the end backwards, and the read ends early once what is
+    left lies below ``meet.floor`` tokens of ``per`` bytes (:class:`Meet`, which it tells what it
+    served and the first byte it reached)."""
     end = first + dest.nbytes
     if end > size:
         raise store.CorruptEntry(f"short tensor {name}")
     if not dest.nbytes:
         return 0
     if gpu is not None and chunk <= gpu.slot_bytes:
-        return _span_via(gpu, fd, base, size, first, dest.ctypes.data, end, digests, chunk, name,
-                         stop)  # fmt: skip
+        return sum(_via(gpu, fd, base, first, end, dest.ctypes.data, digests, chunk, name, lo, hi)
+                   for lo, hi in _groups(size, first, end, chunk, gpu.slot_bytes // chunk, name,
+                                         stop, meet, per))  # fmt: skip
     d = dest.data.cast("B")
-    c0, c1 = first // chunk, -(-end // chunk)
     read = 0
-    group = max(1, _GROUP_BYTES // chunk)
-    for g0 in range(c0, c1, group):
-        _check_stop(stop)
-        g1 = min(c1, g0 + group)
-        lo, hi = g0 * chunk, min(size, g1 * chunk)
+    for lo, hi in _groups(size, first, end, chunk, max(1, _GROUP_BYTES // chunk), name, stop, meet,
+                          per):  # fmt: skip
         pieces = _pieces(lo, hi, first, d)
         for _, v in pieces:
             prefault(v)
         _preadv_all(fd, [v for _, v in pieces], base + lo)
         read += hi - lo
-        for c in range(g0, g1):
+        for c in range(lo // chunk, -(-hi // chunk)):
             a, b = c * chunk, min(size, (c + 1) * chunk)
             h = xxhash.xxh3_64()
             for off, v in pieces:
@@ -265,26 +314,43 @@ def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, diges
     return read
 
 
-def _span_via(gpu: Batch, fd: int, base: int, size: int, first: int, dst: int, end: int,
-              digests: str, chunk: int, name: str, stop: Stop) -> int:  # fmt: skip
-    """:func:`read_span`'s bytes ``[first, end)`` of a tensor to device address ``dst`` through
-    pinned slots: as many whole chunks per read as a slot holds, verified, then copied."""
+def _groups(size: int, first: int, end: int, chunk: int, group: int, name: str, stop: Stop,
+            meet: Meet | None, per: int) -> Iterator[tuple[int, int]]:  # fmt: skip
+    """The byte ranges ``[lo, hi)`` of a tensor that :func:`read_span` reads one at a time: the
+    whole chunks covering ``[first, end)``, ``group`` chunks each, in order — or, with ``meet``,
+    from the end backwards until what is left lies below its floor. Each is yielded once its
+    caller may read it (``stop`` checked) and counted as served once the caller is through with
+    it; with ``meet``, the first byte reached is recorded at the end."""
     c0, c1 = first // chunk, -(-end // chunk)
-    per = gpu.slot_bytes // chunk
-    read = 0
-    for g0 in range(c0, c1, per):
+    starts = range(c0, c1, group)
+    low = end
+    for g0 in reversed(starts) if meet is not None else starts:
         _check_stop(stop)
-        g1 = min(c1, g0 + per)
-        lo, hi = g0 * chunk, min(size, g1 * chunk)
-        with gpu.slot() as slot:
-            buf = slot.buf[: hi - lo]
-            _preadv_all(fd, [buf], base + lo)
-            if checksums.chunk_digests([buf], chunk) != digests[g0 * _HEX : g1 * _HEX]:
-                raise store.CorruptEntry(f"range checksum mismatch in {name}")
-            a, b = max(lo, first), min(hi, end)
-            slot.copy(a - lo, b - a, dst + (a - first))
-        read += hi - lo
-    return read
+        lo, hi = g0 * chunk, min(size, min(c1, g0 + group) * chunk)
+        if meet is not None and min(hi, end) <= meet.floor * per:
+            break  # the compute holds all that is left
+        yield lo, hi
+        low = max(lo, first)
+        if meet is not None:
+            meet.served(min(hi, end) - low)
+    if meet is not None:
+        meet.reached[name] = low
+
+
+def _via(gpu: Batch, fd: int, base: int, first: int, end: int, dst: int, digests: str,
+         chunk: int, name: str, lo: int, hi: int) -> int:  # fmt: skip
+    """:func:`read_span`'s whole chunks ``[lo, hi)`` of a tensor (at most a slot) to the device
+    address ``dst`` of its byte ``first`` through a pinned slot: read, verified, then its part in
+    ``[first, end)`` copied. Returns the bytes read."""
+    g0, g1 = lo // chunk, -(-hi // chunk)
+    with gpu.slot() as slot:
+        buf = slot.buf[: hi - lo]
+        _preadv_all(fd, [buf], base + lo)
+        if checksums.chunk_digests([buf], chunk) != digests[g0 * _HEX : g1 * _HEX]:
+            raise store.CorruptEntry(f"range checksum mismatch in {name}")
+        a, b = max(lo, first), min(hi, end)
+        slot.copy(a - lo, b - a, dst + (a - first))
+    return hi - lo
 
 
 def _check_stop(stop: Stop) -> None:

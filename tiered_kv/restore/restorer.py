@@ -10,6 +10,10 @@ read has returned (:mod:`tiered_kv.restore.buffers` states this exception to the
 rule). They are token-major like the entry file (``(1, n, heads, ...)``, the read one contiguous
 run per layer); the join copies the computed ``[0, m)`` into them in place and serves their
 ``swapaxes`` view, ``(1, heads, n, ...)``: the read tail is copied once, kernel to final array.
+A head done before its read computes on a step at a time while the read is predicted to need
+longer than a step, and the read (backwards through each tensor) stops where the compute got to
+(:class:`tiered_kv.cold.ranged.Meet`): the two meet where they actually run, not only where the
+plan priced them.
 On CUDA the landing holds only the tail, which the I/O thread's readers stage in pinned memory and
 the GPU copies into it (:mod:`tiered_kv.cold.gpu`), and the join concatenates on the GPU. The
 CostBook it feeds is fitted and saved when settled (after a request's first token, when the batch
@@ -37,7 +41,7 @@ from tiered_kv.cold import gpu, ranged, store
 from tiered_kv.cold.landing import allocate
 from tiered_kv.restore import buffers
 from tiered_kv.restore.costs import CostBook
-from tiered_kv.restore.plan import KINDS, Hit, Mode, Plan, plan, worth_spilling
+from tiered_kv.restore.plan import KINDS, Hit, Mode, Plan, plan, range_seconds, worth_spilling
 from tiered_kv.steps import Steps, drain
 
 log = logging.getLogger(__name__)
@@ -51,8 +55,9 @@ Compute = Callable[[list[int], list[Any] | None], Steps[list[Any]]]
 #: None, stop=event, header=the header the layout came from)
 Reader = Callable[..., ranged.RangeRead]
 #: where a `both` spends its time (seconds), in order: landing arrays allocated, the head computed
-#: (I/O running beside it), waiting for the read after the compute, the join; and the read itself
-PHASES = ("alloc", "head", "wait", "join", "read")
+#: (I/O running beside it), the compute carried on past ``m`` while the read still ran, waiting for
+#: the read after the compute, the join; and the read itself
+PHASES = ("alloc", "head", "extend", "wait", "join", "read")
 #: layer classes whose computed and read halves can be joined along the token axis
 JOINABLE = frozenset({"KVCache", "QuantizedKVCache"})
 
@@ -90,6 +95,7 @@ class BothResult:
     seconds: float
     nbytes: int
     phases: dict[str, float]  # PHASES → seconds
+    m: int = 0  # tokens the compute held at the join (the plan's m, or more: Restorer.extend)
 
 
 def blocker_of(caches: Sequence[Any]) -> str:
@@ -119,6 +125,13 @@ class Restorer:
         #: head of 4255 tokens (8B, steps 2048, 2048, 158, 1) took 0.34 s where the same head took
         #: 0.14 s the second time.
         self.step = max(1, step)
+        #: tokens the compute goes on with, a step at a time, when its head is done before the
+        #: read (0: it waits): the read, going backwards through each tensor, then stops where
+        #: the compute got to (ranged.Meet). A plan's m rests on learned rates, and a read slower
+        #: than priced left the head waiting: 0.3-1.9 s at 8B 32k-128k with the page cache
+        #: dropped on the H100, whose first ranged reads ran at 0.55-0.6x of the load's rate.
+        #: A whole prefill step, so it runs only step shapes already compiled (``step`` above)
+        self.extend = self.step if self.step > 1 else 0
         self.blocker, self.kv_bits, self.kv_group_size = blocker, kv_bits, kv_group_size
         self.reader = reader
         #: where `both`'s read lands: "full" or "tail" arrays (buffers.landing(); "" → that)
@@ -232,20 +245,30 @@ class Restorer:
         t_alloc = time.perf_counter()
         up = gpu.shared() if self.landing == "tail" else None  # CUDA: copied in by the GPU
         stop = threading.Event()
+        meet = ranged.Meet(m)
         read = Call(functools.partial(self.reader, path, cold.fingerprint, m, n, into=views,
-                                      gpu=up, stop=stop, header=header), "restore-io")  # fmt: skip
+                                      gpu=up, stop=stop, header=header, meet=meet),
+                    "restore-io")  # fmt: skip
         del views  # the I/O thread's now; `full` is not touched until the read returned
         head_error: Exception | None = None
+        c = m  # tokens the compute holds
         try:
             try:
                 head = self.compute(np.asarray(prompt[start:m]).tolist(), held)
                 del held  # the compute's now (it writes past the held tokens)
                 # beside a batch its steps are the loop's: the other streams decode between them
                 computed = (yield from head) if background else drain(head)
+                t_head = time.perf_counter()
+                while self._carry_on(read, meet, hit, c, n, start, m, t_head - t_alloc, t_alloc):
+                    more = self.compute(np.asarray(prompt[c : c + self.extend]).tolist(), computed)
+                    computed = (yield from more) if background else drain(more)
+                    c += self.extend
+                    meet.floor = c  # the read stops where it gets below this
             except Exception as e:  # the file may still serve: load it (once the read let `full` go)
                 head_error = e
                 stop.set()
-            t_head = time.perf_counter()
+                t_head = time.perf_counter()
+            t_ext = time.perf_counter()
             while background and not read.done():
                 yield
         except BaseException:  # closed by a cancelled request: the read stops before its next piece
@@ -265,31 +288,60 @@ class Restorer:
             self.costs.observe_head(alone.seconds(m - start, start), t_head - t_alloc, warm)
         self.costs.observe_prefill(m - start, start, t_head - t_alloc)
         # bytes served, not read: the learned range rate then prices in the whole-chunk overread
-        served = sum(u8.nbytes for _, u8 in rr.tensors.values())
         rr.tensors.clear()  # the views into `full`: the join may update it in place
-        self.costs.observe_range(served, rr.seconds, warm)
+        self.costs.observe_range(rr.served, rr.seconds, warm)
         if not np.array_equal(rr.tokens[:n], np.asarray(prompt[:n], dtype=np.int32)):
             return self._fell_back("file tokens differ from the prompt")
+        if rr.first > c:  # never: the read stops only below what the compute holds
+            return self._fell_back(f"the read stopped at {rr.first}, the compute at {c}")
         nbytes = sum(store.nbytes(dt, shp) for dt, shp in lay.values())  # n tokens
         try:
-            caches = self.join(computed, full, rr.metadata, m, n)
+            caches = self.join(computed, full, rr.metadata, c, n, m)
         except (layers.CorruptState, layers.UnsupportedCache, ranged.Unsplittable, KeyError) as e:
             return self._fell_back(f"join: {e}")
         t_join = time.perf_counter()
         # allocation + join per byte of the n tokens: what plan.split adds to `both`
         self.costs.observe_join(nbytes, (t_join - t_read) + (t_alloc - t0))
-        phases = {"alloc": t_alloc - t0, "head": t_head - t_alloc, "wait": t_read - t_head,
-                  "join": t_join - t_read, "read": rr.seconds}  # fmt: skip
+        phases = {"alloc": t_alloc - t0, "head": t_head - t_alloc, "extend": t_ext - t_head,
+                  "wait": t_read - t_ext, "join": t_join - t_read, "read": rr.seconds}  # fmt: skip
         self._record(phases)
-        return BothResult(caches, rr.tokens[:n].copy(), t_join - t0, rr.nbytes, phases)
+        return BothResult(caches, rr.tokens[:n].copy(), t_join - t0, rr.nbytes, phases, c)
+
+    def _carry_on(self, read: Call, meet: ranged.Meet, hit: Any, c: int, n: int, start: int,
+                  m: int, head_s: float, t_read: float) -> bool:  # fmt: skip
+        """Whether the compute, holding ``c`` tokens with the read still going, computes one more
+        :attr:`extend` step: only while the read is predicted to need longer than the step takes
+        (its pace so far against what it has left; the step at the learned prefill rate, as slow
+        as heads beside reads run, else at this head's pace), so that going on never makes the
+        `both` later than waiting would have."""
+        if not self.extend or c + self.extend >= n or read.done():
+            return False
+        learned, warm = self.costs.learned, self._warm.get(hit.entry_id)
+        left = meet.left()
+        elapsed = time.perf_counter() - t_read
+        if left < 1.0:
+            read_left = elapsed * left / (1.0 - left)
+        else:  # nothing served yet: what the learned rate says is left of it
+            per = meet.total / max(1, n - m)
+            priced = range_seconds(Hit(n, 0, per, warm), learned, n - m)
+            if priced is None:
+                return False
+            read_left = priced - elapsed
+        if learned.prefill is not None:
+            step_s = learned.prefill.seconds(self.extend, c) * learned.head_slower(warm)
+        else:
+            step_s = head_s * self.extend / max(1, m - start)
+        return read_left > step_s
 
     def join(self, computed: list[Any], full: dict[str, mx.array], metadata: dict[str, str],
-             m: int, n: int) -> list[Any]:  # fmt: skip
+             m: int, n: int, landed: int | None = None) -> list[Any]:  # fmt: skip
         """Caches holding ``[0, n)``: the computed ``[0, m)`` (quantised like the entry when the
         tier stores quantised KV) and the read ``[m, n)`` in ``full`` — the token-major landing
         arrays, of all ``n`` tokens (the head, swapped, is written into tokens ``[0, m)`` in place;
-        the cache holds the ``swapaxes`` view) or of ``[m, n)`` only (one concatenation with the
-        swapped tail). ``full`` is consumed. Engine thread."""
+        the cache holds the ``swapaxes`` view) or of ``[landed, n)`` only (``landed``: the plan's
+        m, at most ``m``; one concatenation with the swapped tail from ``m``). ``full`` is
+        consumed. Engine thread."""
+        landed = m if landed is None else landed
         if self.kv_bits:
             computed = layers.quantize(computed, self.kv_bits, self.kv_group_size)
         mine, _ = layers.encode(computed)
@@ -306,7 +358,8 @@ class Restorer:
                 a[:, :m] = mx.swapaxes(head, 1, 2)
                 arrays[name] = mx.swapaxes(a, 1, 2)
             else:
-                arrays[name] = mx.concatenate([head, mx.swapaxes(a, 1, 2)], axis=2)
+                tail = mx.swapaxes(a, 1, 2)[..., m - landed :, :]
+                arrays[name] = mx.concatenate([head, tail], axis=2)
         mx.eval(list(arrays.values()))
         tree = json.loads(metadata["layers"])
         _set_offsets(tree, n)

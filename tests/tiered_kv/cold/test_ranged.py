@@ -759,3 +759,39 @@ def test_a_cold_read_into_host_memory_faults_it_in_ahead_and_ends_that_thread(tm
     order = sorted(h.tensors, key=lambda k: h.tensors[k]["data_offsets"][0])
     assert calls == [("tkv-fault", [into[k].ctypes.data for k in order])]
     assert not [t for t in threading.enumerate() if t.name == "tkv-fault"]
+
+
+@pytest.mark.parametrize("through", ["host", "upload"])
+def test_a_meeting_read_goes_backwards_and_stops_below_the_computed_tokens(tmp_path, monkeypatch,
+                                                                          through):  # fmt: skip
+    """A `both`'s read (``meet``): each tensor's chunks from its end backwards, and none once all
+    that is left lies below the tokens the compute holds (``meet.floor``, raised here after the
+    first read of each tensor). ``first`` is the first row read in every tensor; rows from it on
+    are exact, rows below were never written; the served bytes and the share left are counted."""
+    path, keys = write(tmp_path)
+    monkeypatch.setattr(ranged, "_GROUP_BYTES", 3 * CHUNK)  # host: 3 chunks per positioned read
+    m, n, floor = 100, 590, 400
+    meet = ranged.Meet(m)
+    real, offsets = ranged._preadv_all, []
+
+    def watch(fd, bufs, offset):
+        offsets.append(offset)
+        got = real(fd, bufs, offset)
+        meet.floor = floor  # the compute got to 400 meanwhile
+        return got
+
+    monkeypatch.setattr(ranged, "_preadv_all", watch)
+    into = {k: np.full((1, n - m, HEADS, DIM * 4), 0xAB, np.uint8) for k in ("0.keys", "0.values")}
+    up = HostUpload(slot_bytes=3 * CHUNK) if through == "upload" else None
+    rr = ranged.read_range(path, "fp", m, n, into=into, gpu=up, workers=1, meet=meet)
+    h = store.read_header(path, "fp")
+    for name in into:  # backwards within each tensor
+        base = h.data_start + h.tensors[name]["data_offsets"][0]
+        mine = [o for o in offsets if base <= o < base + N * ROW]
+        assert mine == sorted(mine, reverse=True) and len(mine) >= 2
+    assert m < rr.first <= floor  # stopped early, and only below what the compute holds
+    got = into["0.keys"].view(np.float32)[0].swapaxes(0, 1)
+    np.testing.assert_array_equal(got[:, rr.first - m :], keys[0, :, rr.first : n])
+    assert (into["0.values"][:, : floor - 3 * CHUNK // ROW - m] == 0xAB).all()  # never read
+    assert rr.served == meet.done < 2 * (n - m) * ROW and 0 < meet.left() < 1
+    assert rr.served >= 2 * (n - rr.first) * ROW

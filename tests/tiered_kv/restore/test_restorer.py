@@ -542,7 +542,7 @@ def test_the_read_lands_in_the_served_arrays_and_phases_are_recorded(plain):
     mx.eval(stored)
     served = [np.frombuffer(memoryview(x), dtype=np.uint8) for x in stored]
     assert all(any(np.shares_memory(v, s) for s in served) for v in landed)
-    assert set(got.phases) == {"alloc", "head", "wait", "join", "read"} == set(r.last_phases)
+    assert set(got.phases) == {"alloc", "head", "extend", "wait", "join", "read"} == set(r.last_phases)
     stats = r.stats()
     assert stats["restore_both_head_seconds"] > 0 and stats["restore_both_read_seconds"] > 0
     assert r.costs.obs["join"][-1][0] == sum(
@@ -712,3 +712,73 @@ def test_a_both_parses_its_entrys_header_once(plain, monkeypatch):
     got = r.both(plain.cold, hit, plain.ids, Decision("both", N - 1, 300, 0, "t"))
     assert got is not None and got.tokens.tolist() == plain.ids[: N - 1]
     assert len(parsed) == 1, parsed
+
+
+def test_a_both_whose_read_is_slower_than_priced_computes_on_and_the_read_stops_there(tmp_path, monkeypatch):
+    """A head done before its read waited for it (0.3-1.9 s at 8B 32k-128k with the page cache
+    dropped on the H100, whose ranged reads ran slower than the plan priced them). Now the
+    compute goes on a step at a time while the read is predicted to need longer than a step,
+    and the read, going backwards through each tensor, stops where the compute got to: here
+    each tensor is three checksum chunks read one per call, each call held 0.5 s (a slow disk),
+    and only the last chunk of each is read. The logits equal a cold prefill's."""
+    from tiered_kv.cold import ranged
+
+    # 8 KV heads of 128: 2.4 MB per tensor, three 1 MiB chunks (hidden 64: a fast compute)
+    s = Setup(make_llama(seed=4, num_attention_heads=8, num_key_value_heads=8, head_dim=128),
+              tmp_path)  # fmt: skip
+    monkeypatch.setattr(ranged, "_GROUP_BYTES", 1 << 20)  # one chunk per positioned read
+    real, reads = ranged._preadv_all, []
+
+    def slow(fd, bufs, offset):
+        time.sleep(0.5)
+        reads.append(offset)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(ranged, "_preadv_all", slow)
+    r = s.restorer("both", step=64)
+    for k in (100, 400):
+        r.costs.observe_prefill(k, 0, k * 1e-4)  # a step of 64 priced at ~6 ms
+    hit = s.cold.lookup(s.ids)
+    desc = s.cold.describe(hit)
+    assert desc is not None
+    for warm in (0.0, 1.0):
+        r.costs.observe_range(desc[1], 5.0, warm)  # the read priced at ~4 s
+    m, n = 128, N - 1
+    got = r.both(s.cold, hit, s.ids, Decision("both", n, m, 0.0, "test"))
+    assert got is not None, r.counters
+    assert got.m == 576 and got.phases["extend"] > 0  # 128 + 7 steps of 64 (one more reaches n)
+    assert len(reads) == 1 + 4  # the tokens, and the last chunk of each of the 4 layer tensors
+    assert r.costs.obs["range"][-1][0] < 4 * (n - m) * 8 * 128 * 4 / 2  # served: the read part
+    suffix = s.ids[n:] + [9, 8]
+    logits, toks = greedy(s.model, got.caches, suffix)
+    ref_logits, ref_toks = greedy(s.model, make_prompt_cache(s.model), s.ids[:n] + suffix)
+    np.testing.assert_allclose(logits, ref_logits, rtol=TOL, atol=TOL)
+    assert toks == ref_toks
+    s.cold.close()
+
+
+@pytest.mark.parametrize("landing", ["full", "tail"])
+def test_a_both_computed_past_its_m_joins_the_same_at_any_stop(plain, landing):
+    """The join takes the computed tokens up to where the compute got (past the plan's m) and the
+    read ones after them, from a landing that starts at m (``tail``) or at 0 (``full``)."""
+    from tiered_kv.cold import ranged
+
+    n = N - 1
+    for m, c in ((64, 128), (100, 356), (1, n - 1)):
+        r = plain.restorer(landing=landing)
+        hit = plain.cold.lookup(plain.ids)
+        computed = drain(r.compute(plain.ids[:c], None))
+        path, _ = plain.cold.describe(hit)
+        lay = ranged.layout(path, "fp", m, n)
+        from tiered_kv.cold.landing import allocate
+        from tiered_kv.restore import buffers
+
+        full = allocate(buffers.shapes(lay, m, n, r.landing), one_buffer=r.landing == "tail")
+        rr = ranged.read_range(path, "fp", m, n, into=buffers.byte_views(full, m, n))
+        caches = r.join(computed, full, rr.metadata, c, n, m)
+        suffix = plain.ids[n:] + [9, 8]
+        logits, toks = greedy(plain.model, caches, suffix)
+        ref_logits, ref_toks = greedy(plain.model, make_prompt_cache(plain.model),
+                                      plain.ids[:n] + suffix)  # fmt: skip
+        np.testing.assert_allclose(logits, ref_logits, rtol=TOL, atol=TOL)
+        assert toks == ref_toks
