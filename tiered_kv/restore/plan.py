@@ -254,6 +254,30 @@ def split(hit: Hit, learned: Learned) -> tuple[int, float] | None:
     return m, cost(m)
 
 
+def extend_pays(hit: Hit, learned: Learned, m: int, c: int, tokens: int, left: float,
+                elapsed: float, head_per_token: float) -> bool:  # fmt: skip
+    """Whether a `both` whose compute holds ``c`` tokens (its head ``[start, m)`` done) while its
+    read of ``[m, n)`` goes on should compute ``tokens`` more rather than wait (the read then stops
+    where the compute got to): only while the read is predicted to need longer than they take, so
+    that going on never makes the `both` later than waiting would have. The read's rest is priced
+    by its pace so far (``left``: the share of its bytes not served after ``elapsed`` seconds), or
+    before it served any by the learned range rate; the tokens at the learned prefill rate, as
+    slow as heads beside a read of the hit's page state run (:meth:`Learned.head_slower`), else at
+    ``head_per_token`` (this head's own pace). False when neither rate of the read is known."""
+    if left < 1.0:
+        read_left = elapsed * left / max(1e-9, 1.0 - left)
+    else:
+        priced = range_seconds(hit, learned, hit.tokens - m)
+        if priced is None:
+            return False
+        read_left = priced - elapsed
+    if learned.prefill is not None:
+        step = learned.prefill.seconds(tokens, c) * learned.head_slower(hit.warm)
+    else:
+        step = head_per_token * tokens
+    return read_left > step
+
+
 def plan(hit: Hit, learned: Learned, mode: Mode = "auto", after: float = 0.0) -> Plan:
     """The way to restore ``hit`` (see the module doc). ``mode`` other than auto forces a way;
     a forced `both` that the entry cannot do falls back to auto's choice of load / compute.

@@ -41,7 +41,7 @@ from tiered_kv.cold import gpu, ranged, store
 from tiered_kv.cold.landing import allocate
 from tiered_kv.restore import buffers
 from tiered_kv.restore.costs import CostBook
-from tiered_kv.restore.plan import KINDS, Hit, Mode, Plan, plan, range_seconds, worth_spilling
+from tiered_kv.restore.plan import KINDS, Hit, Mode, Plan, extend_pays, plan, worth_spilling
 from tiered_kv.steps import Steps, drain
 
 log = logging.getLogger(__name__)
@@ -310,28 +310,12 @@ class Restorer:
     def _carry_on(self, read: Call, meet: ranged.Meet, hit: Any, c: int, n: int, start: int,
                   m: int, head_s: float, t_read: float) -> bool:  # fmt: skip
         """Whether the compute, holding ``c`` tokens with the read still going, computes one more
-        :attr:`extend` step: only while the read is predicted to need longer than the step takes
-        (its pace so far against what it has left; the step at the learned prefill rate, as slow
-        as heads beside reads run, else at this head's pace), so that going on never makes the
-        `both` later than waiting would have."""
+        :attr:`extend` step (:func:`plan.extend_pays`, priced from the read's progress)."""
         if not self.extend or c + self.extend >= n or read.done():
             return False
-        learned, warm = self.costs.learned, self._warm.get(hit.entry_id)
-        left = meet.left()
-        elapsed = time.perf_counter() - t_read
-        if left < 1.0:
-            read_left = elapsed * left / (1.0 - left)
-        else:  # nothing served yet: what the learned rate says is left of it
-            per = meet.total / max(1, n - m)
-            priced = range_seconds(Hit(n, 0, per, warm), learned, n - m)
-            if priced is None:
-                return False
-            read_left = priced - elapsed
-        if learned.prefill is not None:
-            step_s = learned.prefill.seconds(self.extend, c) * learned.head_slower(warm)
-        else:
-            step_s = head_s * self.extend / max(1, m - start)
-        return read_left > step_s
+        h = Hit(n, 0, meet.total / max(1, n - m), self._warm.get(hit.entry_id))
+        return extend_pays(h, self.costs.learned, m, c, self.extend, meet.left(),
+                           time.perf_counter() - t_read, head_s / max(1, m - start))  # fmt: skip
 
     def join(self, computed: list[Any], full: dict[str, mx.array], metadata: dict[str, str],
              m: int, n: int, landed: int | None = None) -> list[Any]:  # fmt: skip

@@ -12,6 +12,7 @@ from tiered_kv.restore.plan import (
     Learned,
     PrefillCost,
     ReadCost,
+    extend_pays,
     plan,
     split,
     worth_spilling,
@@ -287,3 +288,37 @@ def test_a_head_is_priced_by_the_page_state_of_the_read_beside_it():
     only_warm = replace(costs, head_factor_warm=2.0)
     assert only_warm.head_slower(0.0) == only_warm.head_slower(1.0) == 2.0
     assert costs.head_slower(1.0) == 1.0  # no head seen: priced as alone
+
+
+@pytest.mark.parametrize(
+    ("name", "costs", "left", "elapsed", "head_per_token", "go_on"),
+    [
+        ("half the read left after 1 s (1 s more), a step 0.1 s → go on",
+         learned(PREFILL_FAST, 1.0), 0.5, 1.0, 0.0, True),
+        ("1 % left after 1 s (0.01 s more), a step 0.1 s → wait",
+         learned(PREFILL_FAST, 1.0), 0.01, 1.0, 0.0, False),
+        ("nothing served yet after 0.5 s, the tail priced 2.1 s → go on",
+         learned(PREFILL_FAST, 1.0), 1.0, 0.5, 0.0, True),
+        ("nothing served yet after 3 s, its price passed → wait",
+         learned(PREFILL_FAST, 1.0), 1.0, 3.0, 0.0, False),
+        ("nothing served, no read rate known → wait", learned(PREFILL_FAST, None), 1.0, 0.5, 0.0,
+         False),
+        ("no prefill learned: this head's pace, 2 s a step against 1 s left → wait",
+         learned(None, 1.0), 0.5, 1.0, 1e-3, False),
+        ("no prefill learned: this head's pace, 0.2 s a step against 1 s left → go on",
+         learned(None, 1.0), 0.5, 1.0, 1e-4, True),
+        ("0.2 s left, a step 0.1 s alone → go on", learned(PREFILL_FAST, 1.0), 1 / 6, 1.0, 0.0,
+         True),
+        ("0.2 s left, a step 0.1 s alone but heads beside cold reads run 3x → wait",
+         replace(learned(PREFILL_FAST, 1.0), head_factor=3.0), 1 / 6, 1.0, 0.0, False),
+    ],
+)  # fmt: skip
+def test_a_both_computes_on_past_its_head_only_while_the_read_needs_longer(
+    name, costs, left, elapsed, head_per_token, go_on
+):
+    """After its head, a `both` whose read is still going computes another step (2048 tokens,
+    0.1 s at 20k tok/s) only while the read is predicted to need longer: by its pace so far, or
+    before it served anything by the learned range rate (here the tail of 16k tokens, 2 GiB at
+    1 GB/s: 2.1 s); the step as slow as heads beside a read run."""
+    m = N // 2
+    assert extend_pays(HIT, costs, m, m, 2048, left, elapsed, head_per_token) is go_on, name
