@@ -726,7 +726,12 @@ def test_a_both_whose_read_is_slower_than_priced_computes_on_and_the_read_stops_
     # 8 KV heads of 128: 2.4 MB per tensor, three 1 MiB chunks (hidden 64: a fast compute)
     s = Setup(make_llama(seed=4, num_attention_heads=8, num_key_value_heads=8, head_dim=128),
               tmp_path)  # fmt: skip
-    monkeypatch.setattr(ranged, "_GROUP_BYTES", 1 << 20)  # one chunk per positioned read
+    from tiered_kv.cold import gpu
+
+    # one chunk per positioned read: into host memory, and through a CUDA slot (on the H100 a
+    # slot of 16 MiB read each tensor whole: the read served all of it, 5 reads all the same)
+    monkeypatch.setattr(ranged, "_GROUP_BYTES", 1 << 20)
+    monkeypatch.setattr(gpu.Batch, "slot_bytes", 1 << 20)
     real, reads = ranged._preadv_all, []
 
     def slow(fd, bufs, offset):
