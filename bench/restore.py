@@ -44,7 +44,7 @@ from engine.generate import default_prefill_chunk
 from engine.loading import load_model
 from engine.prefill import fill, prefill
 from tiered_kv import Config, HitInfo, Lease, TieredCache
-from tiered_kv.cold.ranged import resident_share  # page-cache share of the files read
+from tiered_kv.cold.pages import resident_share  # page-cache share of the files read
 from tiered_kv.hot import new_entry  # --held: a hot entry put in place before the request
 from tiered_kv.restore.restorer import calibrate  # measured directly: the planner's calibration
 

@@ -8,12 +8,15 @@ helpers (ports, server processes, tool schemas) live in ``tests/serving.py``.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
+import mmap
 import os
 import queue
 import socket
 import stat
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,13 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
+import pytest
 import xxhash
 from mlx_lm.models import cache as C
 from mlx_lm.models import gemma3_text, llama, qwen3_next
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from tiered_kv import checkpoints, keys, layers
-from tiered_kv.cold import checksums, gpu, store
+from tiered_kv.cold import checksums, gpu, pages, store
 from tiered_kv.cold.tier import ColdTier
 from tiered_kv.config import Config
 from tiered_kv.memory import MemoryProbe
@@ -522,3 +526,36 @@ class StepClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+# --- what this kernel can do (skip markers of the page-level tests) -------------------------------
+
+#: ``pages.reopen``'s own description needs Linux's /proc; elsewhere (macOS) it is a dup, as documented
+needs_proc_fd = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"),
+    reason="no /proc/self/fd (macOS): pages.reopen is a dup there, sharing the description")
+
+
+def _populate_write() -> str | None:
+    """Why this kernel cannot run the prefault tests, or None: one real
+    ``madvise(MADV_POPULATE_WRITE)`` on a page of its own (Linux < 5.14 answers EINVAL)."""
+    if sys.platform != "linux":
+        return "MADV_POPULATE_WRITE is Linux's"
+    libc = pages._libc()
+    if libc is None:
+        return "no C library to call madvise through"
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    try:
+        if libc.madvise(ctypes.c_void_p(addr), mmap.PAGESIZE, pages._MADV_POPULATE_WRITE) == 0:
+            return None
+        e = ctypes.get_errno()
+    finally:
+        page.close()
+    return (f"this kernel lacks MADV_POPULATE_WRITE (Linux >= 5.14): madvise failed with "
+            f"{errno.errorcode.get(e, e)}")  # fmt: skip
+
+
+_NO_POPULATE_WRITE = _populate_write()
+needs_populate_write = pytest.mark.skipif(_NO_POPULATE_WRITE is not None,
+                                          reason=_NO_POPULATE_WRITE or "")  # fmt: skip

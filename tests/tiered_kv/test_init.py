@@ -17,8 +17,8 @@ USERS = ("engine", "examples", "bench")
 MEASURED_ALONE = {
     "micro.py": {"tiered_kv.cold.tier"},  # cold tier write / reload throughput
     "sizes.py": {"tiered_kv.cold.tier"},  # cold tier write / reload by entry size
-    "restore.py": {"tiered_kv.cold.ranged", "tiered_kv.restore.restorer",
-                   "tiered_kv.hot"},  # ranged read, calibration, a hot entry put in place  # fmt: skip
+    "restore.py": {"tiered_kv.cold.pages", "tiered_kv.restore.restorer",
+                   "tiered_kv.hot"},  # page-cache probe, calibration, a hot entry put in place  # fmt: skip
     # both's read + join alone: ranged reads into landing buffers, the Restorer's join
     "write_pass.py": {"tiered_kv.cold"},  # encode + FileBackend.put alone (the writer's pass)
     "join.py": {"tiered_kv.cold", "tiered_kv.cold.backend", "tiered_kv.restore",

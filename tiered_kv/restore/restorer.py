@@ -37,7 +37,7 @@ import numpy as np
 
 from tiered_kv import layers
 from tiered_kv.background import Call
-from tiered_kv.cold import gpu, ranged, store
+from tiered_kv.cold import gpu, pages, ranged, store
 from tiered_kv.cold.landing import allocate
 from tiered_kv.restore import buffers
 from tiered_kv.restore.costs import CostBook
@@ -157,7 +157,7 @@ class Restorer:
         if desc is None:
             return Decision("load", n, 0, 0.0, "entry vanished")  # load turns it into a miss
         path, nbytes = desc
-        warm = ranged.resident_share(path)
+        warm = pages.resident_share(path)
         if len(self._warm) >= 64:  # plans whose read never came (a compute, a miss)
             self._warm.clear()
         self._warm[hit.entry_id] = warm  # popped by the read it prices

@@ -5,15 +5,8 @@ outside the range is never read, no symlink is followed."""
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import mmap
 import os
-import platform
-import subprocess
-import sys
 import threading
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -21,8 +14,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from tests.cuda_driver import upload
-from tests.fixtures import HostUpload, flip_byte
-from tiered_kv.cold import codec, encode, gpu, ranged, store
+from tests.fixtures import HostUpload, flip_byte, needs_populate_write, needs_proc_fd
+from tiered_kv.cold import codec, encode, gpu, pages, ranged, store
 from tiered_kv.cold.backend import FileBackend
 
 N, HEADS, DIM = 600, 2, 8
@@ -96,7 +89,7 @@ def test_a_planted_symlink_is_not_followed(tmp_path):
     link.symlink_to(path)
     with pytest.raises(store.CorruptEntry, match="symlink"):
         ranged.read_range(link, "fp", 300, N)
-    assert ranged.resident_share(link) is None
+    assert pages.resident_share(link) is None
 
 
 def test_foreign_and_out_of_range(tmp_path):
@@ -117,68 +110,6 @@ def test_layers_without_token_rows_cannot_be_split(tmp_path):
     b.put("e2", encode.encode(job.tokens, job.tensors, job.metadata, CHUNK))
     with pytest.raises(ranged.Unsplittable):
         ranged.read_range(b.path("e2"), "fp", 10, 40)
-
-
-def test_resident_share_is_a_share_or_unknown(tmp_path):
-    path, _ = write(tmp_path)
-    share = ranged.resident_share(path)
-    assert share is None or 0.0 <= share <= 1.0
-
-
-def test_probing_a_cold_file_does_not_warm_it(tmp_path):
-    """Issue 15 on the H200: a non-blocking read that misses starts readahead, so the plan's
-    probe after the benchmark's found every sampled page resident ("warm=1.0" in every cold
-    plan) and priced cold reads at warm rates. The probe reads nothing: a dropped file stays
-    cold however often it is probed, and a file that was read is warm."""
-    path = tmp_path / "entry.bin"
-    path.write_bytes(np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8))
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        first = ranged.resident_share(path)
-        if first is None or first > 0.05:
-            pytest.skip(f"the page cache of {tmp_path} cannot be dropped here ({first})")
-        again = [ranged.resident_share(path) for _ in range(3)]
-        time.sleep(0.2)  # readahead a probe started would have landed by now
-        again.append(ranged.resident_share(path))
-        assert again == [0.0] * 4
-        while os.read(fd, 8 << 20):
-            pass
-    finally:
-        os.close(fd)
-    assert ranged.resident_share(path) == 1.0
-
-
-def test_a_large_file_is_probed_by_samples_that_estimate_its_share(tmp_path):
-    """The probe of a file over PROBE_WINDOWS × PROBE_PAGES pages samples evenly spaced windows
-    (every page cost ~16 ms a GB on the request path): half of it resident reads as about half,
-    the first and last windows see the file's two ends."""
-    size = 4 * ranged.PROBE_WINDOWS * ranged.PROBE_PAGES * mmap.PAGESIZE  # 4 pages a sampled one
-    path = tmp_path / "entry.bin"
-    path.write_bytes(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8))
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if (ranged.resident_share(path) or 0.0) > 0.02:
-            pytest.skip(f"the page cache of {tmp_path} cannot be dropped here")
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # readahead off
-        os.pread(fd, mmap.PAGESIZE, 0)  # the first page
-        share = ranged.resident_share(path)
-        assert share is not None and 0.0 < share < 0.05
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
-        while os.read(fd, 8 << 20):
-            pass
-        os.posix_fadvise(fd, 0, size // 2, os.POSIX_FADV_DONTNEED)
-        share = ranged.resident_share(path)
-        assert share is not None and 0.45 <= share <= 0.55
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.pread(fd, mmap.PAGESIZE, size - mmap.PAGESIZE)  # the last page
-        share = ranged.resident_share(path)
-        assert share is not None and share > 0.0
-    finally:
-        os.close(fd)
 
 
 def test_rows_land_straight_in_destinations(tmp_path):
@@ -300,29 +231,6 @@ def test_destinations_of_another_layout_are_refused(tmp_path):
         ranged.read_range(path, "fp", 300, N, into=strided)
 
 
-def test_the_page_cache_probe_leaves_no_garbage(tmp_path):
-    """One probe per restore plan: it makes no ctypes array type per file size (a type is a
-    reference cycle, left for the cyclic collector)."""
-    import ctypes
-    import gc
-
-    from tiered_kv.cold.ranged import resident_share
-
-    p = tmp_path / "f"
-    p.write_bytes(b"x" * 40_000)
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        assert resident_share(p) is not None
-        gc.collect()
-        ours = [o for o in gc.garbage if isinstance(o, ctypes._SimpleCData | ctypes.Array)
-                or (isinstance(o, type) and issubclass(o, ctypes.Array))]  # fmt: skip
-        assert ours == []
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-
-
 @pytest.mark.parametrize("m", [0, 1, 100, 599])
 def test_a_read_through_the_gpu_upload_lands_the_same_rows(tmp_path, m):
     """``gpu=`` (CUDA): whole chunks are read into a slot, verified there, and only the part that
@@ -414,12 +322,6 @@ def test_a_whole_file_read_keeps_the_kernels_readahead(tmp_path, monkeypatch):
     assert os.POSIX_FADV_RANDOM in advised
 
 
-#: reopen's own description needs Linux's /proc; elsewhere (macOS) it is a dup, as documented
-needs_proc_fd = pytest.mark.skipif(
-    not os.path.isdir("/proc/self/fd"),
-    reason="no /proc/self/fd (macOS): ranged.reopen is a dup there, sharing the description")
-
-
 @needs_proc_fd
 @pytest.mark.parametrize("through", ["host", "upload"])
 def test_each_tensor_of_a_whole_file_is_read_through_its_own_open_file(tmp_path, monkeypatch, through):
@@ -455,38 +357,6 @@ def test_each_tensor_of_a_whole_file_is_read_through_its_own_open_file(tmp_path,
     assert isinstance(want, dict)
     for k, v in into.items():
         np.testing.assert_array_equal(v, np.array(want[k]).view(np.uint8).reshape(-1))
-
-
-def test_a_reopened_file_is_the_same_file(tmp_path):
-    """Where there is a /proc or not (a dup there): the file the descriptor names, renamed since."""
-    p = tmp_path / "f"
-    p.write_bytes(b"abcdef")
-    fd = os.open(p, os.O_RDONLY)
-    p.rename(tmp_path / "g")  # renamed since: still the file the descriptor names
-    own = ranged.reopen(fd)
-    try:
-        assert own != fd and os.fstat(own).st_ino == os.fstat(fd).st_ino
-        assert os.pread(own, 2, 1) == b"bc"
-    finally:
-        os.close(own)
-        os.close(fd)
-
-
-@needs_proc_fd
-def test_a_reopened_file_has_a_description_of_its_own(tmp_path):
-    p = tmp_path / "f"
-    p.write_bytes(b"abcdef")
-    fd = os.open(p, os.O_RDONLY)
-    os.lseek(fd, 3, os.SEEK_SET)
-    p.rename(tmp_path / "g")  # renamed since: still the file the descriptor names
-    own = ranged.reopen(fd)
-    try:
-        assert os.fstat(own).st_ino == os.fstat(fd).st_ino
-        assert os.lseek(own, 0, os.SEEK_CUR) == 0 and os.read(own, 2) == b"ab"
-        assert os.lseek(fd, 0, os.SEEK_CUR) == 3
-    finally:
-        os.close(own)
-        os.close(fd)
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
@@ -565,104 +435,6 @@ def test_a_failed_driver_call_fails_the_read_after_every_copy_ran(tmp_path, monk
     assert lib.pending == 0 and not up.ok
 
 
-def _populate_write() -> str | None:
-    """Why this kernel cannot run the prefault tests, or None: one real
-    ``madvise(MADV_POPULATE_WRITE)`` on a page of its own (Linux < 5.14 answers EINVAL)."""
-    if sys.platform != "linux":
-        return "MADV_POPULATE_WRITE is Linux's"
-    libc = ranged._libc()
-    if libc is None:
-        return "no C library to call madvise through"
-    page = mmap.mmap(-1, mmap.PAGESIZE)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(page))
-    try:
-        if libc.madvise(ctypes.c_void_p(addr), mmap.PAGESIZE, ranged._MADV_POPULATE_WRITE) == 0:
-            return None
-        e = ctypes.get_errno()
-    finally:
-        page.close()
-    return (f"this kernel lacks MADV_POPULATE_WRITE (Linux >= 5.14): madvise failed with "
-            f"{errno.errorcode.get(e, e)}")  # fmt: skip
-
-
-_NO_POPULATE_WRITE = _populate_write()
-needs_populate_write = pytest.mark.skipif(_NO_POPULATE_WRITE is not None,
-                                          reason=_NO_POPULATE_WRITE or "")  # fmt: skip
-
-
-@needs_populate_write
-def test_prefault_makes_fresh_memory_resident_before_the_read():
-    """The pages a read will write are faulted in by one call (not one fault per page inside the
-    copy); a destination under PREFAULT_MIN is left alone."""
-    libc = ranged._libc()
-    assert libc is not None
-    page = mmap.PAGESIZE
-
-    def resident(m: mmap.mmap) -> int:
-        vec = np.zeros(len(m) // page, dtype=np.uint8)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        assert libc.mincore(ctypes.c_void_p(addr), len(m), ctypes.c_void_p(vec.ctypes.data)) == 0
-        return int(np.count_nonzero(vec & 1))
-
-    big, small = mmap.mmap(-1, 8 << 20), mmap.mmap(-1, ranged.PREFAULT_MIN // 2)
-    assert resident(big) == resident(small) == 0
-    ranged.prefault(memoryview(big))
-    ranged.prefault(memoryview(small))
-    assert resident(big) == len(big) // page and resident(small) == 0
-    assert ranged._prefault["on"]
-
-
-@needs_populate_write
-def test_prefault_that_fails_for_its_memory_stays_on_for_the_next():
-    """Only a kernel without MADV_POPULATE_WRITE turns it off for good: a range it fails on
-    (ENOMEM: here, memory no longer mapped) costs that piece its prefault, no more."""
-    libc = ranged._libc()
-    assert libc is not None
-    n = 4 << 20
-    addr = libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE,
-                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)  # fmt: skip
-    assert libc.munmap(ctypes.c_void_p(addr), n) == 0
-    gone = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
-    ranged.prefault(gone)
-    assert ctypes.get_errno() == errno.ENOMEM
-    assert ranged._prefault["on"]
-
-
-#: (AUDIT_ARCH, madvise's syscall number) of the architectures the filter below knows
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, 28), "aarch64": (0xC00000B7, 233)}
-#: installs a seccomp filter that answers madvise(..., MADV_POPULATE_WRITE) with EINVAL, as a
-#: kernel older than 5.14 does, then runs the rest of argv as ``python -m ...`` (exec keeps it)
-_OLD_KERNEL = """
-import ctypes, os, struct, sys
-arch, nr, advice = (int(a) for a in sys.argv[1:4])
-ins = [(0x20, 0, 0, 4), (0x15, 0, 5, arch), (0x20, 0, 0, 0), (0x15, 0, 3, nr),
-       (0x20, 0, 0, 32), (0x15, 0, 1, advice), (0x06, 0, 0, 0x00050000 | 22),
-       (0x06, 0, 0, 0x7FFF0000)]
-prog = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in ins))
-fprog = struct.pack("HP", len(ins), ctypes.addressof(prog))
-libc = ctypes.CDLL(None, use_errno=True)
-assert libc.prctl(38, 1, 0, 0, 0) == 0, "PR_SET_NO_NEW_PRIVS"
-assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0, ctypes.get_errno()
-os.execv(sys.executable, [sys.executable, *sys.argv[4:]])
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux" or platform.machine() not in _SECCOMP_ARCH,
-                    reason="the old-kernel filter knows Linux x86_64 and aarch64")  # fmt: skip
-def test_the_prefault_tests_skip_on_a_kernel_without_populate_write():
-    """On a kernel older than 5.14 the prefault tests failed (the prefault turned itself off, so
-    nothing was resident; the unmapped range answered EINVAL, not ENOMEM). Here such a kernel is
-    a seccomp filter answering that madvise with EINVAL: they skip, saying why."""
-    arch, nr = _SECCOMP_ARCH[platform.machine()]
-    argv = [sys.executable, "-c", _OLD_KERNEL, str(arch), str(nr), str(ranged._MADV_POPULATE_WRITE),
-            "-m", "pytest", __file__, "-q", "-rs", "-p", "no:cacheprovider",
-            "-k", "prefault and not without_populate_write"]  # fmt: skip
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 and "2 skipped" in out, out
-    assert out.count("lacks MADV_POPULATE_WRITE (Linux >= 5.14): madvise failed with EINVAL") == 2
-
-
 def test_a_read_given_its_header_refuses_a_file_replaced_since(tmp_path):
     """The header a `both` took its layout from is passed to the read, not parsed again; the file
     the read opens must still be the one it came from: another entry published under the name
@@ -690,32 +462,6 @@ def test_a_read_given_its_header_refuses_a_file_replaced_since(tmp_path):
         ranged.read_range(path, "fp", 300, N, header=header)
 
 
-def _resident_pages(m: mmap.mmap) -> int:
-    libc = ranged._libc()
-    assert libc is not None
-    vec = np.zeros(len(m) // mmap.PAGESIZE, dtype=np.uint8)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    assert libc.mincore(ctypes.c_void_p(addr), len(m), ctypes.c_void_p(vec.ctypes.data)) == 0
-    return int(np.count_nonzero(vec & 1))
-
-
-@needs_populate_write
-def test_fault_in_faults_in_every_array_until_the_readers_are_done():
-    """The fault-ahead thread's work: every page of fresh memory resident; nothing once the
-    readers are through (``done``) or the read was called off (``stop``)."""
-    maps = [mmap.mmap(-1, 3 * ranged.FAULT_PIECE // 2) for _ in range(3)]
-    arrays = [np.frombuffer(m, dtype=np.uint8) for m in maps]
-    ranged.fault_in(arrays[:1], threading.Event())
-    assert _resident_pages(maps[0]) == len(maps[0]) // mmap.PAGESIZE
-    done, stop = threading.Event(), threading.Event()
-    done.set()
-    ranged.fault_in(arrays[1:2], done)
-    stop.set()
-    ranged.fault_in(arrays[2:], threading.Event(), stop)
-    assert _resident_pages(maps[1]) == _resident_pages(maps[2]) == 0
-    del arrays
-
-
 def _drop_pages(path) -> None:
     os.sync()
     fd = os.open(path, os.O_RDONLY)
@@ -726,9 +472,9 @@ def _drop_pages(path) -> None:
 
 
 @needs_populate_write
-@pytest.mark.parametrize("through, pages", [("host", "cold"), ("host", "warm"), ("upload", "cold")])
+@pytest.mark.parametrize("through, state", [("host", "cold"), ("host", "warm"), ("upload", "cold")])
 def test_a_cold_read_into_host_memory_faults_it_in_ahead_and_ends_that_thread(tmp_path, monkeypatch,
-                                                                             through, pages):  # fmt: skip
+                                                                             through, state):  # fmt: skip
     """A whole read of a file on disk into fresh host memory has one thread fault the
     destinations in, in file order, ahead of its readers (a cold 4 GB reload: 2.14 GB/s median
     with it, 1.83 without), and that thread has ended when the read returns. Not from the page
@@ -738,22 +484,22 @@ def test_a_cold_read_into_host_memory_faults_it_in_ahead_and_ends_that_thread(tm
     h = store.read_header(path, "fp")
     into = _tensor_bytes(h)
     calls: list[tuple[str, list[int]]] = []
-    real = ranged.fault_in
+    real = pages.fault_in
 
     def spy(arrays, done, stop=None):
         calls.append((threading.current_thread().name, [a.ctypes.data for a in arrays]))
         return real(arrays, done, stop)
 
-    monkeypatch.setattr(ranged, "fault_in", spy)
-    if pages == "cold":
+    monkeypatch.setattr(pages, "fault_in", spy)
+    if state == "cold":
         _drop_pages(path)
-        if (ranged.resident_share(path) or 0.0) >= ranged.FAULT_AHEAD_BELOW:
+        if (pages.resident_share(path) or 0.0) >= pages.FAULT_AHEAD_BELOW:
             pytest.skip("this file system keeps the file's pages (tmpfs?): no cold read here")
     else:
         path.read_bytes()
     up = HostUpload(slot_bytes=4 * CHUNK) if through == "upload" else None
     assert ranged.read_tensors(path, h, into, up) == h.data_len
-    if through == "upload" or pages == "warm":
+    if through == "upload" or state == "warm":
         assert calls == []
         return
     order = sorted(h.tensors, key=lambda k: h.tensors[k]["data_offsets"][0])
