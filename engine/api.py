@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -357,7 +358,9 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt_param: ClassVar[str] = "prompt"
-    prompt: str | list[str]
+    #: text, or token ids as OpenAI's legacy API takes them (vLLM and llama.cpp too; lm-eval's
+    #: ``local-completions`` sends ids by default): one prompt, alone or in a list of one
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     #: the prompt's text (and log-probabilities) before the completion: not served, a 400 (it was
     #: ignored: a client scoring prompts, lm-eval's loglikelihood, read a completion as the prompt's)
     echo: Literal[False] = False
@@ -381,16 +384,43 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _single(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and len(v) != 1:
-            raise ValueError("prompt must be a string (or a list of exactly one string)")
+    def _single(cls, v: Any) -> Any:
+        """One prompt: a string, token ids, or a list of exactly one of either. Ids are ≥ 0 (the
+        model's vocabulary bounds them once it is known: ``respond.completion_prompt``)."""
+        if isinstance(v, str):
+            return v
+        if v and isinstance(v[0], int):
+            ids = v
+        elif len(v) == 1:
+            ids = v[0] if isinstance(v[0], list) else None
+        else:
+            raise ValueError(_ONE_PROMPT)
+        if ids is not None and (not ids or min(ids) < 0):
+            raise ValueError("token ids must be a non-empty list of integers >= 0")
         return v
 
     def requested_max(self) -> int | None:
         return self.max_tokens
 
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's token ids where it was sent as ids (None: text, :meth:`prompt_text`)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], int):
+            return list(p)
+        if isinstance(p, list) and isinstance(p[0], list):
+            return list(p[0])
+        return None
+
     def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        """The prompt's text ("" where it was sent as token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        return p[0] if isinstance(p[0], str) else ""
+
+
+_ONE_PROMPT = ("prompt must be one prompt: a string or a list of token ids (or a list of exactly "
+               "one of either)")  # fmt: skip
 
 
 def parse_body(raw: bytes, model: type[RequestBody], context_length: int | None = None) -> Any:

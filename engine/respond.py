@@ -288,10 +288,17 @@ def completion_prompt(
     model: str,
     check_chars: CheckChars,
     tokenizer: Any = None,
+    vocab_size: int | None = None,
 ) -> tuple[list[int], CompletionOutput]:
-    """The prompt's ids and its Output (``tokenizer``: to name tokens in ``logprobs``)."""
-    check_chars(len(req.prompt_text()), "prompt")
-    ids = encode(req.prompt_text())
+    """The prompt's ids — encoded from its text, or as sent (each below ``vocab_size``, else a
+    400) — and its Output (``tokenizer``: to name tokens in ``logprobs``)."""
+    ids = req.prompt_ids()
+    if ids is None:
+        check_chars(len(req.prompt_text()), "prompt")
+        ids = encode(req.prompt_text())
+    elif vocab_size is not None and max(ids) >= vocab_size:
+        raise ApiError(400, f"prompt: token id {max(ids)} is outside the model's vocabulary "
+                       f"({vocab_size} ids)", param="prompt", code="invalid_value")  # fmt: skip
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
     texts = (TokenBytes(tokenizer, not continues(req))

@@ -222,7 +222,7 @@ class Server:
         def prepare(req: CompletionRequest) -> tuple[list[int], respond.Output]:
             return respond.completion_prompt(
                 self.engine.encode_text, req, self.model_id, self._check_chars,
-                self.engine.tokenizer,
+                self.engine.tokenizer, int(self.engine.vocab_size),
             )  # fmt: skip
 
         parse = partial(api.parse_body, model=CompletionRequest)

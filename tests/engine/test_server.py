@@ -218,6 +218,35 @@ def test_completions(live):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_a_completion_of_token_ids_is_the_completion_of_their_text(live, tiny_model_dir):
+    """OpenAI's legacy completions take the prompt as token ids (vLLM and llama.cpp do too;
+    lm-eval's ``local-completions`` sends ids by default): it was a 400 ("prompt: Input should be
+    a valid string"). Ids, alone or as a list of one, complete as the text they encode does."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    text = "the cache holds the prompt"
+    ids = list(load_tokenizer(tiny_model_dir).encode(text, add_special_tokens=False))
+    want = live.client.completions.create(model="tiny", prompt=text, max_tokens=5, temperature=0)
+    for prompt in (ids, [ids]):
+        got = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                             temperature=0)  # fmt: skip
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ([[1, 2], [3]], "one prompt"), (["a", "b"], "one prompt"), ([], "one prompt"),
+    ([[]], "non-empty"), ([3, -1], ">= 0"), ([True, 2], "valid"), ([1.5], "valid"),
+    ([10**9], "outside the model's vocabulary"),
+])  # fmt: skip
+def test_token_ids_a_model_cannot_read_are_a_400_naming_the_prompt(live, prompt, says):
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].startswith("prompt"), err
+    assert says in err["message"], err
+
+
 def test_every_endpoint_takes_null_fields_as_not_given(live):
     """A client sending each unset field as null (typed SDKs, proxies) got 400s
     (``temperature: Input should be a valid number``); each endpoint serves it with the defaults."""
