@@ -85,7 +85,7 @@ class Meet:
     def __init__(self, floor: int) -> None:
         self.floor = floor  # written by the engine thread only; read between a reader's pieces
         self.total = 0  # bytes the read serves if it never stops early (set before it starts)
-        self.reached: dict[str, int] = {}  # tensor → first byte read (from its start)
+        self.reached: dict[str, int] = {}  # tensor → its first whole token read and verified
         self._done = 0
         self._lock = threading.Lock()
 
@@ -221,10 +221,8 @@ def read_range(path: Path, fingerprint: str, m: int, n: int, workers: int = RANG
     read += sum(got for _, _, got in done)
     tokens = tok.reshape(-1).view("<i4").copy()
     first, served = m, sum(u8.nbytes for _, u8 in out.values())
-    if meet is not None:  # each tensor's first whole row read
-        per = {k: u8[0].nbytes // max(1, u8.shape[1]) for k, (_, u8) in out.items()}
-        first = max([m] + [-(-meet.reached.get(k, n * p) // p) for k, p in per.items() if p])
-        served = meet.done
+    if meet is not None:  # the first token read in every tensor
+        first, served = max([m, *meet.reached.values()]), meet.done
     return RangeRead(m, n, tokens, out, dict(header.metadata), read, time.perf_counter() - t0,
                      first, served)  # fmt: skip
 
@@ -250,7 +248,7 @@ def read_span(fd: int, base: int, size: int, first: int, dest: np.ndarray, diges
 
     With ``meet`` the pieces are read from the end backwards, and the read ends early once what is
     left lies below ``meet.floor`` tokens of ``per`` bytes (:class:`Meet`, which it tells what it
-    served and the first byte it reached)."""
+    served and the first whole token it reached)."""
     end = first + dest.nbytes
     if end > size:
         raise store.CorruptEntry(f"short tensor {name}")
@@ -287,7 +285,7 @@ def _groups(size: int, first: int, end: int, chunk: int, group: int, name: str, 
     whole chunks covering ``[first, end)``, ``group`` chunks each, in order — or, with ``meet``,
     from the end backwards until what is left lies below its floor. Each is yielded once its
     caller may read it (``stop`` checked) and counted as served once the caller is through with
-    it; with ``meet``, the first byte reached is recorded at the end."""
+    it; with ``meet``, the first whole token reached is recorded at the end."""
     c0, c1 = first // chunk, -(-end // chunk)
     starts = range(c0, c1, group)
     low = end
@@ -301,7 +299,7 @@ def _groups(size: int, first: int, end: int, chunk: int, group: int, name: str, 
         if meet is not None:
             meet.served(min(hi, end) - low)
     if meet is not None:
-        meet.reached[name] = low
+        meet.reached[name] = -(-low // max(1, per))
 
 
 def _via(gpu: Batch, fd: int, base: int, first: int, end: int, dst: int, digests: str,
