@@ -384,18 +384,15 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _single(cls, v: Any) -> Any:
-        """One prompt: a string, token ids, or a list of exactly one of either. Ids are ≥ 0 (the
-        model's vocabulary bounds them once it is known: ``respond.completion_prompt``)."""
-        if isinstance(v, str):
-            return v
-        if v and isinstance(v[0], int):
-            ids = v
-        elif len(v) == 1:
-            ids = v[0] if isinstance(v[0], list) else None
-        else:
-            raise ValueError(_ONE_PROMPT)
-        if ids is not None and (not ids or min(ids) < 0):
+    def _single(cls, v: Any) -> str | list[int]:
+        """One prompt: a string, token ids, or a list of exactly one of either, kept as the string
+        or the ids. Ids are ≥ 0 (the model's vocabulary bounds them once it is known:
+        ``respond.completion_prompt``)."""
+        if isinstance(v, list) and not (v and isinstance(v[0], int)):
+            if len(v) != 1:
+                raise ValueError(_ONE_PROMPT)
+            v = v[0]
+        if isinstance(v, list) and (not v or min(v) < 0):
             raise ValueError("token ids must be a non-empty list of integers >= 0")
         return v
 
@@ -404,19 +401,11 @@ class CompletionRequest(_Sampling):
 
     def prompt_ids(self) -> list[int] | None:
         """The prompt's token ids where it was sent as ids (None: text, :meth:`prompt_text`)."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], int):
-            return list(p)
-        if isinstance(p, list) and isinstance(p[0], list):
-            return list(p[0])
-        return None
+        return self.prompt if isinstance(self.prompt, list) else None  # type: ignore[return-value]
 
     def prompt_text(self) -> str:
         """The prompt's text ("" where it was sent as token ids)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return p
-        return p[0] if isinstance(p[0], str) else ""
+        return self.prompt if isinstance(self.prompt, str) else ""
 
 
 _ONE_PROMPT = ("prompt must be one prompt: a string or a list of token ids (or a list of exactly "

@@ -296,8 +296,8 @@ def completion_prompt(
     if ids is None:
         check_chars(len(req.prompt_text()), "prompt")
         ids = encode(req.prompt_text())
-    elif vocab_size is not None and max(ids) >= vocab_size:
-        raise ApiError(400, f"prompt: token id {max(ids)} is outside the model's vocabulary "
+    elif vocab_size is not None and (top := max(ids)) >= vocab_size:
+        raise ApiError(400, f"prompt: token id {top} is outside the model's vocabulary "
                        f"({vocab_size} ids)", param="prompt", code="invalid_value")  # fmt: skip
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
