@@ -49,3 +49,17 @@ def test_rounds_rotate_so_no_mode_always_follows_the_same_other():
     assert all(sorted(o) == sorted(modes) for o in orders)
     before = {m: {o[o.index(m) - 1] for o in orders if o.index(m) > 0} for m in modes}
     assert before["auto"] == {"both", "compute", "load"}
+
+
+def test_stay_is_a_both_whose_compute_stops_at_its_m(tiny_model_dir, tmp_path, capsys):
+    """``--modes stay``: the A/B of Restorer.extend. A forced both with the extension off: its plan
+    is a both and the compute holds exactly m tokens at the join (no ``m→m'``); the summary
+    gives its ratio to the better way."""
+    argv = ["--model", str(tiny_model_dir), "--tokens", "600", "--dir", str(tmp_path),
+            "--pages", "cold", "--chunk", "64", "--modes", "load,compute,stay"]  # fmt: skip
+    assert restore.main(argv) == 0
+    out = capsys.readouterr().out
+    (stay,) = [r for r in out.splitlines() if r.startswith("| 600 | cold (") and "| stay |" in r]
+    assert "| both (" in stay and "→" not in stay and "DIFF" not in stay
+    (summary,) = [r for r in out.splitlines() if r.startswith("| 600 | cold |")]
+    assert re.search(r"stay / min \d+\.\d\d", summary)
