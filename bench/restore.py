@@ -5,7 +5,9 @@ to disk). Then, per page-cache state (``cold``: ``os.sync`` + ``posix_fadvise(DO
 file; ``warm``: the files read once) and per mode, a *restart* (a fresh TieredCache + cold tier +
 restorer over the same loaded model, reading the persisted costs) serves the prompt plus a 32-token
 suffix with ``TIERED_KV_RESTORE=mode``; TTFT is fetch + restore + suffix prefill + first token. The
-learned costs accumulate over the runs in that cache dir, as they would on a real machine. With
+learned costs accumulate over the runs in that cache dir, as they would on a real machine (with
+``--same-costs`` each restart plans with what the setup learned instead, so two ways compared — say
+``both,stay``, a both with and without its compute going on past m — plan alike). With
 ``--repeats`` the restarts run in rounds (load, compute, both, auto; then compute, auto, load, both;
 ...: :func:`rounds`): a slow drift of the machine touches every mode alike, each mode follows each
 other alike, and in the first round ``auto`` runs after the forced ways, so it knows what they measured.
@@ -186,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=0, help="prefill step (0: the engine's default)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="restarts per mode and page state; the median TTFT is reported")  # fmt: skip
+    ap.add_argument("--same-costs", action="store_true",
+                    help="every restart plans with the costs the setup learned (each run's lessons "
+                         "undone): an A/B of two ways, e.g. both,stay, then plans alike")  # fmt: skip
     ap.add_argument("--held", type=float, default=0.0,
                     help="share of each prompt's disk hit that memory already holds at the restart "
                          "(a shorter hot hit: compute and both start from it)")  # fmt: skip
@@ -218,12 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         ids = rng.integers(3, bench.vocab, t).tolist()
         prompt = ids + rng.integers(3, bench.vocab, SUFFIX).tolist()
         bench.setup(t, ids)
+        learned = {p: p.read_bytes() for p in (root / f"t{t}").rglob("costs-*.json")}
         for state in pages:
             ttfts: dict[str, float] = {}
             first_tok = None
             runs: dict[str, list] = {mode: [] for mode in modes}  # each a restart
             for i in range(a.repeats):  # in rounds: drift of the machine touches every mode alike
                 for mode in rounds(modes, i):
+                    for p, raw in learned.items() if a.same_costs else ():
+                        p.write_bytes(raw)
                     share = set_pages(root / f"t{t}", state)
                     ttft, tok, hit = bench.run(t, prompt, mode, int(a.held * t))
                     runs[mode].append((ttft, tok, hit, bench.phases, bench.suffix_s, share, bench.fetch_s))

@@ -63,3 +63,14 @@ def test_stay_is_a_both_whose_compute_stops_at_its_m(tiny_model_dir, tmp_path, c
     assert "| both (" in stay and "→" not in stay and "DIFF" not in stay
     (summary,) = [r for r in out.splitlines() if r.startswith("| 600 | cold |")]
     assert re.search(r"stay / min \d+\.\d\d", summary)
+
+
+def test_with_the_same_costs_both_and_stay_plan_alike(tiny_model_dir, tmp_path, capsys):
+    """``--same-costs``: each restart plans with the costs the setup learned, so the forced both and
+    stay of every round plan the same m (without it the later run plans with what the earlier taught)."""
+    argv = ["--model", str(tiny_model_dir), "--tokens", "600", "--dir", str(tmp_path), "--pages", "cold",
+            "--chunk", "64", "--modes", "both,stay", "--repeats", "2", "--same-costs"]  # fmt: skip
+    assert restore.main(argv) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 600 | cold (")]
+    m = {r.split(" | ")[2]: re.search(r"\| both \((\d+)", r).group(1) for r in rows}  # type: ignore[union-attr]
+    assert set(m) == {"both", "stay"} and m["both"] == m["stay"]
