@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What to run on a GPU (CUDA or Metal) before calling a change done there; CI has no GPU.
+# What to run on a GPU (CUDA or Metal) before calling a change done there; CI has no GPU. On a lent CUDA
+# machine the HTTP tests and the smoke also need scripts/device_wheels.sh's wheels installed there.
 #
 #   bash scripts/gpu_check.sh smoke    # a random 1B-shaped bf16 model: the server end to end (hot, disk, restart)
 #   bash scripts/gpu_check.sh tests    # the tests whose paths differ on a GPU (loads, uploads, restores, batching)
