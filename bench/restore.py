@@ -107,7 +107,8 @@ class Bench:
         tc.store(lease, fed)
         return ttft, tok, lease.hit
 
-    def setup(self, tokens: int, ids: list[int]) -> None:
+    def setup(self, tokens: int, ids: list[int]) -> Path | None:
+        """The entry spilled to disk; returns the file the costs it taught were saved to."""
         shutil.rmtree(self.root / f"t{tokens}", ignore_errors=True)
         tc = self.open(tokens, "load")
         if tc.restorer.costs.learned.prefill is None:
@@ -115,6 +116,7 @@ class Bench:
         self.request(tc, ids)
         tc.close()  # spills the entry and saves the costs
         tc.restorer.close()
+        return tc.restorer.costs.path
 
     def run(self, tokens: int, ids: list[int], mode: str, held: int = 0) -> tuple[float, int, HitInfo]:
         """A restart serving ``ids``; ``held``: memory already holds its first ``held`` tokens
@@ -222,16 +224,16 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(t)
         ids = rng.integers(3, bench.vocab, t).tolist()
         prompt = ids + rng.integers(3, bench.vocab, SUFFIX).tolist()
-        bench.setup(t, ids)
-        learned = {p: p.read_bytes() for p in (root / f"t{t}").rglob("costs-*.json")}
+        costs = bench.setup(t, ids)
+        learned = costs.read_bytes() if a.same_costs and costs is not None else None
         for state in pages:
             ttfts: dict[str, float] = {}
             first_tok = None
             runs: dict[str, list] = {mode: [] for mode in modes}  # each a restart
             for i in range(a.repeats):  # in rounds: drift of the machine touches every mode alike
                 for mode in rounds(modes, i):
-                    for p, raw in learned.items() if a.same_costs else ():
-                        p.write_bytes(raw)
+                    if costs is not None and learned is not None:
+                        costs.write_bytes(learned)
                     share = set_pages(root / f"t{t}", state)
                     ttft, tok, hit = bench.run(t, prompt, mode, int(a.held * t))
                     runs[mode].append((ttft, tok, hit, bench.phases, bench.suffix_s, share, bench.fetch_s))
