@@ -22,6 +22,9 @@ def test_restore_bench_smoke(tiny_model_dir, tmp_path, capsys):
     fetch = [r.split(" | ")[-2] for r in rows[:8]]
     assert all(re.fullmatch(r"\d+\.\d{3} \(\d+\.\d{3}\)", f) for f in fetch), fetch
     assert any(f.endswith("(0.000)") for f, r in zip(fetch, rows[:8], strict=True) if "| compute |" in r)
+    # the setup's own prefill of the prompt, nothing cached: a compute's seconds without the mode
+    setup = re.search(r"The setup's prefill of each prompt .*: 600 tokens (\d+\.\d{3}) s", out)
+    assert setup is not None and float(setup.group(1)) > 0
 
 
 def test_restore_bench_with_a_memory_held_prefix(tiny_model_dir, tmp_path, capsys):
