@@ -54,26 +54,29 @@ def test_rounds_rotate_so_no_mode_always_follows_the_same_other():
     assert before["auto"] == {"both", "compute", "load"}
 
 
-def test_stay_is_a_both_whose_compute_stops_at_its_m(tiny_model_dir, tmp_path, capsys):
-    """``--modes stay``: the A/B of Restorer.extend. A forced both with the extension off: its plan
-    is a both and the compute holds exactly m tokens at the join (no ``m→m'``); the summary
-    gives its ratio to the better way."""
+def test_both_stops_at_its_m_and_extend_is_its_a_b(tiny_model_dir, tmp_path, capsys):
+    """A forced both computes exactly its m tokens (Restorer.extend is off by default: no
+    ``m→m'`` in its row); ``--modes extend`` is the A/B, a both with the extension on, its ratio
+    to the better way in the summary."""
     argv = ["--model", str(tiny_model_dir), "--tokens", "600", "--dir", str(tmp_path),
-            "--pages", "cold", "--chunk", "64", "--modes", "load,compute,stay"]  # fmt: skip
+            "--pages", "cold", "--chunk", "64", "--modes", "load,compute,both,extend"]  # fmt: skip
     assert restore.main(argv) == 0
     out = capsys.readouterr().out
-    (stay,) = [r for r in out.splitlines() if r.startswith("| 600 | cold (") and "| stay |" in r]
-    assert "| both (" in stay and "→" not in stay and "DIFF" not in stay
+    rows = [r for r in out.splitlines() if r.startswith("| 600 | cold (")]
+    (both,) = [r for r in rows if "| both |" in r]
+    (ext,) = [r for r in rows if "| extend |" in r]
+    assert "| both (" in both and "→" not in both and "DIFF" not in both
+    assert "| both (" in ext and "DIFF" not in ext
     (summary,) = [r for r in out.splitlines() if r.startswith("| 600 | cold |")]
-    assert re.search(r"stay / min \d+\.\d\d", summary)
+    assert re.search(r"extend / min \d+\.\d\d", summary)
 
 
-def test_with_the_same_costs_both_and_stay_plan_alike(tiny_model_dir, tmp_path, capsys):
+def test_with_the_same_costs_both_and_extend_plan_alike(tiny_model_dir, tmp_path, capsys):
     """``--same-costs``: each restart plans with the costs the setup learned, so the forced both and
-    stay of every round plan the same m (without it the later run plans with what the earlier taught)."""
+    extend of every round plan the same m (without it the later run plans with what the earlier taught)."""
     argv = ["--model", str(tiny_model_dir), "--tokens", "600", "--dir", str(tmp_path), "--pages", "cold",
-            "--chunk", "64", "--modes", "both,stay", "--repeats", "2", "--same-costs"]  # fmt: skip
+            "--chunk", "64", "--modes", "both,extend", "--repeats", "2", "--same-costs"]  # fmt: skip
     assert restore.main(argv) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 600 | cold (")]
     m = {r.split(" | ")[2]: re.findall(r"\| both \((\d+)", r) for r in rows}
-    assert set(m) == {"both", "stay"} and len(m["both"]) == 1 and m["both"] == m["stay"]
+    assert set(m) == {"both", "extend"} and len(m["both"]) == 1 and m["both"] == m["extend"]

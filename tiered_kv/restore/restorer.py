@@ -126,12 +126,15 @@ class Restorer:
         #: 0.14 s the second time.
         self.step = max(1, step)
         #: tokens the compute goes on with, a step at a time, when its head is done before the
-        #: read (0: it waits): the read, going backwards through each tensor, then stops where
-        #: the compute got to (ranged.Meet). A plan's m rests on learned rates, and a read slower
-        #: than priced left the head waiting: 0.3-1.9 s at 8B 32k-128k with the page cache
-        #: dropped on the H100, whose first ranged reads ran at 0.55-0.6x of the load's rate.
-        #: A whole prefill step, so it runs only step shapes already compiled (``step`` above)
-        self.extend = self.step if self.step > 1 else 0
+        #: read (0: it waits, the default): the read, going backwards through each tensor, then
+        #: stops where the compute got to (ranged.Meet). Off: a read beside a running prefill is
+        #: far slower than the same read alone, and going on priced the read's rest at the pace
+        #: it had beside the compute. A/B at the same m (`bench.restore --same-costs`, H100 8B
+        #: 128k, page cache dropped, m = 65536): with it 7.98 / 7.42 s (computed on to 98304, the
+        #: read 0.56 GB/s), without 6.90 / 6.81 (the read's last 2.3 s alone, ~2.6 GB/s); 8B 64k
+        #: 2.85 against 2.67 s; H200 8B 32k medians 1.11 / 0.51 s against 0.99 / 0.46 (cold /
+        #: warm). A whole prefill step when set (``step`` above: only compiled step shapes)
+        self.extend = 0
         self.blocker, self.kv_bits, self.kv_group_size = blocker, kv_bits, kv_group_size
         self.reader = reader
         #: where `both`'s read lands: "full" or "tail" arrays (buffers.landing(); "" → that)

@@ -714,13 +714,17 @@ def test_a_both_parses_its_entrys_header_once(plain, monkeypatch):
     assert len(parsed) == 1, parsed
 
 
-def test_a_both_whose_read_is_slower_than_priced_computes_on_and_the_read_stops_there(tmp_path, monkeypatch):
-    """A head done before its read waited for it (0.3-1.9 s at 8B 32k-128k with the page cache
-    dropped on the H100, whose ranged reads ran slower than the plan priced them). Now the
-    compute goes on a step at a time while the read is predicted to need longer than a step,
-    and the read, going backwards through each tensor, stops where the compute got to: here
-    each tensor is three checksum chunks read one per call, each call held 0.5 s (a slow disk),
-    and only the last chunk of each is read. The logits equal a cold prefill's."""
+@pytest.mark.parametrize("extend", [True, False])
+def test_a_both_whose_read_is_slower_than_priced_computes_on_only_when_asked(tmp_path, monkeypatch,
+                                                                            extend):  # fmt: skip
+    """A head done before its read waits for it. With the extension asked for
+    (``Restorer.extend``, a step) the compute goes on a step at a time while the read is
+    predicted to need longer than a step, and the read, going backwards through each tensor,
+    stops where the compute got to: here each tensor is three checksum chunks read one per call,
+    each call held 0.5 s (a slow disk), and only the last chunk of each is read. By default it
+    is off (a read beside a running compute ran far slower than alone: on the H100 at 8B 128k
+    the extension made the `both` 1.08-1.16x slower at the same m), and the head waits while the
+    whole of ``[m, n)`` is read. The logits equal a cold prefill's either way."""
     from tiered_kv.cold import ranged
 
     # 8 KV heads of 128: 2.4 MB per tensor, three 1 MiB chunks (hidden 64: a fast compute)
@@ -741,6 +745,9 @@ def test_a_both_whose_read_is_slower_than_priced_computes_on_and_the_read_stops_
 
     monkeypatch.setattr(ranged, "_preadv_all", slow)
     r = s.restorer("both", step=64)
+    assert r.extend == 0
+    if extend:
+        r.extend = r.step
     for k in (100, 400):
         r.costs.observe_prefill(k, 0, k * 1e-4)  # a step of 64 priced at ~6 ms
     hit = s.cold.lookup(s.ids)
@@ -751,9 +758,14 @@ def test_a_both_whose_read_is_slower_than_priced_computes_on_and_the_read_stops_
     m, n = 128, N - 1
     got = r.both(s.cold, hit, s.ids, Decision("both", n, m, 0.0, "test"))
     assert got is not None, r.counters
-    assert got.m == 576 and got.phases["extend"] > 0  # 128 + 7 steps of 64 (one more reaches n)
-    assert len(reads) == 1 + 4  # the tokens, and the last chunk of each of the 4 layer tensors
-    assert r.costs.obs["range"][-1][0] < 4 * (n - m) * 8 * 128 * 4 / 2  # served: the read part
+    if extend:
+        assert got.m == 576 and got.phases["extend"] > 0  # 128 + 7 steps of 64 (one more reaches n)
+        assert len(reads) == 1 + 4  # the tokens, and the last chunk of each of the 4 layer tensors
+        assert r.costs.obs["range"][-1][0] < 4 * (n - m) * 8 * 128 * 4 / 2  # served: the read part
+    else:
+        assert got.m == m and got.phases["extend"] < 0.05  # the head waited for the read
+        assert len(reads) == 1 + 4 * 3  # every chunk of [m, n) of each layer tensor
+        assert r.costs.obs["range"][-1][0] == 4 * (n - m) * 8 * 128 * 4
     suffix = s.ids[n:] + [9, 8]
     logits, toks = greedy(s.model, got.caches, suffix)
     ref_logits, ref_toks = greedy(s.model, make_prompt_cache(s.model), s.ids[:n] + suffix)
