@@ -131,7 +131,7 @@ class Restorer:
         #: far slower than the same read alone, and going on priced the read's rest at the pace
         #: it had beside the compute. A/B at the same m (`bench.restore --same-costs`, H100 8B
         #: 128k, page cache dropped, m = 65536): with it 7.98 / 7.42 s (computed on to 98304, the
-        #: read 0.56 GB/s), without 6.90 / 6.81 (the read's last 2.3 s alone, ~2.6 GB/s); 8B 64k
+        #: read 0.56 GB/s), without 6.90 / 6.81 (the read's last 2.3 s alone, ~2.6 GB/s est.); 8B 64k
         #: 2.85 against 2.67 s; H200 8B 32k medians 1.11 / 0.51 s against 0.99 / 0.46 (cold /
         #: warm). A whole prefill step when set (``step`` above: only compiled step shapes)
         self.extend = 0
