@@ -12,7 +12,7 @@ from collections.abc import Callable, Generator
 import mlx.core as mx
 import mlx.nn as nn
 
-from tiered_kv import Lease, checkpoint_positions, take_checkpoint
+from tiered_kv import Lease, checkpoint_positions, reserve_room, take_checkpoint
 
 __all__ = ["PrefillStopped", "checkpoint_positions", "fill", "prefill", "prefill_steps"]
 
@@ -87,12 +87,16 @@ def fill(model: nn.Module, lease: Lease, chunk_size: int) -> Generator[None, Non
     forward of a new (step length, offset) compiles and allocates (1B shape: a 2048-token head fed
     as 2047 + 1 tokens took 0.55 s the first time; a 4096-token head in whole steps, 0.03 s).
     Step-wise: it yields between its steps (a `both`'s head beside running streams: the batch
-    loop decodes between them, and a cancel closes it there)."""
+    loop decodes between them, and a cancel closes it there). After its first step the caches get
+    room for the rest in one buffer (:func:`tiered_kv.reserve_room`): no later step allocates a
+    larger copy of them (on CUDA those allocations slowed the read beside a `both`'s head)."""
     rem, fed = lease.remaining, list[int]()
     for i in range(0, len(rem), chunk_size):
         if i:
             yield
         _step(model, lease, fed, rem[i : i + chunk_size], [], None, len(rem))
+        if not i:
+            reserve_room(lease.caches, len(rem) - len(fed))
         if len(rem) > chunk_size:
             mx.clear_cache()
 

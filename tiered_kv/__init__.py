@@ -11,7 +11,8 @@ A server imports from here and nothing deeper::
     lease = cache.fetch(prompt_ids)                 # lease.caches hold lease.hit.tokens tokens
     ...                                             # prefill lease.remaining into lease.caches
                                                     # (lease.needs_checkpoints: take_checkpoint
-                                                    # at each checkpoint_positions(...) position)
+                                                    # at each checkpoint_positions(...) position;
+                                                    # a fill in many steps: reserve_room first)
     cache.store(lease, ids_the_caches_hold)         # the lease is given back
     cache.close()                                   # memory's entries written to disk
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from tiered_kv.checkpoints import take as take_checkpoint
     from tiered_kv.config import Config, ConfigError, parse_size
     from tiered_kv.identity import model_identity
+    from tiered_kv.layers import reserve as reserve_room
     from tiered_kv.opening import CacheDirError, open_cache
     from tiered_kv.tiered import HitInfo, Lease, TieredCache
 
@@ -57,6 +59,7 @@ _HOME = {
     "ConfigError": "tiered_kv.config",
     "parse_size": "tiered_kv.config",
     "model_identity": "tiered_kv.identity",
+    "reserve_room": "tiered_kv.layers:reserve",
     "CacheDirError": "tiered_kv.opening",
     "open_cache": "tiered_kv.opening",
     "HitInfo": "tiered_kv.tiered",
@@ -84,6 +87,7 @@ __all__ = [
     "model_identity",
     "open_cache",
     "parse_size",
+    "reserve_room",
     "snapshot",
     "take_checkpoint",
 ]

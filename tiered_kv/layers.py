@@ -350,6 +350,35 @@ def nbytes(caches: Sequence[Any]) -> int:
     return sum(a.nbytes for a in arrays.values())
 
 
+def reserve(caches: Sequence[Any], more: int) -> None:
+    """Give every plain ``KVCache`` leaf room for ``more`` tokens past its offset, in one buffer
+    (rounded up to its ``step``), so the prefill steps after write into it in place.
+
+    mlx-lm's ``KVCache`` grows by a concatenation when a step does not fit: a long fill in steps
+    allocates a larger copy of the whole cache every step. On CUDA (H100, 8B shape) those fresh
+    allocations slowed a ranged read running beside the compute to a fraction of its pace: a
+    `both` of 128k tokens (m 65536) 5.98-6.18 s with them, 4.14-4.17 s with the room reserved, its
+    read 5.97 s against 3.92. Other classes (quantised, rotating, recurrent) are left as they are.
+    Values only: the new buffers are this cache's own, the arrays it held before are not written.
+    """
+    grown: list[mx.array] = []
+    for c in leaves(caches):
+        if type(c) is not C.KVCache or c.keys is None or more <= 0:
+            continue
+        want = -(-(c.offset + more) // c.step) * c.step
+        if c.keys.shape[2] >= want:
+            continue
+        b, h, _, dk = c.keys.shape
+        keys = mx.zeros((b, h, want, dk), c.keys.dtype)
+        values = mx.zeros((b, h, want, c.values.shape[3]), c.values.dtype)
+        keys[..., : c.offset, :] = c.keys[..., : c.offset, :]
+        values[..., : c.offset, :] = c.values[..., : c.offset, :]
+        c.keys, c.values = keys, values
+        grown += [keys, values]
+    if grown:
+        mx.eval(grown)
+
+
 def can_trim(caches: Sequence[Any]) -> bool:
     """True when every layer can be cut back to any shorter length (plain attention KV)."""
     return all(codec_for(c).length(c) is not None and _trimmable(c) for c in leaves(caches))

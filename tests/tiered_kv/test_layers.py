@@ -61,6 +61,37 @@ def test_store_after_a_failed_forward_cuts_a_concatenate_cache_to_its_offset():
     np.testing.assert_allclose(got, cold_logits(model, p[:20] + [3, 4]), rtol=1e-4, atol=1e-4)
 
 
+# -- reserve ----------------------------------------------------------------------------------
+def test_reserve_gives_a_kv_cache_room_in_one_buffer_and_keeps_its_tokens():
+    """Room for ``more`` tokens past the offset (rounded up to the step); the tokens held stay, a
+    later write lands in the room (no growth), and the arrays held before are not written."""
+    c = filled(KVCache, 300)
+    before_k = c.keys
+    kept_k = np.array(before_k[..., :300, :])
+    layers.reserve([c], 1000)
+    assert c.offset == 300 and c.keys.shape[2] == c.values.shape[2] == 1536  # 1300 -> 6 x 256
+    np.testing.assert_array_equal(np.array(c.keys[..., :300, :]), kept_k)
+    k, v = kv(7, 500)
+    c.update_and_fetch(k, v)
+    mx.eval(c.keys, c.values)
+    assert c.offset == 800 and c.keys.shape[2] == 1536
+    np.testing.assert_array_equal(np.array(c.keys[..., 300:800, :]), np.array(k))
+    np.testing.assert_array_equal(np.array(c.values[..., 300:800, :]), np.array(v))
+    np.testing.assert_array_equal(np.array(before_k[..., :300, :]), kept_k)
+    assert before_k.shape[2] == 512  # mlx-lm's own capacity for 300 tokens, untouched
+
+
+def test_reserve_leaves_other_classes_and_empty_or_roomy_caches_alone():
+    q = filled(lambda: QuantizedKVCache(group_size=64, bits=8), 40, dim=64)
+    r = filled(lambda: RotatingKVCache(max_size=64), 40)
+    empty, roomy = KVCache(), filled(KVCache, 10)  # roomy: 256 slots for 10 tokens
+    held = [q.keys, r.keys, roomy.keys]
+    layers.reserve([CacheList(q, r), empty, roomy], 100)
+    assert all(a is b for a, b in zip([q.keys, r.keys, roomy.keys], held, strict=True))
+    assert empty.keys is None
+    assert roomy.keys.shape[2] == 256
+
+
 # -- cut, per codec ---------------------------------------------------------------------------
 def kv(seed: int, n: int, dim: int = 16) -> tuple[mx.array, mx.array]:
     rng = np.random.default_rng(seed)
