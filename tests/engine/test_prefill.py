@@ -44,6 +44,15 @@ def test_stop_between_chunks_keeps_what_was_evaluated(small_model):
     assert lease.caches[0].offset == 16
 
 
+def assert_same_kv_as_a_prefill(model, ids: list[int], caches, step: int) -> None:
+    ref = lease_of(model, ids)
+    prefill(model, ref, [], step)
+    for a, b in zip(caches, ref.caches, strict=True):
+        for x, y in zip(a.state, b.state, strict=True):
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=fixtures.f32_tol(1e-5),
+                                       atol=fixtures.f32_tol(1e-5))  # fmt: skip
+
+
 class _Room(fixtures.Steps):
     """Records the room each step finds in the first layer's KV buffer (None: no buffer yet)."""
 
@@ -68,12 +77,7 @@ def test_fill_gives_the_caches_room_for_all_its_steps_once(small_model):
     assert model.lengths == [128] * 5
     assert model.room == [None, 768, 768, 768, 768]  # mlx-lm's growth: None, 256, 256, 512, 512
     assert lease.caches[0].offset == 640 and lease.caches[0].keys.shape[2] == 768
-    ref = lease_of(small_model, ids)
-    prefill(small_model, ref, [], 128)
-    for a, b in zip(lease.caches, ref.caches, strict=True):
-        for x, y in zip(a.state, b.state, strict=True):
-            np.testing.assert_allclose(np.array(x), np.array(y), rtol=fixtures.f32_tol(1e-5),
-                                       atol=fixtures.f32_tol(1e-5))  # fmt: skip
+    assert_same_kv_as_a_prefill(small_model, ids, lease.caches, 128)
 
 
 def test_fill_feeds_whole_steps_and_holds_the_same_kv(small_model):
@@ -84,9 +88,4 @@ def test_fill_feeds_whole_steps_and_holds_the_same_kv(small_model):
     lease = lease_of(model, ids)
     drain(fill(model, lease, 16))
     assert model.lengths == [16, 16] and lease.caches[0].offset == 32
-    ref = lease_of(small_model, ids)
-    prefill(small_model, ref, [], 16)
-    for a, b in zip(lease.caches, ref.caches, strict=True):
-        for x, y in zip(a.state, b.state, strict=True):
-            np.testing.assert_allclose(np.array(x), np.array(y), rtol=fixtures.f32_tol(1e-5),
-                                       atol=fixtures.f32_tol(1e-5))  # fmt: skip
+    assert_same_kv_as_a_prefill(small_model, ids, lease.caches, 16)
