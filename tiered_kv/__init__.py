@@ -12,7 +12,8 @@ A server imports from here and nothing deeper::
     ...                                             # prefill lease.remaining into lease.caches
                                                     # (lease.needs_checkpoints: take_checkpoint
                                                     # at each checkpoint_positions(...) position;
-                                                    # a fill in many steps: reserve_room first)
+                                                    # a fill of many steps: reserve_room after
+                                                    # its first, for room for the rest)
     cache.store(lease, ids_the_caches_hold)         # the lease is given back
     cache.close()                                   # memory's entries written to disk
 
