@@ -133,7 +133,10 @@ class Restorer:
         #: 128k, page cache dropped, m = 65536): with it 7.98 / 7.42 s (computed on to 98304, the
         #: read 0.56 GB/s), without 6.90 / 6.81 (the read's last 2.3 s alone, ~2.6 GB/s est.); 8B 64k
         #: 2.85 against 2.67 s; H200 8B 32k medians 1.11 / 0.51 s against 0.99 / 0.46 (cold /
-        #: warm). A whole prefill step when set (``step`` above: only compiled step shapes)
+        #: warm). All measured before a head's caches got their room once (engine.prefill.fill,
+        #: layers.reserve): that read's slowness beside a prefill was the head's per-step cache
+        #: growth, gone since; the extension has not been measured again. A whole prefill step
+        #: when set (``step`` above: only compiled step shapes)
         self.extend = 0
         self.blocker, self.kv_bits, self.kv_group_size = blocker, kv_bits, kv_group_size
         self.reader = reader

@@ -723,7 +723,8 @@ def test_a_both_whose_read_is_slower_than_priced_computes_on_only_when_asked(tmp
     stops where the compute got to: here each tensor is three checksum chunks read one per call,
     each call held 0.5 s (a slow disk), and only the last chunk of each is read. By default it
     is off (a read beside a running compute ran far slower than alone: on the H100 at 8B 128k
-    the extension made the `both` 1.08-1.16x slower at the same m), and the head waits while the
+    the extension made the `both` 1.08-1.16x slower at the same m, before heads got their room
+    once), and the head waits while the
     whole of ``[m, n)`` is read. The logits equal a cold prefill's either way."""
     from tiered_kv.cold import ranged
 
