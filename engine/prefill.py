@@ -57,7 +57,8 @@ def prefill_steps(
     decode steps of other requests. The generator's return value is the last position's logits.
 
     Only the cache state of each chunk is evaluated; the vocabulary projection runs for the last
-    prompt token alone (fed as its own step), not for every position of every chunk.
+    prompt token alone (fed as its own step), not for every position of every chunk. After the
+    first step the caches get room for the rest of the prompt in one buffer, as in :func:`fill`.
     """
     rem = lease.remaining
     start, total = len(fed), len(fed) + len(rem)
@@ -66,6 +67,8 @@ def prefill_steps(
     while i < body:
         end = min([i + chunk_size, body] + [c - start for c in cuts if c - start > i])
         _step(model, lease, fed, rem[i:end], cuts, on_progress, total)
+        if not i:
+            reserve_room(lease.caches, len(rem) - end)
         i = end
         if body > chunk_size:
             mx.clear_cache()

@@ -80,6 +80,26 @@ def test_fill_gives_the_caches_room_for_all_its_steps_once(small_model):
     assert_same_kv_as_a_prefill(small_model, ids, lease.caches, 128)
 
 
+def test_a_prefill_gives_the_caches_room_for_the_whole_prompt_after_its_first_step(small_model):
+    """A long prompt's prefill reserves room as a fill does: no body step and not the last token
+    copies the cache into a larger one (before: 256, 256, 512, 512, 768 slots, one copy per
+    growth). Logits and KV are a plain step-by-step prefill's all the same."""
+    ids = tokens(94, 640)
+    model = _Room(small_model)
+    lease, fed = lease_of(model, ids), list[int]()
+    logits = prefill(model, lease, fed, 128)
+    assert model.lengths == [128, 128, 128, 128, 127, 1]
+    assert model.room == [None, 768, 768, 768, 768, 768]
+    assert fed == ids and lease.caches[0].offset == 640 and lease.caches[0].keys.shape[2] == 768
+    ref = lease_of(small_model, ids)  # the library tests' copy: mlx-lm's growth, no room given
+    want = fixtures.prefill(small_model, ref, [], 128)
+    tol = fixtures.f32_tol(1e-5)
+    np.testing.assert_allclose(np.array(logits), np.array(want), rtol=tol, atol=tol)
+    for a, b in zip(lease.caches, ref.caches, strict=True):
+        for x, y in zip(a.state, b.state, strict=True):
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=tol, atol=tol)
+
+
 def test_fill_feeds_whole_steps_and_holds_the_same_kv(small_model):
     """A restore's head (Engine.compute_prefix) is fed in whole steps from the start, no last-token
     step: 2 x 16, not 16 + 15 + 1 (on CUDA each new (length, offset) compiles on first use)."""
