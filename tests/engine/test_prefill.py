@@ -44,13 +44,16 @@ def test_stop_between_chunks_keeps_what_was_evaluated(small_model):
     assert lease.caches[0].offset == 16
 
 
-def assert_same_kv_as_a_prefill(model, ids: list[int], caches, step: int) -> None:
+def assert_same_kv_as_a_prefill(model, ids: list[int], caches, step: int) -> np.ndarray:
+    """``caches`` hold the KV of a plain prefill of ``ids`` in ``step``-token chunks (the library
+    tests' copy: mlx-lm's growth, no room given). Returns that prefill's last logits."""
     ref = lease_of(model, ids)
-    prefill(model, ref, [], step)
+    logits = fixtures.prefill(model, ref, [], step)
+    tol = fixtures.f32_tol(1e-5)
     for a, b in zip(caches, ref.caches, strict=True):
         for x, y in zip(a.state, b.state, strict=True):
-            np.testing.assert_allclose(np.array(x), np.array(y), rtol=fixtures.f32_tol(1e-5),
-                                       atol=fixtures.f32_tol(1e-5))  # fmt: skip
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=tol, atol=tol)
+    return np.array(logits)
 
 
 class _Room(fixtures.Steps):
@@ -91,13 +94,9 @@ def test_a_prefill_gives_the_caches_room_for_the_whole_prompt_after_its_first_st
     assert model.lengths == [128, 128, 128, 128, 127, 1]
     assert model.room == [None, 768, 768, 768, 768, 768]
     assert fed == ids and lease.caches[0].offset == 640 and lease.caches[0].keys.shape[2] == 768
-    ref = lease_of(small_model, ids)  # the library tests' copy: mlx-lm's growth, no room given
-    want = fixtures.prefill(small_model, ref, [], 128)
+    want = assert_same_kv_as_a_prefill(small_model, ids, lease.caches, 128)
     tol = fixtures.f32_tol(1e-5)
-    np.testing.assert_allclose(np.array(logits), np.array(want), rtol=tol, atol=tol)
-    for a, b in zip(lease.caches, ref.caches, strict=True):
-        for x, y in zip(a.state, b.state, strict=True):
-            np.testing.assert_allclose(np.array(x), np.array(y), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.array(logits), want, rtol=tol, atol=tol)
 
 
 def test_fill_feeds_whole_steps_and_holds_the_same_kv(small_model):
