@@ -261,8 +261,9 @@ def extend_pays(hit: Hit, learned: Learned, m: int, c: int, tokens: int, left: f
     where the compute got to): only while the read is predicted to need longer than they take.
     The read's pace so far is its pace beside the compute; how much faster it would go alone is
     not known here, and on the H100 (8B 128k) it was an estimated ~5x: going on made the `both` later than
-    waiting, which is why the restorer asks only when ``Restorer.extend`` is set (measured before a
-    head's caches got their room once, which took most of that slowness away). The read's rest is priced
+    waiting, which is why the restorer asks only when ``Restorer.extend`` is set (with heads given
+    their room once, which took most of that slowness away, still no better: 8B 128k 7.11 / 6.97 s
+    against 5.62 / 6.28 at m = n/2). The read's rest is priced
     by its pace so far (``left``: the share of its bytes not served after ``elapsed`` seconds), or
     before it served any by the learned range rate; the tokens at the learned prefill rate, as
     slow as heads beside a read of the hit's page state run (:meth:`Learned.head_slower`), else at

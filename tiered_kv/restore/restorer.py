@@ -134,9 +134,10 @@ class Restorer:
         #: read 0.56 GB/s), without 6.90 / 6.81 (the read's last 2.3 s alone, ~2.6 GB/s est.); 8B 64k
         #: 2.85 against 2.67 s; H200 8B 32k medians 1.11 / 0.51 s against 0.99 / 0.46 (cold /
         #: warm). All measured before a head's caches got their room once (engine.prefill.fill,
-        #: layers.reserve): that read's slowness beside a prefill was the head's per-step cache
-        #: growth, gone since; the extension has not been measured again. A whole prefill step
-        #: when set (``step`` above: only compiled step shapes)
+        #: layers.reserve), which took most of that read's slowness away; measured again with the
+        #: room (same A/B, m = n/2): 8B 128k 7.11 / 6.97 s against 5.62 / 6.28, 64k 3.21 / 3.46
+        #: against 3.00 / 3.50: still no better. A whole prefill step when set (``step`` above:
+        #: only compiled step shapes)
         self.extend = 0
         self.blocker, self.kv_bits, self.kv_group_size = blocker, kv_bits, kv_group_size
         self.reader = reader
