@@ -67,7 +67,7 @@ def prefill_steps(
     while i < body:
         end = min([i + chunk_size, body] + [c - start for c in cuts if c - start > i])
         _step(model, lease, fed, rem[i:end], cuts, on_progress, total)
-        if not i:
+        if not i and end < body:  # more steps follow (a prompt of one step grows as it did)
             reserve_room(lease.caches, len(rem) - end)
         i = end
         if body > chunk_size:
