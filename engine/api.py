@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine import chat
+from engine import chat, structured
 from engine.errors import ApiError, invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -263,6 +263,19 @@ class ChatRequest(_Sampling):
     #: continue the last message, the assistant's, rather than start a new turn (vLLM's field;
     #: Anthropic's Messages API does so whenever the last message is the assistant's)
     continue_final_message: bool = False
+    #: OpenAI's structured output (``{"type": "json_object"}``, ``{"type": "json_schema", ...}``),
+    #: enforced while sampling (``engine/structured.py``)
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        structured.schema_of(v)  # a FormatError (a ValueError): a 400 naming the field
+        return v
+
+    def output_schema(self) -> str:
+        """The JSON Schema the output must match, as canonical JSON; "" for free text."""
+        return structured.schema_of(self.response_format)
 
     @classmethod
     def turns(cls, data: dict[str, Any]) -> int:

@@ -39,6 +39,8 @@ class SamplingParams:
     #: the prompt's last id where the text continues the prompt (completions, a continued assistant
     #: message): the text is decoded after it, so a SentencePiece first token keeps its space
     after: int | None = None
+    #: the output's grammar (``engine.structured.lark``: a request's JSON Schema); "" is free text
+    grammar: str = ""
 
 
 @dataclass(frozen=True)

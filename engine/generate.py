@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import tiered_kv
-from engine import shapes, warmup
+from engine import shapes, structured, warmup
 from engine.batch import BatchLoop
 from engine.events import Chunk, Event, Failed, Hit, SamplingParams, Usage
 from engine.loading import context_length, load_model, vocab_size, xtc_keep
@@ -52,6 +52,8 @@ class Engine:
         self.context_length = context_length(self.model_dir, self.tokenizer)
         self.vocab_size = vocab_size(self.model_dir, self.tokenizer)
         self.xtc_keep = xtc_keep(self.tokenizer)
+        # structured output's view of the tokenizer (built at the first request with a format)
+        self.grammars = structured.Grammars(self.tokenizer, self.vocab_size)
         # several requests' prompt chunks in one forward (engine/prefilling.py), when switched on
         # (TIERED_KV_SHARED_PREFILL; `auto`: on a GPU)
         gpu = mx.default_device().type == mx.gpu

@@ -161,6 +161,10 @@ class Leasing:
             seq.text = self.engine.text_stream(seq.params)
             seq.sampler = sampling.for_request(seq.params)
             seq.processors = sampling.processors(seq.params)
+            if seq.params.grammar:  # last: nothing after it may lift a token it forbids
+                seq.processors.append(
+                    self.engine.grammars.processor(seq.params.grammar, len(seq.prompt_ids))
+                )
             if not prefill_batch.batchable(seq.lease):  # else its chunks go in shared forwards
                 seq.steps = self.engine.prefill_steps(seq.lease, seq.fed, seq.progress)
         except Exception as e:

@@ -110,6 +110,9 @@ def to_chat(req: CountTokensRequest, context_length: int | None = None) -> ChatR
     effort = (req.output_config or {}).get("effort")
     if isinstance(effort, str):  # gpt-oss's template reads reasoning_effort
         body["reasoning_effort"] = effort
+    fmt = (req.output_config or {}).get("format")
+    if fmt is not None:  # structured output: {"type": "json_schema", "schema": {...}}
+        body["response_format"] = fmt
     if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
         body["continue_final_message"] = True  # a prefill: the model goes on from its text
     chat: ChatRequest = api.validate(body, ChatRequest, context_length)

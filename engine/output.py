@@ -129,6 +129,8 @@ class ChatOutput:
         self.ids = set(taken_ids or ())
         self._calls = CallParser(fmt.parse, fmt.parser_name, tools, call_id_prefix)
         edges = fmt.edges(parse_tools)
+        #: the output starts inside a think block the prompt opened
+        self.starts_in_reasoning = start_in_reasoning
         self._sm = TextStateMachine(edges).make_state(REASONING if start_in_reasoning else NORMAL)
         self._marker = {(src, dst): m for src, out in edges.items() for m, dst in out}
         self._state = self._sm[0]

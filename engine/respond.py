@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from jinja2 import TemplateError
 
-from engine import api, chat, openai_bodies, output
+from engine import api, chat, openai_bodies, output, structured
 from engine.api import ChatRequest, CompletionRequest
 from engine.detok import TokenBytes, piece_text
 from engine.errors import ApiError, error_body
@@ -319,6 +319,7 @@ def sampling(
     vocab_size: int,
     default_max: int = 0,
     xtc_keep: tuple[int, ...] = (),
+    grammar: str = "",
 ) -> SamplingParams:
     """The engine's sampling parameters; ``max_tokens`` (the server's ``default_max`` where the
     request names none; 0: no bound of its own) clamped to what the context leaves; a ``top_k``
@@ -349,7 +350,20 @@ def sampling(
         logit_bias=req.bias(vocab_size),
         logprobs=req.logprob_count(),
         after=ids[-1] if continues(req) and ids else None,
+        grammar=grammar,
     )
+
+
+def grammar_of(req: Any, out: Any) -> str:
+    """The grammar ``req``'s output must follow ("" for free text): its JSON Schema, after the
+    model's think block where its format has one (``out.parser``: the chat output's parser, which
+    knows the format and whether the prompt opened the block)."""
+    schema = req.output_schema() if isinstance(req, ChatRequest) else ""
+    if not schema:
+        return ""
+    parser = getattr(out, "parser", None)
+    think = parser.fmt.think if parser is not None else None
+    return structured.lark(schema, think, bool(parser is not None and parser.starts_in_reasoning))
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

@@ -46,6 +46,9 @@ class ResponsesRequest(api.RequestBody):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stream: bool = False
     reasoning: dict[str, Any] | None = None
+    #: ``{"format": {"type": "json_schema", "name": ..., "schema": {...}}}`` (or ``json_object``,
+    #: ``text``): structured output, as chat's ``response_format``
+    text: dict[str, Any] | None = None
     previous_response_id: str | None = None
 
     @field_validator("previous_response_id")
@@ -87,6 +90,7 @@ class ResponsesChat(ChatRequest):
     prompt_param: ClassVar[str] = "input"
     namespaces: dict[str, str] = {}
     instructions: str | None = None  # echoed in the response, as OpenAI's
+    text_format: dict[str, Any] | None = None  # the request's ``text.format``, echoed too
 
 
 def parse(raw: bytes, context_length: int | None = None) -> ResponsesChat:
@@ -153,10 +157,23 @@ def to_chat(req: ResponsesRequest, context_length: int | None = None) -> Respons
     effort = (req.reasoning or {}).get("effort")
     if isinstance(effort, str):  # gpt-oss's template reads reasoning_effort
         body["reasoning_effort"] = effort
+    fmt = (req.text or {}).get("format")
+    if fmt is not None:
+        body["response_format"] = response_format(fmt)
+        body["text_format"] = fmt
     body["namespaces"] = namespaces(req.tools)
     body["instructions"] = req.instructions
     chat: ResponsesChat = api.validate(body, ResponsesChat, context_length)
     return chat
+
+
+def response_format(fmt: Any) -> Any:
+    """The chat ``response_format`` of a Responses ``text.format`` (whose ``json_schema`` holds
+    its ``name`` and ``schema`` flat); what is not one is handed on as sent, to be refused there."""
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": inner}
+    return fmt
 
 
 def namespaces(tools: list[dict[str, Any]] | None) -> dict[str, str]:
@@ -248,7 +265,8 @@ class ResponsesOutput:
                      "top_p": chat.top_p, "tool_choice": _echo_choice(chat.tool_choice),
                      "tools": [{"type": "function", **t["function"]} for t in chat.tool_dicts() or []],
                      "max_output_tokens": chat.requested_max(),
-                     "instructions": chat.instructions}  # fmt: skip
+                     "instructions": chat.instructions,
+                     "text": {"format": chat.text_format or {"type": "text"}}}  # fmt: skip
         self.output: list[dict[str, Any]] = []
         self.items = Items()
         self.status = "in_progress"

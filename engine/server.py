@@ -129,9 +129,11 @@ class Server:
                 ctx = self.engine.context_length
                 req = await self._off_loop(partial(parse, context_length=ctx), body)
                 ids, out = await self._off_loop(prepare, req)
+                asked = getattr(req, "response_format", None)  # structured output
+                grammar = await self._off_loop(self._grammar, req, out) if asked else ""
                 params = respond.sampling(
                     req, ids, self.engine.context_length, self.engine.vocab_size,
-                    self.config.max_tokens, self.engine.xtc_keep,
+                    self.config.max_tokens, self.engine.xtc_keep, grammar,
                 )  # fmt: skip
                 job = self.worker.submit(ids, params, endpoint, arrival, self.metrics.generation)
             except QueueFull as e:
@@ -173,6 +175,14 @@ class Server:
     async def _stop_on_hangup(request: Request, job: Job) -> None:
         await hangup(request)
         job.stop()
+
+    def _grammar(self, req: Any, out: Any) -> str:
+        """The grammar of ``req``'s output ("" for free text); llguidance's view of the tokenizer
+        built here, off the engine thread, by the first request that needs it (about a second)."""
+        grammar = respond.grammar_of(req, out)
+        if grammar:
+            self.engine.grammars.prepare()
+        return grammar
 
     def _chat_prompt(
         self, req: ChatRequest, call_id_prefix: str = CALL_ID_PREFIX

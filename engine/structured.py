@@ -1,0 +1,189 @@
+"""Structured output: a request's JSON mode or JSON Schema enforced while its tokens are sampled.
+
+OpenAI's ``response_format`` (``json_object``, ``json_schema``), the Responses API's ``text.format``
+and Anthropic's ``output_config.format`` become one value at the API edge, :func:`schema_of`: the
+JSON Schema as a canonical JSON string (``json_object``: any object), checked there — a schema
+that llguidance cannot compile is the client's 400, not a failure mid-generation. Nothing of it
+is a per-request object until the batch loop takes the request: :meth:`Grammars.processor` then
+gives it a logits processor over llguidance's matcher (``llguidance``, the constrained decoder of
+llama.cpp, vLLM and SGLang), which masks every token that cannot continue the value; once the
+value is complete only the end-of-sequence tokens are left, so the request ends with ``stop``
+(``length`` when ``max_tokens`` cuts the value short, as OpenAI's).
+
+A model with a think block may reason first: the grammar lets the output open with the block (or
+start inside it, where the chat template opened it in the prompt) and requires the value after
+its end marker; reasoning is not constrained. Tool calls cannot be made while a format is
+enforced (the value is the whole answer).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+#: the schema of OpenAI's JSON mode (``json_object``): any JSON object
+ANY_OBJECT = '{"type":"object"}'
+#: how the value is written (llguidance's ``x-guidance`` options): one line, standard separators.
+#: Flexible whitespace let a model write newlines between tokens without end (the tiny random
+#: model: 60 lines of them where its value was 30 characters); a schema's own options win.
+STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class FormatError(ValueError):
+    """A ``response_format`` this server cannot enforce (its message names what is wrong)."""
+
+
+def schema_of(fmt: Any) -> str:
+    """The JSON Schema a request's output must match, as canonical JSON ("" for plain text), from
+    OpenAI's ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` (the schema may
+    also sit at the top level, as llama.cpp's server takes it). Raises :class:`FormatError`."""
+    if fmt is None:
+        return ""
+    if not isinstance(fmt, dict):
+        raise FormatError("response_format must be an object with a 'type'")
+    kind = fmt.get("type")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind != "json_schema":
+        raise FormatError(f"response_format type {kind!r} is not supported "
+                          "('text', 'json_object' or 'json_schema')")  # fmt: skip
+    wrapper = fmt.get("json_schema")
+    schema = wrapper.get("schema") if isinstance(wrapper, dict) else fmt.get("schema")
+    if schema is None and isinstance(wrapper, dict):
+        schema = {}  # OpenAI's: a json_schema without a schema is any JSON value
+    if not isinstance(schema, dict | bool):
+        raise FormatError("response_format json_schema needs a 'schema' object")
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    check(text)
+    return text
+
+
+def check(schema: str) -> None:
+    """Raises :class:`FormatError` when llguidance cannot compile ``schema`` (no tokenizer needed)."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema)
+    except (ValueError, RuntimeError) as e:
+        raise FormatError(f"response_format schema: {e}") from None
+    err = LLMatcher.validate_grammar(grammar)
+    if err:
+        raise FormatError(f"response_format schema: {err}")
+
+
+def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False) -> str:
+    """The grammar of an output that is ``schema``'s JSON value, after an optional think block
+    (``think``: its start and end markers; None: the model has none). ``opened``: the chat
+    template opened the block in the prompt, so the output starts inside it and must close it
+    first. (One grammar for both cases left a complete value unaccepted: it could still have been
+    the start of a block whose opener the prompt held.)"""
+    value = _styled(schema)
+    if think is None:
+        return f"start: value\nvalue: %json {value}\n"
+    start, end = think
+    head = "reasoning gap?" if opened else "(opener reasoning gap?)?"
+    return (
+        f"start: {head} value\n"
+        f"opener: {json.dumps(start)}\n"
+        f"reasoning[lazy]: /(?s:.*){_regex(end)}/\n"
+        "gap: /[ \\t\\r\\n]+/\n"
+        f"value: %json {value}\n"
+    )
+
+
+def _styled(schema: str) -> str:
+    """``schema`` with :data:`STYLE` (a boolean schema as its object form)."""
+    doc = json.loads(schema)
+    if doc is True:
+        doc = {}
+    if not isinstance(doc, dict):
+        return schema
+    own = doc.get("x-guidance")
+    return json.dumps({**doc, "x-guidance": {**STYLE, **(own if isinstance(own, dict) else {})}})
+
+
+#: what a literal escapes inside a lark ``/.../`` regex (Rust's regex syntax, plus the delimiter)
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex(text: str) -> str:
+    """``text`` as a literal inside a lark ``/.../`` regex."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+class Grammars:
+    """The model's side of structured output: llguidance's view of the tokenizer (built once, at
+    the first request that needs it: about a second) and the processors made over it."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self._ll: Any = None
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now (any thread; once)."""
+        self._llg()
+
+    def _llg(self) -> Any:
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
+
+                eos = sorted(int(t) for t in self.tokenizer.eos_token_ids)
+                hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+                self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                                        eos_token=eos or None)  # fmt: skip
+            return self._ll
+
+    def processor(self, grammar: str, prompt_len: int) -> Constrained:
+        """The logits processor of one request (``grammar``: its :func:`lark` text) whose prompt
+        has ``prompt_len`` ids."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._llg(), LLMatcher.grammar_from_lark(grammar))
+        if matcher.is_error():  # checked at the edge: a defect here, not the client's
+            raise RuntimeError(f"structured output: {matcher.get_error()}")
+        return Constrained(matcher, prompt_len, self.vocab_size)
+
+
+class Constrained:
+    """A logits processor (mlx-lm's signature: ``(ids so far, logits (1, V)) -> logits``): the
+    matcher consumes the ids sampled since its last call (the ids past the prompt), then every
+    token it does not allow next gets ``-inf``. Runs on the engine thread; reading the sampled ids
+    waits for the step that sampled them (a constrained request decodes without pipelining)."""
+
+    def __init__(self, matcher: Any, prompt_len: int, vocab_size: int) -> None:
+        from llguidance.numpy import allocate_token_bitmask
+
+        self.matcher, self.prompt_len, self.vocab_size = matcher, prompt_len, vocab_size
+        self.consumed = 0  # output ids the matcher has taken
+        self._mask = allocate_token_bitmask(1, vocab_size)
+
+    def __call__(self, ids: mx.array, logits: mx.array) -> mx.array:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        out = int(ids.size) - self.prompt_len
+        if out > self.consumed:
+            new: list[int] = ids[self.prompt_len + self.consumed :].tolist()  # type: ignore[assignment]
+            for t in new:
+                # a whole value is followed by the end-of-sequence token, which the batch's next
+                # step feeds here before the loop ends the request: nothing is left to check
+                if self.matcher.is_stopped():
+                    break
+                if not self.matcher.consume_token(t):
+                    raise RuntimeError(f"structured output: {self.matcher.get_error()}")
+            self.consumed = out
+        fill_next_token_bitmask(self.matcher, self._mask)
+        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")
+        width = int(logits.shape[-1])
+        allowed = np.zeros(width, dtype=bool)
+        n = min(width, self.vocab_size)
+        allowed[:n] = bits[:n].astype(bool)
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -1,0 +1,236 @@
+# mypy: disable-error-code="arg-type,union-attr,index,attr-defined,call-overload"
+"""engine/structured.py: a request's JSON mode / JSON Schema enforced while sampling. The grammar
+over the tiny model's real tokenizer (llguidance's matcher), then over real HTTP on the tiny
+random-weight model — whose free output is never JSON, so a value that parses and matches its
+schema is the constraint at work (before it, ``response_format`` was ignored)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from llguidance import LLMatcher
+from mlx_lm import load
+
+from engine import structured
+from engine.structured import ANY_OBJECT, FormatError, Grammars, lark, schema_of
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "ok", "color"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}}}  # fmt: skip
+ASK = [{"role": "user", "content": "Reply with a JSON object."}]
+THINK = ("<think>", "</think>")
+
+
+def _matches(value: object) -> bool:
+    return (isinstance(value, dict) and set(value) == {"n", "ok", "color"}
+            and type(value["n"]) is int and 0 <= value["n"] <= 9
+            and isinstance(value["ok"], bool) and value["color"] in ("red", "green"))  # fmt: skip
+
+
+# --- the request's format → its schema (the API edge) --------------------------------------------
+
+
+def test_each_response_format_becomes_its_schema():
+    assert schema_of(None) == ""
+    assert schema_of({"type": "text"}) == ""
+    assert schema_of({"type": "json_object"}) == ANY_OBJECT
+    wrapped = schema_of({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": SCHEMA}})
+    assert json.loads(wrapped) == SCHEMA
+    assert schema_of({"type": "json_schema", "schema": SCHEMA}) == wrapped  # llama.cpp's / Anthropic's shape
+
+
+@pytest.mark.parametrize(
+    "fmt, words",
+    [
+        ("json", "must be an object"),
+        ({"type": "xml"}, "not supported"),
+        ({"type": "json_schema", "json_schema": {"schema": 5}}, "needs a 'schema' object"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}, "objectx"),
+    ],
+)
+def test_a_format_that_cannot_be_enforced_is_refused(fmt, words):
+    with pytest.raises(FormatError, match=words):
+        schema_of(fmt)
+
+
+# --- the grammar, over the tiny model's tokenizer ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load(str(tiny_model_dir))[1]
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_model_dir, tok):
+    import json as _json
+
+    vocab = _json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    return Grammars(tok, vocab)
+
+
+def _accepts(grammars: Grammars, grammar: str, text: str, tok) -> tuple[bool, bool]:
+    """(the text is a prefix the grammar allows, the text is a whole output it allows)."""
+    m = LLMatcher(grammars._llg(), LLMatcher.grammar_from_lark(grammar))
+    ok = m.consume_tokens(tok.encode(text, add_special_tokens=False)) and not m.is_error()
+    return ok, ok and m.is_accepting()
+
+
+VALUE = '{"n": 3, "ok": true, "color": "red"}'
+
+
+@pytest.mark.parametrize(
+    "think, opened, text, prefix, whole",
+    [
+        (None, False, VALUE, True, True),
+        (None, False, '{"n": 3, "ok": ', True, False),  # a value begun: not yet a whole output
+        (None, False, '{"n": 3}', False, False),  # required keys missing
+        (None, False, '{"n": 12, ', False, False),  # past the maximum
+        (None, False, "Sure! " + VALUE, False, False),
+        (THINK, False, VALUE, True, True),  # a think block is optional
+        (THINK, False, "<think>\nfirst {the} n </thin\n</think>\n\n" + VALUE, True, True),
+        (THINK, False, "plain</think>" + VALUE, False, False),  # no block opened: no end marker
+        (THINK, True, "still thinking</think>\n" + VALUE, True, True),  # the prompt opened it
+        (THINK, True, VALUE, True, False),  # ... so the value is reasoning until the block ends
+        (THINK, False, "<think>x</think>not json", False, False),
+    ],
+)
+def test_the_grammar_is_the_value_after_an_optional_think_block(grammars, tok, think, opened, text, prefix, whole):
+    assert _accepts(grammars, lark(json.dumps(SCHEMA), think, opened), text, tok) == (prefix, whole)
+
+
+def test_the_processor_masks_what_cannot_follow_and_ends_with_end_of_sequence(grammars, tok):
+    """Fed a whole value token by token (as the decode loop calls it, the ids so far each time), the
+    processor leaves the next token of the value allowed and forbids a letter; after the value only
+    the end-of-sequence tokens are left."""
+    import mlx.core as mx
+
+    vocab = grammars.vocab_size
+    prompt = [1, 2, 3]
+    proc = grammars.processor(lark(json.dumps(SCHEMA)), len(prompt))
+    ids = tok.encode(VALUE, add_special_tokens=False)
+    letter = tok.encode("x", add_special_tokens=False)[0]
+    for i, t in enumerate(ids):
+        out = proc(mx.array(prompt + ids[:i]), mx.zeros((1, vocab)))
+        assert out[0, t].item() == 0.0, (i, t)
+        assert out[0, letter].item() == float("-inf")
+    out = proc(mx.array(prompt + ids), mx.zeros((1, vocab)))
+    allowed = {i for i, x in enumerate(out[0].tolist()) if x == 0.0}
+    assert allowed and allowed <= set(tok.eos_token_ids)
+
+
+# --- over HTTP, on the tiny random model ----------------------------------------------------------
+
+
+def test_a_json_schema_answer_is_a_value_of_the_schema(live):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "strict": True, "schema": SCHEMA}}
+    r = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=64, temperature=0,
+                                            response_format=fmt)  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    assert _matches(json.loads(r.choices[0].message.content))
+    sampled = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=64, temperature=1.0,
+                                                  seed=7, response_format=fmt)  # fmt: skip
+    assert _matches(json.loads(sampled.choices[0].message.content))
+
+
+def test_a_streamed_json_schema_answer_is_a_value_of_the_schema(live):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}
+    stream = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=64, temperature=0,
+                                                 response_format=fmt, stream=True)  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert _matches(json.loads(text))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_json_mode_answers_an_object(live):
+    r = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=200, temperature=0,
+                                            response_format={"type": "json_object"})  # fmt: skip
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_a_text_format_and_no_format_are_free_text(live):
+    free = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=8, temperature=0)
+    text = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=8, temperature=0,
+                                               response_format={"type": "text"})  # fmt: skip
+    assert free.choices[0].message.content == text.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [{"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}, "json"],
+)
+def test_an_unenforceable_format_is_a_400_naming_the_field(live, fmt):
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": ASK, "response_format": fmt})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "response_format"
+
+
+def test_a_responses_text_format_is_enforced_and_echoed(live):
+    fmt = {"type": "json_schema", "name": "pick", "strict": True, "schema": SCHEMA}
+    r = live.client.responses.create(model="m", input="Reply with a JSON object.", max_output_tokens=64,
+                                     temperature=0, text={"format": fmt})  # fmt: skip
+    assert _matches(json.loads(r.output_text))
+    assert r.text.format.type == "json_schema" and r.text.format.name == "pick"
+
+
+def test_an_anthropic_output_format_is_enforced(live):
+    body = {"model": "m", "max_tokens": 64, "temperature": 0, "messages": ASK,
+            "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}  # fmt: skip
+    r = httpx.post(live.url + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 200, r.text
+    assert _matches(json.loads(r.json()["content"][0]["text"]))
+
+
+def test_structured_output_needs_no_llguidance_until_a_request_asks(tiny_model_dir, tok):
+    """The tokenizer's view is built at the first request that needs it (it takes about a second),
+    not when the engine starts."""
+    g = Grammars(tok, len(tok.get_vocab()))
+    assert g._ll is None
+    g.processor(structured.lark(ANY_OBJECT), 0)
+    assert g._ll is not None
+
+
+def test_the_grammar_follows_the_models_think_block_and_where_the_prompt_left_it():
+    """respond.grammar_of: the request's schema, after the think block of the model's output format,
+    started inside it when the chat prompt opened it (what the output parser was told)."""
+    from types import SimpleNamespace
+
+    from engine import api, output, respond
+    from engine.output_format import OutputFormat
+
+    req = api.ChatRequest.model_validate({"messages": ASK, "response_format": {"type": "json_object"}})
+    for think in (None, THINK):
+        for opened in (False, True):
+            parser = output.ChatOutput(OutputFormat(think), None, False, True, opened)
+            out = SimpleNamespace(parser=parser)
+            assert respond.grammar_of(req, out) == lark(ANY_OBJECT, think, opened)
+    free = api.ChatRequest.model_validate({"messages": ASK})
+    assert respond.grammar_of(free, out) == ""
+    completion = api.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert respond.grammar_of(completion, None) == ""  # the legacy API has no such field
+
+
+def test_a_constrained_request_beside_a_free_one_leaves_the_free_one_as_alone(live):
+    """Both in the batch at once: the constrained one's processor (which reads each sampled token)
+    masks its own row only."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}
+
+    def free() -> str:
+        r = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0)
+        return r.choices[0].message.content
+
+    alone = free()
+    with ThreadPoolExecutor(2) as ex:
+        constrained = ex.submit(lambda: live.client.chat.completions.create(
+            model="m", messages=ASK, max_tokens=64, temperature=0, response_format=fmt))  # fmt: skip
+        beside = ex.submit(free)
+        assert _matches(json.loads(constrained.result().choices[0].message.content))
+        assert beside.result() == alone
