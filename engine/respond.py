@@ -357,9 +357,11 @@ def sampling(
 def grammar_of(req: Any, out: Any) -> str:
     """The grammar ``req``'s output must follow ("" for free text): its JSON Schema, after the
     model's think block where its format has one (``out.parser``: the chat output's parser, which
-    knows the format and whether the prompt opened the block)."""
+    knows the format and whether the prompt opened the block). A call that ``tool_choice`` forces
+    is the whole answer: the format is not enforced then (the prompt already opened the call)."""
     schema = req.output_schema() if isinstance(req, ChatRequest) else ""
-    if not schema:
+    forced = req.tools and req.tool_choice not in (None, "auto", "none") if schema else False
+    if not schema or forced:
         return ""
     parser = getattr(out, "parser", None)
     think = parser.fmt.think if parser is not None else None

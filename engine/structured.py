@@ -13,7 +13,8 @@ value is complete only the end-of-sequence tokens are left, so the request ends 
 A model with a think block may reason first: the grammar lets the output open with the block (or
 start inside it, where the chat template opened it in the prompt) and requires the value after
 its end marker; reasoning is not constrained. Tool calls cannot be made while a format is
-enforced (the value is the whole answer).
+enforced (the value is the whole answer); a call that ``tool_choice`` forces is the answer instead,
+and the format is not enforced then (``respond.grammar_of``).
 """
 
 from __future__ import annotations
@@ -66,16 +67,18 @@ def schema_of(fmt: Any) -> str:
 
 
 def check(schema: str) -> None:
-    """Raises :class:`FormatError` when llguidance cannot compile ``schema`` (no tokenizer needed)."""
+    """Raises :class:`FormatError` when llguidance cannot compile ``schema``'s grammar (as
+    :func:`lark` writes it; no tokenizer needed)."""
     from llguidance import LLMatcher
 
     try:
-        grammar = LLMatcher.grammar_from_json_schema(schema)
+        grammar = LLMatcher.grammar_from_lark(lark(schema))
     except (ValueError, RuntimeError) as e:
-        raise FormatError(f"response_format schema: {e}") from None
-    err = LLMatcher.validate_grammar(grammar)
-    if err:
-        raise FormatError(f"response_format schema: {err}")
+        err = str(e)
+    else:
+        err = LLMatcher.validate_grammar(grammar)
+    if err:  # its first line: the rest lists the grammar's text
+        raise FormatError(f"response_format schema: {err.splitlines()[0]}")
 
 
 def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False) -> str:

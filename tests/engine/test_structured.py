@@ -212,6 +212,12 @@ def test_the_grammar_follows_the_models_think_block_and_where_the_prompt_left_it
             assert respond.grammar_of(req, out) == lark(ANY_OBJECT, think, opened)
     free = api.ChatRequest.model_validate({"messages": ASK})
     assert respond.grammar_of(free, out) == ""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice, enforced in (("auto", True), ("none", True), ("required", False),
+                             ({"type": "function", "function": {"name": "f"}}, False)):  # fmt: skip
+        called = api.ChatRequest.model_validate({"messages": ASK, "response_format": {"type": "json_object"},
+                                                 "tools": tools, "tool_choice": choice})  # fmt: skip
+        assert bool(respond.grammar_of(called, out)) is enforced, choice  # a forced call is the answer
     completion = api.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
     assert respond.grammar_of(completion, None) == ""  # the legacy API has no such field
 
