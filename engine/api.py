@@ -275,7 +275,7 @@ class ChatRequest(_Sampling):
 
     def output_schema(self) -> str:
         """The JSON Schema the output must match, as canonical JSON; "" for free text."""
-        return structured.schema_of(self.response_format)
+        return structured.schema_of(self.response_format, checked=True)  # by _format
 
     @classmethod
     def turns(cls, data: dict[str, Any]) -> int:
