@@ -274,7 +274,7 @@ class ChatRequest(_Sampling):
         return v
 
     def output_schema(self) -> str:
-        """The JSON Schema the output must match, as canonical JSON; "" for free text."""
+        """The JSON Schema the output must match, as compact JSON; "" for free text."""
         return structured.schema_of(self.response_format, checked=True)  # by _format
 
     @classmethod

@@ -2,7 +2,7 @@
 
 OpenAI's ``response_format`` (``json_object``, ``json_schema``), the Responses API's ``text.format``
 and Anthropic's ``output_config.format`` become one value at the API edge, :func:`schema_of`: the
-JSON Schema as a canonical JSON string (``json_object``: any object), checked there — a schema
+JSON Schema as a compact JSON string (``json_object``: any object), checked there — a schema
 that llguidance cannot compile is the client's 400, not a failure mid-generation. Nothing of it
 is a per-request object until the batch loop takes the request: :meth:`Grammars.processor` then
 gives it a logits processor over llguidance's matcher (``llguidance``, the constrained decoder of
@@ -39,7 +39,7 @@ class FormatError(ValueError):
 
 
 def schema_of(fmt: Any, checked: bool = False) -> str:
-    """The JSON Schema a request's output must match, as canonical JSON ("" for plain text), from
+    """The JSON Schema a request's output must match, as compact JSON ("" for plain text), from
     OpenAI's ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
     ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` (the schema may
     also sit at the top level, as llama.cpp's server takes it). Raises :class:`FormatError`;
@@ -62,7 +62,9 @@ def schema_of(fmt: Any, checked: bool = False) -> str:
         schema = {}  # OpenAI's: a json_schema without a schema is any JSON value
     if not isinstance(schema, dict | bool):
         raise FormatError("response_format json_schema needs a 'schema' object")
-    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    # compact, in the schema's own order: llguidance writes an object's properties in the order
+    # they are declared (sorted keys made a name / age / city schema answer age, city, name)
+    text = json.dumps(schema, separators=(",", ":"))
     if not checked:
         check(text)
     return text

@@ -129,7 +129,9 @@ def test_a_json_schema_answer_is_a_value_of_the_schema(live):
     r = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=64, temperature=0,
                                             response_format=fmt)  # fmt: skip
     assert r.choices[0].finish_reason == "stop"
-    assert _matches(json.loads(r.choices[0].message.content))
+    value = json.loads(r.choices[0].message.content)
+    assert _matches(value)
+    assert list(value) == ["n", "ok", "color"]  # the properties in the schema's order
     sampled = live.client.chat.completions.create(model="m", messages=ASK, max_tokens=64, temperature=1.0,
                                                   seed=7, response_format=fmt)  # fmt: skip
     assert _matches(json.loads(sampled.choices[0].message.content))
