@@ -360,8 +360,7 @@ def grammar_of(req: Any, out: Any) -> str:
     knows the format and whether the prompt opened the block). A call that ``tool_choice`` forces
     is the whole answer: the format is not enforced then (the prompt already opened the call)."""
     schema = req.output_schema() if isinstance(req, ChatRequest) else ""
-    forced = req.tools and req.tool_choice not in (None, "auto", "none") if schema else False
-    if not schema or forced:
+    if not schema or (req.tools and req.tool_choice not in (None, "auto", "none")):
         return ""
     parser = getattr(out, "parser", None)
     think = parser.fmt.think if parser is not None else None
