@@ -3,7 +3,8 @@
 # machine the HTTP tests and the smoke also need scripts/device_wheels.sh's wheels installed there.
 #
 #   bash scripts/gpu_check.sh smoke    # a random 1B-shaped bf16 model: the server end to end (hot, disk, restart)
-#   bash scripts/gpu_check.sh tests    # the tests whose paths differ on a GPU (loads, uploads, restores, batching)
+#   bash scripts/gpu_check.sh tests    # the tests whose paths differ on a GPU (loads, uploads, restores, batching,
+#                                      # structured output's masks)
 #   bash scripts/gpu_check.sh bench    # bench.tails 8B 8k, bench.restore 1B 8k and 8B 8k / 32k (the issues' figures)
 #   bash scripts/gpu_check.sh          # all three, in that order
 #
@@ -34,7 +35,8 @@ tests() {
     tests/tiered_kv/test_background.py tests/tiered_kv/test_tiered.py tests/tiered_kv/test_finding.py \
     tests/tiered_kv/test_cache_types.py \
     tests/engine/test_restore.py tests/engine/test_prefill.py tests/engine/test_leasing.py \
-    tests/engine/test_batch.py tests/engine/test_worker.py tests/engine/test_metrics.py
+    tests/engine/test_batch.py tests/engine/test_worker.py tests/engine/test_metrics.py \
+    tests/engine/test_structured.py
 }
 
 bench() {
