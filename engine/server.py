@@ -177,11 +177,12 @@ class Server:
         job.stop()
 
     def _grammar(self, req: Any, out: Any) -> str:
-        """The grammar of ``req``'s output ("" for free text); llguidance's view of the tokenizer
-        built here, off the engine thread, by the first request that needs it (about a second)."""
+        """The grammar of ``req``'s output ("" for free text), compiled here, off the engine
+        thread (and llguidance's view of the tokenizer built by the first request that needs
+        it: about a second)."""
         grammar = respond.grammar_of(req, out)
         if grammar:
-            self.engine.grammars.prepare()
+            self.engine.grammars.prepare(grammar)
         return grammar
 
     def _chat_prompt(

@@ -121,6 +121,31 @@ def test_the_processor_masks_what_cannot_follow_and_ends_with_end_of_sequence(gr
     assert allowed and allowed <= set(tok.eos_token_ids)
 
 
+def test_a_grammar_is_compiled_once_and_each_request_gets_a_matcher_of_its_own(tok, tiny_model_dir):
+    """Compiled once per text (``prepare``, off the engine thread in the server); each processor
+    starts from a copy, so one request's tokens never move another's matcher; only the newest
+    ``KEEP`` grammars are kept."""
+    import mlx.core as mx
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    g = Grammars(tok, vocab)
+    grammar = lark(json.dumps(SCHEMA))
+    g.prepare(grammar)
+    kept = g._compiled[grammar]
+    first, second = g.processor(grammar, 0), g.processor(grammar, 0)
+    assert list(g._compiled) == [grammar] and g._compiled[grammar] is kept
+    assert first.matcher is not kept and second.matcher is not first.matcher
+    ids = tok.encode(VALUE, add_special_tokens=False)
+    first(mx.array(ids[:3]), mx.zeros((1, vocab)))  # the first request is three tokens in
+    assert first.matcher.consume_token(ids[3])
+    out = second(mx.array([], dtype=mx.int32), mx.zeros((1, vocab)))  # the second is at the start
+    assert out[0, ids[0]].item() == 0.0 and out[0, ids[3]].item() == float("-inf")
+    assert g.processor(grammar, 0)(mx.array([], dtype=mx.int32), mx.zeros((1, vocab)))[0, ids[0]].item() == 0.0
+    for n in range(Grammars.KEEP):
+        g.prepare(lark(json.dumps({**SCHEMA, "maxProperties": 3 + n})))
+    assert len(g._compiled) == Grammars.KEEP and grammar not in g._compiled
+
+
 # --- over HTTP, on the tiny random model ----------------------------------------------------------
 
 
