@@ -33,11 +33,14 @@ class TemplateRefused(Exception):
 
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes markers the injected instructions name
-_PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "parameters": {}}}
+# (with a description: gpt-oss's template writes ``"// " + tool.description`` and raises without one)
+_PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "description": "probe",
+                                                "parameters": {}}}  # fmt: skip
 # per tokenizer (held weakly: an id of a freed one may come back as another's), the probes' answers
 _tool_support: Probes = weakref.WeakKeyDictionary()  # does its template render ``tools``?
 _PROBE_NOTE = "tiered_kv_probe_note"
 _midway_system: Probes = weakref.WeakKeyDictionary()  # a system turn mid-conversation?
+_text_beside_reasoning: Probes = weakref.WeakKeyDictionary()  # a call with text and reasoning?
 _json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
 _any_ids: Probes = weakref.WeakKeyDictionary()  # call ids other than 9 alphanumerics rendered?
 _short_ids: Probes = weakref.WeakKeyDictionary()  # call ids of 9 alphanumerics rendered?
@@ -104,7 +107,8 @@ def normalise_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
     Content lists become text; null content becomes ""; ``developer`` becomes ``system``; assistant
     ``tool_calls`` keep their ids with arguments decoded to dicts; ``tool`` messages keep ``tool_call_id``;
     an assistant's reasoning (``reasoning_content`` or ``reasoning``) is passed on as ``reasoning_content``
-    only when there is some (a template given an empty one renders an empty think block).
+    only when there is some (a template given an empty one renders an empty think block;
+    transformers passes it on as ``thinking`` too, gpt-oss's key).
     """
     out = []
     for m in messages:
@@ -246,7 +250,9 @@ def template_wants_short_call_ids(tokenizer: Any) -> bool:
     """Whether the chat template renders tool-call ids of 9 alphanumerics and refuses others
     (Mistral Small 3.2's: "Tool call IDs should be alphanumeric strings with length 9!"); probed
     once per tokenizer."""
-    if _probed(_any_ids, tokenizer, _call_and_result("tiered_kv_probe_id"), [_PROBE_TOOL], _PROBE_NOTE):
+    if _probed(
+        _any_ids, tokenizer, _call_and_result("tiered_kv_probe_id"), [_PROBE_TOOL], _PROBE_NOTE
+    ):
         return False
     return _probed(_short_ids, tokenizer, _call_and_result("a1b2c3d4e"), [_PROBE_TOOL], _PROBE_NOTE)
 
@@ -277,6 +283,28 @@ def shorten_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {**m, "tool_call_id": short_call_id(str(m.get("tool_call_id", "")))}
         out.append(m)
     return out
+
+
+def template_takes_text_beside_reasoning(tokenizer: Any) -> bool:
+    """Whether the chat template renders an assistant's call with both text and reasoning beside
+    it; probed once per tokenizer. gpt-oss's raises ("Cannot pass both content and thinking"): it
+    has one analysis message before a call, where it writes either."""
+    call = {"id": "c", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {}}}
+    probe: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": _PROBE_NOTE, "reasoning_content": "r", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "x"}, {"role": "user", "content": "hi"},
+    ]  # fmt: skip
+    return _probed(_text_beside_reasoning, tokenizer, probe, [_PROBE_TOOL], _PROBE_NOTE)
+
+
+def reasoning_for_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each assistant call's reasoning alone where it had text beside it too (for a template that
+    takes one of them: the reasoning is what the model wrote first, so the prompt's prefix stays
+    the tokens it wrote)."""
+    return [{k: v for k, v in m.items() if k != "content"} | {"content": ""}
+            if m["role"] == "assistant" and m.get("tool_calls") and m.get("reasoning_content") and m["content"]
+            else m for m in messages]  # fmt: skip
 
 
 def template_keeps_midway_system(tokenizer: Any) -> bool:
@@ -371,5 +399,7 @@ def render_chat(
     if template_supports_tools(tokenizer):
         if template_wants_short_call_ids(tokenizer):
             msgs = shorten_call_ids(msgs)
+        if not template_takes_text_beside_reasoning(tokenizer):
+            msgs = reasoning_for_text(msgs)
         return _apply(tokenizer, msgs, tools or None, extra, continue_final)
     return _apply(tokenizer, hermes_messages(msgs, tools), None, extra, continue_final)

@@ -233,7 +233,7 @@ class MessagesOutput:
 
     named_events = True
 
-    def __init__(self, model: str, parser: output.ChatOutput, prompt_tokens: int) -> None:
+    def __init__(self, model: str, parser: output.OutputParser, prompt_tokens: int) -> None:
         self.id, self.model, self.parser = new_id("msg_"), model, parser
         self.prompt_tokens = prompt_tokens
         self.blocks: list[dict[str, Any]] = []  # the body's content, as streamed

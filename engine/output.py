@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mlx_lm.generate import TextStateMachine
 
@@ -107,6 +107,24 @@ class Spans:
         """Whether a span holds a position of ``[start, end)``."""
         i = bisect.bisect_left(self.starts, end)  # the spans before i start before ``end``
         return i > 0 and self.ends[i - 1] > start
+
+
+class OutputParser(Protocol):
+    """What the responses need of a request's output parser: :class:`ChatOutput`, or
+    :class:`engine.harmony.HarmonyOutput` for gpt-oss's harmony format."""
+
+    fmt: OutputFormat
+    fed: int
+    shown: Spans
+    result: Delta
+    starts_in_reasoning: bool
+
+    def feed(self, text: str) -> Delta: ...
+
+    def finish(self, engine_reason: str | None, cut: bool = False) -> tuple[Delta, str | None]: ...
+
+    @property
+    def settled(self) -> int: ...
 
 
 class ChatOutput:
@@ -210,7 +228,7 @@ class ChatOutput:
                 self._say(NORMAL, held, out, (self._at - len(held), self._at))
         self._finished = True
         self.result.merge(out)
-        return out, _finish_reason(engine_reason, self.n_calls > 0)
+        return out, finish_reason(engine_reason, self.n_calls > 0)
 
     @property
     def settled(self) -> int:
@@ -333,7 +351,7 @@ class ChatOutput:
         return True
 
 
-def _finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
     """Engine finish reason → OpenAI's ("cancelled" happens only when nobody listens)."""
     if reason is None:
         return None

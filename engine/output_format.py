@@ -22,6 +22,7 @@ from engine.tool_calls import (
     HERMES_START,
     OWN_PARSERS,
     Parser,
+    parse_harmony,
     parse_hermes,
     parse_json_calls,
 )
@@ -43,6 +44,9 @@ class OutputFormat:
     parse: Parser = parse_hermes
     parser_name: str = "hermes"
     whole: bool = False
+    #: gpt-oss's harmony messages (``engine/harmony.py`` parses them; ``think`` / ``tool`` above
+    #: are then its analysis channel and its call opener)
+    harmony: bool = False
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
@@ -50,6 +54,8 @@ class OutputFormat:
         say: Hermes where the template ignores ``tools`` (the server injects Hermes instructions,
         :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; Llama 3.x's bare
         JSON where the template writes calls back so and mlx-lm has no parser; else mlx-lm's."""
+        if _has_tokens(tokenizer, HARMONY_VOCAB):
+            return HARMONY
         think = None
         if getattr(tokenizer, "has_thinking", False):
             think = (str(tokenizer.think_start), str(tokenizer.think_end))
@@ -93,7 +99,11 @@ class OutputFormat:
             return ""
         name = str(tool_choice["function"]["name"])
         named = _NAMED.get(self.parser_name)
-        return named.format(start=self.tool[0], name=name, index=calls_before) if named else self.tool[0]
+        return (
+            named.format(start=self.tool[0], name=name, index=calls_before)
+            if named
+            else self.tool[0]
+        )
 
     def machine(self, tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
@@ -116,6 +126,28 @@ class OutputFormat:
         return edges
 
 
+def _has_tokens(tokenizer: Any, tokens: frozenset[str]) -> bool:
+    """Whether each of ``tokens`` is one token of the vocabulary (looked up one by one: a whole
+    ``get_vocab`` of a 200k vocabulary costs tens of milliseconds a request)."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if convert is None:
+        return False
+    unk = getattr(tokenizer, "unk_token_id", None)
+    try:
+        ids = [convert(t) for t in tokens]
+    except (KeyError, TypeError, ValueError):
+        return False
+    return all(isinstance(i, int) and i != unk for i in ids)
+
+
+#: the special tokens of gpt-oss's harmony format (o200k_harmony)
+HARMONY_VOCAB = frozenset(
+    {"<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>"}
+)
+HARMONY = OutputFormat(("<|channel|>analysis<|message|>", "<|end|>"),
+                       ("<|channel|>commentary to=functions.", ""), parse_harmony, "harmony",
+                       harmony=True)  # fmt: skip
+
 # Forced named calls: the opening of a call to {name}, in each family's own syntax.
 _NAMED = {
     "hermes": '{start}\n{{"name": "{name}", "arguments": ',
@@ -128,4 +160,5 @@ _NAMED = {
     "gemma4": "{start}call:{name}{{",
     "pythonic": "{start}[{name}(",
     "llama3_json": '{{"name": "{name}", "parameters": ',
+    "harmony": "{start}{name} <|constrain|>json<|message|>",
 }

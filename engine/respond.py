@@ -23,6 +23,7 @@ from engine.api import ChatRequest, CompletionRequest
 from engine.detok import TokenBytes, piece_text
 from engine.errors import ApiError, error_body
 from engine.events import Chunk, Hit, SamplingParams, TokenLogprob, Usage
+from engine.harmony import HarmonyOutput
 from engine.openai_bodies import LogprobEntry, Piece, TextOffsets
 from engine.output_format import OutputFormat
 from engine.tool_calls import CALL_ID_PREFIX
@@ -54,7 +55,7 @@ class _Logprobs:
     tokens: reasoning, think markers and call markup are not), once the parser has settled its
     text (:meth:`settle`); for a completion, sent as its text (:meth:`release`)."""
 
-    def __init__(self, token_bytes: TokenBytes, parser: output.ChatOutput | None = None) -> None:
+    def __init__(self, token_bytes: TokenBytes, parser: output.OutputParser | None = None) -> None:
         self.token_bytes = token_bytes
         self.parser = parser
         self.all: list[LogprobEntry] = []
@@ -185,7 +186,7 @@ class ChatOutput(_Base):
         self,
         model: str,
         include_usage: bool,
-        parser: output.ChatOutput,
+        parser: output.OutputParser,
         token_bytes: TokenBytes | None = None,
     ) -> None:
         super().__init__(model, include_usage, openai_bodies.new_id("chatcmpl-"), None)
@@ -203,7 +204,9 @@ class ChatOutput(_Base):
         if self.logprobs is not None:
             self.logprobs.add(chunk.logprob)
         if chunk.finish_reason is not None:
-            tail, self.finish = self.parser.finish(chunk.finish_reason, chunk.stop_sequence is not None)
+            tail, self.finish = self.parser.finish(
+                chunk.finish_reason, chunk.stop_sequence is not None
+            )
             out += [self._delta(d) for d in tail.sse_deltas()]
             self.usage = chunk.usage
             out.append(self._delta({}, self.finish))
@@ -253,7 +256,13 @@ def chat_prompt(
     continued = chat.content_text(req.messages[-1].content) if req.continue_final_message else ""
     reasoning = fmt.opens_reasoning(text, continued) and not prefix
     ids = {str(c["id"]) for c in history if c.get("id")}
-    parser = output.ChatOutput(fmt, tools, parse, req.parallel_tool_calls, reasoning, ids, call_id_prefix)
+    parser: output.OutputParser
+    if fmt.harmony:
+        parser = HarmonyOutput(fmt, tools, parse, req.parallel_tool_calls, ids, call_id_prefix)
+    else:
+        parser = output.ChatOutput(
+            fmt, tools, parse, req.parallel_tool_calls, reasoning, ids, call_id_prefix
+        )
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")
     texts = TokenBytes(tokenizer, not continues(req)) if req.logprob_count() >= 0 else None
@@ -363,8 +372,10 @@ def grammar_of(req: Any, out: Any) -> str:
     if not schema or (req.tools and req.tool_choice not in (None, "auto", "none")):
         return ""
     parser = getattr(out, "parser", None)
-    think = parser.fmt.think if parser is not None else None
-    return structured.lark(schema, think, bool(parser is not None and parser.starts_in_reasoning))
+    if parser is None:
+        return structured.lark(schema)
+    fmt = parser.fmt
+    return structured.lark(schema, fmt.think, parser.starts_in_reasoning, fmt.harmony)
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

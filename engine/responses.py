@@ -257,7 +257,7 @@ class ResponsesOutput:
 
     named_events = True
 
-    def __init__(self, model: str, parser: output.ChatOutput, prompt_tokens: int, chat: ResponsesChat) -> None:
+    def __init__(self, model: str, parser: output.OutputParser, prompt_tokens: int, chat: ResponsesChat) -> None:
         self.id, self.created, self.model = new_id("resp_"), now(), model
         self.parser, self.prompt_tokens = parser, prompt_tokens
         self.namespaces = chat.namespaces

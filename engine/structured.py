@@ -86,13 +86,23 @@ def check(schema: str) -> None:
         raise FormatError(f"response_format schema: {err.splitlines()[0]}")
 
 
-def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False) -> str:
+def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False,
+         harmony: bool = False) -> str:  # fmt: skip
     """The grammar of an output that is ``schema``'s JSON value, after an optional think block
     (``think``: its start and end markers; None: the model has none). ``opened``: the chat
     template opened the block in the prompt, so the output starts inside it and must close it
     first. (One grammar for both cases left a complete value unaccepted: it could still have been
-    the start of a block whose opener the prompt held.)"""
+    the start of a block whose opener the prompt held.) ``harmony``: gpt-oss's messages
+    (``engine/harmony.py``) — an optional analysis message, then the value as the final one; its
+    markers are special tokens, which llguidance's grammars name as ``<|...|>``."""
     value = _styled(schema)
+    if harmony:
+        return (
+            'start: (analysis <|start|> "assistant")? <|channel|> "final" <|message|> value\n'
+            'analysis: <|channel|> "analysis" <|message|> reasoning <|end|>\n'
+            "reasoning: /(?s:.*)/\n"  # (no special token is text: it ends at <|end|>)
+            f"value: %json {value}\n"
+        )
     if think is None:
         return f"start: value\nvalue: %json {value}\n"
     start, end = think

@@ -39,6 +39,15 @@ def parse_hermes(text: str, tools: Any = None) -> dict[str, Any]:
     return {"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", {}))}
 
 
+def parse_harmony(text: str, tools: Any = None) -> dict[str, Any]:
+    """gpt-oss's call (``engine/harmony.py`` gives it as ``NAME<|message|>ARGUMENTS``: the
+    recipient's function and the message body, JSON). Raises ValueError."""
+    name, sep, body = text.partition("<|message|>")
+    if not sep or not name.strip():
+        raise ValueError("no function name or no arguments")
+    return {"name": name.strip(), "arguments": json.loads(body) if body.strip() else {}}
+
+
 def tool_names(tools: Any) -> set[str]:
     """The function names of a request's (chat-form) tools."""
     return {t["function"].get("name") for t in tools or ()

@@ -36,7 +36,7 @@ tests() {
     tests/tiered_kv/test_cache_types.py \
     tests/engine/test_restore.py tests/engine/test_prefill.py tests/engine/test_leasing.py \
     tests/engine/test_batch.py tests/engine/test_worker.py tests/engine/test_metrics.py \
-    tests/engine/test_structured.py
+    tests/engine/test_structured.py tests/engine/test_harmony.py
 }
 
 bench() {

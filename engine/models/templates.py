@@ -50,6 +50,7 @@ class Family:
     bos: str = ""
     parser: str | None = None  # the mlx-lm tool parser its template selects (None: mlx-lm has none)
     eos: str = "<|im_end|>"  # what the model writes to end its turn (never fed back into the cache)
+    special: bool = False  # its real tokenizer marks the markers special (grammars name them so)
 
 
 _QWEN = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -66,6 +67,8 @@ _MISTRAL = ("<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PRO
 _GEMMA4 = ("<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
            "<tool_response|>", "<|tool>", "<tool|>", '<|"|>', "<|channel>", "<channel|>",
            "<|think|>")  # fmt: skip
+
+_HARMONY = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
 FAMILIES: dict[str, Family] = {
     "qwen3-coder": Family("Qwen3-Coder.jinja", _QWEN, parser="qwen3_coder"),
@@ -147,6 +150,7 @@ FAMILIES: dict[str, Family] = {
         bos="<｜begin▁of▁sentence｜>",
         eos="<｜end▁of▁sentence｜>",
     ),
+    "gpt-oss": Family("openai-gpt-oss-120b.jinja", _HARMONY, eos="<|return|>", special=True),
 }
 
 
@@ -246,7 +250,7 @@ def family_dir(tiny_dir: Path, family: str, templates_dir: Path, out: Path) -> P
         if f.is_file():
             shutil.copy2(f, tmp / f.name)
     tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in spec.tokens])
+    tok.add_tokens([AddedToken(t, normalized=False, special=spec.special) for t in spec.tokens])
     tok.save(str(tmp / "tokenizer.json"))
     _grow_vocab(tmp, tok.get_vocab_size())
     cfg_path = tmp / "tokenizer_config.json"
