@@ -200,10 +200,11 @@ class Grammars:
 class Constrained:
     """A logits processor (mlx-lm's signature: ``(ids so far, logits (1, V)) -> logits``): the
     matcher consumes the ids sampled since its last call (the ids past the prompt), then every
-    token it does not allow next gets ``-inf``. Runs on the engine thread. The step's forward is
-    set running first (``mx.async_eval`` of ``logits``), then the ids are read — which waits for
-    the step before, the one that sampled them — and the mask is computed on the CPU while the
-    forward runs: only the sampling waits for the mask, not the forward."""
+    token it does not allow next gets ``-inf``. Runs on the engine thread; reading the sampled ids
+    waits for the step that sampled them (a constrained request decodes without pipelining: on an
+    H100, 8B shape, 0.84-0.90x of free decoding, ``bench.structured``). Setting the step's forward
+    running before the mask was computed (``mx.async_eval`` of ``logits``) won nothing there
+    (108 / 115 against 113 / 117 tok/s) and, called before the ids were read, lost a third."""
 
     def __init__(self, matcher: Any, prompt_len: int, vocab_size: int) -> None:
         from llguidance.numpy import allocate_token_bitmask
@@ -215,7 +216,6 @@ class Constrained:
     def __call__(self, ids: mx.array, logits: mx.array) -> mx.array:
         from llguidance.numpy import fill_next_token_bitmask
 
-        mx.async_eval(logits)
         out = int(ids.size) - self.prompt_len
         if out > self.consumed:
             new: list[int] = ids[self.prompt_len + self.consumed :].tolist()  # type: ignore[assignment]
