@@ -11,7 +11,7 @@ the prompt opened a think block, and the text after the prompt that forces a cal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlx_lm.generate import TextStateMachine
@@ -47,9 +47,20 @@ class OutputFormat:
     #: gpt-oss's harmony messages (``engine/harmony.py`` parses them; ``think`` / ``tool`` above
     #: are then its analysis channel and its call opener)
     harmony: bool = False
+    #: the think markers are added tokens of the vocabulary (Qwen3's, GLM's ``<think>``): a grammar
+    #: names them as tokens (llguidance matches no added token by its text)
+    think_tokens: bool = False
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
+        """:meth:`markers_of`, and whether its think markers are tokens of their own."""
+        fmt = cls.markers_of(tokenizer)
+        if fmt.think is not None and _added_tokens(tokenizer, fmt.think):
+            return replace(fmt, think_tokens=True)
+        return fmt
+
+    @classmethod
+    def markers_of(cls, tokenizer: Any) -> OutputFormat:
         """What ``tokenizer`` (an mlx-lm TokenizerWrapper, or any HF tokenizer) and its chat template
         say: Hermes where the template ignores ``tools`` (the server injects Hermes instructions,
         :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; Llama 3.x's bare
@@ -124,6 +135,17 @@ class OutputFormat:
                 if self.tool[1]:
                     edges[THINK_TOOL].append((self.tool[1], REASONING))
         return edges
+
+
+def _added_tokens(tokenizer: Any, tokens: tuple[str, ...]) -> bool:
+    """Whether each of ``tokens`` is an added token of the vocabulary (not one the tokenizer's
+    model spells)."""
+    added = getattr(tokenizer, "get_added_vocab", None)
+    try:
+        vocab = added() if added is not None else {}
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return all(t in vocab for t in tokens)
 
 
 def _has_tokens(tokenizer: Any, tokens: frozenset[str]) -> bool:

@@ -375,7 +375,7 @@ def grammar_of(req: Any, out: Any) -> str:
     if parser is None:
         return structured.lark(schema)
     fmt = parser.fmt
-    return structured.lark(schema, fmt.think, parser.starts_in_reasoning, fmt.harmony)
+    return structured.lark(schema, fmt.think, parser.starts_in_reasoning, fmt.harmony, fmt.think_tokens)
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

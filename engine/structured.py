@@ -87,12 +87,14 @@ def check(schema: str) -> None:
 
 
 def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False,
-         harmony: bool = False) -> str:  # fmt: skip
+         harmony: bool = False, tokens: bool = False) -> str:  # fmt: skip
     """The grammar of an output that is ``schema``'s JSON value, after an optional think block
     (``think``: its start and end markers; None: the model has none). ``opened``: the chat
     template opened the block in the prompt, so the output starts inside it and must close it
     first. (One grammar for both cases left a complete value unaccepted: it could still have been
-    the start of a block whose opener the prompt held.) ``harmony``: gpt-oss's messages
+    the start of a block whose opener the prompt held.) ``tokens``: the markers are added tokens
+    of the vocabulary, which llguidance matches only by name (``<think>``), never by their text
+    (a grammar with the text refused Qwen3's and GLM's own ``<think>`` token). ``harmony``: gpt-oss's messages
     (``engine/harmony.py``) — an optional analysis message, then the value as the final one; its
     markers are special tokens, which llguidance's grammars name as ``<|...|>``."""
     value = _styled(schema)
@@ -106,14 +108,13 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     if think is None:
         return f"start: value\nvalue: %json {value}\n"
     start, end = think
-    head = "reasoning gap?" if opened else "(opener reasoning gap?)?"
-    return (
-        f"start: {head} value\n"
-        f"opener: {json.dumps(start)}\n"
-        f"reasoning[lazy]: /(?s:.*){_regex(end)}/\n"
-        "gap: /[ \\t\\r\\n]+/\n"
-        f"value: %json {value}\n"
-    )
+    if tokens:  # (no token is text: the reasoning ends at the end token)
+        head = "reasoning closer gap?" if opened else "(opener reasoning closer gap?)?"
+        marks = f"opener: {start}\ncloser: {end}\nreasoning: /(?s:.*)/\n"
+    else:
+        head = "reasoning gap?" if opened else "(opener reasoning gap?)?"
+        marks = f"opener: {json.dumps(start)}\nreasoning[lazy]: /(?s:.*){_regex(end)}/\n"
+    return f"start: {head} value\n{marks}" + "gap: /[ \\t\\r\\n]+/\n" + f"value: %json {value}\n"
 
 
 def _styled(schema: str) -> str:

@@ -267,3 +267,27 @@ def test_a_constrained_request_beside_a_free_one_leaves_the_free_one_as_alone(li
         beside = ex.submit(free)
         assert _matches(json.loads(constrained.result().choices[0].message.content))
         assert beside.result() == alone
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm-4.7", "minimax-m2", "kimi-k2-thinking", "deepseek-r1-distill"])
+def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family):
+    """The families' think markers are added tokens, which llguidance matches by name only: the
+    grammar wrote them as text, so Qwen3's or GLM's own ``<think>`` token was refused (the model
+    could not open its block, nor, where the prompt opened it, close it: ``</think>`` could only be
+    spelled). Now, the value after a block of the real tokens, opened by the output or the prompt."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from engine.output_format import OutputFormat
+
+    tok = load_tokenizer(family_dirs[family])
+    fmt = OutputFormat.of(tok)
+    assert fmt.think is not None and fmt.think_tokens, family
+    vocab = json.loads((family_dirs[family] / "config.json").read_text())["vocab_size"]
+    g = Grammars(tok, vocab)
+    start, end = fmt.think
+    for opened, text in ((False, f"{start}\nfirst n, then {{\n{end}\n\n{VALUE}"), (False, VALUE),
+                         (True, f"thinking{end}\n{VALUE}")):  # fmt: skip
+        grammar = lark(json.dumps(SCHEMA), fmt.think, opened, tokens=fmt.think_tokens)
+        assert _accepts(g, grammar, text, tok) == (True, True), (family, opened, text)
+    as_text = lark(json.dumps(SCHEMA), fmt.think)  # the markers as text: what the grammar was
+    assert _accepts(g, as_text, f"{start}x{end}{VALUE}", tok) == (False, False)
