@@ -41,6 +41,7 @@ _tool_support: Probes = weakref.WeakKeyDictionary()  # does its template render 
 _PROBE_NOTE = "tiered_kv_probe_note"
 _midway_system: Probes = weakref.WeakKeyDictionary()  # a system turn mid-conversation?
 _text_beside_reasoning: Probes = weakref.WeakKeyDictionary()  # a call with text and reasoning?
+_bare_tools: Probes = weakref.WeakKeyDictionary()  # tools without a description?
 _json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
 _any_ids: Probes = weakref.WeakKeyDictionary()  # call ids other than 9 alphanumerics rendered?
 _short_ids: Probes = weakref.WeakKeyDictionary()  # call ids of 9 alphanumerics rendered?
@@ -289,13 +290,37 @@ def template_takes_text_beside_reasoning(tokenizer: Any) -> bool:
     """Whether the chat template renders an assistant's call with both text and reasoning beside
     it; probed once per tokenizer. gpt-oss's raises ("Cannot pass both content and thinking"): it
     has one analysis message before a call, where it writes either."""
-    call = {"id": "c", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {}}}
+    call = {
+        "id": "c",
+        "type": "function",
+        "function": {"name": "tiered_kv_probe_fn", "arguments": {}},
+    }
     probe: list[dict[str, Any]] = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": _PROBE_NOTE, "reasoning_content": "r", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c", "content": "x"}, {"role": "user", "content": "hi"},
     ]  # fmt: skip
     return _probed(_text_beside_reasoning, tokenizer, probe, [_PROBE_TOOL], _PROBE_NOTE)
+
+
+def template_takes_bare_tools(tokenizer: Any) -> bool:
+    """Whether the chat template renders a tool that has no description; probed once per
+    tokenizer. gpt-oss's raises (it writes ``"// " + tool.description``)."""
+    bare = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "parameters": {}}}
+    return _probed(
+        _bare_tools, tokenizer, [{"role": "user", "content": "hi"}], [bare], "tiered_kv_probe_fn"
+    )
+
+
+def described(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each tool with a description ("" where it had none), for a template that needs one."""
+    out = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and fn.get("description") is None:
+            t = {**t, "function": {**fn, "description": ""}}
+        out.append(t)
+    return out
 
 
 def reasoning_for_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -401,5 +426,7 @@ def render_chat(
             msgs = shorten_call_ids(msgs)
         if not template_takes_text_beside_reasoning(tokenizer):
             msgs = reasoning_for_text(msgs)
+        if tools and not template_takes_bare_tools(tokenizer):
+            tools = described(tools)
         return _apply(tokenizer, msgs, tools or None, extra, continue_final)
     return _apply(tokenizer, hermes_messages(msgs, tools), None, extra, continue_final)

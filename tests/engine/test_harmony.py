@@ -179,3 +179,82 @@ def test_a_json_schema_is_enforced_through_the_harmony_messages(family_dirs, tmp
         assert "<|" not in msg["message"]["content"] + (
             msg["message"].get("reasoning_content") or ""
         )
+
+
+def test_each_api_reads_a_scripted_gpt_oss_turn(family_dirs, tmp_path):
+    """The engine (scripted text: the random model writes no call) behind each API on the tiny model
+    wearing gpt-oss's template: chat (streamed), Anthropic's Messages and the Responses API give the
+    analysis as reasoning and the call as their call; the call and its reasoning sent back render
+    into the next prompt as the template writes them."""
+    from tests.serving import ScriptedTurns
+
+    turn = [ANALYSIS, CALL, '{"city": "Paris", ', '"days": 3}']
+    config = hot_config(tmp_path)
+    with serve(
+        lambda: ScriptedTurns(Engine(family_dirs["gpt-oss"], config), [turn] * 3), config
+    ) as live:
+        engine = live.app.state.server.engine
+        chunks = live.client.chat.completions.create(
+            model="m", messages=USER, tools=TOOLS, stream=True
+        )
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        calls = [tc for d in deltas for tc in d.tool_calls or ()]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", PARIS["arguments"])
+        ]
+        assert reasoning == "The user wants the weather." and not "".join(
+            d.content or "" for d in deltas
+        )
+
+        tools = [{"name": "get_weather", "description": "Weather of a city",
+                  "input_schema": TOOLS[0]["function"]["parameters"]}]  # fmt: skip
+        r = httpx.post(live.url + "/v1/messages", headers={"anthropic-version": "2023-06-01"}, json={
+            "model": "m", "max_tokens": 64, "messages": [USER[1]], "tools": tools})  # fmt: skip
+        blocks = r.json()["content"]
+        assert [b["type"] for b in blocks] == ["thinking", "tool_use"], blocks
+        assert blocks[1]["input"] == PARIS["arguments"] and r.json()["stop_reason"] == "tool_use"
+
+        fn = {
+            "type": "function",
+            "name": "get_weather",
+            "parameters": TOOLS[0]["function"]["parameters"],
+        }
+        r = httpx.post(
+            live.url + "/v1/responses", json={"model": "m", "input": "Weather?", "tools": [fn]}
+        )
+        assert r.status_code == 200, r.text
+        items = r.json()["output"]
+        assert [i["type"] for i in items] == ["reasoning", "function_call"], items
+        assert json.loads(items[1]["arguments"]) == PARIS["arguments"]
+
+        call = {"id": calls[0].id, "type": "function",
+                "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}  # fmt: skip
+        back = [*USER, {"role": "assistant", "content": "", "reasoning_content": reasoning, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]  # fmt: skip
+        live.client.chat.completions.create(model="m", messages=back, tools=TOOLS)
+    assert engine.prompts[-1].endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 3}'
+        '<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
+        "<|start|>assistant"
+    )
+
+
+def test_a_tool_without_a_description_renders(family_dirs):
+    """gpt-oss's template writes ``"// " + tool.description`` and raised on a tool without one (a
+    400 for a Responses client whose function had none); such a template gets "" for it, the others
+    the tools as sent."""
+    bare = [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]},
+        }
+    ]
+    tok = load_tokenizer(family_dirs["gpt-oss"])
+    assert not chat.template_takes_bare_tools(tok)
+    assert "type get_weather = " in chat.render_chat(tok, USER, bare)
+    qwen = load_tokenizer(family_dirs["qwen3"])
+    assert chat.template_takes_bare_tools(qwen) and "description" not in chat.render_chat(
+        qwen, USER, bare
+    )
