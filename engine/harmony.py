@@ -23,7 +23,7 @@ import re
 import sys
 from typing import Any
 
-from engine.output import BREAK, Delta, Spans, finish_reason
+from engine.output import BREAK, Delta, OutputCalls, Spans, finish_reason
 from engine.output_format import NORMAL, REASONING, OutputFormat
 from engine.tool_calls import CALL_ID_PREFIX, CallParser, parse_harmony
 
@@ -78,19 +78,13 @@ class HarmonyOutput:
         taken_ids: set[str] | None = None,
         call_id_prefix: str = CALL_ID_PREFIX,
     ) -> None:
-        self.fmt, self.tools, self.parse_tools, self.parallel = (
-            fmt,
-            tools,
-            parse_tools,
-            parallel_tool_calls,
-        )
-        self.ids = set(taken_ids or ())
+        self.fmt, self.tools, self.parse_tools = fmt, tools, parse_tools
         self._calls = CallParser(parse_harmony, "harmony", tools, call_id_prefix)
+        self.calls = OutputCalls(self._calls, parallel_tool_calls, taken_ids)
         self.starts_in_reasoning = False  # a harmony prompt opens a message, never a channel
         self.fed = 0
         self.shown = Spans()
         self.result = Delta()
-        self.n_calls = 0
         self._buf = ""  # text fed and not yet placed: a header being read, or a marker's start
         self._at = 0  # where ``_buf`` starts in the text fed
         self._header = True  # reading a header (else a body)
@@ -185,14 +179,7 @@ class HarmonyOutput:
             out.say(NORMAL, self._call_head + self._call)
             self.shown.add(self._call_at, self._at)
             return
-        for call in calls:
-            if self.n_calls and not self.parallel:
-                continue
-            if call["id"] in self.ids:
-                call["id"] = self._calls.fresh_id(call["function"]["name"], self.ids)
-            self.ids.add(call["id"])
-            out.call({"index": self.n_calls, **call})
-            self.n_calls += 1
+        self.calls.add(calls, out)
 
     def finish(self, engine_reason: str | None, cut: bool = False) -> tuple[Delta, str | None]:
         """End of output: the text held (a header no body followed is dropped), an open call
@@ -209,7 +196,7 @@ class HarmonyOutput:
             self._close(out, cut or engine_reason == "length")
         self._finished = True
         self.result.merge(out)
-        return out, finish_reason(engine_reason, self.n_calls > 0)
+        return out, finish_reason(engine_reason, self.calls.n > 0)
 
     @property
     def settled(self) -> int:

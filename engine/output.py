@@ -109,6 +109,28 @@ class Spans:
         return i > 0 and self.ends[i - 1] > start
 
 
+class OutputCalls:
+    """The calls one output makes, as its parser reads them: numbered in order (their stream
+    ``index``), each with an id the conversation does not hold yet (a call id the model repeats —
+    Kimi numbers its own — gets a fresh one), and only the first where ``parallel_tool_calls`` is
+    false."""
+
+    def __init__(self, reader: CallParser, parallel: bool, taken_ids: set[str] | None) -> None:
+        self.reader, self.parallel = reader, parallel
+        self.ids = set(taken_ids or ())
+        self.n = 0
+
+    def add(self, calls: list[dict[str, Any]], out: Delta) -> None:
+        for call in calls:
+            if self.n and not self.parallel:
+                continue
+            if call["id"] in self.ids:
+                call["id"] = self.reader.fresh_id(call["function"]["name"], self.ids)
+            self.ids.add(call["id"])
+            out.call({"index": self.n, **call})
+            self.n += 1
+
+
 class OutputParser(Protocol):
     """What the responses need of a request's output parser: :class:`ChatOutput`, or
     :class:`engine.harmony.HarmonyOutput` for gpt-oss's harmony format."""
@@ -143,9 +165,9 @@ class ChatOutput:
     ) -> None:
         """``taken_ids``: call ids the conversation already holds (never given to a new call);
         ``call_id_prefix``: what the ids made for calls begin with (the API's own)."""
-        self.fmt, self.tools, self.parallel = fmt, tools, parallel_tool_calls
-        self.ids = set(taken_ids or ())
+        self.fmt, self.tools = fmt, tools
         self._calls = CallParser(fmt.parse, fmt.parser_name, tools, call_id_prefix)
+        self.calls = OutputCalls(self._calls, parallel_tool_calls, taken_ids)
         edges = fmt.edges(parse_tools)
         #: the output starts inside a think block the prompt opened
         self.starts_in_reasoning = start_in_reasoning
@@ -173,7 +195,6 @@ class ChatOutput:
         self._gap_at: dict[str, int | None] = {NORMAL: None, REASONING: None}  # (None: BREAK's)
         # formats whose calls are the whole output: the output so far while it may be one
         self._lead: str | None = "" if fmt.whole and parse_tools and not start_in_reasoning else None
-        self.n_calls = 0
         self.result = Delta()
 
     # -- feeding ---------------------------------------------------------------------------------
@@ -222,13 +243,13 @@ class ChatOutput:
             else:
                 self._close_call(out, closed=not self.fmt.tool[1])
             self._state = NORMAL
-        if not self.n_calls and self._state == NORMAL:
+        if not self.calls.n and self._state == NORMAL:
             if not self._lstrip[NORMAL]:  # (a separator no text followed is nothing)
                 held = self._held[NORMAL]  # plain text keeps its trailing whitespace
                 self._say(NORMAL, held, out, (self._at - len(held), self._at))
         self._finished = True
         self.result.merge(out)
-        return out, finish_reason(engine_reason, self.n_calls > 0)
+        return out, finish_reason(engine_reason, self.calls.n > 0)
 
     @property
     def settled(self) -> int:
@@ -340,14 +361,7 @@ class ChatOutput:
                 self._say(channel, text[start:end], out, (at + start, at + end))
                 self._said[channel] = True
                 continue
-            for call in calls:
-                if self.n_calls and not self.parallel:
-                    continue
-                if call["id"] in self.ids:
-                    call["id"] = self._calls.fresh_id(call["function"]["name"], self.ids)
-                self.ids.add(call["id"])
-                out.call({"index": self.n_calls, **call})
-                self.n_calls += 1
+            self.calls.add(calls, out)
         return True
 
 

@@ -321,7 +321,7 @@ def test_hermes_streaming_holds_text_from_opener():
     shown = [out.feed(p) for p in pieces]
     tail, _ = out.finish("stop")
     assert "".join(d.content for d in shown) + tail.content == "Sure bye"
-    assert shown[1].content == "" and shown[2].content == "" and out.n_calls == 1
+    assert shown[1].content == "" and shown[2].content == "" and out.calls.n == 1
 
 
 def test_hermes_unclosed_complete_json_is_a_call():
