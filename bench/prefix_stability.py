@@ -33,8 +33,8 @@ from jinja2 import TemplateError
 from engine import chat
 from engine.generate import Engine
 from engine.models import templates, tiny
-from engine.output import ChatOutput
 from engine.output_format import OutputFormat
+from engine.respond import output_parser
 from engine.tool_calls import new_call_id
 from tiered_kv import Config
 from tiered_kv.prefix import as_tokens, common_prefix
@@ -111,12 +111,10 @@ def _call_id(fmt: OutputFormat, name: str, n: int) -> str:
 def _generated(tok: Any, msgs: list[dict[str, Any]], turn: dict[str, Any], eos: str) -> str:
     """What the model writes for ``turn``: the template's own rendering of it, up to its end marker."""
     prompt = chat.render_chat(tok, msgs, TOOLS)
-    full = str(
-        tok.apply_chat_template(
-            chat.normalise_messages(msgs + [turn]), tools=TOOLS, tokenize=False,
-            add_generation_prompt=False,
-        )
-    )  # fmt: skip
+    whole = chat.normalise_messages(msgs + [turn])
+    if not chat.template_takes_text_beside_reasoning(tok):  # gpt-oss: one of them before a call
+        whole = chat.reasoning_for_text(whole)
+    full = str(tok.apply_chat_template(whole, tools=TOOLS, tokenize=False, add_generation_prompt=False))
     n = 0
     while n < min(len(prompt), len(full)) and prompt[n] == full[n]:
         n += 1
@@ -170,7 +168,7 @@ def run_family(family: str, tiny_dir: Path, tdir: Path, work: Path, send_reasoni
         res.prompts.append(len(ids))
         prev = ids + gen
         # the client: parse what came back, send it back as OpenCode does
-        out = ChatOutput(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt_text))
+        out = output_parser(fmt, TOOLS, start_in_reasoning=fmt.opens_reasoning(prompt_text))
         out.feed(gen_text)
         out.finish("stop")
         back: dict[str, Any] = {"role": "assistant", "content": out.result.content}

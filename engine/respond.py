@@ -256,17 +256,27 @@ def chat_prompt(
     continued = chat.content_text(req.messages[-1].content) if req.continue_final_message else ""
     reasoning = fmt.opens_reasoning(text, continued) and not prefix
     ids = {str(c["id"]) for c in history if c.get("id")}
-    parser: output.OutputParser
-    if fmt.harmony:
-        parser = HarmonyOutput(fmt, tools, parse, req.parallel_tool_calls, ids, call_id_prefix)
-    else:
-        parser = output.ChatOutput(
-            fmt, tools, parse, req.parallel_tool_calls, reasoning, ids, call_id_prefix
-        )
+    parser = output_parser(fmt, tools, parse, req.parallel_tool_calls, reasoning, ids, call_id_prefix)
     parser.feed(prefix)  # a forced call's opener is held until the model closes the call
     check_chars(len(text) + len(prefix), "messages")
     texts = TokenBytes(tokenizer, not continues(req)) if req.logprob_count() >= 0 else None
     return encode(text + prefix), ChatOutput(model, req.include_usage, parser, texts)
+
+
+def output_parser(
+    fmt: OutputFormat,
+    tools: list[dict[str, Any]] | None = None,
+    parse_tools: bool = True,
+    parallel_tool_calls: bool = True,
+    start_in_reasoning: bool = False,
+    taken_ids: set[str] | None = None,
+    call_id_prefix: str = CALL_ID_PREFIX,
+) -> output.OutputParser:
+    """The parser of an output in ``fmt``: gpt-oss's harmony messages, or markers and blocks."""
+    if fmt.harmony:
+        return HarmonyOutput(fmt, tools, parse_tools, parallel_tool_calls, taken_ids, call_id_prefix)
+    return output.ChatOutput(fmt, tools, parse_tools, parallel_tool_calls, start_in_reasoning,
+                             taken_ids, call_id_prefix)  # fmt: skip
 
 
 def _render(
