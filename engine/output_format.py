@@ -47,17 +47,19 @@ class OutputFormat:
     #: gpt-oss's harmony messages (``engine/harmony.py`` parses them; ``think`` / ``tool`` above
     #: are then its analysis channel and its call opener)
     harmony: bool = False
-    #: the think markers are added tokens of the vocabulary (Qwen3's, GLM's ``<think>``): a grammar
-    #: names them as tokens (llguidance matches no added token by its text)
-    think_tokens: bool = False
+    #: the added tokens of the vocabulary the think markers are made of (Qwen3's, GLM's ``<think>``,
+    #: Gemma 4's ``<|channel>`` of ``<|channel>thought``): a grammar names them as tokens
+    #: (llguidance matches no added token by its text)
+    think_tokens: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
-        """:meth:`markers_of`, and whether its think markers are tokens of their own."""
+        """:meth:`markers_of`, and the added tokens its think markers are made of."""
         fmt = cls.markers_of(tokenizer)
-        if fmt.think is not None and _added_tokens(tokenizer, fmt.think):
-            return replace(fmt, think_tokens=True)
-        return fmt
+        if fmt.think is None:
+            return fmt
+        inside = _added_in(tokenizer, fmt.think)
+        return replace(fmt, think_tokens=inside) if inside else fmt
 
     @classmethod
     def markers_of(cls, tokenizer: Any) -> OutputFormat:
@@ -137,15 +139,14 @@ class OutputFormat:
         return edges
 
 
-def _added_tokens(tokenizer: Any, tokens: tuple[str, ...]) -> bool:
-    """Whether each of ``tokens`` is an added token of the vocabulary (not one the tokenizer's
-    model spells)."""
+def _added_in(tokenizer: Any, markers: tuple[str, ...]) -> tuple[str, ...]:
+    """The added tokens of the vocabulary that occur in ``markers`` (longest first)."""
     added = getattr(tokenizer, "get_added_vocab", None)
     try:
         vocab = added() if added is not None else {}
     except (AttributeError, TypeError, ValueError):
-        return False
-    return all(t in vocab for t in tokens)
+        return ()
+    return tuple(sorted((t for t in vocab if t and any(t in m for m in markers)), key=len, reverse=True))
 
 
 def _has_tokens(tokenizer: Any, tokens: frozenset[str]) -> bool:

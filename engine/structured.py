@@ -87,14 +87,15 @@ def check(schema: str) -> None:
 
 
 def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False,
-         harmony: bool = False, tokens: bool = False) -> str:  # fmt: skip
+         harmony: bool = False, tokens: tuple[str, ...] = ()) -> str:  # fmt: skip
     """The grammar of an output that is ``schema``'s JSON value, after an optional think block
     (``think``: its start and end markers; None: the model has none). ``opened``: the chat
     template opened the block in the prompt, so the output starts inside it and must close it
     first. (One grammar for both cases left a complete value unaccepted: it could still have been
-    the start of a block whose opener the prompt held.) ``tokens``: the markers are added tokens
-    of the vocabulary, which llguidance matches only by name (``<think>``), never by their text
-    (a grammar with the text refused Qwen3's and GLM's own ``<think>`` token). ``harmony``: gpt-oss's messages
+    the start of a block whose opener the prompt held.) ``tokens``: the added tokens of the
+    vocabulary the markers hold, which llguidance matches only by name (``<think>``), never by
+    their text (a grammar with the text refused Qwen3's and GLM's own ``<think>`` token).
+    ``harmony``: gpt-oss's messages
     (``engine/harmony.py``) — an optional analysis message, then the value as the final one; its
     markers are special tokens, which llguidance's grammars name as ``<|...|>``."""
     value = _styled(schema)
@@ -108,13 +109,31 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     if think is None:
         return f"start: value\nvalue: %json {value}\n"
     start, end = think
-    if tokens:  # (no token is text: the reasoning ends at the end token)
+    if any(end.startswith(t) for t in tokens):  # (no token is text: the reasoning ends at it)
         head = "reasoning closer gap?" if opened else "(opener reasoning closer gap?)?"
-        marks = f"opener: {start}\ncloser: {end}\nreasoning: /(?s:.*)/\n"
+        marks = f"opener: {_marker(start, tokens)}\ncloser: {_marker(end, tokens)}\nreasoning: /(?s:.*)/\n"
     else:
         head = "reasoning gap?" if opened else "(opener reasoning gap?)?"
-        marks = f"opener: {json.dumps(start)}\nreasoning[lazy]: /(?s:.*){_regex(end)}/\n"
+        marks = f"opener: {_marker(start, tokens)}\nreasoning[lazy]: /(?s:.*){_regex(end)}/\n"
     return f"start: {head} value\n{marks}" + "gap: /[ \\t\\r\\n]+/\n" + f"value: %json {value}\n"
+
+
+def _marker(text: str, tokens: tuple[str, ...]) -> str:
+    """``text`` as a lark sequence: each of ``tokens`` (longest first) in it named as a token,
+    the text between them as string literals."""
+    parts, i, j = [], 0, 0
+    while j < len(text):
+        tok = next((t for t in tokens if text.startswith(t, j)), None)
+        if tok is None:
+            j += 1
+            continue
+        if j > i:
+            parts.append(json.dumps(text[i:j]))
+        parts.append(tok)
+        i = j = j + len(tok)
+    if j > i:
+        parts.append(json.dumps(text[i:j]))
+    return " ".join(parts)
 
 
 def _styled(schema: str) -> str:

@@ -269,12 +269,14 @@ def test_a_constrained_request_beside_a_free_one_leaves_the_free_one_as_alone(li
         assert beside.result() == alone
 
 
-@pytest.mark.parametrize("family", ["qwen3", "glm-4.7", "minimax-m2", "kimi-k2-thinking", "deepseek-r1-distill"])
+@pytest.mark.parametrize("family", ["qwen3", "glm-4.7", "minimax-m2", "kimi-k2-thinking", "deepseek-r1-distill",
+                                    "gemma-4", "lfm2.5"])
 def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family):
     """The families' think markers are added tokens, which llguidance matches by name only: the
     grammar wrote them as text, so Qwen3's or GLM's own ``<think>`` token was refused (the model
     could not open its block, nor, where the prompt opened it, close it: ``</think>`` could only be
-    spelled). Now, the value after a block of the real tokens, opened by the output or the prompt."""
+    spelled; Gemma 4's ``<|channel>thought`` holds its ``<|channel>`` token). Now, the value after a
+    block of the real tokens, opened by the output or the prompt."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from engine.output_format import OutputFormat
