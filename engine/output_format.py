@@ -47,18 +47,17 @@ class OutputFormat:
     #: gpt-oss's harmony messages (``engine/harmony.py`` parses them; ``think`` / ``tool`` above
     #: are then its analysis channel and its call opener)
     harmony: bool = False
-    #: the added tokens of the vocabulary the think markers are made of (Qwen3's, GLM's ``<think>``,
-    #: Gemma 4's ``<|channel>`` of ``<|channel>thought``): a grammar names them as tokens
-    #: (llguidance matches no added token by its text)
+    #: the added tokens of the vocabulary its think and call markers are made of (Qwen3's, GLM's
+    #: ``<think>``, Gemma 4's ``<|channel>`` of ``<|channel>thought``, Qwen's ``</tool_call>``): a
+    #: grammar names them as tokens (llguidance matches no added token by its text)
     think_tokens: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
-        """:meth:`markers_of`, and the added tokens its think markers are made of."""
+        """:meth:`markers_of`, and the added tokens its markers are made of."""
         fmt = cls.markers_of(tokenizer)
-        if fmt.think is None:
-            return fmt
-        inside = _added_in(tokenizer, fmt.think)
+        markers = (*(fmt.think or ()), *fmt.tool, *filter(None, [fmt.named_close()]))
+        inside = _added_in(tokenizer, tuple(m for m in markers if m))
         return replace(fmt, think_tokens=inside) if inside else fmt
 
     @classmethod
@@ -118,6 +117,11 @@ class OutputFormat:
             else self.tool[0]
         )
 
+    def named_close(self) -> str | None:
+        """What closes a forced named call after its JSON arguments (:meth:`forced_prefix` opened
+        it); None where the format's arguments are no JSON object written whole."""
+        return _NAMED_CLOSE.get(self.parser_name)
+
     def machine(self, tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
         return TextStateMachine(self.edges(tools))
@@ -170,6 +174,18 @@ HARMONY_VOCAB = frozenset(
 HARMONY = OutputFormat(("<|channel|>analysis<|message|>", "<|end|>"),
                        ("<|channel|>commentary to=functions.", ""), parse_harmony, "harmony",
                        harmony=True)  # fmt: skip
+
+# What closes a forced named call once its arguments (a JSON object) are written, in the formats
+# whose named opening leaves exactly the arguments to write ("" : the call runs to the output's
+# end, an end-of-sequence token); the others write arguments that are no JSON (XML, Python).
+_NAMED_CLOSE = {
+    "hermes": "}\n" + HERMES_END,
+    "json_tools": "}\n" + HERMES_END,
+    "llama3_json": "}",
+    "harmony": "",
+    "mistral": "",
+    "kimi_k2": "<|tool_call_end|><|tool_calls_section_end|>",
+}
 
 # Forced named calls: the opening of a call to {name}, in each family's own syntax.
 _NAMED = {

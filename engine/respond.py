@@ -12,6 +12,7 @@ decided once for both.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -377,15 +378,40 @@ def grammar_of(req: Any, out: Any) -> str:
     """The grammar ``req``'s output must follow ("" for free text): its JSON Schema, after the
     model's think block where its format has one (``out.parser``: the chat output's parser, which
     knows the format and whether the prompt opened the block). A call that ``tool_choice`` forces
-    is the whole answer: the format is not enforced then (the prompt already opened the call)."""
-    schema = req.output_schema() if isinstance(req, ChatRequest) else ""
-    if not schema or (req.tools and req.tool_choice not in (None, "auto", "none")):
+    is the whole answer: the format is not enforced then (the prompt already opened the call); a
+    call to a named function gets its tool's ``parameters`` as the schema of its arguments, where
+    the format writes them as one JSON object (:func:`call_grammar`)."""
+    if not isinstance(req, ChatRequest):
         return ""
     parser = getattr(out, "parser", None)
+    if req.tools and req.tool_choice not in (None, "auto", "none"):
+        return call_grammar(req, parser.fmt) if parser is not None else ""
+    schema = req.output_schema()
+    if not schema:
+        return ""
     if parser is None:
         return structured.lark(schema)
     fmt = parser.fmt
     return structured.lark(schema, fmt.think, parser.starts_in_reasoning, fmt.harmony, fmt.think_tokens)
+
+
+def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
+    """The grammar of the arguments of the call ``req``'s named ``tool_choice`` forces: the tool's
+    ``parameters`` as a JSON Schema, then the format's end of the call ("" where the format's
+    arguments are no JSON object, or llguidance cannot compile the schema: the call is free then,
+    as before)."""
+    name, close = req.forced_tool(), fmt.named_close()
+    if name is None or close is None:
+        return ""
+    params = next((t["function"].get("parameters") for t in req.tool_dicts() or ()
+                   if t.get("function", {}).get("name") == name), None)  # fmt: skip
+    schema = json.dumps(params if isinstance(params, dict) else {"type": "object"}, separators=(",", ":"))
+    try:
+        structured.check(schema)
+    except structured.FormatError as e:
+        log.info("tool %r's parameters not enforced: %s", name, e)
+        return ""
+    return structured.call_lark(schema, close, fmt.think_tokens)
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

@@ -118,6 +118,14 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     return f"start: {head} value\n{marks}" + "gap: /[ \\t\\r\\n]+/\n" + f"value: %json {value}\n"
 
 
+def call_lark(schema: str, close: str, tokens: tuple[str, ...] = ()) -> str:
+    """The grammar of a forced call's rest: its arguments, ``schema``'s JSON value (the tool's
+    ``parameters``), then ``close``, the format's end of the call (:meth:`OutputFormat.named_close`;
+    ``tokens``: the added tokens it may hold, named as tokens)."""
+    tail = f" {_marker(close, tokens)}" if close else ""
+    return f"start: value{tail}\nvalue: %json {_styled(schema)}\n"
+
+
 def _marker(text: str, tokens: tuple[str, ...]) -> str:
     """``text`` as a lark sequence: each of ``tokens`` (longest first) in it named as a token,
     the text between them as string literals."""

@@ -240,11 +240,14 @@ def test_the_grammar_follows_the_models_think_block_and_where_the_prompt_left_it
     free = api.ChatRequest.model_validate({"messages": ASK})
     assert respond.grammar_of(free, out) == ""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for choice, enforced in (("auto", True), ("none", True), ("required", False),
-                             ({"type": "function", "function": {"name": "f"}}, False)):  # fmt: skip
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice, enforced in (("auto", True), ("none", True), ("required", False), (named, False)):
         called = api.ChatRequest.model_validate({"messages": ASK, "response_format": {"type": "json_object"},
                                                  "tools": tools, "tool_choice": choice})  # fmt: skip
-        assert bool(respond.grammar_of(called, out)) is enforced, choice  # a forced call is the answer
+        grammar = respond.grammar_of(called, out)
+        assert (grammar == lark(ANY_OBJECT, THINK, True)) is enforced, choice  # a forced call is the answer
+    # ... whose arguments follow its tool's parameters, where the format writes them as one JSON object
+    assert grammar == structured.call_lark(ANY_OBJECT, out.parser.fmt.named_close() or "")
     completion = api.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
     assert respond.grammar_of(completion, None) == ""  # the legacy API has no such field
 
@@ -293,3 +296,42 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
         assert _accepts(g, grammar, text, tok) == (True, True), (family, opened, text)
     as_text = lark(json.dumps(SCHEMA), fmt.think)  # the markers as text: what the grammar was
     assert _accepts(g, as_text, f"{start}x{end}{VALUE}", tok) == (False, False)
+
+
+# --- a forced call's arguments -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2"])
+def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
+    """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
+    ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
+    (Hermes-style calls; gpt-oss's harmony; Qwen3's json_tools, ``</tool_call>`` a token; Kimi-K2's
+    sections, its ends tokens). Before, the random model's arguments were whatever it wrote: no
+    call came back (the block was text, or cut by ``max_tokens``)."""
+    from engine.generate import Engine
+    from tests.serving import USER, hot_config, serve
+
+    # bounded values (an enum, a small integer): the random model's free strings never end
+    params = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
+              "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                             "days": {"type": "integer", "minimum": 1, "maximum": 9}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": params}}]  # fmt: skip
+    model = tiny_model_dir if family is None else family_dirs[family]
+    config = hot_config(tmp_path)
+    with serve(lambda: Engine(model, config), config) as live:
+        r = live.client.chat.completions.create(
+            model="m", messages=USER, tools=tools, max_tokens=48, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 9
+
+
+def test_a_call_grammar_is_the_arguments_then_the_formats_end():
+    assert structured.call_lark('{"type":"object"}', "}\n</tool_call>", ("</tool_call>",)).startswith(
+        'start: value "}\\n" </tool_call>\n')
+    assert structured.call_lark('{"type":"object"}', "").startswith("start: value\n")
