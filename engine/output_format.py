@@ -50,7 +50,7 @@ class OutputFormat:
     #: the added tokens of the vocabulary its think and call markers are made of (Qwen3's, GLM's
     #: ``<think>``, Gemma 4's ``<|channel>`` of ``<|channel>thought``, Qwen's ``</tool_call>``): a
     #: grammar names them as tokens (llguidance matches no added token by its text)
-    think_tokens: tuple[str, ...] = ()
+    marker_tokens: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
@@ -58,7 +58,7 @@ class OutputFormat:
         fmt = cls.markers_of(tokenizer)
         markers = (*(fmt.think or ()), *fmt.tool, *filter(None, [fmt.named_close()]))
         inside = _added_in(tokenizer, tuple(m for m in markers if m))
-        return replace(fmt, think_tokens=inside) if inside else fmt
+        return replace(fmt, marker_tokens=inside) if inside else fmt
 
     @classmethod
     def markers_of(cls, tokenizer: Any) -> OutputFormat:

@@ -392,7 +392,7 @@ def grammar_of(req: Any, out: Any) -> str:
     if parser is None:
         return structured.lark(schema)
     fmt = parser.fmt
-    return structured.lark(schema, fmt.think, parser.starts_in_reasoning, fmt.harmony, fmt.think_tokens)
+    return structured.lark(schema, fmt.think, parser.starts_in_reasoning, fmt.harmony, fmt.marker_tokens)
 
 
 def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
@@ -411,7 +411,7 @@ def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
     except structured.FormatError as e:
         log.info("tool %r's parameters not enforced: %s", name, e)
         return ""
-    return structured.call_lark(schema, close, fmt.think_tokens)
+    return structured.call_lark(schema, close, fmt.marker_tokens)
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

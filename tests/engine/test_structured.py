@@ -286,13 +286,13 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 
     tok = load_tokenizer(family_dirs[family])
     fmt = OutputFormat.of(tok)
-    assert fmt.think is not None and fmt.think_tokens, family
+    assert fmt.think is not None and fmt.marker_tokens, family
     vocab = json.loads((family_dirs[family] / "config.json").read_text())["vocab_size"]
     g = Grammars(tok, vocab)
     start, end = fmt.think
     for opened, text in ((False, f"{start}\nfirst n, then {{\n{end}\n\n{VALUE}"), (False, VALUE),
                          (True, f"thinking{end}\n{VALUE}")):  # fmt: skip
-        grammar = lark(json.dumps(SCHEMA), fmt.think, opened, tokens=fmt.think_tokens)
+        grammar = lark(json.dumps(SCHEMA), fmt.think, opened, tokens=fmt.marker_tokens)
         assert _accepts(g, grammar, text, tok) == (True, True), (family, opened, text)
     as_text = lark(json.dumps(SCHEMA), fmt.think)  # the markers as text: what the grammar was
     assert _accepts(g, as_text, f"{start}x{end}{VALUE}", tok) == (False, False)
