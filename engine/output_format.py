@@ -11,6 +11,7 @@ the prompt opened a think block, and the text after the prompt that forces a cal
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -143,14 +144,36 @@ class OutputFormat:
         return edges
 
 
+#: per tokenizer (held weakly), :func:`_added_in`'s answers: its added vocabulary does not change,
+#: and a request need not list it again (gpt-oss's holds ~1100 tokens)
+_added_seen: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _added_in(tokenizer: Any, markers: tuple[str, ...]) -> tuple[str, ...]:
     """The added tokens of the vocabulary that occur in ``markers`` (longest first)."""
+    try:
+        return _added_seen[tokenizer][markers]
+    except (KeyError, TypeError):  # not asked yet (TypeError: it cannot be held weakly)
+        pass
+    found = _added_scan(tokenizer, markers)
+    try:
+        _added_seen.setdefault(tokenizer, {})[markers] = found
+    except TypeError:
+        pass
+    return found
+
+
+def _added_scan(tokenizer: Any, markers: tuple[str, ...]) -> tuple[str, ...]:
     added = getattr(tokenizer, "get_added_vocab", None)
     try:
         vocab = added() if added is not None else {}
     except (AttributeError, TypeError, ValueError):
         return ()
-    return tuple(sorted((t for t in vocab if t and any(t in m for m in markers)), key=len, reverse=True))
+    return tuple(
+        sorted((t for t in vocab if t and any(t in m for m in markers)), key=len, reverse=True)
+    )
 
 
 def _has_tokens(tokenizer: Any, tokens: frozenset[str]) -> bool:
