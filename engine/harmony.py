@@ -78,7 +78,7 @@ class HarmonyOutput:
         taken_ids: set[str] | None = None,
         call_id_prefix: str = CALL_ID_PREFIX,
     ) -> None:
-        self.fmt, self.tools, self.parse_tools = fmt, tools, parse_tools
+        self.fmt, self.parse_tools = fmt, parse_tools
         self._calls = CallParser(parse_harmony, "harmony", tools, call_id_prefix)
         self.calls = OutputCalls(self._calls, parallel_tool_calls, taken_ids)
         self.starts_in_reasoning = False  # a harmony prompt opens a message, never a channel

@@ -165,7 +165,7 @@ class ChatOutput:
     ) -> None:
         """``taken_ids``: call ids the conversation already holds (never given to a new call);
         ``call_id_prefix``: what the ids made for calls begin with (the API's own)."""
-        self.fmt, self.tools = fmt, tools
+        self.fmt = fmt
         self._calls = CallParser(fmt.parse, fmt.parser_name, tools, call_id_prefix)
         self.calls = OutputCalls(self._calls, parallel_tool_calls, taken_ids)
         edges = fmt.edges(parse_tools)
