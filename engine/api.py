@@ -329,6 +329,10 @@ class ChatRequest(_Sampling):
     def requested_max(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def forces_call(self) -> bool:
+        """Whether ``tool_choice`` forces a call: ``required``, or a named function."""
+        return bool(self.tools) and self.tool_choice not in (None, "auto", "none")
+
     def forced_tool(self) -> str | None:
         """The function name of a named ``tool_choice``."""
         if isinstance(self.tool_choice, dict):

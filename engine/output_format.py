@@ -49,15 +49,17 @@ class OutputFormat:
     #: are then its analysis channel and its call opener)
     harmony: bool = False
     #: the added tokens of the vocabulary its think and call markers are made of (Qwen3's, GLM's
-    #: ``<think>``, Gemma 4's ``<|channel>`` of ``<|channel>thought``, Qwen's ``</tool_call>``): a
-    #: grammar names them as tokens (llguidance matches no added token by its text)
-    marker_tokens: tuple[str, ...] = ()
+    #: ``<think>``, Gemma 4's ``<|channel>`` of ``<|channel>thought``, Qwen's ``</tool_call>``,
+    #: Mistral's ``[ARGS]``), each as (text, name in a grammar): a grammar names them as tokens
+    #: (llguidance matches no added token by its text; one not spelled ``<...>`` by its id, ``<[7]>``)
+    marker_tokens: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
         """:meth:`markers_of`, and the added tokens its markers are made of."""
         fmt = cls.markers_of(tokenizer)
-        markers = (*(fmt.think or ()), *fmt.tool, *filter(None, [fmt.named_close()]))
+        named = fmt.forced_prefix({"function": {"name": ""}})  # a call's fixed text, less its name
+        markers = (*(fmt.think or ()), *fmt.tool, named, *filter(None, [fmt.named_close()]))
         inside = _added_in(tokenizer, tuple(m for m in markers if m))
         return replace(fmt, marker_tokens=inside) if inside else fmt
 
@@ -118,6 +120,16 @@ class OutputFormat:
             else self.tool[0]
         )
 
+    def call_head(self, name: str, calls_before: int = 0) -> str | None:
+        """What a call to ``name`` writes after ``required``'s opening (:meth:`forced_prefix`) up to
+        its JSON arguments (Hermes: ``{"name": "NAME", "arguments": ``); None where the format's
+        arguments are no JSON object written whole (:meth:`named_close`)."""
+        if self.named_close() is None:
+            return None
+        opened = self.forced_prefix("required")
+        named = self.forced_prefix({"function": {"name": name}}, calls_before)
+        return named[len(opened) :] if named.startswith(opened) else None
+
     def named_close(self) -> str | None:
         """What closes a forced named call after its JSON arguments (:meth:`forced_prefix` opened
         it); None where the format's arguments are no JSON object written whole."""
@@ -146,13 +158,14 @@ class OutputFormat:
 
 #: per tokenizer (held weakly), :func:`_added_in`'s answers: its added vocabulary does not change,
 #: and a request need not list it again (gpt-oss's holds ~1100 tokens)
-_added_seen: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[str, ...]]] = (
+_added_seen: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[tuple[str, str], ...]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _added_in(tokenizer: Any, markers: tuple[str, ...]) -> tuple[str, ...]:
-    """The added tokens of the vocabulary that occur in ``markers`` (longest first)."""
+def _added_in(tokenizer: Any, markers: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The added tokens of the vocabulary that occur in ``markers`` (longest first), each with its
+    name in an llguidance grammar: its text where that is ``<...>``, else its id (``<[7]>``)."""
     try:
         return _added_seen[tokenizer][markers]
     except (KeyError, TypeError):  # not asked yet (TypeError: it cannot be held weakly)
@@ -165,14 +178,15 @@ def _added_in(tokenizer: Any, markers: tuple[str, ...]) -> tuple[str, ...]:
     return found
 
 
-def _added_scan(tokenizer: Any, markers: tuple[str, ...]) -> tuple[str, ...]:
+def _added_scan(tokenizer: Any, markers: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     added = getattr(tokenizer, "get_added_vocab", None)
     try:
         vocab = added() if added is not None else {}
     except (AttributeError, TypeError, ValueError):
         return ()
+    found = sorted((t for t in vocab if t and any(t in m for m in markers)), key=len, reverse=True)
     return tuple(
-        sorted((t for t in vocab if t and any(t in m for m in markers)), key=len, reverse=True)
+        (t, t if t.startswith("<") and t.endswith(">") else f"<[{vocab[t]}]>") for t in found
     )
 
 

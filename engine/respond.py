@@ -378,13 +378,14 @@ def grammar_of(req: Any, out: Any) -> str:
     """The grammar ``req``'s output must follow ("" for free text): its JSON Schema, after the
     model's think block where its format has one (``out.parser``: the chat output's parser, which
     knows the format and whether the prompt opened the block). A call that ``tool_choice`` forces
-    is the whole answer: the format is not enforced then (the prompt already opened the call); a
-    call to a named function gets its tool's ``parameters`` as the schema of its arguments, where
-    the format writes them as one JSON object (:func:`call_grammar`)."""
+    is the whole answer: the format is not enforced then (the prompt already opened the call); the
+    call is one of the tools' (``required``) or the named function's, its arguments the tool's
+    ``parameters`` as a JSON Schema, where the format writes them as one JSON object
+    (:func:`call_grammar`)."""
     if not isinstance(req, ChatRequest):
         return ""
     parser = getattr(out, "parser", None)
-    if req.tools and req.tool_choice not in (None, "auto", "none"):
+    if req.forces_call():
         return call_grammar(req, parser.fmt) if parser is not None else ""
     schema = req.output_schema()
     if not schema:
@@ -396,22 +397,33 @@ def grammar_of(req: Any, out: Any) -> str:
 
 
 def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
-    """The grammar of the arguments of the call ``req``'s named ``tool_choice`` forces: the tool's
-    ``parameters`` as a JSON Schema, then the format's end of the call ("" where the format's
-    arguments are no JSON object, or llguidance cannot compile the schema: the call is free then,
-    as before)."""
-    name, close = req.forced_tool(), fmt.named_close()
-    if name is None or close is None:
+    """The grammar of the call ``req``'s ``tool_choice`` forces: a call to the function it names,
+    or, ``required``, to one of the tools (its name, in the format's syntax); its arguments the
+    tool's ``parameters`` as a JSON Schema, then the format's end of the call. "" where the
+    format's arguments are no JSON object written whole: the call is free then, as before. A
+    schema llguidance cannot compile is the arguments of a named call left free; ``required``
+    gives that tool any JSON object."""
+    close, forced = fmt.named_close(), req.forced_tool()
+    if close is None or not req.forces_call():
         return ""
-    params = next((t["function"].get("parameters") for t in req.tool_dicts() or ()
-                   if t.get("function", {}).get("name") == name), None)  # fmt: skip
-    schema = json.dumps(params if isinstance(params, dict) else {"type": "object"}, separators=(",", ":"))
-    try:
-        structured.check(schema)
-    except structured.FormatError as e:
-        log.info("tool %r's parameters not enforced: %s", name, e)
-        return ""
-    return structured.call_lark(schema, close, fmt.marker_tokens)
+    calls_before = sum(len(m.tool_calls or ()) for m in req.messages)  # Kimi numbers its ids by it
+    calls = []
+    for tool in req.tool_dicts() or ():
+        name = str(tool.get("function", {}).get("name", ""))
+        head = "" if forced is not None else fmt.call_head(name, calls_before)
+        if (forced is not None and name != forced) or head is None:
+            continue
+        params = tool["function"].get("parameters")
+        schema = json.dumps(params, separators=(",", ":")) if isinstance(params, dict) else structured.ANY_OBJECT
+        try:
+            structured.check(schema)
+        except structured.FormatError as e:
+            log.info("tool %r's parameters not enforced: %s", name, e)
+            if forced is not None:
+                return ""
+            schema = structured.ANY_OBJECT
+        calls.append((head, schema))
+    return structured.call_lark(calls, close, fmt.marker_tokens) if calls else ""
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

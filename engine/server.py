@@ -130,7 +130,7 @@ class Server:
                 req = await self._off_loop(partial(parse, context_length=ctx), body)
                 ids, out = await self._off_loop(prepare, req)
                 # structured output, or a forced call's arguments
-                asked = getattr(req, "response_format", None) or getattr(req, "forced_tool", lambda: None)()
+                asked = getattr(req, "response_format", None) or getattr(req, "forces_call", bool)()
                 grammar = await self._off_loop(self._grammar, req, out) if asked else ""
                 params = respond.sampling(
                     req, ids, self.engine.context_length, self.engine.vocab_size,

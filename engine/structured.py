@@ -33,6 +33,9 @@ ANY_OBJECT = '{"type":"object"}'
 #: Flexible whitespace let a model write newlines between tokens without end (the tiny random
 #: model: 60 lines of them where its value was 30 characters); a schema's own options win.
 STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: added tokens a grammar names, each as (its text, its name in llguidance's lark: ``<think>``,
+#: ``<[7]>``), longest first (:attr:`engine.output_format.OutputFormat.marker_tokens`)
+Tokens = tuple[tuple[str, str], ...]
 
 
 class FormatError(ValueError):
@@ -87,7 +90,7 @@ def check(schema: str) -> None:
 
 
 def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False,
-         harmony: bool = False, tokens: tuple[str, ...] = ()) -> str:  # fmt: skip
+         harmony: bool = False, tokens: Tokens = ()) -> str:  # fmt: skip
     """The grammar of an output that is ``schema``'s JSON value, after an optional think block
     (``think``: its start and end markers; None: the model has none). ``opened``: the chat
     template opened the block in the prompt, so the output starts inside it and must close it
@@ -109,7 +112,7 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     if think is None:
         return f"start: value\nvalue: %json {value}\n"
     start, end = think
-    if any(end.startswith(t) for t in tokens):  # (no token is text: the reasoning ends at it)
+    if any(end.startswith(t) for t, _ in tokens):  # (no token is text: the reasoning ends at it)
         head = "reasoning closer gap?" if opened else "(opener reasoning closer gap?)?"
         marks = f"opener: {_marker(start, tokens)}\ncloser: {_marker(end, tokens)}\nreasoning: /(?s:.*)/\n"
     else:
@@ -118,27 +121,33 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     return f"start: {head} value\n{marks}" + "gap: /[ \\t\\r\\n]+/\n" + f"value: %json {value}\n"
 
 
-def call_lark(schema: str, close: str, tokens: tuple[str, ...] = ()) -> str:
-    """The grammar of a forced call's rest: its arguments, ``schema``'s JSON value (the tool's
-    ``parameters``), then ``close``, the format's end of the call (:meth:`OutputFormat.named_close`;
-    ``tokens``: the added tokens it may hold, named as tokens)."""
+def call_lark(calls: list[tuple[str, str]], close: str, tokens: Tokens = ()) -> str:
+    """The grammar of a forced call's rest: one of ``calls``, each the text that names its function
+    (its head: "" where the prompt named it, ``tool_choice`` naming a function) then its arguments,
+    the JSON value of its schema (the tool's ``parameters``); then ``close``, the format's end of
+    the call (:meth:`OutputFormat.named_close`; ``tokens``: the added tokens these texts may hold,
+    named as tokens)."""
     tail = f" {_marker(close, tokens)}" if close else ""
-    return f"start: value{tail}\nvalue: %json {_styled(schema)}\n"
+    heads = [f"{_marker(head, tokens)} " if head else "" for head, _ in calls]
+    rules = "".join(f"value{i}: %json {_styled(schema)}\n" for i, (_, schema) in enumerate(calls))
+    one = " | ".join(f"{head}value{i}" for i, head in enumerate(heads))
+    call = one if len(calls) == 1 else f"({one})"
+    return f"start: {call}{tail}\n{rules}"
 
 
-def _marker(text: str, tokens: tuple[str, ...]) -> str:
+def _marker(text: str, tokens: Tokens) -> str:
     """``text`` as a lark sequence: each of ``tokens`` (longest first) in it named as a token,
     the text between them as string literals."""
     parts, i, j = [], 0, 0
     while j < len(text):
-        tok = next((t for t in tokens if text.startswith(t, j)), None)
+        tok = next(((t, name) for t, name in tokens if text.startswith(t, j)), None)
         if tok is None:
             j += 1
             continue
         if j > i:
             parts.append(json.dumps(text[i:j]))
-        parts.append(tok)
-        i = j = j + len(tok)
+        parts.append(tok[1])
+        i = j = j + len(tok[0])
     if j > i:
         parts.append(json.dumps(text[i:j]))
     return " ".join(parts)

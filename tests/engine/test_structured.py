@@ -7,6 +7,7 @@ schema is the constraint at work (before it, ``response_format`` was ignored).""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -247,7 +248,7 @@ def test_the_grammar_follows_the_models_think_block_and_where_the_prompt_left_it
         grammar = respond.grammar_of(called, out)
         assert (grammar == lark(ANY_OBJECT, THINK, True)) is enforced, choice  # a forced call is the answer
     # ... whose arguments follow its tool's parameters, where the format writes them as one JSON object
-    assert grammar == structured.call_lark(ANY_OBJECT, out.parser.fmt.named_close() or "")
+    assert grammar == structured.call_lark([("", ANY_OBJECT)], out.parser.fmt.named_close() or "")
     completion = api.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
     assert respond.grammar_of(completion, None) == ""  # the legacy API has no such field
 
@@ -331,7 +332,44 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
     assert call.function.name == "get_weather" and args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 9
 
 
+@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "devstral", "llama-3.3"])
+def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir, family_dirs, tmp_path, family):
+    """``tool_choice: "required"``: the prompt opens a call, then the grammar makes it a call to one
+    of the tools, by its name in the format's syntax, its arguments that tool's ``parameters`` —
+    on the tiny random model (Hermes; harmony; Qwen3's json_tools; Kimi-K2's numbered sections;
+    Devstral's ``[ARGS]``, a token named by its id; Llama 3.3's bare JSON). Before, only a named
+    call was constrained: after the opener the random model wrote whatever it drew, and no call
+    came back."""
+    from engine.generate import Engine
+    from tests.serving import USER, hot_config, serve
+
+    def tool(name: str, key: str, values: list[str]) -> dict[str, Any]:
+        params = {"type": "object", "required": [key], "additionalProperties": False,
+                  "properties": {key: {"enum": values}}}  # fmt: skip
+        return {"type": "function", "function": {"name": name, "description": name, "parameters": params}}
+
+    tools = [tool("get_weather", "city", ["Paris", "Oslo"]), tool("get_time", "zone", ["UTC", "CET"])]
+    allowed = {"get_weather": ("city", ("Paris", "Oslo")), "get_time": ("zone", ("UTC", "CET"))}
+    model = tiny_model_dir if family is None else family_dirs[family]
+    config = hot_config(tmp_path)
+    with serve(lambda: Engine(model, config), config) as live:
+        for seed in (0, 1, 2):
+            r = live.client.chat.completions.create(model="m", messages=USER, tools=tools, max_tokens=48,
+                                                    tool_choice="required", seed=seed)  # fmt: skip
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls", (family, choice)
+            (call,) = choice.message.tool_calls
+            key, values = allowed[call.function.name]
+            args = json.loads(call.function.arguments)
+            assert list(args) == [key] and args[key] in values, (family, call)
+
+
 def test_a_call_grammar_is_the_arguments_then_the_formats_end():
-    assert structured.call_lark('{"type":"object"}', "}\n</tool_call>", ("</tool_call>",)).startswith(
-        'start: value "}\\n" </tool_call>\n')
-    assert structured.call_lark('{"type":"object"}', "").startswith("start: value\n")
+    obj = '{"type":"object"}'
+    assert structured.call_lark([("", obj)], "}\n</tool_call>", (("</tool_call>", "</tool_call>"),)).startswith(
+        'start: value0 "}\\n" </tool_call>\n')
+    assert structured.call_lark([("", obj)], "").startswith("start: value0\n")
+    # required: one of the calls, each its head (the name in the format's syntax) then its arguments;
+    # an added token not spelled <...> is named by its id
+    either = structured.call_lark([('a", "arguments": ', obj), ("b[X]", obj)], "}", (("[X]", "<[7]>"),))
+    assert either.startswith('start: ("a\\", \\"arguments\\": " value0 | "b" <[7]> value1) "}"\n'), either
