@@ -364,6 +364,37 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
             assert list(args) == [key] and args[key] in values, (family, call)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3"])
+def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
+    """Over the family's real tokenizer, after the prompt's opener: ``required``'s grammar takes a
+    call to either tool (the added tokens of its head and end as tokens: Mistral's ``[ARGS]`` by
+    its id), and refuses an unknown name, arguments against the schema, and a second call."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from engine import api, respond
+    from engine.output_format import OutputFormat
+
+    tok = load_tokenizer(family_dirs[family])
+    fmt = OutputFormat.of(tok)
+    vocab = json.loads((family_dirs[family] / "config.json").read_text())["vocab_size"]
+    g = Grammars(tok, vocab)
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": params}}
+             for n in ("get_weather", "get_time")]  # fmt: skip
+    req = api.ChatRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": "required"})
+    grammar = respond.call_grammar(req, fmt)
+
+    def call(name: str, args: str) -> str:
+        return f"{fmt.call_head(name)}{args}{fmt.named_close()}"
+
+    one = call("get_time", '{"city": "Oslo"}')
+    assert _accepts(g, grammar, one, tok) == (True, True), (family, grammar)
+    assert _accepts(g, grammar, call("get_weather", '{"city": "Paris"}'), tok) == (True, True)
+    assert not _accepts(g, grammar, call("get_news", '{"city": "Oslo"}'), tok)[0]
+    assert not _accepts(g, grammar, call("get_time", '{"town": "Oslo"}'), tok)[0]
+    assert not _accepts(g, grammar, one + fmt.forced_prefix("required") + call("get_time", "{}"), tok)[0]
+
+
 def test_a_call_grammar_is_the_arguments_then_the_formats_end():
     obj = '{"type":"object"}'
     assert structured.call_lark([("", obj)], "}\n</tool_call>", (("</tool_call>", "</tool_call>"),)).startswith(
