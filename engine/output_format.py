@@ -59,7 +59,7 @@ class OutputFormat:
         """:meth:`markers_of`, and the added tokens its markers are made of."""
         fmt = cls.markers_of(tokenizer)
         named = fmt.forced_prefix({"function": {"name": ""}})  # a call's fixed text, less its name
-        markers = (*(fmt.think or ()), *fmt.tool, named, *filter(None, [fmt.named_close()]))
+        markers = (*(fmt.think or ()), *fmt.tool, named, *filter(None, [fmt.named_close()]), *(fmt.arg_tags() or ()))
         inside = _added_in(tokenizer, tuple(m for m in markers if m))
         return replace(fmt, marker_tokens=inside) if inside else fmt
 
@@ -122,8 +122,8 @@ class OutputFormat:
 
     def call_head(self, name: str, calls_before: int = 0) -> str | None:
         """What a call to ``name`` writes after ``required``'s opening (:meth:`forced_prefix`) up to
-        its JSON arguments (Hermes: ``{"name": "NAME", "arguments": ``); None where the format's
-        arguments are no JSON object written whole (:meth:`named_close`)."""
+        its arguments (Hermes: ``{"name": "NAME", "arguments": ``); None where no grammar of the
+        format's arguments is written (:meth:`named_close`)."""
         if self.named_close() is None:
             return None
         opened = self.forced_prefix("required")
@@ -131,9 +131,18 @@ class OutputFormat:
         return named[len(opened) :] if named.startswith(opened) else None
 
     def named_close(self) -> str | None:
-        """What closes a forced named call after its JSON arguments (:meth:`forced_prefix` opened
-        it); None where the format's arguments are no JSON object written whole."""
-        return _NAMED_CLOSE.get(self.parser_name)
+        """What closes a forced named call after its arguments (:meth:`forced_prefix` opened it);
+        None where no grammar of the format's arguments is written: they are neither one JSON
+        object written whole nor tags (:meth:`arg_tags`)."""
+        tags = _ARG_TAGS.get(self.parser_name)
+        return tags[3].format(end=self.tool[1]) if tags else _NAMED_CLOSE.get(self.parser_name)
+
+    def arg_tags(self) -> tuple[str, str, str] | None:
+        """Where a call's arguments are tags, one per argument (Qwen3-Coder's ``<parameter=city>``,
+        MiniMax-M2's ``<parameter name="city">``): the text before an argument's name, between its
+        name and its value, and after its value; None where they are one JSON object."""
+        tags = _ARG_TAGS.get(self.parser_name)
+        return tags[:3] if tags else None
 
     def machine(self, tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
@@ -222,6 +231,15 @@ _NAMED_CLOSE = {
     "harmony": "",
     "mistral": "",
     "kimi_k2": "<|tool_call_end|><|tool_calls_section_end|>",
+}
+
+# The formats whose calls write each argument as a tag (:meth:`OutputFormat.arg_tags`): the text
+# before its name, between its name and value, after its value; then, after the last, the call's
+# end ({end}: the block's end marker). GLM's (``<arg_key>``) has no fixed layout (GLM-4.6 writes a
+# newline between tags, 4.7 none): its arguments are left free.
+_ARG_TAGS = {
+    "qwen3_coder": ("<parameter=", ">\n", "\n</parameter>\n", "</function>\n{end}"),
+    "minimax_m2": ('<parameter name="', '">', "</parameter>\n", "</invoke>\n{end}"),
 }
 
 # Forced named calls: the opening of a call to {name}, in each family's own syntax.

@@ -399,8 +399,9 @@ def grammar_of(req: Any, out: Any) -> str:
 def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
     """The grammar of the call ``req``'s ``tool_choice`` forces: a call to the function it names,
     or, ``required``, to one of the tools (its name, in the format's syntax); its arguments the
-    tool's ``parameters`` as a JSON Schema, then the format's end of the call. "" where the
-    format's arguments are no JSON object written whole: the call is free then, as before. A
+    tool's ``parameters`` as a JSON Schema (one JSON object, or tags where the format writes them
+    so: :meth:`OutputFormat.arg_tags`), then the format's end of the call. "" where the format's
+    arguments are neither: the call is free then, as before. A
     schema llguidance cannot compile is the arguments of a named call left free; ``required``
     gives that tool any JSON object."""
     close, forced = fmt.named_close(), req.forced_tool()
@@ -423,7 +424,7 @@ def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
                 return ""
             schema = structured.ANY_OBJECT
         calls.append((head, schema))
-    return structured.call_lark(calls, close, fmt.marker_tokens) if calls else ""
+    return structured.call_lark(calls, close, fmt.marker_tokens, fmt.arg_tags()) if calls else ""
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

@@ -121,18 +121,51 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     return f"start: {head} value\n{marks}" + "gap: /[ \\t\\r\\n]+/\n" + f"value: %json {value}\n"
 
 
-def call_lark(calls: list[tuple[str, str]], close: str, tokens: Tokens = ()) -> str:
+def call_lark(
+    calls: list[tuple[str, str]], close: str, tokens: Tokens = (), tags: tuple[str, str, str] | None = None
+) -> str:
     """The grammar of a forced call's rest: one of ``calls``, each the text that names its function
     (its head: "" where the prompt named it, ``tool_choice`` naming a function) then its arguments,
     the JSON value of its schema (the tool's ``parameters``); then ``close``, the format's end of
     the call (:meth:`OutputFormat.named_close`; ``tokens``: the added tokens these texts may hold,
-    named as tokens)."""
+    named as tokens). ``tags``: the arguments are written as tags, one per property
+    (:meth:`OutputFormat.arg_tags`, :func:`_tag_rules`), not as one JSON object."""
     tail = f" {_marker(close, tokens)}" if close else ""
     heads = [f"{_marker(head, tokens)} " if head else "" for head, _ in calls]
-    rules = "".join(f"value{i}: %json {_styled(schema)}\n" for i, (_, schema) in enumerate(calls))
+    rules = "".join(f"value{i}: %json {_styled(schema)}\n" if tags is None else _tag_rules(i, schema, tags, tokens)
+                    for i, (_, schema) in enumerate(calls))  # fmt: skip
     one = " | ".join(f"{head}value{i}" for i, head in enumerate(heads))
     call = one if len(calls) == 1 else f"({one})"
     return f"start: {call}{tail}\n{rules}"
+
+
+def _tag_rules(i: int, schema: str, tags: tuple[str, str, str], tokens: Tokens) -> str:
+    """Rule ``value{i}``: the arguments of ``schema`` (an object's JSON Schema) as tags, one per
+    property in declared order, each optional unless ``required``. A string (or untyped) value is
+    its text up to the tag's end, a string enum one of its values, any other value its JSON (the
+    parsers read a non-string value as JSON)."""
+    start, between, after = tags
+    doc = json.loads(schema)
+    props = doc.get("properties") if isinstance(doc, dict) else None
+    required = set(doc.get("required") or ()) if isinstance(doc, dict) else set()
+    end, rules, parts = _marker(after, tokens), [], []
+    for j, (key, sub) in enumerate(props.items() if isinstance(props, dict) else ()):
+        sub = sub if isinstance(sub, dict) else {}
+        enum = sub.get("enum")
+        if sub.get("type") in (None, "string") and enum and all(isinstance(v, str) for v in enum):
+            value = "(" + " | ".join(json.dumps(v) for v in enum) + f") {end}"
+        elif sub.get("type") in (None, "string"):
+            if any(after.startswith(t) for t, _ in tokens):  # (no token is text: the value ends at it)
+                value = f"/(?s:.*)/ {end}"
+            else:
+                rules.append(f"text{i}_{j}[lazy]: /(?s:.*){_regex(after)}/")
+                value = f"text{i}_{j}"
+        else:
+            rules.append(f"json{i}_{j}: %json {_styled(json.dumps(sub))}")
+            value = f"json{i}_{j} {end}"
+        rules.append(f"arg{i}_{j}: {_marker(f'{start}{key}{between}', tokens)} {value}")
+        parts.append(f"arg{i}_{j}" if key in required else f"arg{i}_{j}?")
+    return f"value{i}: {' '.join(parts) or chr(34) * 2}\n" + "".join(f"{r}\n" for r in rules)
 
 
 def _marker(text: str, tokens: Tokens) -> str:
@@ -169,8 +202,12 @@ _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
 
 
 def _regex(text: str) -> str:
-    """``text`` as a literal inside a lark ``/.../`` regex."""
-    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+    """``text`` as a literal inside a lark ``/.../`` regex (control characters escaped: a tag's
+    newline)."""
+    return "".join(_REGEX_ESCAPES.get(c) or ("\\" + c if c in _REGEX_META else c) for c in text)
+
+
+_REGEX_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 class Grammars:

@@ -302,12 +302,12 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 # --- a forced call's arguments -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2"])
+@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2"])
 def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
     ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
     (Hermes-style calls; gpt-oss's harmony; Qwen3's json_tools, ``</tool_call>`` a token; Kimi-K2's
-    sections, its ends tokens). Before, the random model's arguments were whatever it wrote: no
+    sections, its ends tokens; Qwen3-Coder's and MiniMax-M2's arguments as tags, one per property). Before, the random model's arguments were whatever it wrote: no
     call came back (the block was text, or cut by ``max_tokens``)."""
     from engine.generate import Engine
     from tests.serving import USER, hot_config, serve
@@ -322,7 +322,7 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
     config = hot_config(tmp_path)
     with serve(lambda: Engine(model, config), config) as live:
         r = live.client.chat.completions.create(
-            model="m", messages=USER, tools=tools, max_tokens=48, temperature=0,
+            model="m", messages=USER, tools=tools, max_tokens=160, temperature=0,  # tags: ~100 tiny tokens
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         )  # fmt: skip
     choice = r.choices[0]
@@ -332,12 +332,14 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
     assert call.function.name == "get_weather" and args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 9
 
 
-@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "devstral", "llama-3.3"])
+@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "devstral", "llama-3.3", "qwen3-coder",
+                                    "minimax-m2"])
 def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice: "required"``: the prompt opens a call, then the grammar makes it a call to one
     of the tools, by its name in the format's syntax, its arguments that tool's ``parameters`` —
     on the tiny random model (Hermes; harmony; Qwen3's json_tools; Kimi-K2's numbered sections;
-    Devstral's ``[ARGS]``, a token named by its id; Llama 3.3's bare JSON). Before, only a named
+    Devstral's ``[ARGS]``, a token named by its id; Llama 3.3's bare JSON; Qwen3-Coder's and
+    MiniMax-M2's tags). Before, only a named
     call was constrained: after the opener the random model wrote whatever it drew, and no call
     came back."""
     from engine.generate import Engine
@@ -364,7 +366,7 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
             assert list(args) == [key] and args[key] in values, (family, call)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3"])
+@pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2"])
 def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
     """Over the family's real tokenizer, after the prompt's opener: ``required``'s grammar takes a
     call to either tool (the added tokens of its head and end as tokens: Mistral's ``[ARGS]`` by
@@ -384,15 +386,18 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     req = api.ChatRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": "required"})
     grammar = respond.call_grammar(req, fmt)
 
-    def call(name: str, args: str) -> str:
-        return f"{fmt.call_head(name)}{args}{fmt.named_close()}"
+    def call(name: str, args: dict[str, str]) -> str:
+        tags = fmt.arg_tags()
+        text = json.dumps(args) if tags is None else "".join(f"{tags[0]}{k}{tags[1]}{v}{tags[2]}" for k, v in args.items())
+        return f"{fmt.call_head(name)}{text}{fmt.named_close()}"
 
-    one = call("get_time", '{"city": "Oslo"}')
+    one = call("get_time", {"city": "Oslo"})
     assert _accepts(g, grammar, one, tok) == (True, True), (family, grammar)
-    assert _accepts(g, grammar, call("get_weather", '{"city": "Paris"}'), tok) == (True, True)
-    assert not _accepts(g, grammar, call("get_news", '{"city": "Oslo"}'), tok)[0]
-    assert not _accepts(g, grammar, call("get_time", '{"town": "Oslo"}'), tok)[0]
-    assert not _accepts(g, grammar, one + fmt.forced_prefix("required") + call("get_time", "{}"), tok)[0]
+    assert _accepts(g, grammar, call("get_weather", {"city": "Paris"}), tok) == (True, True)
+    assert not _accepts(g, grammar, call("get_news", {"city": "Oslo"}), tok)[0]
+    assert not _accepts(g, grammar, call("get_time", {"town": "Oslo"}), tok)[0]
+    assert not _accepts(g, grammar, call("get_time", {}), tok)[1]  # its required argument missing
+    assert not _accepts(g, grammar, one + fmt.forced_prefix("required") + call("get_time", {}), tok)[0]
 
 
 def test_a_call_grammar_is_the_arguments_then_the_formats_end():
