@@ -106,10 +106,11 @@ class OutputFormat:
         """Text after the generation prompt that makes the model call (``required``) or call one
         named function; formats we cannot name a function in get the call opener only.
         ``calls_before``: the calls in the conversation so far (Kimi numbers its call ids by it)."""
-        if tool_choice == "required":
+        if tool_choice == "required":  # the opener, and the newline after it where the format has one
             if self.whole:
                 return '{"name": "'
-            return self.tool[0] + ("\n" if self.tool[0] == HERMES_START else "")
+            newline = _NAMED.get(self.parser_name, "").startswith("{start}\n")
+            return self.tool[0] + ("\n" if newline else "")
         if not isinstance(tool_choice, dict):
             return ""
         name = str(tool_choice["function"]["name"])
@@ -233,13 +234,17 @@ _NAMED_CLOSE = {
     "kimi_k2": "<|tool_call_end|><|tool_calls_section_end|>",
 }
 
+#: in a tag layout (:data:`_ARG_TAGS`), a newline the model may write or not (a grammar reads it as
+#: an optional one): GLM-4.6 writes one before each opening tag and the call's end, 4.7 none
+GAP = "\x1d"
+
 # The formats whose calls write each argument as a tag (:meth:`OutputFormat.arg_tags`): the text
 # before its name, between its name and value, after its value; then, after the last, the call's
-# end ({end}: the block's end marker). GLM's (``<arg_key>``) has no fixed layout (GLM-4.6 writes a
-# newline between tags, 4.7 none): its arguments are left free.
+# end ({end}: the block's end marker).
 _ARG_TAGS = {
     "qwen3_coder": ("<parameter=", ">\n", "\n</parameter>\n", "</function>\n{end}"),
     "minimax_m2": ('<parameter name="', '">', "</parameter>\n", "</invoke>\n{end}"),
+    "glm47": (f"{GAP}<arg_key>", f"</arg_key>{GAP}<arg_value>", "</arg_value>", f"{GAP}{{end}}"),
 }
 
 # Forced named calls: the opening of a call to {name}, in each family's own syntax.

@@ -27,6 +27,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.output_format import GAP
+
 #: the schema of OpenAI's JSON mode (``json_object``): any JSON object
 ANY_OBJECT = '{"type":"object"}'
 #: how the value is written (llguidance's ``x-guidance`` options): one line, standard separators.
@@ -170,10 +172,12 @@ def _tag_rules(i: int, schema: str, tags: tuple[str, str, str], tokens: Tokens) 
 
 def _marker(text: str, tokens: Tokens) -> str:
     """``text`` as a lark sequence: each of ``tokens`` (longest first) in it named as a token,
-    the text between them as string literals."""
+    the text between them as string literals, a :data:`GAP` as an optional newline."""
     parts, i, j = [], 0, 0
     while j < len(text):
         tok = next(((t, name) for t, name in tokens if text.startswith(t, j)), None)
+        if tok is None and text[j] == GAP:
+            tok = (GAP, '"\\n"?')
         if tok is None:
             j += 1
             continue

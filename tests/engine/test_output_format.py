@@ -85,6 +85,11 @@ def test_forced_prefixes(family_dirs):
         out, [prefix, "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"]
     )
     assert named_calls(got) == [OSLO] and finish == "tool_calls"
+    # required: the opener and the newline after it where the format writes one (GLM's name follows
+    # its opener at once: it got Hermes' newline; MiniMax-M2's ``<invoke`` goes on a line of its own)
+    openers = {"qwen3-coder": "<tool_call>\n", "glm-4.7": "<tool_call>", "minimax-m2": "<minimax:tool_call>\n"}
+    for family, opener in openers.items():
+        assert fmt_and_prompt(family_dirs, family)[0].forced_prefix("required") == opener, family
 
 
 def test_a_forced_kimi_call_is_numbered_after_the_calls_before_it(family_dirs):

@@ -302,12 +302,13 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 # --- a forced call's arguments -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2"])
+@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2", "glm-4.7"])
 def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
     ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
     (Hermes-style calls; gpt-oss's harmony; Qwen3's json_tools, ``</tool_call>`` a token; Kimi-K2's
-    sections, its ends tokens; Qwen3-Coder's and MiniMax-M2's arguments as tags, one per property). Before, the random model's arguments were whatever it wrote: no
+    sections, its ends tokens; Qwen3-Coder's, MiniMax-M2's and GLM's arguments as tags, one per
+    property). Before, the random model's arguments were whatever it wrote: no
     call came back (the block was text, or cut by ``max_tokens``)."""
     from engine.generate import Engine
     from tests.serving import USER, hot_config, serve
@@ -333,13 +334,13 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
 
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "devstral", "llama-3.3", "qwen3-coder",
-                                    "minimax-m2"])
+                                    "minimax-m2", "glm-4.6"])
 def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice: "required"``: the prompt opens a call, then the grammar makes it a call to one
     of the tools, by its name in the format's syntax, its arguments that tool's ``parameters`` —
     on the tiny random model (Hermes; harmony; Qwen3's json_tools; Kimi-K2's numbered sections;
     Devstral's ``[ARGS]``, a token named by its id; Llama 3.3's bare JSON; Qwen3-Coder's and
-    MiniMax-M2's tags). Before, only a named
+    MiniMax-M2's tags; GLM's ``<arg_key>`` tokens). Before, only a named
     call was constrained: after the opener the random model wrote whatever it drew, and no call
     came back."""
     from engine.generate import Engine
@@ -366,15 +367,17 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
             assert list(args) == [key] and args[key] in values, (family, call)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2"])
+@pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2",
+                                    "glm-4.6", "glm-4.7"])
 def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
     """Over the family's real tokenizer, after the prompt's opener: ``required``'s grammar takes a
     call to either tool (the added tokens of its head and end as tokens: Mistral's ``[ARGS]`` by
-    its id), and refuses an unknown name, arguments against the schema, and a second call."""
+    its id; GLM-4.6's newlines between tags and 4.7's none), and refuses an unknown name, arguments
+    against the schema, and a second call."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from engine import api, respond
-    from engine.output_format import OutputFormat
+    from engine.output_format import GAP, OutputFormat
 
     tok = load_tokenizer(family_dirs[family])
     fmt = OutputFormat.of(tok)
@@ -389,7 +392,8 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     def call(name: str, args: dict[str, str]) -> str:
         tags = fmt.arg_tags()
         text = json.dumps(args) if tags is None else "".join(f"{tags[0]}{k}{tags[1]}{v}{tags[2]}" for k, v in args.items())
-        return f"{fmt.call_head(name)}{text}{fmt.named_close()}"
+        gap = "\n" if family == "glm-4.6" else ""  # the layout of its template
+        return f"{fmt.call_head(name)}{text}{fmt.named_close()}".replace(GAP, gap)
 
     one = call("get_time", {"city": "Oslo"})
     assert _accepts(g, grammar, one, tok) == (True, True), (family, grammar)
