@@ -140,8 +140,9 @@ class OutputFormat:
 
     def arg_tags(self) -> tuple[str, str, str] | None:
         """Where a call's arguments are tags, one per argument (Qwen3-Coder's ``<parameter=city>``,
-        MiniMax-M2's ``<parameter name="city">``): the text before an argument's name, between its
-        name and its value, and after its value; None where they are one JSON object."""
+        MiniMax-M2's ``<parameter name="city">``, GLM's ``<arg_key>city</arg_key>``): the text
+        before an argument's name, between its name and its value, and after its value (a
+        :data:`GAP`: an optional newline); None where they are one JSON object or free."""
         tags = _ARG_TAGS.get(self.parser_name)
         return tags[:3] if tags else None
 

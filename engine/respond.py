@@ -380,7 +380,7 @@ def grammar_of(req: Any, out: Any) -> str:
     knows the format and whether the prompt opened the block). A call that ``tool_choice`` forces
     is the whole answer: the format is not enforced then (the prompt already opened the call); the
     call is one of the tools' (``required``) or the named function's, its arguments the tool's
-    ``parameters`` as a JSON Schema, where the format writes them as one JSON object
+    ``parameters`` as a JSON Schema, where the format writes them as one JSON object or as tags
     (:func:`call_grammar`)."""
     if not isinstance(req, ChatRequest):
         return ""
@@ -401,9 +401,8 @@ def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
     or, ``required``, to one of the tools (its name, in the format's syntax); its arguments the
     tool's ``parameters`` as a JSON Schema (one JSON object, or tags where the format writes them
     so: :meth:`OutputFormat.arg_tags`), then the format's end of the call. "" where the format's
-    arguments are neither: the call is free then, as before. A
-    schema llguidance cannot compile is the arguments of a named call left free; ``required``
-    gives that tool any JSON object."""
+    arguments are neither: the call is free then, as before. A schema llguidance cannot compile
+    leaves a named call's arguments free; ``required`` gives that tool any JSON object."""
     close, forced = fmt.named_close(), req.forced_tool()
     if close is None or not req.forces_call():
         return ""
