@@ -372,8 +372,8 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
 def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
     """Over the family's real tokenizer, after the prompt's opener: ``required``'s grammar takes a
     call to either tool (the added tokens of its head and end as tokens: Mistral's ``[ARGS]`` by
-    its id; GLM-4.6's newlines between tags and 4.7's none), and refuses an unknown name, arguments
-    against the schema, and a second call."""
+    its id; GLM-4.6's newlines between tags and 4.7's none) and to a tool without parameters (no
+    tags, or ``{}``), and refuses an unknown name, arguments against the schema, and a second call."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from engine import api, respond
@@ -385,7 +385,7 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     g = Grammars(tok, vocab)
     params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": params}}
-             for n in ("get_weather", "get_time")]  # fmt: skip
+             for n in ("get_weather", "get_time")] + [{"type": "function", "function": {"name": "ping"}}]  # fmt: skip
     req = api.ChatRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": "required"})
     grammar = respond.call_grammar(req, fmt)
 
@@ -401,6 +401,7 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     assert not _accepts(g, grammar, call("get_news", {"city": "Oslo"}), tok)[0]
     assert not _accepts(g, grammar, call("get_time", {"town": "Oslo"}), tok)[0]
     assert not _accepts(g, grammar, call("get_time", {}), tok)[1]  # its required argument missing
+    assert _accepts(g, grammar, call("ping", {}), tok) == (True, True)  # a tool without parameters
     assert not _accepts(g, grammar, one + fmt.forced_prefix("required") + call("get_time", {}), tok)[0]
 
 
