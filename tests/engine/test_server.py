@@ -1019,7 +1019,7 @@ def test_more_tools_than_max_tools_are_refused_before_validation(live, path, bod
     assert str(api.MAX_TOOLS) in r.json()["error"]["message"]
     # served: 512 Anthropic tools render to ~18k tokens, 15-30 s of prefill on two busy CPU cores
     ok = httpx.post(live.url + path, json={**body, "tools": tools[:-1]}, timeout=300)
-    assert str(api.MAX_TOOLS) not in ok.text, ok.text
+    assert ok.status_code == 200, ok.text  # (not "512 not in the text": a random response id held it)
 
 
 def test_more_logit_bias_entries_than_max_logit_bias_are_refused(live):
