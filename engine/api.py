@@ -329,6 +329,11 @@ class ChatRequest(_Sampling):
     def requested_max(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def history_calls(self) -> list[dict[str, Any]]:
+        """The calls the conversation's messages hold, in order (Kimi numbers a new call's id by
+        their count: the forced prefix and the forced call's grammar count the same ones)."""
+        return [c for m in self.messages for c in m.tool_calls or ()]
+
     def forces_call(self) -> bool:
         """Whether ``tool_choice`` forces a call: ``required``, or a named function."""
         return bool(self.tools) and self.tool_choice not in (None, "auto", "none")

@@ -247,7 +247,7 @@ def chat_prompt(
     tools = req.tool_dicts()
     fmt = OutputFormat.of(tokenizer)
     parse = bool(tools) and req.tool_choice != "none"
-    history = [c for m in req.messages for c in m.tool_calls or ()]  # the conversation's calls
+    history = req.history_calls()
     prefix = fmt.forced_prefix(req.tool_choice, len(history)) if parse else ""
     extra = req.template_args(template_defaults or {})
     if req.continue_final_message and req.messages[-1].role != "assistant":
@@ -406,7 +406,7 @@ def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
     close, forced = fmt.named_close(), req.forced_tool()
     if close is None or not req.forces_call():
         return ""
-    calls_before = sum(len(m.tool_calls or ()) for m in req.messages)  # Kimi numbers its ids by it
+    calls_before = len(req.history_calls())
     calls = []
     for tool in req.tool_dicts() or ():
         name = str(tool.get("function", {}).get("name", ""))

@@ -114,7 +114,7 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     if think is None:
         return f"start: value\nvalue: %json {value}\n"
     start, end = think
-    if any(end.startswith(t) for t, _ in tokens):  # (no token is text: the reasoning ends at it)
+    if _ends_at_token(end, tokens):
         head = "reasoning closer gap?" if opened else "(opener reasoning closer gap?)?"
         marks = f"opener: {_marker(start, tokens)}\ncloser: {_marker(end, tokens)}\nreasoning: /(?s:.*)/\n"
     else:
@@ -157,7 +157,7 @@ def _tag_rules(i: int, schema: str, tags: tuple[str, str, str], tokens: Tokens) 
         if sub.get("type") in (None, "string") and enum and all(isinstance(v, str) for v in enum):
             value = "(" + " | ".join(json.dumps(v) for v in enum) + f") {end}"
         elif sub.get("type") in (None, "string"):
-            if any(after.startswith(t) for t, _ in tokens):  # (no token is text: the value ends at it)
+            if _ends_at_token(after, tokens):
                 value = f"/(?s:.*)/ {end}"
             else:
                 rules.append(f"text{i}_{j}[lazy]: /(?s:.*){_regex(after)}/")
@@ -167,7 +167,14 @@ def _tag_rules(i: int, schema: str, tags: tuple[str, str, str], tokens: Tokens) 
             value = f"json{i}_{j} {end}"
         rules.append(f"arg{i}_{j}: {_marker(f'{start}{key}{between}', tokens)} {value}")
         parts.append(f"arg{i}_{j}" if key in required else f"arg{i}_{j}?")
-    return f"value{i}: {' '.join(parts) or chr(34) * 2}\n" + "".join(f"{r}\n" for r in rules)
+    body = " ".join(parts) or '""'  # no properties: no tags
+    return f"value{i}: {body}\n" + "".join(f"{r}\n" for r in rules)
+
+
+def _ends_at_token(end: str, tokens: Tokens) -> bool:
+    """Whether the text ``end`` closes starts with one of ``tokens``: no token is text, so a free
+    text before it can be ``/(?s:.*)/`` (else a lazy regex that ends with ``end``'s text)."""
+    return any(end.startswith(t) for t, _ in tokens)
 
 
 def _marker(text: str, tokens: Tokens) -> str:
