@@ -11,6 +11,7 @@ the prompt opened a think block, and the text after the prompt that forces a cal
 
 from __future__ import annotations
 
+import keyword
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -59,7 +60,9 @@ class OutputFormat:
         """:meth:`markers_of`, and the added tokens its markers are made of."""
         fmt = cls.markers_of(tokenizer)
         named = fmt.forced_prefix({"function": {"name": ""}})  # a call's fixed text, less its name
-        markers = (*(fmt.think or ()), *fmt.tool, named, *filter(None, [fmt.named_close()]), *(fmt.arg_tags() or ()))
+        layout = fmt.arg_layout()
+        markers = (*(fmt.think or ()), *fmt.tool, named, *filter(None, [fmt.named_close()]),
+                   *(layout.texts() if layout else ()))  # fmt: skip
         inside = _added_in(tokenizer, tuple(m for m in markers if m))
         return replace(fmt, marker_tokens=inside) if inside else fmt
 
@@ -134,17 +137,16 @@ class OutputFormat:
     def named_close(self) -> str | None:
         """What closes a forced named call after its arguments (:meth:`forced_prefix` opened it);
         None where no grammar of the format's arguments is written: they are neither one JSON
-        object written whole nor tags (:meth:`arg_tags`)."""
-        tags = _ARG_TAGS.get(self.parser_name)
-        return tags[3].format(end=self.tool[1]) if tags else _NAMED_CLOSE.get(self.parser_name)
+        object written whole nor one by one (:meth:`arg_layout`)."""
+        layout = _ARG_LAYOUTS.get(self.parser_name)
+        return layout.close.replace("{end}", self.tool[1]) if layout else _NAMED_CLOSE.get(self.parser_name)
 
-    def arg_tags(self) -> tuple[str, str, str] | None:
-        """Where a call's arguments are tags, one per argument (Qwen3-Coder's ``<parameter=city>``,
-        MiniMax-M2's ``<parameter name="city">``, GLM's ``<arg_key>city</arg_key>``): the text
-        before an argument's name, between its name and its value, and after its value (a
-        :data:`GAP`: an optional newline); None where they are one JSON object or free."""
-        tags = _ARG_TAGS.get(self.parser_name)
-        return tags[:3] if tags else None
+    def arg_layout(self) -> ArgLayout | None:
+        """Where a call writes its arguments one by one (tags: Qwen3-Coder's ``<parameter=city>``,
+        MiniMax-M2's ``<parameter name="city">``, GLM's ``<arg_key>city</arg_key>``; LFM2's Python
+        keywords ``city="Paris"``; Gemma 4's ``city:<|"|>Paris<|"|>``): how (:class:`ArgLayout`);
+        None where they are one JSON object or free."""
+        return _ARG_LAYOUTS.get(self.parser_name)
 
     def machine(self, tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
@@ -235,17 +237,51 @@ _NAMED_CLOSE = {
     "kimi_k2": "<|tool_call_end|><|tool_calls_section_end|>",
 }
 
-#: in a tag layout (:data:`_ARG_TAGS`), a newline the model may write or not (a grammar reads it as
-#: an optional one): GLM-4.6 writes one before each opening tag and the call's end, 4.7 none
+#: in an argument layout (:class:`ArgLayout`), a newline the model may write or not (a grammar reads
+#: it as an optional one): GLM-4.6 writes one before each opening tag and the call's end, 4.7 none
 GAP = "\x1d"
 
-# The formats whose calls write each argument as a tag (:meth:`OutputFormat.arg_tags`): the text
-# before its name, between its name and value, after its value; then, after the last, the call's
-# end ({end}: the block's end marker).
-_ARG_TAGS = {
-    "qwen3_coder": ("<parameter=", ">\n", "\n</parameter>\n", "</function>\n{end}"),
-    "minimax_m2": ('<parameter name="', '">', "</parameter>\n", "</invoke>\n{end}"),
-    "glm47": (f"{GAP}<arg_key>", f"</arg_key>{GAP}<arg_value>", "</arg_value>", f"{GAP}{{end}}"),
+
+@dataclass(frozen=True)
+class ArgLayout:
+    """How a format writes a call's arguments one by one: each is ``before`` + its name +
+    ``between`` + its value + ``after``, two of them apart by ``sep``, then ``close`` (the call's
+    end; ``{end}``: the call block's end marker). A string's value is ``quote``-delimited text
+    (``quote`` "": the text runs to ``after``, a tag's end; ``'"'``: a JSON string, as Python reads
+    it too), any other value its JSON (what the parsers read). ``bare_keys``: names are written
+    unquoted, so only identifiers can be (a Python call's keyword arguments, Gemma 4's keys); ``sort``: in their
+    names' order (Gemma 4's template sorts them), else as the schema declares them; ``keywords``:
+    whether Python's reserved words can be names (not in a Python call: ``f(from=1)`` does not
+    parse, and mlx-lm's fallback parser reads its quoted values as literals)."""
+
+    before: str
+    between: str
+    after: str
+    close: str
+    sep: str = ""
+    quote: str = ""
+    bare_keys: bool = False
+    sort: bool = False
+    keywords: bool = True
+
+    def texts(self) -> tuple[str, ...]:
+        """Its fixed texts (the added tokens a grammar must name are found in them)."""
+        return tuple(t for t in (self.before, self.between, self.after, self.close, self.sep, self.quote) if t)
+
+    def takes(self, key: str) -> bool:
+        """Whether an argument of this name can be written (and read back) in this layout."""
+        if not self.bare_keys:
+            return bool(key)
+        return key.isidentifier() and (self.keywords or not keyword.iskeyword(key))
+
+
+# The formats whose calls write their arguments one by one (:meth:`OutputFormat.arg_layout`).
+_ARG_LAYOUTS = {
+    "qwen3_coder": ArgLayout("<parameter=", ">\n", "\n</parameter>\n", "</function>\n{end}"),
+    "minimax_m2": ArgLayout('<parameter name="', '">', "</parameter>\n", "</invoke>\n{end}"),
+    "glm47": ArgLayout(f"{GAP}<arg_key>", f"</arg_key>{GAP}<arg_value>", "</arg_value>", f"{GAP}{{end}}"),
+    "pythonic": ArgLayout("", "=", "", ")]{end}", sep=", ", quote='"', bare_keys=True, keywords=False),
+    "gemma4": ArgLayout("", ":", "", "}{end}", sep=",", quote='<|"|>', bare_keys=True, sort=True),
 }
 
 # Forced named calls: the opening of a call to {name}, in each family's own syntax.

@@ -399,10 +399,11 @@ def grammar_of(req: Any, out: Any) -> str:
 def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
     """The grammar of the call ``req``'s ``tool_choice`` forces: a call to the function it names,
     or, ``required``, to one of the tools (its name, in the format's syntax); its arguments the
-    tool's ``parameters`` as a JSON Schema (one JSON object, or tags where the format writes them
-    so: :meth:`OutputFormat.arg_tags`), then the format's end of the call. "" where the format's
-    arguments are neither: the call is free then, as before. A schema llguidance cannot compile
-    leaves a named call's arguments free; ``required`` gives that tool any JSON object."""
+    tool's ``parameters`` as a JSON Schema (one JSON object, or one by one where the format writes
+    them so — tags, Python keywords: :meth:`OutputFormat.arg_layout`), then the format's end of the
+    call. "" where the format's arguments are neither: the call is free then. A schema llguidance
+    cannot compile, or with a name the format cannot write, leaves a named call's arguments free;
+    ``required`` gives that tool any JSON object (where arguments are written one by one: none)."""
     close, forced = fmt.named_close(), req.forced_tool()
     if close is None or not req.forces_call():
         return ""
@@ -416,14 +417,14 @@ def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
         params = tool["function"].get("parameters")
         schema = json.dumps(params, separators=(",", ":")) if isinstance(params, dict) else structured.ANY_OBJECT
         try:
-            structured.check(schema)
+            structured.check_args(schema, fmt.arg_layout())
         except structured.FormatError as e:
             log.info("tool %r's parameters not enforced: %s", name, e)
             if forced is not None:
                 return ""
             schema = structured.ANY_OBJECT
         calls.append((head, schema))
-    return structured.call_lark(calls, close, fmt.marker_tokens, fmt.arg_tags()) if calls else ""
+    return structured.call_lark(calls, close, fmt.marker_tokens, fmt.arg_layout()) if calls else ""
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

@@ -19,6 +19,7 @@ and the format is not enforced then (``respond.grammar_of``).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.output_format import GAP
+from engine.output_format import GAP, ArgLayout
 
 #: the schema of OpenAI's JSON mode (``json_object``): any JSON object
 ANY_OBJECT = '{"type":"object"}'
@@ -79,16 +80,22 @@ def schema_of(fmt: Any, checked: bool = False) -> str:
 def check(schema: str) -> None:
     """Raises :class:`FormatError` when llguidance cannot compile ``schema``'s grammar (as
     :func:`lark` writes it; no tokenizer needed)."""
+    err = _compile_error(schema)
+    if err:  # its first line: the rest lists the grammar's text
+        raise FormatError(f"response_format schema: {err.splitlines()[0]}")
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_error(schema: str) -> str:
+    """llguidance's complaint about ``schema``'s grammar, "" for none: kept per schema text (an
+    agent sends the same tools, each checked, with every request that forces a call)."""
     from llguidance import LLMatcher
 
     try:
         grammar = LLMatcher.grammar_from_lark(lark(schema))
     except (ValueError, RuntimeError) as e:
-        err = str(e)
-    else:
-        err = LLMatcher.validate_grammar(grammar)
-    if err:  # its first line: the rest lists the grammar's text
-        raise FormatError(f"response_format schema: {err.splitlines()[0]}")
+        return str(e) or type(e).__name__
+    return LLMatcher.validate_grammar(grammar) or ""
 
 
 def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False,
@@ -123,52 +130,91 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     return f"start: {head} value\n{marks}" + "gap: /[ \\t\\r\\n]+/\n" + f"value: %json {value}\n"
 
 
-def call_lark(
-    calls: list[tuple[str, str]], close: str, tokens: Tokens = (), tags: tuple[str, str, str] | None = None
-) -> str:
+def call_lark(calls: list[tuple[str, str]], close: str, tokens: Tokens = (), layout: ArgLayout | None = None) -> str:
     """The grammar of a forced call's rest: one of ``calls``, each the text that names its function
     (its head: "" where the prompt named it, ``tool_choice`` naming a function) then its arguments,
     the JSON value of its schema (the tool's ``parameters``); then ``close``, the format's end of
     the call (:meth:`OutputFormat.named_close`; ``tokens``: the added tokens these texts may hold,
-    named as tokens). ``tags``: the arguments are written as tags, one per property
-    (:meth:`OutputFormat.arg_tags`, :func:`_tag_rules`), not as one JSON object."""
+    named as tokens). ``layout``: the arguments are written one by one (tags, Python keywords:
+    :meth:`OutputFormat.arg_layout`, :func:`_arg_rules`), not as one JSON object."""
     tail = f" {_marker(close, tokens)}" if close else ""
     heads = [f"{_marker(head, tokens)} " if head else "" for head, _ in calls]
-    rules = "".join(f"value{i}: %json {_styled(schema)}\n" if tags is None else _tag_rules(i, schema, tags, tokens)
+    rules = "".join(f"value{i}: %json {_styled(schema)}\n" if layout is None else _arg_rules(i, schema, layout, tokens)
                     for i, (_, schema) in enumerate(calls))  # fmt: skip
     one = " | ".join(f"{head}value{i}" for i, head in enumerate(heads))
     call = one if len(calls) == 1 else f"({one})"
     return f"start: {call}{tail}\n{rules}"
 
 
-def _tag_rules(i: int, schema: str, tags: tuple[str, str, str], tokens: Tokens) -> str:
-    """Rule ``value{i}``: the arguments of ``schema`` (an object's JSON Schema) as tags, one per
-    property in declared order, each optional unless ``required``. A string (or untyped) value is
-    its text up to the tag's end, a string enum one of its values, any other value its JSON (the
-    parsers read a non-string value as JSON)."""
-    start, between, after = tags
-    doc = json.loads(schema)
+def check_args(schema: str, layout: ArgLayout | None) -> None:
+    """:func:`check`, and where the arguments are written one by one (``layout``), that each of
+    ``schema``'s properties can be named there (:meth:`ArgLayout.takes`). Raises :class:`FormatError`."""
+    check(schema)
+    if layout is None:
+        return
+    bad = [k for k in _properties(json.loads(schema)) if not layout.takes(k)]
+    if bad:
+        raise FormatError(f"argument {bad[0]!r} cannot be written in this model's call syntax")
+
+
+def _properties(doc: Any) -> dict[str, Any]:
     props = doc.get("properties") if isinstance(doc, dict) else None
+    return props if isinstance(props, dict) else {}
+
+
+def _arg_rules(i: int, schema: str, layout: ArgLayout, tokens: Tokens) -> str:
+    """Rule ``value{i}``: the arguments of ``schema`` (an object's JSON Schema) in ``layout``, one per
+    property (in declared order, or sorted where the layout says), each optional unless
+    ``required``, two apart by the layout's separator. A string (or untyped) value is its text in
+    the layout's quotes (or up to the tag's end), a string enum one of its values, any other value
+    its JSON (the parsers read a non-string value as JSON)."""
+    doc = json.loads(schema)
+    props = _properties(doc)
     required = set(doc.get("required") or ()) if isinstance(doc, dict) else set()
-    end, rules, parts = _marker(after, tokens), [], []
-    for j, (key, sub) in enumerate(props.items() if isinstance(props, dict) else ()):
-        sub = sub if isinstance(sub, dict) else {}
+    quote = _marker(layout.quote, tokens) if layout.quote else ""
+    end = _marker(layout.after, tokens) if layout.after else ""
+    rules, args = [], []
+    for j, key in enumerate(sorted(props) if layout.sort else props):
+        sub = props[key] if isinstance(props[key], dict) else {}
         enum = sub.get("enum")
-        if sub.get("type") in (None, "string") and enum and all(isinstance(v, str) for v in enum):
-            value = "(" + " | ".join(json.dumps(v) for v in enum) + f") {end}"
-        elif sub.get("type") in (None, "string"):
-            if _ends_at_token(after, tokens):
-                value = f"/(?s:.*)/ {end}"
-            else:
-                rules.append(f"text{i}_{j}[lazy]: /(?s:.*){_regex(after)}/")
-                value = f"text{i}_{j}"
-        else:
+
+        def text_to(stop: str, name: str = f"text{i}_{j}") -> str:  # free text, then ``stop``
+            if _ends_at_token(stop, tokens):
+                return f"/(?s:.*)/ {_marker(stop, tokens)}"
+            rules.append(f"{name}[lazy]: /(?s:.*){_regex(stop)}/")
+            return name
+
+        if layout.quote == '"' or sub.get("type") not in (None, "string"):  # (a JSON string is Python's too)
             rules.append(f"json{i}_{j}: %json {_styled(json.dumps(sub))}")
-            value = f"json{i}_{j} {end}"
-        rules.append(f"arg{i}_{j}: {_marker(f'{start}{key}{between}', tokens)} {value}")
-        parts.append(f"arg{i}_{j}" if key in required else f"arg{i}_{j}?")
-    body = " ".join(parts) or '""'  # no properties: no tags
-    return f"value{i}: {body}\n" + "".join(f"{r}\n" for r in rules)
+            value = " ".join(filter(None, [f"json{i}_{j}", end]))
+        elif enum and all(isinstance(v, str) for v in enum):
+            value = " ".join(filter(None, [quote, "(" + " | ".join(json.dumps(v) for v in enum) + ")", quote, end]))
+        elif layout.quote:
+            value = " ".join(filter(None, [quote, text_to(layout.quote), end]))
+        else:  # a tag's text, up to its end
+            value = text_to(layout.after)
+        rules.append(f"arg{i}_{j}: {_marker(f'{layout.before}{key}{layout.between}', tokens)} {value}")
+        args.append((f"arg{i}_{j}", key in required))
+    seq = _args_seq(i, args, _marker(layout.sep, tokens) if layout.sep else "", rules)
+    return f"value{i}: {seq}\n" + "".join(f"{r}\n" for r in rules)
+
+
+def _args_seq(i: int, args: list[tuple[str, bool]], sep: str, rules: list[str]) -> str:
+    """The arguments in order, each present or not (``args``: rule name, required), two apart by
+    ``sep``. Without a separator each is optional in turn; with one, a chain of rules added to
+    ``rules``: ``first{i}_{j}``, from ``j`` on, none written yet; ``rest{i}_{j}``, from ``j`` on,
+    after one."""
+    if not args:
+        return '""'
+    if not sep:
+        return " ".join(rule if req else f"{rule}?" for rule, req in args)
+    for j, (rule, req) in enumerate(args):
+        rest = f" rest{i}_{j + 1}" if j + 1 < len(args) else ""
+        skip = f"first{i}_{j + 1}" if j + 1 < len(args) else '""'
+        if j:  # (from the first on, something is written before only by the caller: no rest0)
+            rules.append(f"rest{i}_{j}: " + (f"{sep} {rule}" if req else f"({sep} {rule})?") + rest)
+        rules.append(f"first{i}_{j}: {rule}{rest}" + ("" if req else f" | {skip}"))
+    return f"first{i}_0"
 
 
 def _ends_at_token(end: str, tokens: Tokens) -> bool:

@@ -302,13 +302,14 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 # --- a forced call's arguments -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2", "glm-4.7"])
+@pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2", "glm-4.7",
+                                    "lfm2.5", "gemma-4"])
 def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
     ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
     (Hermes-style calls; gpt-oss's harmony; Qwen3's json_tools, ``</tool_call>`` a token; Kimi-K2's
     sections, its ends tokens; Qwen3-Coder's, MiniMax-M2's and GLM's arguments as tags, one per
-    property). Before, the random model's arguments were whatever it wrote: no
+    property; LFM2's Python call; Gemma 4's ``call:NAME{key:<|"|>text<|"|>}``). Before, the random model's arguments were whatever it wrote: no
     call came back (the block was text, or cut by ``max_tokens``)."""
     from engine.generate import Engine
     from tests.serving import USER, hot_config, serve
@@ -334,13 +335,14 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
 
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "devstral", "llama-3.3", "qwen3-coder",
-                                    "minimax-m2", "glm-4.6"])
+                                    "minimax-m2", "glm-4.6", "lfm2.5", "gemma-4"])
 def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice: "required"``: the prompt opens a call, then the grammar makes it a call to one
     of the tools, by its name in the format's syntax, its arguments that tool's ``parameters`` —
     on the tiny random model (Hermes; harmony; Qwen3's json_tools; Kimi-K2's numbered sections;
     Devstral's ``[ARGS]``, a token named by its id; Llama 3.3's bare JSON; Qwen3-Coder's and
-    MiniMax-M2's tags; GLM's ``<arg_key>`` tokens). Before, only a named
+    MiniMax-M2's tags; GLM's ``<arg_key>`` tokens; LFM2's Python call; Gemma 4's keys and
+    ``<|"|>`` quotes). Before, only a named
     call was constrained: after the opener the random model wrote whatever it drew, and no call
     came back."""
     from engine.generate import Engine
@@ -368,7 +370,7 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
 
 
 @pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2",
-                                    "glm-4.6", "glm-4.7"])
+                                    "glm-4.6", "glm-4.7", "lfm2.5", "gemma-4"])
 def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
     """Over the family's real tokenizer, after the prompt's opener: ``required``'s grammar takes a
     call to either tool (the added tokens of its head and end as tokens: Mistral's ``[ARGS]`` by
@@ -390,10 +392,8 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     grammar = respond.call_grammar(req, fmt)
 
     def call(name: str, args: dict[str, str]) -> str:
-        tags = fmt.arg_tags()
-        text = json.dumps(args) if tags is None else "".join(f"{tags[0]}{k}{tags[1]}{v}{tags[2]}" for k, v in args.items())
         gap = "\n" if family == "glm-4.6" else ""  # the layout of its template
-        return f"{fmt.call_head(name)}{text}{fmt.named_close()}".replace(GAP, gap)
+        return f"{fmt.call_head(name)}{_spelled(fmt, args)}{fmt.named_close()}".replace(GAP, gap)
 
     one = call("get_time", {"city": "Oslo"})
     assert _accepts(g, grammar, one, tok) == (True, True), (family, grammar)
@@ -403,6 +403,77 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     assert not _accepts(g, grammar, call("get_time", {}), tok)[1]  # its required argument missing
     assert _accepts(g, grammar, call("ping", {}), tok) == (True, True)  # a tool without parameters
     assert not _accepts(g, grammar, one + fmt.forced_prefix("required") + call("get_time", {}), tok)[0]
+
+
+def _spelled(fmt: Any, args: dict[str, Any]) -> str:
+    """A call's arguments as the format writes them: one JSON object, or one by one in its layout."""
+    layout = fmt.arg_layout()
+    if layout is None:
+        return json.dumps(args)
+
+    def value(v: Any) -> str:
+        return json.dumps(v) if layout.quote == '"' or not isinstance(v, str) else f"{layout.quote}{v}{layout.quote}"
+
+    keys = sorted(args) if layout.sort else list(args)
+    return layout.sep.join(f"{layout.before}{k}{layout.between}{value(args[k])}{layout.after}" for k in keys)
+
+
+@pytest.mark.parametrize("family", ["lfm2.5", "gemma-4"])
+def test_arguments_apart_by_a_separator_may_each_be_left_out(family_dirs, family):
+    """LFM2's ``f(a="x", b=1)`` and Gemma 4's ``call:f{a:<|"|>x<|"|>,b:1}``: any optional argument may
+    be missing, the required one not, and the separator stands only between two of them (none
+    leading, trailing or doubled); each value of its type, and what the grammar takes parses back
+    to the call's arguments, typed."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from engine import api, respond
+    from engine.output import ChatOutput
+    from engine.output_format import OutputFormat
+    from tests.engine.parsing import run_output
+
+    tok = load_tokenizer(family_dirs[family])
+    fmt = OutputFormat.of(tok)
+    layout = fmt.arg_layout()
+    assert layout is not None and layout.sep, family
+    g = Grammars(tok, json.loads((family_dirs[family] / "config.json").read_text())["vocab_size"])
+    params = {"type": "object", "required": ["b"],
+              "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    grammar = respond.call_grammar(api.ChatRequest.model_validate(
+        {"messages": ASK, "tools": tools, "tool_choice": named}), fmt)  # fmt: skip
+    close = fmt.named_close() or ""
+    for args in ({"b": 1}, {"a": "x y", "b": 2}, {"b": 3, "c": True}, {"a": "", "b": -4, "c": False}):
+        text = _spelled(fmt, args) + close
+        assert _accepts(g, grammar, text, tok) == (True, True), (family, text)
+        got, _ = run_output(ChatOutput(fmt, tools), [fmt.forced_prefix(named), text])
+        assert [json.loads(c["function"]["arguments"]) for c in got.tool_calls] == [args], (family, text)
+    sep = layout.sep
+    for bad in (f"{sep}b=1".replace("=", layout.between), _spelled(fmt, {"b": 1}) + sep, _spelled(fmt, {"a": "x"}),
+                _spelled(fmt, {"a": "x", "b": 1}).replace(sep, sep + sep), _spelled(fmt, {"b": "1"})):  # fmt: skip
+        assert _accepts(g, grammar, bad + close, tok) != (True, True), (family, bad)
+
+
+def test_a_name_the_call_syntax_cannot_write_leaves_the_call_free():
+    """Python's keywords are no keyword arguments (``f(from=1)`` does not parse; mlx-lm's fallback
+    parser then reads ``from="2024"`` as the integer 2024): LFM2's named call to such a tool is left
+    free, and ``required`` gives it no arguments; Gemma 4 writes the name bare, as it may."""
+    from engine import api, respond
+    from engine.output_format import OutputFormat
+
+    params = {"type": "object", "properties": {"from": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    pythonic = OutputFormat(None, ("<|tool_call_start|>", "<|tool_call_end|>"), parser_name="pythonic")
+    gemma = OutputFormat(None, ("<|tool_call>", "<tool_call|>"), parser_name="gemma4")
+
+    def grammar(fmt: OutputFormat, choice: Any) -> str:
+        req = api.ChatRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": choice})
+        return respond.call_grammar(req, fmt)
+
+    assert grammar(pythonic, named) == ""
+    assert "from" not in grammar(pythonic, "required") and grammar(pythonic, "required")
+    assert '"from:"' in grammar(gemma, named)
 
 
 def test_a_call_grammar_is_the_arguments_then_the_formats_end():
