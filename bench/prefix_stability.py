@@ -114,7 +114,9 @@ def _generated(tok: Any, msgs: list[dict[str, Any]], turn: dict[str, Any], eos: 
     whole = chat.normalise_messages(msgs + [turn])
     if not chat.template_takes_text_beside_reasoning(tok):  # gpt-oss: one of them before a call
         whole = chat.reasoning_for_text(whole)
-    full = str(tok.apply_chat_template(whole, tools=TOOLS, tokenize=False, add_generation_prompt=False))
+    template = chat.immutable_template(tok.get_chat_template(None, TOOLS))  # as the server renders it
+    full = str(tok.apply_chat_template(whole, tools=TOOLS, tokenize=False, add_generation_prompt=False,
+                                       chat_template=template))  # fmt: skip
     n = 0
     while n < min(len(prompt), len(full)) and prompt[n] == full[n]:
         n += 1

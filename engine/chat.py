@@ -9,6 +9,7 @@ What the model writes back is split by ``engine/output.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import string
@@ -175,6 +176,9 @@ def _apply(
         kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
+    own = _template_of(tokenizer, tools)
+    if own and (fixed := immutable_template(own)) != own:
+        kwargs["chat_template"] = fixed
     try:
         return str(tokenizer.apply_chat_template(messages, **kwargs))
     except TemplateError:
@@ -183,6 +187,39 @@ def _apply(
         if not _raised_in_template(e):  # transformers' own checks, ours: no request's mistake
             raise
         raise TemplateRefused(f"{type(e).__name__}: {e}") from e
+
+
+def _template_of(tokenizer: Any, tools: list[dict[str, Any]] | None) -> str | None:
+    """The template text ``apply_chat_template`` would render (the tool-use one of a set, given
+    tools); None where the tokenizer names none (rendering then fails as it would)."""
+    get = getattr(tokenizer, "get_chat_template", None)
+    try:
+        text = get(None, tools) if get is not None else None
+    except (ValueError, TypeError, KeyError):
+        return None
+    return text if isinstance(text, str) else None
+
+
+# A list kept in a namespace and changed in place: ``{% set _ = ns.ids.append(x) %}``, ``{% set v =
+# ns.ids.pop(0) %}`` (Kimi-K2-Thinking queues its call ids so). transformers renders templates in
+# jinja's immutable sandbox, which refuses any list's ``append`` ("access to attribute 'append' of
+# 'list' object is unsafe": every request whose history holds a call failed, in mlx_lm.server too);
+# :func:`immutable_template` writes them as assignments to the namespace's attribute.
+_APPEND = re.compile(r"\{%(-?)\s*set\s+\w+\s*=\s*(\w+\.\w+)\.append\((.*?)\)\s*(-?)%\}")
+_POP = re.compile(r"\{%(-?)\s*set\s+(\w+)\s*=\s*(\w+\.\w+)\.pop\(\s*(0?)\s*\)\s*(-?)%\}")
+
+
+@functools.lru_cache(maxsize=16)
+def immutable_template(text: str) -> str:
+    """``text`` with its in-place changes of a namespace's list (:data:`_APPEND`, :data:`_POP`)
+    written as assignments that build a new list (the same rendering, in the immutable sandbox);
+    any other template is returned as it is."""
+
+    def pop(m: re.Match[str]) -> str:
+        item, rest = ("[0]", "[1:]") if m[4] else ("[-1]", "[:-1]")
+        return f"{{%{m[1]} set {m[2]} = {m[3]}{item} %}}{{% set {m[3]} = {m[3]}{rest} {m[5]}%}}"
+
+    return _POP.sub(pop, _APPEND.sub(r"{%\1 set \2 = \2 + [\3] \4%}", text))
 
 
 def _raised_in_template(e: BaseException) -> bool:

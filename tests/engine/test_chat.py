@@ -324,3 +324,72 @@ def test_ids_a_template_refuses_are_rendered_as_nine_alphanumerics(family_dirs):
         if family != "mistral-small-3.2":
             t = load_tokenizer(path)
             assert not chat.template_wants_short_call_ids(t), family
+
+
+# --- templates that change a list in place --------------------------------------------------------
+
+#: an assistant's two calls and their results (Kimi-K2-Thinking queues the calls' ids and pops one
+#: per result)
+TWO_CALLS = [
+    {"role": "user", "content": "Weather in Paris and Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "functions.get_weather:0", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "functions.get_weather:1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "rain"},
+]  # fmt: skip
+
+
+def _mutable_render(template: str, tok, **variables) -> str:
+    """``template`` rendered in jinja's plain sandbox, which lets a template change its own lists
+    (transformers' filters, tokens and options otherwise): what the template's authors ran."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import SandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    own = _compile_jinja_template(template).environment
+    env.filters.update(own.filters)
+    env.globals.update(own.globals)
+    return env.from_string(template).render(**tok.special_tokens_map, **variables)
+
+
+def test_kimi_k2_thinkings_call_history_renders(family_dirs):
+    """Kimi-K2-Thinking's template queues its call ids in a namespace's list (``append``, then
+    ``pop(0)`` per result), which transformers' immutable sandbox refuses: every request whose
+    history held a call was a 400 ("access to attribute 'append' of 'list' object is unsafe"; so in
+    mlx_lm.server). Rendered now as the template's own code does in a sandbox that allows it, each
+    result under its call's id."""
+    from jinja2.exceptions import SecurityError
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(family_dirs["kimi-k2-thinking"])
+    with pytest.raises(SecurityError):  # what transformers does with the template as it is
+        tok.apply_chat_template(TWO_CALLS, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    text = chat.render_chat(tok, TWO_CALLS, TOOLS)
+    msgs = chat.normalise_messages(TWO_CALLS)
+    assert text == _mutable_render(tok.chat_template, tok, messages=msgs, tools=TOOLS, add_generation_prompt=True)
+    assert "## Return of functions.get_weather:0\nsunny" in text
+    assert "## Return of functions.get_weather:1\nrain" in text
+
+
+@pytest.mark.parametrize("template", [
+    "{% set ns = namespace(q=[]) %}{% for m in messages %}{%- set _ = ns.q.append(m.content) -%}{% endfor %}"
+    "{% for m in messages %}{% set x = ns.q.pop(0) %}[{{ x }}|{{ ns.q | length }}]{% endfor %}",
+    "{% set ns = namespace(q=[]) %}{% for m in messages %}{% set _ = ns.q.append(m.content ~ '!') %}{% endfor %}"
+    "{% for m in messages %}{%- set x = ns.q.pop() -%} <{{ x }}>{% endfor %}{{ ns.q }}",
+    "{% set ns = namespace(q=[1]) %}{{ ns.q }} no change",
+])  # fmt: skip
+def test_a_namespaces_list_changed_in_place_renders_as_it_would_in_place(tiny_tok, template):
+    """:func:`chat.immutable_template`: ``append`` and ``pop(0)`` / ``pop()`` on a namespace's list,
+    whitespace control kept, render what they render in place; a template without them is itself."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    msgs = [{"role": "user", "content": c} for c in ("a", "b", "c")]
+    fixed = chat.immutable_template(template)
+    assert (fixed == template) == ("append" not in template)
+    got = render_jinja_template([msgs], chat_template=fixed)[0][0]  # (renders, generation indices)
+    assert got == _mutable_render(template, tiny_tok, messages=msgs, tools=None, documents=None,
+                                  add_generation_prompt=False)  # fmt: skip

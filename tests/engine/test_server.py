@@ -824,6 +824,30 @@ def test_reasoning_and_tool_call_non_stream(family_server):
     assert again.choices[0].finish_reason == "tool_calls"
 
 
+KIMI_THINKING_OUT = [
+    "<think>Two cities.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0",
+    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+]
+
+
+def test_kimi_k2_thinking_serves_a_conversation_that_holds_a_call(family_server):
+    """Kimi-K2-Thinking's template changes a list in place, which transformers' sandbox refuses:
+    the turn after a tool call (its result in the history) was a 400 on every API. It is served,
+    and its prompt begins with the call turn's (the cache's prefix)."""
+    live = family_server("kimi-k2-thinking", KIMI_THINKING_OUT)
+    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.reasoning_content == "Two cities."
+    history = USER + [
+        {"role": "assistant", "content": None, "reasoning_content": msg.reasoning_content,
+         "tool_calls": [msg.tool_calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
+    ]  # fmt: skip
+    again = httpx.post(live.url + "/v1/chat/completions", json={"messages": history, "tools": TOOLS}, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_reasoning_and_tool_call_stream(family_server):
     live = family_server("qwen3", QWEN3_OUT)
     chunks = list(
