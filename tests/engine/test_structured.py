@@ -437,13 +437,15 @@ def test_arguments_apart_by_a_separator_may_each_be_left_out(family_dirs, family
     assert layout is not None and layout.sep, family
     g = Grammars(tok, json.loads((family_dirs[family] / "config.json").read_text())["vocab_size"])
     params = {"type": "object", "required": ["b"],
-              "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"}}}  # fmt: skip
+              "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"},
+                             "d": {"type": "array", "items": {"type": "string"}}, "e": {"type": "object"}}}  # fmt: skip
     tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
     named = {"type": "function", "function": {"name": "f"}}
     grammar = respond.call_grammar(api.ChatRequest.model_validate(
         {"messages": ASK, "tools": tools, "tool_choice": named}), fmt)  # fmt: skip
     close = fmt.named_close() or ""
-    for args in ({"b": 1}, {"a": "x y", "b": 2}, {"b": 3, "c": True}, {"a": "", "b": -4, "c": False}):
+    for args in ({"b": 1}, {"a": "x y", "b": 2}, {"b": 3, "c": True}, {"a": "", "b": -4, "c": False},
+                 {"b": 5, "d": ["p", "q, r"], "e": {"x": True, "y": None, "z": [1.5]}}):  # fmt: skip
         text = _spelled(fmt, args) + close
         assert _accepts(g, grammar, text, tok) == (True, True), (family, text)
         got, _ = run_output(ChatOutput(fmt, tools), [fmt.forced_prefix(named), text])
