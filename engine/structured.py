@@ -80,9 +80,14 @@ def schema_of(fmt: Any, checked: bool = False) -> str:
 def check(schema: str) -> None:
     """Raises :class:`FormatError` when llguidance cannot compile ``schema``'s grammar (as
     :func:`lark` writes it; no tokenizer needed)."""
-    err = _compile_error(schema)
+    err = _compile_error(schema) if len(schema) <= KEEP_CHECKED_BYTES else _compile_error.__wrapped__(schema)
     if err:  # its first line: the rest lists the grammar's text
         raise FormatError(f"response_format schema: {err.splitlines()[0]}")
+
+
+#: schemas :func:`check` keeps its answer for: up to 256 of up to 64 KiB each (16 MiB at most; a
+#: request body may hold 16 MiB)
+KEEP_CHECKED_BYTES = 64 * 1024
 
 
 @functools.lru_cache(maxsize=256)

@@ -487,3 +487,18 @@ def test_a_call_grammar_is_the_arguments_then_the_formats_end():
     # an added token not spelled <...> is named by its id
     either = structured.call_lark([('a", "arguments": ', obj), ("b[X]", obj)], "}", (("[X]", "<[7]>"),))
     assert either.startswith('start: ("a\\", \\"arguments\\": " value0 | "b" <[7]> value1) "}"\n'), either
+
+
+def test_a_schemas_check_is_kept_only_for_schemas_of_a_bounded_size():
+    """``check`` keeps llguidance's answer per schema text (a forced call checks every tool each
+    request), for schemas up to ``KEEP_CHECKED_BYTES``: 256 bodies of 16 MiB kept would be 4 GiB."""
+    small = json.dumps({"type": "object", "properties": {"k": {"type": "string", "description": "s"}}})
+    big = json.dumps({"type": "object", "description": "x" * structured.KEEP_CHECKED_BYTES})
+    structured._compile_error.cache_clear()
+    for schema in (small, small, big, big):
+        structured.check(schema)
+    info = structured._compile_error.cache_info()
+    assert (info.currsize, info.hits) == (1, 1)
+    with pytest.raises(FormatError):
+        structured.check(json.dumps({"type": "object", "description": "y" * structured.KEEP_CHECKED_BYTES,
+                                     "properties": {"k": {"type": "nonsense"}}}))  # fmt: skip
