@@ -249,10 +249,11 @@ class ArgLayout:
     end; ``{end}``: the call block's end marker). A string's value is ``quote``-delimited text
     (``quote`` "": the text runs to ``after``, a tag's end; ``'"'``: a JSON string, as Python reads
     it too), any other value its JSON (what the parsers read). ``bare_keys``: names are written
-    unquoted, so only identifiers can be (a Python call's keyword arguments, Gemma 4's keys); ``sort``: in their
-    names' order (Gemma 4's template sorts them), else as the schema declares them; ``keywords``:
-    whether Python's reserved words can be names (not in a Python call: ``f(from=1)`` does not
-    parse, and mlx-lm's fallback parser reads its quoted values as literals)."""
+    unquoted, so only identifiers can be (a Python call's keyword arguments, Gemma 4's keys).
+    ``sort``: in their names' order, case ignored (Gemma 4's template sorts them with jinja's
+    ``dictsort``), else as the schema declares them. ``keywords``: whether Python's reserved words
+    can be names (not in a Python call: ``f(from=1)`` does not parse, and mlx-lm's fallback parser
+    reads its quoted values as literals)."""
 
     before: str
     between: str

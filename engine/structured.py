@@ -179,7 +179,7 @@ def _arg_rules(i: int, schema: str, layout: ArgLayout, tokens: Tokens) -> str:
     quote = _marker(layout.quote, tokens) if layout.quote else ""
     end = _marker(layout.after, tokens) if layout.after else ""
     rules, args = [], []
-    for j, key in enumerate(sorted(props) if layout.sort else props):
+    for j, key in enumerate(sorted(props, key=str.lower) if layout.sort else props):  # (as jinja's dictsort)
         sub = props[key] if isinstance(props[key], dict) else {}
         enum = sub.get("enum")
 

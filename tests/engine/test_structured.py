@@ -414,7 +414,7 @@ def _spelled(fmt: Any, args: dict[str, Any]) -> str:
     def value(v: Any) -> str:
         return json.dumps(v) if layout.quote == '"' or not isinstance(v, str) else f"{layout.quote}{v}{layout.quote}"
 
-    keys = sorted(args) if layout.sort else list(args)
+    keys = sorted(args, key=str.lower) if layout.sort else list(args)
     return layout.sep.join(f"{layout.before}{k}{layout.between}{value(args[k])}{layout.after}" for k in keys)
 
 
@@ -502,3 +502,32 @@ def test_a_schemas_check_is_kept_only_for_schemas_of_a_bounded_size():
     with pytest.raises(FormatError):
         structured.check(json.dumps({"type": "object", "description": "y" * structured.KEEP_CHECKED_BYTES,
                                      "properties": {"k": {"type": "nonsense"}}}))  # fmt: skip
+
+
+def test_gemma_4s_forced_call_takes_what_its_template_writes_back(family_dirs):
+    """The grammar of a forced Gemma 4 call takes the call as its template renders it in the
+    history (keys sorted case-insensitively, as jinja's ``dictsort``; strings between ``<|"|>``;
+    other values bare): what the model was taught to write."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from engine import api, chat, respond
+    from engine.output_format import OutputFormat
+
+    tok = load_tokenizer(family_dirs["gemma-4"])
+    fmt = OutputFormat.of(tok)
+    g = Grammars(tok, json.loads((family_dirs["gemma-4"] / "config.json").read_text())["vocab_size"])
+    params = {"type": "object", "required": ["city"],
+              "properties": {"city": {"type": "string"}, "Days": {"type": "integer"}, "metric": {"type": "boolean"},
+                             "b": {"enum": ["x", "y"]}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "w", "parameters": params}}]
+    args = {"city": "Paris", "Days": 3, "metric": True, "b": "y"}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]}]  # fmt: skip
+    text = chat.render_chat(tok, history, tools)
+    opened = text.index("<|tool_call>call:get_weather{") + len("<|tool_call>")
+    written = text[opened : text.index("<tool_call|>", opened) + len("<tool_call|>")]
+    assert written.startswith("call:get_weather{b:") and "Days:3" in written, written  # (b, city, Days, metric)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        req = api.ChatRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": choice})
+        head = "" if choice == "required" else fmt.forced_prefix(choice)[len("<|tool_call>") :]
+        assert _accepts(g, respond.call_grammar(req, fmt), written[len(head) :], tok) == (True, True), choice
