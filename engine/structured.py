@@ -216,7 +216,7 @@ def _args_seq(i: int, args: list[tuple[str, bool]], sep: str, rules: list[str]) 
     for j, (rule, req) in enumerate(args):
         rest = f" rest{i}_{j + 1}" if j + 1 < len(args) else ""
         skip = f"first{i}_{j + 1}" if j + 1 < len(args) else '""'
-        if j:  # (from the first on, something is written before only by the caller: no rest0)
+        if j:  # (a rest0 would follow nothing: no rule needs it)
             rules.append(f"rest{i}_{j}: " + (f"{sep} {rule}" if req else f"({sep} {rule})?") + rest)
         rules.append(f"first{i}_{j}: {rule}{rest}" + ("" if req else f" | {skip}"))
     return f"first{i}_0"
