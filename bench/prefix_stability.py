@@ -111,12 +111,7 @@ def _call_id(fmt: OutputFormat, name: str, n: int) -> str:
 def _generated(tok: Any, msgs: list[dict[str, Any]], turn: dict[str, Any], eos: str) -> str:
     """What the model writes for ``turn``: the template's own rendering of it, up to its end marker."""
     prompt = chat.render_chat(tok, msgs, TOOLS)
-    whole = chat.normalise_messages(msgs + [turn])
-    if not chat.template_takes_text_beside_reasoning(tok):  # gpt-oss: one of them before a call
-        whole = chat.reasoning_for_text(whole)
-    template = chat.immutable_template(tok.get_chat_template(None, TOOLS))  # as the server renders it
-    full = str(tok.apply_chat_template(whole, tools=TOOLS, tokenize=False, add_generation_prompt=False,
-                                       chat_template=template))  # fmt: skip
+    full = chat.render_chat(tok, msgs + [turn], TOOLS, generation_prompt=False)  # as the server renders history
     n = 0
     while n < min(len(prompt), len(full)) and prompt[n] == full[n]:
         n += 1

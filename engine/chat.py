@@ -41,6 +41,7 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "d
 _tool_support: Probes = weakref.WeakKeyDictionary()  # does its template render ``tools``?
 _PROBE_NOTE = "tiered_kv_probe_note"
 _midway_system: Probes = weakref.WeakKeyDictionary()  # a system turn mid-conversation?
+_system: Probes = weakref.WeakKeyDictionary()  # a system turn at all?
 _text_beside_reasoning: Probes = weakref.WeakKeyDictionary()  # a call with text and reasoning?
 _bare_tools: Probes = weakref.WeakKeyDictionary()  # tools without a description?
 _json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
@@ -169,9 +170,10 @@ def _apply(
     tools: list[dict[str, Any]] | None,
     extra: dict[str, Any] | None = None,
     continue_final: bool = False,
+    generation_prompt: bool = True,
 ) -> str:
     kwargs: dict[str, Any] = {**(extra or {}), "tokenize": False,
-                              "add_generation_prompt": not continue_final}  # fmt: skip
+                              "add_generation_prompt": generation_prompt and not continue_final}  # fmt: skip
     if continue_final:  # the last message, the assistant's, left open for the model to go on
         kwargs["continue_final_message"] = True
     if tools:
@@ -237,17 +239,21 @@ def _raised_in_template(e: BaseException) -> bool:
 def _probed(
     seen: Probes, tokenizer: Any, messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None, marker: str,
+    refusals: type[Exception] | tuple[type[Exception], ...] = Exception,
 ) -> bool:  # fmt: skip
     """Whether the template renders ``marker`` from ``messages`` (+ ``tools``), probed once per
-    tokenizer (``seen``); a template that raises on them does not."""
+    tokenizer (``seen``); a template that raises one of ``refusals`` on them does not (any other
+    error: it does, the probe's question is not what failed)."""
     try:
         return seen[tokenizer]
     except (KeyError, TypeError):  # not probed yet (TypeError: it cannot be held weakly)
         pass
     try:
         found = marker in _apply(tokenizer, messages, tools)
-    except Exception:  # a template may raise on what it does not understand
+    except refusals:  # a template may raise on what it does not understand
         found = False
+    except Exception:
+        found = True
     try:
         seen[tokenizer] = found
     except TypeError:
@@ -382,6 +388,32 @@ def template_keeps_midway_system(tokenizer: Any) -> bool:
     return _probed(_midway_system, tokenizer, probe, None, _PROBE_NOTE)
 
 
+def template_takes_system(tokenizer: Any) -> bool:
+    """Whether the chat template renders a system turn's text at all (probed once per tokenizer):
+    Gemma 2's raises "System role not supported" (every request of a client that sends a system
+    prompt — every agent's — was a 400), and a template may drop the turn."""
+    probe = [{"role": "system", "content": _PROBE_NOTE}, {"role": "user", "content": "hi"}]
+    # refused: by the template's own raise_exception (a TemplateError), not by a failure elsewhere
+    # (a tool-use template that needs tools)
+    return _probed(_system, tokenizer, probe, None, _PROBE_NOTE, TemplateError)
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system turns a conversation opens with joined, as paragraphs, to the start of the first
+    user turn (none after them: they become one), for templates that take no system turn
+    (:func:`template_takes_system`; llama.cpp's minja polyfills it so). A system turn later on is
+    :func:`fold_midway_system`'s."""
+    n = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if n == 0:
+        return messages
+    head = "\n\n".join(m["content"] for m in messages[:n])  # contents are text (normalise_messages)
+    rest = [dict(m) for m in messages[n:]]
+    if rest and rest[0]["role"] == "user":
+        rest[0]["content"] = head + "\n\n" + rest[0]["content"]
+        return rest
+    return [{"role": "user", "content": head}, *rest]
+
+
 def fold_midway_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each system turn after the first message joined to the user turn beside it, as a paragraph:
     at the end of the user turn just before it, else at the start of the one just after it (one
@@ -451,9 +483,11 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
     continue_final: bool = False,
+    generation_prompt: bool = True,
 ) -> str:
     """Messages (+ tools) → the prompt text, ending with the assistant generation prompt (or,
-    ``continue_final``, inside the last message, the assistant's, for the model to continue).
+    ``continue_final``, inside the last message, the assistant's, for the model to continue; or,
+    without ``generation_prompt``, after the last message: a whole conversation as history).
     ``extra``: template arguments (:func:`template_args`)."""
     msgs = normalise_messages(messages)
     if not template_keeps_midway_system(tokenizer):
@@ -465,5 +499,8 @@ def render_chat(
             msgs = reasoning_for_text(msgs)
         if tools and not template_takes_bare_tools(tokenizer):
             tools = described(tools)
-        return _apply(tokenizer, msgs, tools or None, extra, continue_final)
-    return _apply(tokenizer, hermes_messages(msgs, tools), None, extra, continue_final)
+    else:
+        msgs, tools = hermes_messages(msgs, tools), None
+    if not template_takes_system(tokenizer):
+        msgs = fold_system(msgs)
+    return _apply(tokenizer, msgs, tools or None, extra, continue_final, generation_prompt)

@@ -110,6 +110,11 @@ FAMILIES: dict[str, Family] = {
     "gemma-4": Family(
         "google-gemma-4-31B-it.jinja", _GEMMA4, bos="<bos>", parser="gemma4", eos="<turn|>"
     ),
+    # no tools in its template (they are injected, Hermes-style) and no system turn: it raises on one
+    "gemma-2": Family(
+        "google-gemma-2-2b-it.jinja", ("<bos>", "<start_of_turn>", "<end_of_turn>"), bos="<bos>",
+        eos="<end_of_turn>",
+    ),
     "lfm2.5": Family(
         "LFM2.5-8B-A1B.jinja",
         (

@@ -10,6 +10,7 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from engine import chat
 from engine.output import ChatOutput, Delta
 from engine.output_format import OutputFormat
 from tests.serving import TOOLS
@@ -24,7 +25,7 @@ OSLO = {"name": "get_weather", "arguments": {"city": "Oslo"}}
 
 def fmt_and_prompt(family_dirs: dict, family: str) -> tuple[OutputFormat, str]:
     tok = load_tokenizer(family_dirs[family])
-    prompt = tok.apply_chat_template(USER, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    prompt = chat.render_chat(tok, USER, TOOLS)  # as the server renders it (Gemma 2 takes no system turn)
     return OutputFormat.of(tok), prompt
 
 

@@ -258,11 +258,12 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
             folded.add(family)
         else:
             assert text == chat._apply(tok, chat.normalise_messages(CLAUDE_CODE_TURN_2), None)
-    assert folded == {"mistral-small-3.2", "minimax-m2", "gpt-oss"}  # gpt-oss's drops it too
+    assert folded == {"mistral-small-3.2", "minimax-m2", "gpt-oss", "gemma-2"}  # gpt-oss's drops it too; Gemma 2
+    # takes no system turn at all
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 14 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 15 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -393,3 +394,28 @@ def test_a_namespaces_list_changed_in_place_renders_as_it_would_in_place(tiny_to
     got = render_jinja_template([msgs], chat_template=fixed)[0][0]  # (renders, generation indices)
     assert got == _mutable_render(template, tiny_tok, messages=msgs, tools=None, documents=None,
                                   add_generation_prompt=False)  # fmt: skip
+
+
+def test_a_template_that_takes_no_system_turn_gets_it_at_the_start_of_the_first_user_turn(family_dirs):
+    """Gemma 2's template raises "System role not supported": a client's system prompt (every
+    agent sends one) was a 400 on every request. It is the first user turn's first paragraph now
+    (llama.cpp's polyfill), the same text every turn, so the conversation's prompt keeps its prefix;
+    the templates that take a system turn render it as before."""
+    from jinja2 import TemplateError
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(family_dirs["gemma-2"])
+    convo = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi."}]
+    with pytest.raises(TemplateError, match="System role not supported"):
+        tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
+    assert not chat.template_takes_system(tok)
+    text = chat.render_chat(tok, convo)
+    assert text == "<bos><start_of_turn>user\nYou are terse.\n\nHi.<end_of_turn>\n<start_of_turn>model\n"
+    later = convo + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}]
+    assert chat.render_chat(tok, later).startswith(text[: text.rindex("<start_of_turn>model")])
+    # with tools (injected, Hermes-style, into a system turn) and a system turn of its own
+    tooled = chat.render_chat(tok, convo, TOOLS)
+    assert tooled.startswith("<bos><start_of_turn>user\nYou are terse.") and "<tools>" in tooled
+    assert chat.fold_system([{"role": "system", "content": "s"}]) == [{"role": "user", "content": "s"}]
+    for family in ("qwen3", "llama-3.3", "gpt-oss"):  # they take it: nothing folded
+        assert chat.template_takes_system(load_tokenizer(family_dirs[family])), family

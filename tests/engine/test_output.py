@@ -35,6 +35,7 @@ SOURCES = {
     "devstral": "unsloth/Devstral-Small-2507 (llama.cpp models/templates/unsloth-mistral-Devstral-Small-2507.jinja)",
     "mistral-small-3.2": "mistralai/Mistral-Small-3.2-24B-Instruct-2506 (llama.cpp models/templates/Mistral-Small-3.2-24B-Instruct-2506.jinja)",
     "gemma-4": "google/gemma-4-31B-it (llama.cpp models/templates/google-gemma-4-31B-it.jinja)",
+    "gemma-2": "google/gemma-2-2b-it (llama.cpp models/templates/google-gemma-2-2b-it.jinja)",
     "lfm2.5": "LiquidAI/LFM2.5-8B-A1B (llama.cpp models/templates/LFM2.5-8B-A1B.jinja)",
     "llama-3.3": "meta-llama/Llama-3.3-70B-Instruct (llama.cpp models/templates/meta-llama-Llama-3.3-70B-Instruct.jinja)",
     "deepseek-r1-distill": "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja)",

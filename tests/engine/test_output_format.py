@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from engine import chat
 from engine.output import ChatOutput
 from engine.output_format import OutputFormat
 from tests.engine.parsing import OSLO, fmt_and_prompt, in_pieces, named_calls, run_output
@@ -34,8 +35,7 @@ def test_a_think_marker_quoted_in_the_conversation_opens_nothing(family_dirs):
             continue
         tok = load_tokenizer(family_dirs[family])
         quoting = [{"role": "user", "content": f"Why is THINK_START = '{fmt.think[0]}' here?"}]
-        prompt = tok.apply_chat_template(quoting, tools=TOOLS, tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
+        prompt = chat.render_chat(tok, quoting, TOOLS)
         assert fmt.think[0] in prompt, family
         assert fmt.opens_reasoning(prompt) == _opens(family_dirs, family), family
         checked += 1

@@ -848,6 +848,21 @@ def test_kimi_k2_thinking_serves_a_conversation_that_holds_a_call(family_server)
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_gemma_2_serves_a_conversation_with_a_system_prompt(family_server):
+    """Gemma 2's template refuses a system turn: every request that held one (OpenCode's, Claude
+    Code's, any agent's) was a 400. Served now, the system prompt at the head of the first user turn,
+    and the next turn a hot hit on it."""
+    live = family_server("gemma-2", ["Hello."])
+    convo = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "Hi."}]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": convo, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
+    again = convo + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Bye."}]  # fmt: skip
+    r2 = httpx.post(live.url + "/v1/chat/completions", json={"messages": again, "max_tokens": 8}, timeout=60)
+    assert r2.status_code == 200, r2.text
+    assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > r.json()["usage"]["prompt_tokens"] // 2
+
+
 def test_reasoning_and_tool_call_stream(family_server):
     live = family_server("qwen3", QWEN3_OUT)
     chunks = list(
