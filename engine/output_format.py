@@ -20,10 +20,12 @@ from mlx_lm.generate import TextStateMachine
 
 from engine import chat
 from engine.tool_calls import (
+    DSML,
     HERMES_END,
     HERMES_START,
     OWN_PARSERS,
     Parser,
+    parse_dsml,
     parse_harmony,
     parse_hermes,
     parse_json_calls,
@@ -80,6 +82,8 @@ class OutputFormat:
         if not chat.template_supports_tools(tokenizer):
             return cls(think)
         parser = getattr(tokenizer, "tool_parser", None)
+        if parser is None and (block := chat.template_dsml_block(tokenizer)):
+            return cls(think, (f"<{DSML}{block}>", f"</{DSML}{block}>"), parse_dsml, "dsml")
         if parser is None and chat.template_writes_json_calls(tokenizer):
             return cls(think, ("", ""), parse_json_calls, "llama3_json", whole=True)
         if parser is None or not getattr(tokenizer, "tool_call_start", None):

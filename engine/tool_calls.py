@@ -1,9 +1,9 @@
 """A call block's text → OpenAI tool calls: our parsers, checks on every parser's calls, call ids.
 
 Pure functions and one small per-request reader, no state machine (``engine/output.py`` finds the
-blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are the two it has
+blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are the three it has
 none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
-:mod:`engine.chat`), and Llama 3.x's bare JSON calls; and one around mlx-lm's Mistral parser, for
+:mod:`engine.chat`), Llama 3.x's bare JSON calls and DeepSeek V3.2's / V4's DSML; and one around mlx-lm's Mistral parser, for
 calls written with their ids (``name[CALL_ID]id[ARGS]{…}``). Whoever parsed a block, :class:`CallParser`
 keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
 call of a multi-call block alone where the format marks each call (else a block with a call that is
@@ -101,6 +101,37 @@ def parse_mistral(text: str, tools: Any = None) -> Any:
     return parsed
 
 
+#: DeepSeek V3.2's and V4's markup: ``<｜DSML｜function_calls>`` (V4: ``tool_calls``) holding one
+#: ``<｜DSML｜invoke name="NAME">`` per call, each argument ``<｜DSML｜parameter name="K" string="true">V``
+#: (``string="false"``: V is JSON)
+DSML = "｜DSML｜"
+_DSML_INVOKE = re.compile(r'<｜DSML｜invoke\s+name="([^"]*)"\s*>(.*?)</｜DSML｜invoke>', re.DOTALL)
+_DSML_PARAMETER = re.compile(
+    r'<｜DSML｜parameter\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)</｜DSML｜parameter>', re.DOTALL
+)
+
+
+def parse_dsml(text: str, tools: Any = None) -> Any:
+    """DeepSeek V3.2's / V4's calls (mlx-lm has no parser for them): each ``invoke`` a call, each
+    ``parameter`` an argument, its text as written where ``string="true"`` and JSON where
+    ``string="false"`` (text that is no JSON stays text, as vLLM's deepseekv32 parser reads it).
+    Raises ValueError."""
+    calls = []
+    for invoke in _DSML_INVOKE.finditer(text):
+        args: dict[str, Any] = {}
+        for key, string, value in _DSML_PARAMETER.findall(invoke.group(2)):
+            if string == "false":
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    pass
+            args[key] = value
+        calls.append({"name": invoke.group(1), "arguments": args})
+    if not calls or not all(c["name"] for c in calls):
+        raise ValueError("no DSML invoke with a name")
+    return calls[0] if len(calls) == 1 else calls
+
+
 #: parsers of ours in place of mlx-lm's, by its parser module's name
 OWN_PARSERS: dict[str, Parser] = {"mistral": parse_mistral}
 
@@ -111,6 +142,7 @@ OWN_PARSERS: dict[str, Parser] = {"mistral": parse_mistral}
 _EACH_CALL = {
     "kimi_k2": re.compile(r"<\|tool_call_begin\|>.*?<\|tool_call_end\|>", re.DOTALL),
     "minimax_m2": re.compile(r"<invoke name=.*?</invoke>", re.DOTALL),
+    "dsml": _DSML_INVOKE,
 }
 
 

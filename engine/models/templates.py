@@ -156,6 +156,13 @@ FAMILIES: dict[str, Family] = {
         eos="<｜end▁of▁sentence｜>",
     ),
     "gpt-oss": Family("openai-gpt-oss-120b.jinja", _HARMONY, eos="<|return|>", special=True),
+    # calls in its DSML markup (``<｜DSML｜function_calls>``): mlx-lm has no parser, ours reads them
+    "deepseek-v3.2": Family(
+        "deepseek-ai-DeepSeek-V3.2.jinja",
+        ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>"),
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+    ),
 }
 
 

@@ -36,6 +36,7 @@ SOURCES = {
     "mistral-small-3.2": "mistralai/Mistral-Small-3.2-24B-Instruct-2506 (llama.cpp models/templates/Mistral-Small-3.2-24B-Instruct-2506.jinja)",
     "gemma-4": "google/gemma-4-31B-it (llama.cpp models/templates/google-gemma-4-31B-it.jinja)",
     "gemma-2": "google/gemma-2-2b-it (llama.cpp models/templates/google-gemma-2-2b-it.jinja)",
+    "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2 (llama.cpp models/templates/deepseek-ai-DeepSeek-V3.2.jinja)",
     "lfm2.5": "LiquidAI/LFM2.5-8B-A1B (llama.cpp models/templates/LFM2.5-8B-A1B.jinja)",
     "llama-3.3": "meta-llama/Llama-3.3-70B-Instruct (llama.cpp models/templates/meta-llama-Llama-3.3-70B-Instruct.jinja)",
     "deepseek-r1-distill": "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja)",
@@ -144,6 +145,19 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         'get_weather(city="Oslo")]<|tool_call_end|>',
         "",
         "One moment.",
+        [PARIS, OSLO],
+    ),
+    (  # DSML markup (mlx-lm has no parser): a string argument as written, string="false" as JSON; its
+        # generation prompt opens <think> (its template's default here)
+        "deepseek-v3.2",
+        "dsml",
+        'Two cities.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+        "Two cities.",
+        "",
         [PARIS, OSLO],
     ),
     (  # no markers (mlx-lm has no parser): the whole answer is the call, as the template writes it back

@@ -848,6 +848,30 @@ def test_kimi_k2_thinking_serves_a_conversation_that_holds_a_call(family_server)
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+DEEPSEEK_V32_OUT = [
+    "Weather first.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n",
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+]
+
+
+def test_deepseek_v32s_calls_come_back_as_tool_calls(family_server):
+    """DeepSeek V3.2's template tells the model to call in its DSML markup, which mlx-lm has no
+    parser for: the call came back as the message's text. Now a tool call (its reasoning apart),
+    and the conversation sent back renders and is served from the cache."""
+    live = family_server("deepseek-v3.2", DEEPSEEK_V32_OUT)
+    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.reasoning_content == "Weather first.", msg
+    assert not msg.content and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
+    ]  # fmt: skip
+    again = httpx.post(live.url + "/v1/chat/completions", json={"messages": history, "tools": TOOLS}, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_gemma_2_serves_a_conversation_with_a_system_prompt(family_server):
     """Gemma 2's template refuses a system turn: every request that held one (OpenCode's, Claude
     Code's, any agent's) was a 400. Served now, the system prompt at the head of the first user turn,

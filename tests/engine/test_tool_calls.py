@@ -165,3 +165,21 @@ def test_call_ids_the_model_repeats_are_made_unique(family_dirs):
     assert ids == ["functions.get_weather:0", "functions.get_weather:1"]  # Kimi's own form
     got, _ = run_output(ChatOutput(fmt, TOOLS, taken_ids={"functions.get_weather:0"}), [text])
     assert [c["id"] for c in got.tool_calls] == ["functions.get_weather:1", "functions.get_weather:2"]
+
+
+def test_dsml_calls_read_each_argument_by_its_string_attribute():
+    """DeepSeek V3.2's / V4's markup: ``string="true"`` is the text as written (spaces, quotes and
+    all), ``string="false"`` JSON (text that is none stays text); a call without a name is none."""
+    from engine.tool_calls import parse_dsml
+
+    one = ('<｜DSML｜invoke name="edit">\n<｜DSML｜parameter name="path" string="true"> a "b".py</｜DSML｜parameter>\n'
+           '<｜DSML｜parameter name="lines" string="false">[1, 2]</｜DSML｜parameter>\n'
+           '<｜DSML｜parameter name="force" string="false">true</｜DSML｜parameter>\n'
+           '<｜DSML｜parameter name="mode" string="false">fast</｜DSML｜parameter>\n</｜DSML｜invoke>\n')  # fmt: skip
+    assert parse_dsml(one) == {"name": "edit", "arguments": {"path": ' a "b".py', "lines": [1, 2], "force": True,
+                                                             "mode": "fast"}}  # fmt: skip
+    two = parse_dsml(one + one.replace('"edit"', '"view"'))
+    assert [c["name"] for c in two] == ["edit", "view"]
+    for bad in ("", "<｜DSML｜invoke>x</｜DSML｜invoke>", '<｜DSML｜invoke name="">x</｜DSML｜invoke>'):
+        with pytest.raises(ValueError):
+            parse_dsml(bad)
