@@ -302,4 +302,5 @@ _NAMED = {
     "pythonic": "{start}[{name}(",
     "llama3_json": '{{"name": "{name}", "parameters": ',
     "harmony": "{start}{name} <|constrain|>json<|message|>",
+    "dsml": '{start}\n<｜DSML｜invoke name="{name}">\n',
 }

@@ -87,9 +87,22 @@ def test_forced_prefixes(family_dirs):
     assert named_calls(got) == [OSLO] and finish == "tool_calls"
     # required: the opener and the newline after it where the format writes one (GLM's name follows
     # its opener at once: it got Hermes' newline; MiniMax-M2's ``<invoke`` goes on a line of its own)
-    openers = {"qwen3-coder": "<tool_call>\n", "glm-4.7": "<tool_call>", "minimax-m2": "<minimax:tool_call>\n"}
+    openers = {"qwen3-coder": "<tool_call>\n", "glm-4.7": "<tool_call>", "minimax-m2": "<minimax:tool_call>\n",
+               "deepseek-v3.2": "<｜DSML｜function_calls>\n"}
     for family, opener in openers.items():
         assert fmt_and_prompt(family_dirs, family)[0].forced_prefix("required") == opener, family
+
+
+def test_a_forced_deepseek_call_names_its_function_in_dsml(family_dirs):
+    """DeepSeek V3.2's named call: the prompt opens the block and its ``invoke``; the model writes the
+    parameters, and the call comes back (its arguments are not enforced: no grammar of them)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    fmt, _ = fmt_and_prompt(family_dirs, "deepseek-v3.2")
+    prefix = fmt.forced_prefix(named)
+    assert prefix == '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n' and fmt.named_close() is None
+    rest = '<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>'
+    got, finish = run_output(ChatOutput(fmt, TOOLS), [prefix, rest])
+    assert named_calls(got) == [OSLO] and finish == "tool_calls"
 
 
 def test_a_forced_kimi_call_is_numbered_after_the_calls_before_it(family_dirs):
