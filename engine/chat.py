@@ -44,7 +44,8 @@ _tool_support: Probes = weakref.WeakKeyDictionary()  # does its template render 
 _PROBE_NOTE = "tiered_kv_probe_note"
 _midway_system: Probes = weakref.WeakKeyDictionary()  # a system turn mid-conversation?
 _system: Probes = weakref.WeakKeyDictionary()  # a system turn at all?
-_dsml_blocks: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # DeepSeek's call block
+_dsml_function_calls: Probes = weakref.WeakKeyDictionary()  # calls in <｜DSML｜function_calls>?
+_dsml_tool_calls: Probes = weakref.WeakKeyDictionary()  # ... in <｜DSML｜tool_calls> (V4)?
 _text_beside_reasoning: Probes = weakref.WeakKeyDictionary()  # a call with text and reasoning?
 _bare_tools: Probes = weakref.WeakKeyDictionary()  # tools without a description?
 _json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
@@ -270,42 +271,30 @@ def template_supports_tools(tokenizer: Any) -> bool:
     return _probed(_tool_support, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_fn")
 
 
+#: a conversation holding an assistant's call: how does the template write the call back?
+_CALL_PROBE: list[dict[str, Any]] = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {"a": 1}}}]},
+]  # fmt: skip
+
+
 def template_writes_json_calls(tokenizer: Any) -> bool:
     """Whether the chat template writes an assistant's tool call back as a bare JSON object
     ``{"name": …, "parameters": …}`` with no markers around it (Llama 3.1–3.3, whose models answer
     with the call's JSON alone); probed once per tokenizer."""
-    call = {"name": "tiered_kv_probe_fn", "arguments": {"a": 1}}
-    probe: list[dict[str, Any]] = [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": call}]},
-    ]  # fmt: skip
     written = '{"name": "tiered_kv_probe_fn", "parameters": {"a": 1}}'
-    return _probed(_json_calls, tokenizer, probe, [_PROBE_TOOL], written)
+    return _probed(_json_calls, tokenizer, _CALL_PROBE, [_PROBE_TOOL], written)
 
 
 def template_dsml_block(tokenizer: Any) -> str:
     """The block DeepSeek V3.2's / V4's template writes an assistant's calls back in, after
     ``<｜DSML｜`` (``function_calls``, V4's ``tool_calls``); "" for any other template. Probed once per
     tokenizer: the name is built from pieces in the template's code, so only its rendering shows it."""
-    try:
-        return _dsml_blocks[tokenizer]
-    except (KeyError, TypeError):  # not probed yet (TypeError: it cannot be held weakly)
-        pass
-    call = {"name": "tiered_kv_probe_fn", "arguments": {"a": 1}}
-    probe: list[dict[str, Any]] = [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": call}]},
-    ]  # fmt: skip
-    try:
-        text = _apply(tokenizer, probe, [_PROBE_TOOL])
-    except Exception:  # a template may raise on what it does not understand
-        text = ""
-    found = next((b for b in ("function_calls", "tool_calls") if f"<{DSML}{b}>" in text), "")
-    try:
-        _dsml_blocks[tokenizer] = found
-    except TypeError:
-        pass
-    return found
+    for seen, block in ((_dsml_function_calls, "function_calls"), (_dsml_tool_calls, "tool_calls")):
+        if _probed(seen, tokenizer, _CALL_PROBE, [_PROBE_TOOL], f"<{DSML}{block}>"):
+            return block
+    return ""
 
 
 def _call_and_result(call_id: str) -> list[dict[str, Any]]:
