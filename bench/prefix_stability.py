@@ -115,6 +115,9 @@ def _generated(tok: Any, msgs: list[dict[str, Any]], turn: dict[str, Any], eos: 
     n = 0
     while n < min(len(prompt), len(full)) and prompt[n] == full[n]:
         n += 1
+    tag = full.rfind("<", 0, n)
+    if tag >= 0 and ">" not in full[tag:n]:  # the two part inside a marker (``<think>`` / ``<TOOLCALL>``): all of it
+        n = tag
     text = full[n:]
     cut = text.find(eos) if eos else -1
     return (text[:cut] if cut >= 0 else text).rstrip("\n") if text else text

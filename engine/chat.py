@@ -20,7 +20,7 @@ from typing import Any
 import xxhash
 from jinja2 import TemplateError
 
-from engine.tool_calls import DSML
+from engine.tool_calls import DSML, parse_json_block
 
 Probes = weakref.WeakKeyDictionary[Any, bool]
 #: what a template's own code raises at run time on request data it cannot use: its filters and
@@ -295,6 +295,74 @@ def template_dsml_block(tokenizer: Any) -> str:
         if _probed(seen, tokenizer, _CALL_PROBE, [_PROBE_TOOL], f"<{DSML}{block}>"):
             return block
     return ""
+
+
+#: a tag as templates write call markers: ``<tool_calls>``, ``<|START_ACTION|>``, ``</TOOLCALL>``
+_TAG = r"<[^<>\s]{1,40}>"
+_TAG_BEFORE, _TAG_AFTER = re.compile(_TAG + r"\s*$"), re.compile(r"^\s*(" + _TAG + ")")
+_call_blocks: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
+
+
+def template_call_block(tokenizer: Any) -> tuple[str, str] | None:
+    """The markers between which the chat template writes an assistant's calls back as JSON
+    (Apriel's ``<tool_calls>[…]</tool_calls>``, Nemotron Nano v2's ``<TOOLCALL>``, Cohere's
+    ``<|START_ACTION|>``; ``(start, "")`` where the call runs to the turn's end, GigaChat 3.1's
+    ``<|function_call|>{…}``), or None: the call's JSON holds no call of the probe or is no tag's.
+    Probed once per tokenizer by rendering a call, and the same turn as text: the start marker is
+    the tag before the call's JSON that the call's rendering adds and a text turn's text does not
+    follow (a role's header), the end marker the tag after it where a text turn does not end so."""
+    try:
+        return _call_blocks[tokenizer]
+    except (KeyError, TypeError):  # not probed yet (TypeError: it cannot be held weakly)
+        pass
+    hi = {"role": "user", "content": "hi"}
+    result = {"role": "tool", "tool_call_id": "c", "content": "r"}
+    try:  # (a turn after the call: a template may render a last assistant turn as the prompt's)
+        with_call = _apply(tokenizer, [*_CALL_PROBE, result, hi], [_PROBE_TOOL])
+        as_text = _apply(tokenizer, [hi, {"role": "assistant", "content": _PROBE_NOTE}, hi], [_PROBE_TOOL])
+    except Exception:  # a template that cannot render the probe writes no block we can find
+        block = None
+    else:
+        block = _json_call_block(with_call, as_text)
+    try:
+        _call_blocks[tokenizer] = block
+    except TypeError:
+        pass
+    return block
+
+
+def _json_call_block(with_call: str, as_text: str) -> tuple[str, str] | None:
+    """:func:`template_call_block`'s reading of the two renderings."""
+    at = with_call.rfind('"tiered_kv_probe_fn"')  # the call's (after any tool list in a system turn)
+    if at < 0:
+        return None
+    outermost = None
+    for start in range(at - 1, max(with_call.rfind(">", 0, at), -1), -1):
+        if with_call[start] not in "[{":
+            continue
+        try:
+            _, end = json.JSONDecoder().raw_decode(with_call, start)
+            call = parse_json_block(with_call[start:end], [_PROBE_TOOL])
+            args = call["arguments"]
+            args = json.loads(args) if isinstance(args, str) else args
+        except (ValueError, TypeError):  # no JSON, no call, several calls (a list)
+            continue
+        if end > at and call["name"] == "tiered_kv_probe_fn" and args == {"a": 1}:
+            outermost = start, end
+    if outermost is None:
+        return None
+    note = as_text.find(_PROBE_NOTE)
+    text_before, text_after = _TAG_BEFORE.search(as_text, 0, note), _TAG_AFTER.match(as_text[note + len(_PROBE_NOTE) :])
+    before, after = _TAG_BEFORE.search(with_call, 0, outermost[0]), _TAG_AFTER.match(with_call[outermost[1] :])
+    opener = before.group(0).rstrip() if before else ""
+    if not opener or with_call.count(opener) <= as_text.count(opener):
+        return None
+    if text_before and text_before.group(0).rstrip() == opener:
+        return None  # what opens every turn's text (a role's header): no call block of its own
+    closer = after.group(1) if after else ""
+    if text_after and text_after.group(1) == closer:
+        closer = ""  # the turn's own end (a text turn's too): the call runs to it
+    return opener, closer
 
 
 def _call_and_result(call_id: str) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from engine.tool_calls import (
     parse_dsml,
     parse_harmony,
     parse_hermes,
+    parse_json_block,
     parse_json_calls,
 )
 
@@ -72,8 +73,9 @@ class OutputFormat:
     def markers_of(cls, tokenizer: Any) -> OutputFormat:
         """What ``tokenizer`` (an mlx-lm TokenizerWrapper, or any HF tokenizer) and its chat template
         say: Hermes where the template ignores ``tools`` (the server injects Hermes instructions,
-        :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; Llama 3.x's bare
-        JSON where the template writes calls back so and mlx-lm has no parser; else mlx-lm's."""
+        :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; where mlx-lm has
+        no parser, the way the template writes calls back: DeepSeek's DSML, Llama 3.x's bare JSON,
+        JSON between markers of its own (:func:`chat.template_call_block`); else mlx-lm's."""
         if _has_tokens(tokenizer, HARMONY_VOCAB):
             return HARMONY
         think = None
@@ -86,6 +88,9 @@ class OutputFormat:
             return cls(think, (f"<{DSML}{block}>", f"</{DSML}{block}>"), parse_dsml, "dsml")
         if parser is None and chat.template_writes_json_calls(tokenizer):
             return cls(think, ("", ""), parse_json_calls, "llama3_json", whole=True)
+        marks = chat.template_call_block(tokenizer) if parser is None else None
+        if marks is not None and marks != (HERMES_START, HERMES_END):
+            return cls(think, marks, parse_json_block, "json_block")
         if parser is None or not getattr(tokenizer, "tool_call_start", None):
             return cls(think)
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))

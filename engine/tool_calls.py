@@ -1,9 +1,10 @@
 """A call block's text → OpenAI tool calls: our parsers, checks on every parser's calls, call ids.
 
 Pure functions and one small per-request reader, no state machine (``engine/output.py`` finds the
-blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are the three it has
+blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are those it has
 none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
-:mod:`engine.chat`), Llama 3.x's bare JSON calls and DeepSeek V3.2's / V4's DSML; and one around mlx-lm's Mistral parser, for
+:mod:`engine.chat`), Llama 3.x's bare JSON calls, DeepSeek V3.2's / V4's DSML, and JSON between the
+markers a template writes calls back in (Apriel, Nemotron Nano v2, Cohere, ...); and one around mlx-lm's Mistral parser, for
 calls written with their ids (``name[CALL_ID]id[ARGS]{…}``). Whoever parsed a block, :class:`CallParser`
 keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
 call of a multi-call block alone where the format marks each call (else a block with a call that is
@@ -54,19 +55,29 @@ def tool_names(tools: Any) -> set[str]:
             if isinstance(t, dict) and isinstance(t.get("function"), dict)}  # fmt: skip
 
 
+def _json_values(text: str) -> list[Any]:
+    """The JSON values ``text`` holds one after another (whitespace, ``,`` or ``;`` between them),
+    after an optional ``<|python_tag|>``. Raises ValueError (none, or one that is no JSON)."""
+    body, at, values = text.strip().removeprefix(PYTHON_TAG), 0, []
+    decoder = json.JSONDecoder()
+    while True:
+        while at < len(body) and (body[at].isspace() or body[at] in ";,"):
+            at += 1
+        if at == len(body):
+            break
+        value, at = decoder.raw_decode(body, at)
+        values.append(value)
+    if not values:
+        raise ValueError("no call")
+    return values
+
+
 def parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
     """Llama 3.x calls: the whole output is one or more JSON objects ``{"name": …, "parameters":
     {…}}`` (after an optional ``<|python_tag|>``, separated by ``;`` or whitespace), each naming one
     of the request's tools (a JSON answer that names none is an answer). Raises ValueError."""
-    body, at, calls = text.strip().removeprefix(PYTHON_TAG), 0, []
-    names = tool_names(tools)
-    decoder = json.JSONDecoder()
-    while True:
-        while at < len(body) and (body[at].isspace() or body[at] == ";"):
-            at += 1
-        if at == len(body):
-            break
-        obj, at = decoder.raw_decode(body, at)
+    names, calls = tool_names(tools), []
+    for obj in _json_values(text):
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             raise ValueError("not a tool call object")
         if names and obj["name"] not in names:
@@ -75,9 +86,36 @@ def parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
         if not isinstance(args, (dict, str)):
             raise ValueError("the call's parameters are not an object")
         calls.append({"name": obj["name"], "arguments": args})
+    return calls
+
+
+def parse_json_block(text: str, tools: Any = None) -> Any:
+    """Calls written as JSON between a block's markers, in the templates mlx-lm has no parser for
+    (the markers found by rendering a call, ``chat.template_call_block``): Apriel's and Nemotron
+    Nano v2's list of ``{"name": …, "arguments": …}``, MiniMax-M1's such objects one a line, GigaChat
+    3.1's one object, Cohere Command R7B / A's list of ``{"tool_name": …, "parameters": …}``,
+    Apertus's list of ``{NAME: ARGUMENTS}``. A list or values one after another (:func:`_json_values`);
+    an ``id`` the model wrote is kept (Apriel's template writes them back). Raises ValueError."""
+    names, calls = tool_names(tools), []
+    for value in _json_values(text):
+        for obj in value if isinstance(value, list) else [value]:
+            if not isinstance(obj, dict):
+                raise ValueError("not a tool call object")
+            if isinstance(obj.get("name"), str):
+                call = {"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", {}))}
+            elif isinstance(obj.get("tool_name"), str):  # Cohere's
+                call = {"name": obj["tool_name"], "arguments": obj.get("parameters", {})}
+            elif len(obj) == 1 and next(iter(obj)) in names:  # Apertus's {NAME: ARGUMENTS}
+                (name, args), = obj.items()
+                call = {"name": name, "arguments": args}
+            else:
+                raise ValueError("not a tool call object")
+            if isinstance(obj.get("id"), str):
+                call["id"] = obj["id"]
+            calls.append(call)
     if not calls:
         raise ValueError("no call")
-    return calls
+    return calls[0] if len(calls) == 1 else calls
 
 
 # Mistral Small 3.x's header of a call with its id, as its template writes calls back (and its

@@ -157,6 +157,39 @@ FAMILIES: dict[str, Family] = {
     ),
     "gpt-oss": Family("openai-gpt-oss-120b.jinja", _HARMONY, eos="<|return|>", special=True),
     # calls in its DSML markup (``<｜DSML｜function_calls>``): mlx-lm has no parser, ours reads them
+    # calls as JSON between markers of their own (mlx-lm has no parser; ours finds the markers by
+    # rendering a call, chat.template_call_block): a list of {"name", "arguments"}
+    "nemotron-nano-v2": Family(
+        "NVIDIA-Nemotron-Nano-v2.jinja",
+        ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<think>", "</think>", "<TOOLCALL>", "</TOOLCALL>",
+         "<TOOL_RESPONSE>", "</TOOL_RESPONSE>", "<AVAILABLE_TOOLS>", "</AVAILABLE_TOOLS>"),
+        eos="<SPECIAL_12>",
+    ),  # fmt: skip
+    # ... a list of {"tool_call_id", "tool_name", "parameters"}
+    "command-r7b": Family(
+        "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
+        ("<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
+         "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|START_ACTION|>", "<|END_ACTION|>",
+         "<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>",
+         "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"),
+        bos="<BOS_TOKEN>",
+        eos="<|END_OF_TURN_TOKEN|>",
+    ),  # fmt: skip
+    # ... a list of {NAME: ARGUMENTS}
+    "apertus": Family(
+        "Apertus-8B-Instruct.jinja",
+        ("<s>", "<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>",
+         "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>", "<|inner_prefix|>",
+         "<|inner_suffix|>", "<|tools_prefix|>", "<|tools_suffix|>"),
+        bos="<s>",
+        eos="<|assistant_end|>",
+    ),  # fmt: skip
+    # ... one {"name", "arguments"} after its opener, to the turn's end
+    "gigachat-3.1": Family(
+        "GigaChat3.1-10B-A1.8B.jinja", ("<s>", "<|message_sep|>", "<|role_sep|>", "<|function_call|>"),
+        bos="<s>",
+        eos="<|message_sep|>",
+    ),
     "deepseek-v3.2": Family(
         "deepseek-ai-DeepSeek-V3.2.jinja",
         ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>"),

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -258,18 +260,50 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
             folded.add(family)
         else:
             assert text == chat._apply(tok, chat.normalise_messages(CLAUDE_CODE_TURN_2), None)
-    assert folded == {"mistral-small-3.2", "minimax-m2", "gpt-oss", "gemma-2"}  # gpt-oss's drops it too; Gemma 2
-    # takes no system turn at all
+    # gpt-oss's drops it too, as Apertus's and Nemotron Nano v2's; Gemma 2 takes no system turn at all
+    assert folded == {"mistral-small-3.2", "minimax-m2", "gpt-oss", "gemma-2", "apertus", "nemotron-nano-v2"}
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 16 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 20 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     bare = {f for f, path in family_dirs.items() if chat.template_writes_json_calls(load_tokenizer(path))}
     assert bare == {"llama-3.3"}
+
+
+def test_json_call_blocks_found_by_rendering_a_call(family_dirs):
+    """The probe behind the JSON-block format (engine/output_format.py, where mlx-lm has no parser):
+    the tags around the call's JSON that a call adds, the end "" where it is the turn's own end
+    (GigaChat 3.1's). None where the JSON follows a role's header (Llama's: its own format) or is no
+    JSON (the tag formats); Qwen3's Hermes block is Hermes."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    found = {f: chat.template_call_block(load_tokenizer(path)) for f, path in family_dirs.items()}
+    assert {f: b for f, b in found.items() if b} == {
+        "qwen3": ("<tool_call>", "</tool_call>"),
+        "nemotron-nano-v2": ("<TOOLCALL>", "</TOOLCALL>"),
+        "command-r7b": ("<|START_ACTION|>", "<|END_ACTION|>"),
+        "apertus": ("<|tools_prefix|>", "<|tools_suffix|>"),
+        "gigachat-3.1": ("<|function_call|>", ""),
+    }
+
+
+def test_a_call_after_a_role_header_is_no_block():
+    """A template that writes the call's JSON where a text turn's text goes (after the role's
+    header, as Llama 3.x and GigaChat 3 do) has no call block of its own: the header opens every turn."""
+
+    class Tok:
+        def apply_chat_template(self, messages, tools=None, **kw):
+            out = ""
+            for m in messages:
+                body = json.dumps(m["tool_calls"][0]["function"]) if m.get("tool_calls") else m["content"]
+                out += f"<|role|>{m['role']}<|sep|>{body}<|end|>"
+            return out
+
+    assert chat.template_call_block(Tok()) is None
 
 
 def test_continue_final_leaves_the_assistants_message_open(tiny_tok):

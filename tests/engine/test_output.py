@@ -37,6 +37,10 @@ SOURCES = {
     "gemma-4": "google/gemma-4-31B-it (llama.cpp models/templates/google-gemma-4-31B-it.jinja)",
     "gemma-2": "google/gemma-2-2b-it (llama.cpp models/templates/google-gemma-2-2b-it.jinja)",
     "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2 (llama.cpp models/templates/deepseek-ai-DeepSeek-V3.2.jinja)",
+    "nemotron-nano-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2 (llama.cpp models/templates/NVIDIA-Nemotron-Nano-v2.jinja)",
+    "command-r7b": "CohereForAI/c4ai-command-r7b-12-2024 (llama.cpp models/templates/CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja)",
+    "apertus": "swiss-ai/Apertus-8B-Instruct-2509 (llama.cpp models/templates/Apertus-8B-Instruct.jinja)",
+    "gigachat-3.1": "ai-sage/GigaChat3.1-10B-A1.8B (llama.cpp models/templates/GigaChat3.1-10B-A1.8B.jinja)",
     "lfm2.5": "LiquidAI/LFM2.5-8B-A1B (llama.cpp models/templates/LFM2.5-8B-A1B.jinja)",
     "llama-3.3": "meta-llama/Llama-3.3-70B-Instruct (llama.cpp models/templates/meta-llama-Llama-3.3-70B-Instruct.jinja)",
     "deepseek-r1-distill": "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja)",
@@ -159,6 +163,43 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         "Two cities.",
         "",
         [PARIS, OSLO],
+    ),
+    (  # JSON between markers of its own (mlx-lm has no parser; chat.template_call_block finds them); its
+        # generation prompt opens <think>
+        "nemotron-nano-v2",
+        "json_block",
+        'Two cities.\n</think>\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}]</TOOLCALL>',
+        "Two cities.",
+        "",
+        [PARIS, OSLO],
+    ),
+    (  # Cohere's list of {"tool_call_id", "tool_name", "parameters"}
+        "command-r7b",
+        "json_block",
+        '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
+        '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
+        "<|END_ACTION|>",
+        "",
+        "",
+        [PARIS, OSLO],
+    ),
+    (  # a list of {NAME: ARGUMENTS}
+        "apertus",
+        "json_block",
+        'Checking.<|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}, '
+        '{"get_weather": {"city": "Oslo"}}]<|tools_suffix|>',
+        "",
+        "Checking.",
+        [PARIS, OSLO],
+    ),
+    (  # one object after its opener, to the end of the output
+        "gigachat-3.1",
+        "json_block",
+        '<|function_call|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+        "",
+        "",
+        [PARIS],
     ),
     (  # no markers (mlx-lm has no parser): the whole answer is the call, as the template writes it back
         "llama-3.3",

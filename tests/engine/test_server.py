@@ -872,6 +872,35 @@ def test_deepseek_v32s_calls_come_back_as_tool_calls(family_server):
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+NEMOTRON_V2_OUT = [
+    "Weather first.\n</think>\n<TOOLCALL>[{\"name\": \"get_weather\", ",
+    '"arguments": {"city": "Paris"}}]</TOOLCALL>',
+]
+
+
+def test_nemotron_nano_v2s_calls_come_back_as_tool_calls(family_server):
+    """Nemotron Nano v2's template tells the model to call as a JSON list in ``<TOOLCALL>``, which
+    mlx-lm has no parser for: the call came back as the message's text (the markers found by
+    rendering a call, as for Cohere's, Apertus's, GigaChat's, Apriel's, MiniMax-M1's). Now a tool
+    call, streamed too, and the conversation sent back is served from the cache."""
+    live = family_server("nemotron-nano-v2", NEMOTRON_V2_OUT)
+    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.reasoning_content == "Weather first.", msg
+    assert not msg.content and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
+    chunks = list(live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.function.name for tc in streamed] == ["get_weather"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
+    ]  # fmt: skip
+    again = httpx.post(live.url + "/v1/chat/completions", json={"messages": history, "tools": TOOLS}, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_gemma_2_serves_a_conversation_with_a_system_prompt(family_server):
     """Gemma 2's template refuses a system turn: every request that held one (OpenCode's, Claude
     Code's, any agent's) was a 400. Served now, the system prompt at the head of the first user turn,

@@ -183,3 +183,43 @@ def test_dsml_calls_read_each_argument_by_its_string_attribute():
     for bad in ("", "<｜DSML｜invoke>x</｜DSML｜invoke>", '<｜DSML｜invoke name="">x</｜DSML｜invoke>'):
         with pytest.raises(ValueError):
             parse_dsml(bad)
+
+
+def test_json_block_calls_in_each_shape_templates_write():
+    """Calls as JSON between a block's markers (``chat.template_call_block`` finds the markers): a
+    list of ``{"name", "arguments"}`` (Nemotron Nano v2, Apriel: its ids kept), such objects one a
+    line (MiniMax-M1), one object (GigaChat 3.1), Cohere's ``{"tool_name", "parameters"}``,
+    Apertus's ``{NAME: ARGUMENTS}`` (only a tool's name); anything else is no call."""
+    from engine.tool_calls import parse_json_block
+
+    paris, oslo = {"city": "Paris", "days": 3}, {"city": "Oslo"}
+    want = [{"name": "get_weather", "arguments": paris}, {"name": "get_weather", "arguments": oslo}]
+    nemotron = '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    minimax = '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    cohere = ('[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", "days": 3}},\n'
+              '    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]')
+    apertus = '[{"get_weather": {"city": "Paris", "days": 3}}, {"get_weather": {"city": "Oslo"}}]'
+    for text in (nemotron, minimax, cohere, apertus):
+        assert parse_json_block(text, TOOLS) == want, text
+    assert parse_json_block('{"name": "get_weather", "arguments": {"city": "Oslo"}}', TOOLS) == want[1]
+    apriel = '[{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "call_7"}]'
+    assert parse_json_block(apriel, TOOLS) == {**want[1], "id": "call_7"}
+    for bad in ("", "sunny", '[{"weather": {"city": "Oslo"}}]', '[{"city": "Oslo"}]', "[1]", '{"name": 3}',
+                '{"name": "get_weather", "arguments": {}} and more'):  # fmt: skip
+        with pytest.raises(ValueError):
+            parse_json_block(bad, TOOLS)
+
+
+@pytest.mark.parametrize(
+    ("family", "output"),
+    [
+        ("nemotron-nano-v2", '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "nope", "arguments": {}}]</TOOLCALL>'),
+        ("command-r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "nope", "parameters": {}}]<|END_ACTION|>'),
+    ],
+)  # fmt: skip
+def test_a_json_block_naming_no_offered_tool_is_text(family_dirs, family, output):
+    """A list is one block: where one of its calls names none of the request's tools, the whole is
+    the text it is (as vLLM reads a Hermes block), never half of it."""
+    fmt, _ = fmt_and_prompt(family_dirs, family)
+    got, finish = run_output(ChatOutput(fmt, TOOLS), [output])
+    assert (got.content, got.tool_calls, finish) == (output, [], "stop")
