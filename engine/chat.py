@@ -15,6 +15,7 @@ import re
 import string
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -38,7 +39,7 @@ class TemplateRefused(Exception):
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes markers the injected instructions name
 # (with a description: gpt-oss's template writes ``"// " + tool.description`` and raises without one)
 _PROBE_TOOL = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "description": "probe",
-                                                "parameters": {}}}  # fmt: skip
+                                                "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
 # per tokenizer (held weakly: an id of a freed one may come back as another's), the probes' answers
 _tool_support: Probes = weakref.WeakKeyDictionary()  # does its template render ``tools``?
 _PROBE_NOTE = "tiered_kv_probe_note"
@@ -300,17 +301,33 @@ def template_dsml_block(tokenizer: Any) -> str:
 #: a tag as templates write call markers: ``<tool_calls>``, ``<|START_ACTION|>``, ``</TOOLCALL>``
 _TAG = r"<[^<>\s]{1,40}>"
 _TAG_BEFORE, _TAG_AFTER = re.compile(_TAG + r"\s*$"), re.compile(r"^\s*(" + _TAG + ")")
-_call_blocks: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
+#: the probe call as Qwen3-Coder's XML writes it (Seed-OSS's too, in its own block)
+_FUNCTION_CALL = re.compile(r"<function=tiered_kv_probe_fn>\s*<parameter=a>\s*1\s*</parameter>\s*</function>")
 
 
-def template_call_block(tokenizer: Any) -> tuple[str, str] | None:
-    """The markers between which the chat template writes an assistant's calls back as JSON
+@dataclass(frozen=True)
+class CallBlock:
+    """Where a template writes an assistant's calls back (:func:`template_call_block`): between
+    ``start`` and ``end`` ("": to the turn's end), as JSON (``body`` "json") or as Qwen3-Coder's
+    ``<function=NAME><parameter=K>V</parameter></function>`` ("function")."""
+
+    start: str
+    end: str
+    body: str
+
+
+_call_blocks: weakref.WeakKeyDictionary[Any, CallBlock | None] = weakref.WeakKeyDictionary()
+
+
+def template_call_block(tokenizer: Any) -> CallBlock | None:
+    """The markers between which the chat template writes an assistant's calls back, as JSON
     (Apriel's ``<tool_calls>[…]</tool_calls>``, Nemotron Nano v2's ``<TOOLCALL>``, Cohere's
-    ``<|START_ACTION|>``; ``(start, "")`` where the call runs to the turn's end, GigaChat 3.1's
-    ``<|function_call|>{…}``), or None: the call's JSON holds no call of the probe or is no tag's.
-    Probed once per tokenizer by rendering a call, and the same turn as text: the start marker is
-    the tag before the call's JSON that the call's rendering adds and a text turn's text does not
-    follow (a role's header), the end marker the tag after it where a text turn does not end so."""
+    ``<|START_ACTION|>``; end "" where the call runs to the turn's end, GigaChat 3.1's
+    ``<|function_call|>{…}``) or as ``<function=…>`` XML (Seed-OSS's ``<seed:tool_call>``); None
+    where the call is neither or is no tag's. Probed once per tokenizer by rendering a call, and
+    the same turn as text: the start marker is the tag before the call that the call's rendering
+    adds and a text turn's text does not follow (a role's header), the end marker the tag after it
+    where a text turn does not end so."""
     try:
         return _call_blocks[tokenizer]
     except (KeyError, TypeError):  # not probed yet (TypeError: it cannot be held weakly)
@@ -323,7 +340,7 @@ def template_call_block(tokenizer: Any) -> tuple[str, str] | None:
     except Exception:  # a template that cannot render the probe writes no block we can find
         block = None
     else:
-        block = _json_call_block(with_call, as_text)
+        block = _call_block(with_call, as_text)
     try:
         _call_blocks[tokenizer] = block
     except TypeError:
@@ -331,29 +348,36 @@ def template_call_block(tokenizer: Any) -> tuple[str, str] | None:
     return block
 
 
-def _json_call_block(with_call: str, as_text: str) -> tuple[str, str] | None:
-    """:func:`template_call_block`'s reading of the two renderings."""
-    at = with_call.rfind('"tiered_kv_probe_fn"')  # the call's (after any tool list in a system turn)
-    if at < 0:
-        return None
+def _probe_json_call(text: str) -> tuple[int, int] | None:
+    """Where the outermost JSON value holding the probe's call (and only it) is in ``text``."""
+    at = text.rfind('"tiered_kv_probe_fn"')  # the call's (after any tool list in a system turn)
     outermost = None
-    for start in range(at - 1, max(with_call.rfind(">", 0, at), -1), -1):
-        if with_call[start] not in "[{":
+    for start in range(at - 1, max(text.rfind(">", 0, at), -1), -1) if at >= 0 else ():
+        if text[start] not in "[{":
             continue
         try:
-            _, end = json.JSONDecoder().raw_decode(with_call, start)
-            call = parse_json_block(with_call[start:end], [_PROBE_TOOL])
+            _, end = json.JSONDecoder().raw_decode(text, start)
+            call = parse_json_block(text[start:end], [_PROBE_TOOL])
             args = call["arguments"]
             args = json.loads(args) if isinstance(args, str) else args
         except (ValueError, TypeError):  # no JSON, no call, several calls (a list)
             continue
         if end > at and call["name"] == "tiered_kv_probe_fn" and args == {"a": 1}:
             outermost = start, end
-    if outermost is None:
-        return None
+    return outermost
+
+
+def _call_block(with_call: str, as_text: str) -> CallBlock | None:
+    """:func:`template_call_block`'s reading of the two renderings."""
+    where, body = _probe_json_call(with_call), "json"
+    if where is None:
+        found = list(_FUNCTION_CALL.finditer(with_call))
+        if not found:
+            return None
+        where, body = found[-1].span(), "function"
     note = as_text.find(_PROBE_NOTE)
     text_before, text_after = _TAG_BEFORE.search(as_text, 0, note), _TAG_AFTER.match(as_text[note + len(_PROBE_NOTE) :])
-    before, after = _TAG_BEFORE.search(with_call, 0, outermost[0]), _TAG_AFTER.match(with_call[outermost[1] :])
+    before, after = _TAG_BEFORE.search(with_call, 0, where[0]), _TAG_AFTER.match(with_call[where[1] :])
     opener = before.group(0).rstrip() if before else ""
     if not opener or with_call.count(opener) <= as_text.count(opener):
         return None
@@ -362,7 +386,7 @@ def _json_call_block(with_call: str, as_text: str) -> tuple[str, str] | None:
     closer = after.group(1) if after else ""
     if text_after and text_after.group(1) == closer:
         closer = ""  # the turn's own end (a text turn's too): the call runs to it
-    return opener, closer
+    return CallBlock(opener, closer, body)
 
 
 def _call_and_result(call_id: str) -> list[dict[str, Any]]:
@@ -432,8 +456,10 @@ def template_takes_text_beside_reasoning(tokenizer: Any) -> bool:
 
 
 def template_takes_bare_tools(tokenizer: Any) -> bool:
-    """Whether the chat template renders a tool that has no description; probed once per
-    tokenizer. gpt-oss's raises (it writes ``"// " + tool.description``)."""
+    """Whether the chat template renders a tool that has no description and no declared properties
+    (``parameters: {}``, as a tool without arguments may come); probed once per tokenizer. gpt-oss's
+    raises (it writes ``"// " + tool.description``), Seed-OSS's and Apertus's too (they loop over
+    ``parameters.properties``)."""
     bare = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "parameters": {}}}
     return _probed(
         _bare_tools, tokenizer, [{"role": "user", "content": "hi"}], [bare], "tiered_kv_probe_fn"
@@ -441,12 +467,19 @@ def template_takes_bare_tools(tokenizer: Any) -> bool:
 
 
 def described(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each tool with a description ("" where it had none), for a template that needs one."""
+    """Each tool with a description ("" where it had none) and its parameters' ``properties``
+    (``{}`` where it declared none, or no parameters: the same schema), for a template that needs
+    them."""
     out = []
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) else None
-        if isinstance(fn, dict) and fn.get("description") is None:
-            t = {**t, "function": {**fn, "description": ""}}
+        if isinstance(fn, dict):
+            params = fn.get("parameters")
+            if fn.get("description") is None:
+                fn = {**fn, "description": ""}
+            if params is None or (isinstance(params, dict) and "properties" not in params):
+                fn = {**fn, "parameters": {"type": "object", **(params or {}), "properties": {}}}
+            t = {**t, "function": fn}
         out.append(t)
     return out
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mlx_lm.generate import TextStateMachine
+from mlx_lm.tool_parsers import qwen3_coder
 
 from engine import chat
 from engine.tool_calls import (
@@ -75,22 +76,27 @@ class OutputFormat:
         say: Hermes where the template ignores ``tools`` (the server injects Hermes instructions,
         :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; where mlx-lm has
         no parser, the way the template writes calls back: DeepSeek's DSML, Llama 3.x's bare JSON,
-        JSON between markers of its own (:func:`chat.template_call_block`); else mlx-lm's."""
+        JSON or Qwen3-Coder's XML between markers of its own (:func:`chat.template_call_block`);
+        else mlx-lm's. Think markers: mlx-lm's, else :data:`THINK_PAIRS`' where the vocabulary
+        holds them."""
         if _has_tokens(tokenizer, HARMONY_VOCAB):
             return HARMONY
-        think = None
         if getattr(tokenizer, "has_thinking", False):
-            think = (str(tokenizer.think_start), str(tokenizer.think_end))
+            think: tuple[str, str] | None = (str(tokenizer.think_start), str(tokenizer.think_end))
+        else:  # pairs mlx-lm does not know, each two tokens of the vocabulary as its are
+            think = next((pair for pair in THINK_PAIRS if _has_tokens(tokenizer, frozenset(pair))), None)
         if not chat.template_supports_tools(tokenizer):
             return cls(think)
         parser = getattr(tokenizer, "tool_parser", None)
-        if parser is None and (block := chat.template_dsml_block(tokenizer)):
-            return cls(think, (f"<{DSML}{block}>", f"</{DSML}{block}>"), parse_dsml, "dsml")
+        if parser is None and (dsml := chat.template_dsml_block(tokenizer)):
+            return cls(think, (f"<{DSML}{dsml}>", f"</{DSML}{dsml}>"), parse_dsml, "dsml")
         if parser is None and chat.template_writes_json_calls(tokenizer):
             return cls(think, ("", ""), parse_json_calls, "llama3_json", whole=True)
-        marks = chat.template_call_block(tokenizer) if parser is None else None
-        if marks is not None and marks != (HERMES_START, HERMES_END):
-            return cls(think, marks, parse_json_block, "json_block")
+        block = chat.template_call_block(tokenizer) if parser is None else None
+        if block is not None and block.body == "function":  # Seed-OSS's: Qwen3-Coder's calls, its own block
+            return cls(think, (block.start, block.end), qwen3_coder.parse_tool_call, "qwen3_coder")
+        if block is not None and (block.start, block.end) != (HERMES_START, HERMES_END):
+            return cls(think, (block.start, block.end), parse_json_block, "json_block")
         if parser is None or not getattr(tokenizer, "tool_call_start", None):
             return cls(think)
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
@@ -225,6 +231,11 @@ def _has_tokens(tokenizer: Any, tokens: frozenset[str]) -> bool:
         return False
     return all(isinstance(i, int) and i != unk for i in ids)
 
+
+#: think markers of families mlx-lm finds none for (it knows ``<think>``, LongCat's, Gemma 4's, Kimi
+#: K3's): Seed-OSS's, Cohere Command R7B / A's, Apertus's
+THINK_PAIRS = (("<seed:think>", "</seed:think>"), ("<|START_THINKING|>", "<|END_THINKING|>"),
+               ("<|inner_prefix|>", "<|inner_suffix|>"))  # fmt: skip
 
 #: the special tokens of gpt-oss's harmony format (o200k_harmony)
 HARMONY_VOCAB = frozenset(

@@ -190,6 +190,14 @@ FAMILIES: dict[str, Family] = {
         bos="<s>",
         eos="<|message_sep|>",
     ),
+    # Qwen3-Coder's XML calls in a block of its own (<seed:tool_call>), its own think markers: neither
+    # known to mlx-lm; its template sets its own bos / eos strings
+    "seed-oss": Family(
+        "ByteDance-Seed-OSS.jinja",
+        ("<seed:bos>", "<seed:eos>", "<seed:think>", "</seed:think>", "<seed:tool_call>", "</seed:tool_call>",
+         "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>"),
+        eos="<seed:eos>",
+    ),  # fmt: skip
     "deepseek-v3.2": Family(
         "deepseek-ai-DeepSeek-V3.2.jinja",
         ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>"),

@@ -265,7 +265,7 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 20 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 21 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -274,21 +274,37 @@ def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
     assert bare == {"llama-3.3"}
 
 
-def test_json_call_blocks_found_by_rendering_a_call(family_dirs):
-    """The probe behind the JSON-block format (engine/output_format.py, where mlx-lm has no parser):
-    the tags around the call's JSON that a call adds, the end "" where it is the turn's own end
-    (GigaChat 3.1's). None where the JSON follows a role's header (Llama's: its own format) or is no
-    JSON (the tag formats); Qwen3's Hermes block is Hermes."""
+def test_call_blocks_found_by_rendering_a_call(family_dirs):
+    """The probe behind the formats of templates mlx-lm has no parser for (engine/output_format.py):
+    the tags around the call that a call adds, the end "" where it is the turn's own end (GigaChat
+    3.1's); the call as JSON, or as Qwen3-Coder's XML (Seed-OSS's). None where the JSON follows a
+    role's header (Llama's: its own format) or the call is neither (the other tag formats)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+    Block = chat.CallBlock
     found = {f: chat.template_call_block(load_tokenizer(path)) for f, path in family_dirs.items()}
     assert {f: b for f, b in found.items() if b} == {
-        "qwen3": ("<tool_call>", "</tool_call>"),
-        "nemotron-nano-v2": ("<TOOLCALL>", "</TOOLCALL>"),
-        "command-r7b": ("<|START_ACTION|>", "<|END_ACTION|>"),
-        "apertus": ("<|tools_prefix|>", "<|tools_suffix|>"),
-        "gigachat-3.1": ("<|function_call|>", ""),
+        "qwen3": Block("<tool_call>", "</tool_call>", "json"),
+        "qwen3-coder": Block("<tool_call>", "</tool_call>", "function"),
+        "nemotron-nano-v2": Block("<TOOLCALL>", "</TOOLCALL>", "json"),
+        "command-r7b": Block("<|START_ACTION|>", "<|END_ACTION|>", "json"),
+        "apertus": Block("<|tools_prefix|>", "<|tools_suffix|>", "json"),
+        "gigachat-3.1": Block("<|function_call|>", "", "json"),
+        "seed-oss": Block("<seed:tool_call>", "</seed:tool_call>", "function"),
     }
+
+
+def test_tools_described_for_a_template_that_needs_it():
+    """A template that loops over a tool's ``parameters.properties`` (Seed-OSS's, Apertus's) or writes
+    its description (gpt-oss's) gets them: ``{}`` / "" where the tool had none, the same schema
+    (other keys kept); a tool that has both is unchanged."""
+    bare = {"type": "function", "function": {"name": "now", "parameters": {"additionalProperties": False}}}
+    none = {"type": "function", "function": {"name": "now"}}
+    got = chat.described([bare, none, TOOLS[0]])
+    assert got[0]["function"] == {"name": "now", "description": "", "parameters": {
+        "type": "object", "additionalProperties": False, "properties": {}}}  # fmt: skip
+    assert got[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert got[2] == TOOLS[0]
 
 
 def test_a_call_after_a_role_header_is_no_block():

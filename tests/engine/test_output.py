@@ -40,6 +40,7 @@ SOURCES = {
     "nemotron-nano-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2 (llama.cpp models/templates/NVIDIA-Nemotron-Nano-v2.jinja)",
     "command-r7b": "CohereForAI/c4ai-command-r7b-12-2024 (llama.cpp models/templates/CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja)",
     "apertus": "swiss-ai/Apertus-8B-Instruct-2509 (llama.cpp models/templates/Apertus-8B-Instruct.jinja)",
+    "seed-oss": "ByteDance-Seed/Seed-OSS-36B-Instruct (llama.cpp models/templates/ByteDance-Seed-OSS.jinja)",
     "gigachat-3.1": "ai-sage/GigaChat3.1-10B-A1.8B (llama.cpp models/templates/GigaChat3.1-10B-A1.8B.jinja)",
     "lfm2.5": "LiquidAI/LFM2.5-8B-A1B (llama.cpp models/templates/LFM2.5-8B-A1B.jinja)",
     "llama-3.3": "meta-llama/Llama-3.3-70B-Instruct (llama.cpp models/templates/meta-llama-Llama-3.3-70B-Instruct.jinja)",
@@ -174,13 +175,23 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         "",
         [PARIS, OSLO],
     ),
-    (  # Cohere's list of {"tool_call_id", "tool_name", "parameters"}
+    (  # Cohere's list of {"tool_call_id", "tool_name", "parameters"}, after its own think markers
         "command-r7b",
         "json_block",
-        '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
+        '<|START_THINKING|>Two cities.<|END_THINKING|><|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
         '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
         "<|END_ACTION|>",
+        "Two cities.",
         "",
+        [PARIS, OSLO],
+    ),
+    (  # Qwen3-Coder's XML in <seed:tool_call>, after <seed:think> (neither known to mlx-lm)
+        "seed-oss",
+        "qwen3_coder",
+        "<seed:think>Two cities.</seed:think>\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris"
+        "</parameter>\n<parameter=days>3</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n"
+        "<function=get_weather>\n<parameter=city>Oslo</parameter>\n</function>\n</seed:tool_call>",
+        "Two cities.",
         "",
         [PARIS, OSLO],
     ),

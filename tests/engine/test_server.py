@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from engine import chat
 from engine.generate import Engine
 from engine.http_edge import RETRY_AFTER_SECONDS
 from tests.serving import AUTH, TOOLS, USER, Scripted, hot_config, serve
@@ -897,6 +898,40 @@ def test_nemotron_nano_v2s_calls_come_back_as_tool_calls(family_server):
         {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
     ]  # fmt: skip
     again = httpx.post(live.url + "/v1/chat/completions", json={"messages": history, "tools": TOOLS}, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+SEED_OUT = [
+    "<seed:think>Weather first.</seed:think>\n<seed:tool_call>\n<function=get_weather>\n",
+    "<parameter=city>Paris</parameter>\n</function>\n</seed:tool_call>",
+]
+
+
+def test_seed_oss_serves_its_own_tool_format(family_server, family_dirs):
+    """Seed-OSS's template renders tools only where their parameters declare ``properties``: the
+    server's probe declared none, so it took the template for one without tools and asked the
+    model for Hermes calls its template never taught; its own calls (Qwen3-Coder's XML in
+    ``<seed:tool_call>``) and its ``<seed:think>`` reasoning came back as text. Now the template's
+    own tool list, the call and reasoning read, and a tool without parameters served (200)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    prompt = chat.render_chat(load_tokenizer(family_dirs["seed-oss"]), USER, TOOLS)
+    assert "<seed:tool_call>\n<function=example_function_name>" in prompt and "<tool_call>" not in prompt
+    live = family_server("seed-oss", SEED_OUT)
+    no_args = {"type": "function", "function": {"name": "now", "description": "the time", "parameters": {}}}
+    body = {"messages": USER, "tools": [*TOOLS, no_args]}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls" and msg["reasoning_content"] == "Weather first."
+    assert not msg["content"] and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    history = USER + [
+        {"role": "assistant", "content": None, "reasoning_content": msg["reasoning_content"],
+         "tool_calls": msg["tool_calls"]},
+        {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "sunny"},
+    ]  # fmt: skip
+    again = httpx.post(live.url + "/v1/chat/completions", json={**body, "messages": history}, timeout=60)
     assert again.status_code == 200, again.text
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
