@@ -389,6 +389,19 @@ def _call_block(with_call: str, as_text: str) -> CallBlock | None:
     return CallBlock(opener, closer, body)
 
 
+_frames: dict[tuple[str, str], Probes] = {}  # per answer-marker pair, as the probes above
+
+
+def template_frames_text(tokenizer: Any, frame: tuple[str, str]) -> bool:
+    """Whether the chat template writes an assistant's text right between ``frame``'s two markers
+    (Command R7B's ``<|START_RESPONSE|>…<|END_RESPONSE|>``, which its model writes); probed once
+    per tokenizer and pair."""
+    seen = _frames.setdefault(frame, weakref.WeakKeyDictionary())
+    hi = {"role": "user", "content": "hi"}
+    probe = [hi, {"role": "assistant", "content": _PROBE_NOTE}, hi]
+    return _probed(seen, tokenizer, probe, None, frame[0] + _PROBE_NOTE + frame[1])
+
+
 def _call_and_result(call_id: str) -> list[dict[str, Any]]:
     call = {"name": "tiered_kv_probe_fn", "arguments": {}}
     return [

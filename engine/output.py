@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from mlx_lm.generate import TextStateMachine
 
-from engine.output_format import CALLS, NORMAL, REASONING, THINK_TOOL, TOOL, OutputFormat
+from engine.output_format import ANSWER, CALLS, NORMAL, REASONING, THINK_TOOL, TOOL, OutputFormat
 from engine.tool_calls import CALL_ID_PREFIX, PYTHON_TAG, CallParser
 
 # What joins a channel's text across a break where the model wrote no whitespace: two think
@@ -243,7 +243,7 @@ class ChatOutput:
             else:
                 self._close_call(out, closed=not self.fmt.tool[1])
             self._state = NORMAL
-        if not self.calls.n and self._state == NORMAL:
+        if not self.calls.n and self._state in (NORMAL, ANSWER):
             if not self._lstrip[NORMAL]:  # (a separator no text followed is nothing)
                 held = self._held[NORMAL]  # plain text keeps its trailing whitespace
                 self._say(NORMAL, held, out, (self._at - len(held), self._at))
@@ -262,7 +262,7 @@ class ChatOutput:
         if self._state == TOOL:  # the block may yet be text
             at = min(at, self._block_at - len(self._space))
         gap = self._gap_at[NORMAL]
-        if gap is not None and self._said[NORMAL] and (self._state != NORMAL or self._lstrip[NORMAL]):
+        if gap is not None and self._said[NORMAL] and (self._state not in (NORMAL, ANSWER) or self._lstrip[NORMAL]):
             at = min(at, gap)  # the content's whitespace before a break, shown should it go on
         return at
 
@@ -273,6 +273,8 @@ class ChatOutput:
             self._tool_text += piece
         elif state in (NORMAL, REASONING):
             self._show(state, piece, out)
+        elif state == ANSWER:  # content, its markers left out
+            self._show(NORMAL, piece, out)
         self._at += len(piece)
 
     def _transition(self, old: str, new: str, out: Delta) -> None:

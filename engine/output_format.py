@@ -34,6 +34,7 @@ from engine.tool_calls import (
 )
 
 NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
+ANSWER = "answer"  # inside the markers a format writes its answer's text between: content, less them
 THINK_TOOL = "think_tool"  # a call block opened inside a think block: it closes back into reasoning
 CALLS = (TOOL, THINK_TOOL)
 
@@ -58,6 +59,9 @@ class OutputFormat:
     #: Mistral's ``[ARGS]``), each as (text, name in a grammar): a grammar names them as tokens
     #: (llguidance matches no added token by its text; one not spelled ``<...>`` by its id, ``<[7]>``)
     marker_tokens: tuple[tuple[str, str], ...] = ()
+    #: the markers the model writes its answer's text between, which are not content (Cohere
+    #: Command R7B's ``<|START_RESPONSE|>…<|END_RESPONSE|>``, its template writes them back)
+    frame: tuple[str, str] | None = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
@@ -78,13 +82,22 @@ class OutputFormat:
         no parser, the way the template writes calls back: DeepSeek's DSML, Llama 3.x's bare JSON,
         JSON or Qwen3-Coder's XML between markers of its own (:func:`chat.template_call_block`);
         else mlx-lm's. Think markers: mlx-lm's, else :data:`THINK_PAIRS`' where the vocabulary
-        holds them."""
+        holds them; answer markers: :data:`FRAME_PAIRS`' where the template writes text in them."""
         if _has_tokens(tokenizer, HARMONY_VOCAB):
             return HARMONY
         if getattr(tokenizer, "has_thinking", False):
             think: tuple[str, str] | None = (str(tokenizer.think_start), str(tokenizer.think_end))
         else:  # pairs mlx-lm does not know, each two tokens of the vocabulary as its are
             think = next((pair for pair in THINK_PAIRS if _has_tokens(tokenizer, frozenset(pair))), None)
+        fmt = cls._calls_of(tokenizer, think)
+        frame = next((pair for pair in FRAME_PAIRS
+                      if _has_tokens(tokenizer, frozenset(pair)) and chat.template_frames_text(tokenizer, pair)),
+                     None)  # fmt: skip
+        return replace(fmt, frame=frame) if frame else fmt
+
+    @classmethod
+    def _calls_of(cls, tokenizer: Any, think: tuple[str, str] | None) -> OutputFormat:
+        """:meth:`markers_of`'s format, less its answer markers."""
         if not chat.template_supports_tools(tokenizer):
             return cls(think)
         parser = getattr(tokenizer, "tool_parser", None)
@@ -173,6 +186,9 @@ class OutputFormat:
         if self.think is not None:
             edges[NORMAL].append((self.think[0], REASONING))
             edges[REASONING] = [(self.think[1], NORMAL)]
+        if self.frame is not None:
+            edges[NORMAL].append((self.frame[0], ANSWER))
+            edges[ANSWER] = [(self.frame[1], NORMAL)]
         if tools and not self.whole:
             edges[NORMAL].append((self.tool[0], TOOL))
             edges[TOOL] = [(self.tool[1], NORMAL)] if self.tool[1] else []
@@ -233,9 +249,13 @@ def _has_tokens(tokenizer: Any, tokens: frozenset[str]) -> bool:
 
 
 #: think markers of families mlx-lm finds none for (it knows ``<think>``, LongCat's, Gemma 4's, Kimi
-#: K3's): Seed-OSS's, Cohere Command R7B / A's, Apertus's
+#: K3's): Seed-OSS's, Cohere's (Command R7B, Cohere2 MoE), Apertus's
 THINK_PAIRS = (("<seed:think>", "</seed:think>"), ("<|START_THINKING|>", "<|END_THINKING|>"),
                ("<|inner_prefix|>", "<|inner_suffix|>"))  # fmt: skip
+
+#: answer markers (:attr:`OutputFormat.frame`), each where both are tokens of the vocabulary and the
+#: template writes an assistant's text between them: Command R7B's, Cohere2 MoE's
+FRAME_PAIRS = (("<|START_RESPONSE|>", "<|END_RESPONSE|>"), ("<|START_TEXT|>", "<|END_TEXT|>"))
 
 #: the special tokens of gpt-oss's harmony format (o200k_harmony)
 HARMONY_VOCAB = frozenset(

@@ -93,7 +93,7 @@ def parse_json_block(text: str, tools: Any = None) -> Any:
     """Calls written as JSON between a block's markers, in the templates mlx-lm has no parser for
     (the markers found by rendering a call, ``chat.template_call_block``): Apriel's and Nemotron
     Nano v2's list of ``{"name": …, "arguments": …}``, MiniMax-M1's such objects one a line, GigaChat
-    3.1's one object, Cohere Command R7B / A's list of ``{"tool_name": …, "parameters": …}``,
+    3.1's one object, Cohere's (Command R7B, Cohere2 MoE) list of ``{"tool_name": …, "parameters": …}``,
     Apertus's list of ``{NAME: ARGUMENTS}``. A list or values one after another (:func:`_json_values`);
     an ``id`` the model wrote is kept (Apriel's template writes them back). Raises ValueError."""
     names, calls = tool_names(tools), []

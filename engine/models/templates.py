@@ -175,6 +175,16 @@ FAMILIES: dict[str, Family] = {
         bos="<BOS_TOKEN>",
         eos="<|END_OF_TURN_TOKEN|>",
     ),  # fmt: skip
+    # ... as Command R7B's, its text in <|START_TEXT|> (every role's), thinking on by default
+    "cohere2-moe": Family(
+        "Cohere2MoE.jinja",
+        ("<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
+         "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|START_ACTION|>", "<|END_ACTION|>",
+         "<|START_THINKING|>", "<|END_THINKING|>", "<|START_TEXT|>", "<|END_TEXT|>",
+         "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"),
+        bos="<BOS_TOKEN>",
+        eos="<|END_OF_TURN_TOKEN|>",
+    ),  # fmt: skip
     # ... a list of {NAME: ARGUMENTS}
     "apertus": Family(
         "Apertus-8B-Instruct.jinja",

@@ -39,6 +39,7 @@ SOURCES = {
     "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2 (llama.cpp models/templates/deepseek-ai-DeepSeek-V3.2.jinja)",
     "nemotron-nano-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2 (llama.cpp models/templates/NVIDIA-Nemotron-Nano-v2.jinja)",
     "command-r7b": "CohereForAI/c4ai-command-r7b-12-2024 (llama.cpp models/templates/CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja)",
+    "cohere2-moe": "Cohere's MoE chat models (llama.cpp models/templates/Cohere2MoE.jinja)",
     "apertus": "swiss-ai/Apertus-8B-Instruct-2509 (llama.cpp models/templates/Apertus-8B-Instruct.jinja)",
     "seed-oss": "ByteDance-Seed/Seed-OSS-36B-Instruct (llama.cpp models/templates/ByteDance-Seed-OSS.jinja)",
     "gigachat-3.1": "ai-sage/GigaChat3.1-10B-A1.8B (llama.cpp models/templates/GigaChat3.1-10B-A1.8B.jinja)",
@@ -242,6 +243,28 @@ def test_family_tool_calls_whole_and_streamed(family_dirs, case):
             calls,
         )
         assert out.result.content == streamed.content and finish == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("family", "output", "reasoning"),
+    [
+        ("command-r7b", "<|START_RESPONSE|>Paris is sunny, 21°C.\n\n- no rain <|END_RESPONSE|>", ""),
+        # (its generation prompt opens the think block)
+        ("cohere2-moe", "The user wants the weather.<|END_THINKING|><|START_TEXT|>Paris is sunny, 21°C.\n\n- no rain "
+                        "<|END_TEXT|>", "The user wants the weather."),
+    ],
+)  # fmt: skip
+def test_answer_markers_are_not_content(family_dirs, family, output, reasoning):
+    """Cohere's models write their answer between markers (Command R7B's ``<|START_RESPONSE|>``, the
+    MoE's ``<|START_TEXT|>``) that their templates write back around the content: content is the
+    text between them, exactly (before, the markers were content too, and the next turn rendered
+    them twice, so its prompt parted from the cached turn there)."""
+    fmt, prompt = fmt_and_prompt(family_dirs, family)
+    start = fmt.opens_reasoning(prompt)
+    for n in (1, 2, 7, len(output)):
+        got, finish = run_output(ChatOutput(fmt, TOOLS, start_in_reasoning=start), in_pieces(output, n))
+        assert (got.reasoning, got.content, got.tool_calls, finish) == (
+            reasoning, "Paris is sunny, 21°C.\n\n- no rain ", [], "stop")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

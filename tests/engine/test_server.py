@@ -19,7 +19,7 @@ import pytest
 from engine import chat
 from engine.generate import Engine
 from engine.http_edge import RETRY_AFTER_SECONDS
-from tests.serving import AUTH, TOOLS, USER, Scripted, hot_config, serve
+from tests.serving import AUTH, TOOLS, USER, Scripted, ScriptedTurns, hot_config, serve
 from tiered_kv.config import Config
 
 TOOL_TEXT = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -934,6 +934,24 @@ def test_seed_oss_serves_its_own_tool_format(family_server, family_dirs):
     again = httpx.post(live.url + "/v1/chat/completions", json={**body, "messages": history}, timeout=60)
     assert again.status_code == 200, again.text
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_command_r7bs_answer_comes_back_without_its_markers(family_dirs, tmp_path):
+    """Command R7B writes its answer as ``<|START_RESPONSE|>…<|END_RESPONSE|>``: the markers were
+    the message's content, and the client sending it back made the next prompt write them twice
+    (the template wraps the content in them again), so it parted from the tokens the model wrote.
+    Now the content is the text between them, and the next prompt holds the answer as written."""
+    config = hot_config(tmp_path / "r7b")
+    scripts = [["<|START_RESPONSE|>Sunny", " in Paris.<|END_RESPONSE|>"]]
+    with serve(lambda: ScriptedTurns(Engine(family_dirs["command-r7b"], config), scripts), config) as live:
+        r = live.client.chat.completions.create(model="t", messages=USER)
+        assert r.choices[0].message.content == "Sunny in Paris."
+        again = USER + [{"role": "assistant", "content": r.choices[0].message.content},
+                        {"role": "user", "content": "And tomorrow?"}]  # fmt: skip
+        live.client.chat.completions.create(model="t", messages=again)
+        prompts = live.app.state.server.engine.prompts
+    assert prompts[-1].count("<|START_RESPONSE|>Sunny in Paris.<|END_RESPONSE|>") == 1
+    assert "<|START_RESPONSE|><|START_RESPONSE|>" not in prompts[-1]
 
 
 def test_gemma_2_serves_a_conversation_with_a_system_prompt(family_server):
