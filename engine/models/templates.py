@@ -68,6 +68,10 @@ _GEMMA4 = ("<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|too
            "<tool_response|>", "<|tool>", "<tool|>", '<|"|>', "<|channel>", "<channel|>",
            "<|think|>")  # fmt: skip
 
+_COHERE = ("<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
+           "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|START_ACTION|>", "<|END_ACTION|>", "<|START_THINKING|>",
+           "<|END_THINKING|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>")  # fmt: skip
+
 _HARMONY = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
 FAMILIES: dict[str, Family] = {
@@ -168,23 +172,17 @@ FAMILIES: dict[str, Family] = {
     # ... a list of {"tool_call_id", "tool_name", "parameters"}
     "command-r7b": Family(
         "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
-        ("<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
-         "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|START_ACTION|>", "<|END_ACTION|>",
-         "<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>",
-         "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"),
+        (*_COHERE, "<|START_RESPONSE|>", "<|END_RESPONSE|>"),
         bos="<BOS_TOKEN>",
         eos="<|END_OF_TURN_TOKEN|>",
-    ),  # fmt: skip
+    ),
     # ... as Command R7B's, its text in <|START_TEXT|> (every role's), thinking on by default
     "cohere2-moe": Family(
         "Cohere2MoE.jinja",
-        ("<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
-         "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|START_ACTION|>", "<|END_ACTION|>",
-         "<|START_THINKING|>", "<|END_THINKING|>", "<|START_TEXT|>", "<|END_TEXT|>",
-         "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"),
+        (*_COHERE, "<|START_TEXT|>", "<|END_TEXT|>"),
         bos="<BOS_TOKEN>",
         eos="<|END_OF_TURN_TOKEN|>",
-    ),  # fmt: skip
+    ),
     # ... a list of {NAME: ARGUMENTS}
     "apertus": Family(
         "Apertus-8B-Instruct.jinja",

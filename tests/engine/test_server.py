@@ -849,6 +849,18 @@ def test_kimi_k2_thinking_serves_a_conversation_that_holds_a_call(family_server)
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def _send_the_call_back(live, msg) -> None:
+    """The conversation with ``msg``'s first call and its result: rendered (200) and served from
+    the cache."""
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
+    ]  # fmt: skip
+    again = httpx.post(live.url + "/v1/chat/completions", json={"messages": history, "tools": TOOLS}, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 DEEPSEEK_V32_OUT = [
     "Weather first.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n",
     '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
@@ -864,13 +876,7 @@ def test_deepseek_v32s_calls_come_back_as_tool_calls(family_server):
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and msg.reasoning_content == "Weather first.", msg
     assert not msg.content and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
-    history = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
-        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
-    ]  # fmt: skip
-    again = httpx.post(live.url + "/v1/chat/completions", json={"messages": history, "tools": TOOLS}, timeout=60)
-    assert again.status_code == 200, again.text
-    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    _send_the_call_back(live, msg)
 
 
 NEMOTRON_V2_OUT = [
@@ -893,13 +899,7 @@ def test_nemotron_nano_v2s_calls_come_back_as_tool_calls(family_server):
     streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [tc.function.name for tc in streamed] == ["get_weather"]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
-    history = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
-        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
-    ]  # fmt: skip
-    again = httpx.post(live.url + "/v1/chat/completions", json={"messages": history, "tools": TOOLS}, timeout=60)
-    assert again.status_code == 200, again.text
-    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    _send_the_call_back(live, msg)
 
 
 SEED_OUT = [
