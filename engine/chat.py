@@ -389,6 +389,12 @@ def _call_block(with_call: str, as_text: str) -> CallBlock | None:
     return CallBlock(opener, closer, body)
 
 
+def template_holds(tokenizer: Any, texts: Sequence[str]) -> bool:
+    """Whether the chat template's text holds each of ``texts`` (mlx-lm finds tool parsers so)."""
+    template = _template_of(tokenizer, None)
+    return template is not None and all(t in template for t in texts)
+
+
 _frames: dict[tuple[str, str], Probes] = {}  # per answer-marker pair, as the probes above
 
 

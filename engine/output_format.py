@@ -82,13 +82,14 @@ class OutputFormat:
         no parser, the way the template writes calls back: DeepSeek's DSML, Llama 3.x's bare JSON,
         JSON or Qwen3-Coder's XML between markers of its own (:func:`chat.template_call_block`);
         else mlx-lm's. Think markers: mlx-lm's, else :data:`THINK_PAIRS`' where the vocabulary
-        holds them; answer markers: :data:`FRAME_PAIRS`' where the template writes text in them."""
+        holds them, else :data:`THINK_TEXTS`' where the template does; answer markers: :data:`FRAME_PAIRS`' where the template writes text in them."""
         if _has_tokens(tokenizer, HARMONY_VOCAB):
             return HARMONY
         if getattr(tokenizer, "has_thinking", False):
             think: tuple[str, str] | None = (str(tokenizer.think_start), str(tokenizer.think_end))
-        else:  # pairs mlx-lm does not know, each two tokens of the vocabulary as its are
+        else:  # pairs mlx-lm does not know: tokens of the vocabulary, or text its template writes
             think = next((pair for pair in THINK_PAIRS if _has_tokens(tokenizer, frozenset(pair))), None)
+            think = think or next((pair for pair in THINK_TEXTS if chat.template_holds(tokenizer, pair)), None)
         fmt = cls._calls_of(tokenizer, think)
         frame = next((pair for pair in FRAME_PAIRS
                       if _has_tokens(tokenizer, frozenset(pair)) and chat.template_frames_text(tokenizer, pair)),
@@ -252,6 +253,10 @@ def _has_tokens(tokenizer: Any, tokens: frozenset[str]) -> bool:
 #: K3's): Seed-OSS's, Cohere's (Command R7B, Cohere2 MoE), Apertus's
 THINK_PAIRS = (("<seed:think>", "</seed:think>"), ("<|START_THINKING|>", "<|END_THINKING|>"),
                ("<|inner_prefix|>", "<|inner_suffix|>"))  # fmt: skip
+
+#: think markers written as text, where the chat template holds both: Apriel 1.6's (its generation
+#: prompt opens the reasoning, ``[BEGIN FINAL RESPONSE]`` ends it)
+THINK_TEXTS = (("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]"),)
 
 #: answer markers (:attr:`OutputFormat.frame`), each where both are tokens of the vocabulary and the
 #: template writes an assistant's text between them: Command R7B's, Cohere2 MoE's

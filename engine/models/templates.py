@@ -183,6 +183,13 @@ FAMILIES: dict[str, Family] = {
         bos="<BOS_TOKEN>",
         eos="<|END_OF_TURN_TOKEN|>",
     ),
+    # ... a list of {"name", "arguments", "id"}; its reasoning ends at the text [BEGIN FINAL RESPONSE]
+    "apriel-1.6": Family(
+        "Apriel-1.6-15b-Thinker-fixed.jinja",
+        ("<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>", "<|begin_tool_result|>", "<|begin_content|>",
+         "<|end|>"),
+        eos="<|end|>",
+    ),  # fmt: skip
     # ... a list of {NAME: ARGUMENTS}
     "apertus": Family(
         "Apertus-8B-Instruct.jinja",

@@ -265,7 +265,7 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 22 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 23 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -290,6 +290,7 @@ def test_call_blocks_found_by_rendering_a_call(family_dirs):
         "command-r7b": Block("<|START_ACTION|>", "<|END_ACTION|>", "json"),
         "cohere2-moe": Block("<|START_ACTION|>", "<|END_ACTION|>", "json"),
         "apertus": Block("<|tools_prefix|>", "<|tools_suffix|>", "json"),
+        "apriel-1.6": Block("<tool_calls>", "</tool_calls>", "json"),
         "gigachat-3.1": Block("<|function_call|>", "", "json"),
         "seed-oss": Block("<seed:tool_call>", "</seed:tool_call>", "function"),
     }

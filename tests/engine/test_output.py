@@ -40,6 +40,7 @@ SOURCES = {
     "nemotron-nano-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2 (llama.cpp models/templates/NVIDIA-Nemotron-Nano-v2.jinja)",
     "command-r7b": "CohereForAI/c4ai-command-r7b-12-2024 (llama.cpp models/templates/CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja)",
     "cohere2-moe": "Cohere's MoE chat models (llama.cpp models/templates/Cohere2MoE.jinja)",
+    "apriel-1.6": "ServiceNow-AI/Apriel-1.6-15b-Thinker (llama.cpp models/templates/Apriel-1.6-15b-Thinker-fixed.jinja)",
     "apertus": "swiss-ai/Apertus-8B-Instruct-2509 (llama.cpp models/templates/Apertus-8B-Instruct.jinja)",
     "seed-oss": "ByteDance-Seed/Seed-OSS-36B-Instruct (llama.cpp models/templates/ByteDance-Seed-OSS.jinja)",
     "gigachat-3.1": "ai-sage/GigaChat3.1-10B-A1.8B (llama.cpp models/templates/GigaChat3.1-10B-A1.8B.jinja)",
@@ -193,6 +194,16 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         "</parameter>\n<parameter=days>3</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n"
         "<function=get_weather>\n<parameter=city>Oslo</parameter>\n</function>\n</seed:tool_call>",
         "Two cities.",
+        "",
+        [PARIS, OSLO],
+    ),
+    (  # its generation prompt opens the reasoning ("Here are my reasoning steps:"), a text marker ends it
+        "apriel-1.6",
+        "json_block",
+        "The user wants two cities.\n[BEGIN FINAL RESPONSE]\n<tool_calls>[{\"name\": \"get_weather\", "
+        '"arguments": {"city": "Paris", "days": 3}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+        "</tool_calls>",
+        "The user wants two cities.",
         "",
         [PARIS, OSLO],
     ),
