@@ -21,7 +21,7 @@ from typing import Any
 import xxhash
 from jinja2 import TemplateError
 
-from engine.tool_calls import DSML, parse_json_block
+from engine.tool_calls import DS_CALL, DS_CALLS, DS_SEP, DSML, parse_json_block
 
 Probes = weakref.WeakKeyDictionary[Any, bool]
 #: what a template's own code raises at run time on request data it cannot use: its filters and
@@ -50,6 +50,7 @@ _dsml_tool_calls: Probes = weakref.WeakKeyDictionary()  # ... in <｜DSML｜tool
 _text_beside_reasoning: Probes = weakref.WeakKeyDictionary()  # a call with text and reasoning?
 _bare_tools: Probes = weakref.WeakKeyDictionary()  # tools without a description?
 _json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
+_deepseek_calls: Probes = weakref.WeakKeyDictionary()  # ... in DeepSeek V3.1's markup?
 _any_ids: Probes = weakref.WeakKeyDictionary()  # call ids other than 9 alphanumerics rendered?
 _short_ids: Probes = weakref.WeakKeyDictionary()  # call ids of 9 alphanumerics rendered?
 
@@ -286,6 +287,14 @@ def template_writes_json_calls(tokenizer: Any) -> bool:
     with the call's JSON alone); probed once per tokenizer."""
     written = '{"name": "tiered_kv_probe_fn", "parameters": {"a": 1}}'
     return _probed(_json_calls, tokenizer, _CALL_PROBE, [_PROBE_TOOL], written)
+
+
+def template_writes_deepseek_calls(tokenizer: Any) -> bool:
+    """Whether the chat template writes an assistant's calls back in DeepSeek V3.1's markup
+    (``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>``) — V3.1's renders no ``tools`` (the server writes them
+    into the system turn as DeepSeek documents, :func:`deepseek_messages`); probed once per
+    tokenizer. R1's and V3's older ``function<｜tool▁sep｜>NAME`` markup is not it."""
+    return _probed(_deepseek_calls, tokenizer, _CALL_PROBE, None, f"{DS_CALL}tiered_kv_probe_fn{DS_SEP}")
 
 
 def template_dsml_block(tokenizer: Any) -> str:
@@ -582,6 +591,41 @@ def format_tool_call(name: str, arguments: Any) -> str:
     return f'{OPEN}\n{{"name": "{name}", "arguments": {args}}}\n{CLOSE}'
 
 
+#: DeepSeek V3.1's tool instructions around the tool list, as its model card writes them (its template
+#: renders no tools)
+DEEPSEEK_TOOLS = "## Tools\nYou have access to the following tools:\n"
+DEEPSEEK_TOOL_USE = (
+    "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+    + DS_CALLS[0] + DS_CALL + "tool_call_name" + DS_SEP + "tool_call_arguments<｜tool▁call▁end｜>{{additional_tool_calls}}"
+    + DS_CALLS[1] + "\n\nWhere:\n\n"
+    "- `tool_call_name` must be an exact match to one of the available tools\n"
+    "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+    "- For multiple tool calls, chain them directly without separators or spaces"
+)
+
+
+def deepseek_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """For DeepSeek V3.1's template (it writes calls and results back in its own markup, and no
+    tool list): the tools into the system turn as its model card describes them."""
+    if not tools:
+        return messages
+    listing = ""
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict):
+            params = json.dumps(fn.get("parameters") or {}, ensure_ascii=False)
+            listing += f"\n### {fn.get('name', '')}\nDescription: {fn.get('description') or ''}\n\nParameters: {params}\n"
+    return _with_system(messages, DEEPSEEK_TOOLS + listing + DEEPSEEK_TOOL_USE)
+
+
+def _with_system(messages: list[dict[str, Any]], block: str) -> list[dict[str, Any]]:
+    """``messages`` with ``block`` at the end of their opening system turn (one made for it where
+    they open with none)."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + block}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
 def hermes_messages(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
@@ -589,12 +633,7 @@ def hermes_messages(
     out: list[dict[str, Any]] = []
     if tools:
         listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-        block = HERMES_SYSTEM.format(tools=listing)
-        if messages and messages[0]["role"] == "system":
-            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + block})
-            messages = messages[1:]
-        else:
-            out.append({"role": "system", "content": block})
+        messages = _with_system(messages, HERMES_SYSTEM.format(tools=listing))
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [
@@ -636,6 +675,8 @@ def render_chat(
             msgs = reasoning_for_text(msgs)
         if tools and not template_takes_bare_tools(tokenizer):
             tools = described(tools)
+    elif template_writes_deepseek_calls(tokenizer):
+        msgs, tools = deepseek_messages(msgs, tools), None
     else:
         msgs, tools = hermes_messages(msgs, tools), None
     if not template_takes_system(tokenizer):

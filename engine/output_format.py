@@ -21,11 +21,16 @@ from mlx_lm.tool_parsers import qwen3_coder
 
 from engine import chat
 from engine.tool_calls import (
+    DS_CALL,
+    DS_CALL_END,
+    DS_CALLS,
+    DS_SEP,
     DSML,
     HERMES_END,
     HERMES_START,
     OWN_PARSERS,
     Parser,
+    parse_deepseek_v31,
     parse_dsml,
     parse_harmony,
     parse_hermes,
@@ -99,7 +104,9 @@ class OutputFormat:
     @classmethod
     def _calls_of(cls, tokenizer: Any, think: tuple[str, str] | None) -> OutputFormat:
         """:meth:`markers_of`'s format, less its answer markers."""
-        if not chat.template_supports_tools(tokenizer):
+        if not chat.template_supports_tools(tokenizer):  # Hermes instructions, or DeepSeek V3.1's
+            if chat.template_writes_deepseek_calls(tokenizer):
+                return cls(think, DS_CALLS, parse_deepseek_v31, "deepseek_v31")
             return cls(think)
         parser = getattr(tokenizer, "tool_parser", None)
         if parser is None and (dsml := chat.template_dsml_block(tokenizer)):
@@ -280,6 +287,7 @@ _NAMED_CLOSE = {
     "harmony": "",
     "mistral": "",
     "kimi_k2": "<|tool_call_end|><|tool_calls_section_end|>",
+    "deepseek_v31": DS_CALL_END + DS_CALLS[1],
 }
 
 #: in an argument layout (:class:`ArgLayout`), a newline the model may write or not (a grammar reads
@@ -344,4 +352,5 @@ _NAMED = {
     "llama3_json": '{{"name": "{name}", "parameters": ',
     "harmony": "{start}{name} <|constrain|>json<|message|>",
     "dsml": '{start}\n<｜DSML｜invoke name="{name}">\n',
+    "deepseek_v31": "{start}" + DS_CALL + "{name}" + DS_SEP,
 }

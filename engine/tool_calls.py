@@ -3,7 +3,7 @@
 Pure functions and one small per-request reader, no state machine (``engine/output.py`` finds the
 blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are those it has
 none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
-:mod:`engine.chat`), Llama 3.x's bare JSON calls, DeepSeek V3.2's / V4's DSML, and JSON between the
+:mod:`engine.chat`), Llama 3.x's bare JSON calls, DeepSeek V3.1's and V3.2's / V4's (DSML), and JSON between the
 markers a template writes calls back in (Apriel, Nemotron Nano v2, Cohere, ...); and one around mlx-lm's Mistral parser, for
 calls written with their ids (``name[CALL_ID]id[ARGS]{…}``). Whoever parsed a block, :class:`CallParser`
 keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
@@ -170,6 +170,23 @@ def parse_dsml(text: str, tools: Any = None) -> Any:
     return calls[0] if len(calls) == 1 else calls
 
 
+#: DeepSeek V3.1's call markup (its template writes calls back so; the server tells the model the
+#: format, :func:`engine.chat.deepseek_messages`): ``<｜tool▁calls▁begin｜>`` holding one
+#: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`` per call, ARGUMENTS JSON
+DS_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+_DS_CALL = re.compile(re.escape(DS_CALL) + r"(.*?)" + re.escape(DS_SEP) + r"(.*?)" + re.escape(DS_CALL_END), re.DOTALL)
+
+
+def parse_deepseek_v31(text: str, tools: Any = None) -> Any:
+    """DeepSeek V3.1's calls (mlx-lm has no parser for them): each ``<｜tool▁call▁begin｜>`` a call,
+    its name up to ``<｜tool▁sep｜>``, its arguments the JSON after it. Raises ValueError."""
+    calls = [{"name": name.strip(), "arguments": json.loads(args)} for name, args in _DS_CALL.findall(text)]
+    if not calls or not all(c["name"] for c in calls):
+        raise ValueError("no DeepSeek call with a name")
+    return calls[0] if len(calls) == 1 else calls
+
+
 #: parsers of ours in place of mlx-lm's, by its parser module's name
 OWN_PARSERS: dict[str, Parser] = {"mistral": parse_mistral}
 
@@ -181,6 +198,7 @@ _EACH_CALL = {
     "kimi_k2": re.compile(r"<\|tool_call_begin\|>.*?<\|tool_call_end\|>", re.DOTALL),
     "minimax_m2": re.compile(r"<invoke name=.*?</invoke>", re.DOTALL),
     "dsml": _DSML_INVOKE,
+    "deepseek_v31": _DS_CALL,
 }
 
 

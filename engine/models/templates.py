@@ -213,6 +213,16 @@ FAMILIES: dict[str, Family] = {
          "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>"),
         eos="<seed:eos>",
     ),  # fmt: skip
+    # no tools in its template (the server writes DeepSeek's instructions into the system turn), calls
+    # written back in its own markup: mlx-lm has no parser, ours reads them
+    "deepseek-v3.1": Family(
+        "deepseek-ai-DeepSeek-V3.1.jinja",
+        ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>",
+         "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+         "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+    ),  # fmt: skip
     "deepseek-v3.2": Family(
         "deepseek-ai-DeepSeek-V3.2.jinja",
         ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>"),

@@ -265,7 +265,7 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 23 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 24 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -307,6 +307,29 @@ def test_tools_described_for_a_template_that_needs_it():
         "type": "object", "additionalProperties": False, "properties": {}}}  # fmt: skip
     assert got[1]["function"]["parameters"] == {"type": "object", "properties": {}}
     assert got[2] == TOOLS[0]
+
+
+def test_deepseek_v31_is_told_its_own_call_format(family_dirs):
+    """DeepSeek V3.1's template renders no tools but writes calls and results back in its own
+    markup: the server had told it Hermes calls (and rewrote its history so), a format its model
+    was not taught. Now the tools are in the system turn as its model card writes them, and the
+    history is the template's own."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(family_dirs["deepseek-v3.1"])
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    text = chat.render_chat(tok, msgs, TOOLS)
+    assert text.startswith("<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\nYou have access to the following tools:\n")
+    assert '\n### get_weather\nDescription: Weather of a city\n\nParameters: {"type": "object"' in text
+    assert "<｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜>{{additional_tool_calls}}" in text
+    assert '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>' in text
+    assert text.endswith("<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>") and "<tool_call>" not in text
+    assert chat.template_writes_deepseek_calls(tok)
+    others = {f for f, path in family_dirs.items() if chat.template_writes_deepseek_calls(load_tokenizer(path))}
+    assert others == {"deepseek-v3.1"}  # the R1 distills' older markup is not it
 
 
 def test_a_call_after_a_role_header_is_no_block():

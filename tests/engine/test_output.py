@@ -36,6 +36,7 @@ SOURCES = {
     "mistral-small-3.2": "mistralai/Mistral-Small-3.2-24B-Instruct-2506 (llama.cpp models/templates/Mistral-Small-3.2-24B-Instruct-2506.jinja)",
     "gemma-4": "google/gemma-4-31B-it (llama.cpp models/templates/google-gemma-4-31B-it.jinja)",
     "gemma-2": "google/gemma-2-2b-it (llama.cpp models/templates/google-gemma-2-2b-it.jinja)",
+    "deepseek-v3.1": "deepseek-ai/DeepSeek-V3.1 (llama.cpp models/templates/deepseek-ai-DeepSeek-V3.1.jinja)",
     "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2 (llama.cpp models/templates/deepseek-ai-DeepSeek-V3.2.jinja)",
     "nemotron-nano-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2 (llama.cpp models/templates/NVIDIA-Nemotron-Nano-v2.jinja)",
     "command-r7b": "CohereForAI/c4ai-command-r7b-12-2024 (llama.cpp models/templates/CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja)",
@@ -152,6 +153,17 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         'get_weather(city="Oslo")]<|tool_call_end|>',
         "",
         "One moment.",
+        [PARIS, OSLO],
+    ),
+    (  # its own markup (mlx-lm has no parser; its template lists no tools: the server writes DeepSeek's
+        # instructions into the system turn); its generation prompt opens <think> (mlx-lm's default)
+        "deepseek-v3.1",
+        "deepseek_v31",
+        'Two cities.</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", '
+        '"days": 3}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜>",
+        "Two cities.",
+        "",
         [PARIS, OSLO],
     ),
     (  # DSML markup (mlx-lm has no parser): a string argument as written, string="false" as JSON; its

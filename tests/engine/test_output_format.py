@@ -105,6 +105,19 @@ def test_a_forced_deepseek_call_names_its_function_in_dsml(family_dirs):
     assert named_calls(got) == [OSLO] and finish == "tool_calls"
 
 
+def test_a_forced_deepseek_v31_call_is_its_json_arguments(family_dirs):
+    """DeepSeek V3.1's named call: the prompt opens the block and the call to the function; the
+    model writes its arguments, a JSON object a grammar holds to the tool's schema, then the ends."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    fmt, _ = fmt_and_prompt(family_dirs, "deepseek-v3.1")
+    prefix = fmt.forced_prefix(named)
+    assert prefix == "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    assert fmt.named_close() == "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    assert fmt.forced_prefix("required") == "<｜tool▁calls▁begin｜>"
+    got, finish = run_output(ChatOutput(fmt, TOOLS), [prefix, '{"city": "Oslo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'])
+    assert named_calls(got) == [OSLO] and finish == "tool_calls"
+
+
 def test_a_forced_kimi_call_is_numbered_after_the_calls_before_it(family_dirs):
     """Kimi's call ids are ``functions.NAME:N``, N counting the conversation's calls: every forced
     call was ``:0``, so tool results in the history named one id for several calls."""

@@ -849,9 +849,14 @@ def test_kimi_k2_thinking_serves_a_conversation_that_holds_a_call(family_server)
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def _send_the_call_back(live, msg) -> None:
-    """The conversation with ``msg``'s first call and its result: rendered (200) and served from
-    the cache."""
+def _call_round_trip(live) -> None:
+    """A request whose scripted answer is a call of get_weather for Paris after the reasoning
+    "Weather first.": a tool call, the reasoning apart, no content; then the conversation with the
+    call and its result sent back: rendered (200) and served from the cache."""
+    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.reasoning_content == "Weather first.", msg
+    assert not msg.content and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
     history = USER + [
         {"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
         {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"},
@@ -867,16 +872,20 @@ DEEPSEEK_V32_OUT = [
 ]
 
 
-def test_deepseek_v32s_calls_come_back_as_tool_calls(family_server):
-    """DeepSeek V3.2's template tells the model to call in its DSML markup, which mlx-lm has no
-    parser for: the call came back as the message's text. Now a tool call (its reasoning apart),
-    and the conversation sent back renders and is served from the cache."""
-    live = family_server("deepseek-v3.2", DEEPSEEK_V32_OUT)
-    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
-    msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and msg.reasoning_content == "Weather first.", msg
-    assert not msg.content and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
-    _send_the_call_back(live, msg)
+DEEPSEEK_V31_OUT = [
+    "Weather first.</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>",
+    '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+]
+
+
+@pytest.mark.parametrize(("family", "script"), [("deepseek-v3.2", DEEPSEEK_V32_OUT), ("deepseek-v3.1", DEEPSEEK_V31_OUT)])
+def test_deepseeks_calls_come_back_as_tool_calls(family_server, family, script):
+    """DeepSeek V3.2's template tells the model to call in its DSML markup, V3.1's writes calls
+    back in its own (and lists no tools: the server had asked it for Hermes calls; now it is told
+    its own format); mlx-lm has a parser for neither: the call came back as the message's text.
+    Now a tool call (its reasoning apart), and the conversation sent back renders and is served
+    from the cache."""
+    _call_round_trip(family_server(family, script))
 
 
 NEMOTRON_V2_OUT = [
@@ -891,15 +900,11 @@ def test_nemotron_nano_v2s_calls_come_back_as_tool_calls(family_server):
     rendering a call, as for Cohere's, Apertus's, GigaChat's, Apriel's, MiniMax-M1's). Now a tool
     call, streamed too, and the conversation sent back is served from the cache."""
     live = family_server("nemotron-nano-v2", NEMOTRON_V2_OUT)
-    r = live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS)
-    msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and msg.reasoning_content == "Weather first.", msg
-    assert not msg.content and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
+    _call_round_trip(live)
     chunks = list(live.client.chat.completions.create(model="t", messages=USER, tools=TOOLS, stream=True))
     streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [tc.function.name for tc in streamed] == ["get_weather"]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
-    _send_the_call_back(live, msg)
 
 
 SEED_OUT = [

@@ -303,13 +303,13 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2", "glm-4.7",
-                                    "lfm2.5", "gemma-4"])
+                                    "lfm2.5", "gemma-4", "deepseek-v3.1"])
 def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
     ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
     (Hermes-style calls; gpt-oss's harmony; Qwen3's json_tools, ``</tool_call>`` a token; Kimi-K2's
     sections, its ends tokens; Qwen3-Coder's, MiniMax-M2's and GLM's arguments as tags, one per
-    property; LFM2's Python call; Gemma 4's ``call:NAME{key:<|"|>text<|"|>}``). Before, the random model's arguments were whatever it wrote: no
+    property; LFM2's Python call; Gemma 4's ``call:NAME{key:<|"|>text<|"|>}``; DeepSeek V3.1's ``NAME<｜tool▁sep｜>{…}``). Before, the random model's arguments were whatever it wrote: no
     call came back (the block was text, or cut by ``max_tokens``)."""
     from engine.generate import Engine
     from tests.serving import USER, hot_config, serve
@@ -335,7 +335,7 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
 
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "devstral", "llama-3.3", "qwen3-coder",
-                                    "minimax-m2", "glm-4.6", "lfm2.5", "gemma-4"])
+                                    "minimax-m2", "glm-4.6", "lfm2.5", "gemma-4", "deepseek-v3.1"])
 def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice: "required"``: the prompt opens a call, then the grammar makes it a call to one
     of the tools, by its name in the format's syntax, its arguments that tool's ``parameters`` —
@@ -370,7 +370,7 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
 
 
 @pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2",
-                                    "glm-4.6", "glm-4.7", "lfm2.5", "gemma-4"])
+                                    "glm-4.6", "glm-4.7", "lfm2.5", "gemma-4", "deepseek-v3.1"])
 def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
     """Over the family's real tokenizer, after the prompt's opener: ``required``'s grammar takes a
     call to either tool (the added tokens of its head and end as tokens: Mistral's ``[ARGS]`` by
