@@ -23,7 +23,16 @@ from typing import Any, Protocol
 
 from mlx_lm.generate import TextStateMachine
 
-from engine.output_format import ANSWER, CALLS, NORMAL, REASONING, THINK_TOOL, TOOL, OutputFormat
+from engine.output_format import (
+    ANSWER,
+    CALLS,
+    END,
+    NORMAL,
+    REASONING,
+    THINK_TOOL,
+    TOOL,
+    OutputFormat,
+)
 from engine.tool_calls import CALL_ID_PREFIX, PYTHON_TAG, CallParser
 
 # What joins a channel's text across a break where the model wrote no whitespace: two think
@@ -244,9 +253,7 @@ class ChatOutput:
                 self._close_call(out, closed=not self.fmt.tool[1])
             self._state = NORMAL
         if not self.calls.n and self._state in (NORMAL, ANSWER):
-            if not self._lstrip[NORMAL]:  # (a separator no text followed is nothing)
-                held = self._held[NORMAL]  # plain text keeps its trailing whitespace
-                self._say(NORMAL, held, out, (self._at - len(held), self._at))
+            self._show_held(out, self._at)
         self._finished = True
         self.result.merge(out)
         return out, finish_reason(engine_reason, self.calls.n > 0)
@@ -275,9 +282,18 @@ class ChatOutput:
             self._show(state, piece, out)
         elif state == ANSWER:  # content, its markers left out
             self._show(NORMAL, piece, out)
+        # (END: after the message's end marker, nothing is output)
         self._at += len(piece)
 
+    def _show_held(self, out: Delta, at: int) -> None:
+        """The content's trailing whitespace (ending at ``at``), at its end: plain text keeps it."""
+        if not self._lstrip[NORMAL]:  # (a separator no text followed is nothing)
+            held, self._held[NORMAL] = self._held[NORMAL], ""
+            self._say(NORMAL, held, out, (at - len(held), at))
+
     def _transition(self, old: str, new: str, out: Delta) -> None:
+        if new == END and not self.calls.n:  # the message ended: its content did, as written
+            self._show_held(out, self._at - len(self._marker[old, new]))
         if (old, new) == (THINK_TOOL, NORMAL):
             self._cut_call(out)  # the think block ended inside it: a mention, never parsed
             self._gap[REASONING] = BREAK[REASONING]

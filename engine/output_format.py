@@ -40,6 +40,7 @@ from engine.tool_calls import (
 
 NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
 ANSWER = "answer"  # inside the markers a format writes its answer's text between: content, less them
+END = "end"  # after the marker that ends the model's message: nothing
 THINK_TOOL = "think_tool"  # a call block opened inside a think block: it closes back into reasoning
 CALLS = (TOOL, THINK_TOOL)
 
@@ -65,8 +66,11 @@ class OutputFormat:
     #: (llguidance matches no added token by its text; one not spelled ``<...>`` by its id, ``<[7]>``)
     marker_tokens: tuple[tuple[str, str], ...] = ()
     #: the markers the model writes its answer's text between, which are not content (Cohere
-    #: Command R7B's ``<|START_RESPONSE|>…<|END_RESPONSE|>``, its template writes them back)
+    #: Command R7B's ``<|START_RESPONSE|>…<|END_RESPONSE|>``, Kimi K3's ``<|open|>response<|sep|>…``;
+    #: its template writes them back)
     frame: tuple[str, str] | None = None
+    #: what ends the model's message, nothing after it output (Kimi K3's ``<|close|>message<|sep|>``)
+    close: str | None = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
@@ -87,7 +91,8 @@ class OutputFormat:
         no parser, the way the template writes calls back: DeepSeek's DSML, Llama 3.x's bare JSON,
         JSON or Qwen3-Coder's XML between markers of its own (:func:`chat.template_call_block`);
         else mlx-lm's. Think markers: mlx-lm's, else :data:`THINK_PAIRS`' where the vocabulary
-        holds them, else :data:`THINK_TEXTS`' where the template does; answer markers: :data:`FRAME_PAIRS`' where the template writes text in them."""
+        holds them, else :data:`THINK_TEXTS`' where the template does; answer markers:
+        :data:`FRAME_PAIRS`' or mlx-lm's structural markers' where the template writes text in them."""
         if _has_tokens(tokenizer, HARMONY_VOCAB):
             return HARMONY
         if getattr(tokenizer, "has_thinking", False):
@@ -96,10 +101,14 @@ class OutputFormat:
             think = next((pair for pair in THINK_PAIRS if _has_tokens(tokenizer, frozenset(pair))), None)
             think = think or next((pair for pair in THINK_TEXTS if chat.template_holds(tokenizer, pair)), None)
         fmt = cls._calls_of(tokenizer, think)
-        frame = next((pair for pair in FRAME_PAIRS
-                      if _has_tokens(tokenizer, frozenset(pair)) and chat.template_frames_text(tokenizer, pair)),
-                     None)  # fmt: skip
-        return replace(fmt, frame=frame) if frame else fmt
+        # mlx-lm's structural markers (Kimi K3's): its answer's two, then its message's end
+        structural = tuple(str(m) for m in getattr(tokenizer, "structural_markers", None) or ())
+        pairs = FRAME_PAIRS + ((structural[0], structural[1]),) if len(structural) >= 2 else FRAME_PAIRS
+        frame = next((pair for pair in pairs if chat.template_frames_text(tokenizer, pair)), None)
+        if frame is None:
+            return fmt
+        close = structural[2] if frame == structural[:2] and len(structural) == 3 else None
+        return replace(fmt, frame=frame, close=close)
 
     @classmethod
     def _calls_of(cls, tokenizer: Any, think: tuple[str, str] | None) -> OutputFormat:
@@ -197,6 +206,9 @@ class OutputFormat:
         if self.frame is not None:
             edges[NORMAL].append((self.frame[0], ANSWER))
             edges[ANSWER] = [(self.frame[1], NORMAL)]
+        if self.close is not None:
+            edges[NORMAL].append((self.close, END))
+            edges[END] = []
         if tools and not self.whole:
             edges[NORMAL].append((self.tool[0], TOOL))
             edges[TOOL] = [(self.tool[1], NORMAL)] if self.tool[1] else []
@@ -265,8 +277,8 @@ THINK_PAIRS = (("<seed:think>", "</seed:think>"), ("<|START_THINKING|>", "<|END_
 #: prompt opens the reasoning, ``[BEGIN FINAL RESPONSE]`` ends it)
 THINK_TEXTS = (("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]"),)
 
-#: answer markers (:attr:`OutputFormat.frame`), each where both are tokens of the vocabulary and the
-#: template writes an assistant's text between them: Command R7B's, Cohere2 MoE's
+#: answer markers (:attr:`OutputFormat.frame`), each where the template writes an assistant's text
+#: between them: Command R7B's, Cohere2 MoE's
 FRAME_PAIRS = (("<|START_RESPONSE|>", "<|END_RESPONSE|>"), ("<|START_TEXT|>", "<|END_TEXT|>"))
 
 #: the special tokens of gpt-oss's harmony format (o200k_harmony)

@@ -31,6 +31,7 @@ SOURCES = {
     "glm-4.7": "zai-org/GLM-4.7-Flash (llama.cpp models/templates/GLM-4.7-Flash.jinja)",
     "kimi-k2": "moonshotai/Kimi-K2-Instruct (llama.cpp models/templates/moonshotai-Kimi-K2.jinja)",
     "kimi-k2-thinking": "moonshotai/Kimi-K2-Thinking (llama.cpp models/templates/Kimi-K2-Thinking.jinja)",
+    "kimi-k3": "moonshotai/Kimi-K3 (llama.cpp models/templates/Kimi-K3.jinja)",
     "minimax-m2": "MiniMaxAI/MiniMax-M2 (llama.cpp models/templates/MiniMax-M2.jinja)",
     "devstral": "unsloth/Devstral-Small-2507 (llama.cpp models/templates/unsloth-mistral-Devstral-Small-2507.jinja)",
     "mistral-small-3.2": "mistralai/Mistral-Small-3.2-24B-Instruct-2506 (llama.cpp models/templates/Mistral-Small-3.2-24B-Instruct-2506.jinja)",
@@ -155,6 +156,20 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         "One moment.",
         [PARIS, OSLO],
     ),
+    (  # XTML (mlx-lm's parser): the prompt opens its think block; an empty answer, then the calls, then
+        # its message's end
+        "kimi-k3",
+        "kimi_k3",
+        "Two cities.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
+        '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris'
+        '<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
+        '<|close|>call<|sep|><|open|>call tool="get_weather" index="2"<|sep|><|open|>argument key="city" '
+        'type="string"<|sep|>Oslo<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        "<|close|>message<|sep|>",
+        "Two cities.",
+        "",
+        [PARIS, OSLO],
+    ),
     (  # its own markup (mlx-lm has no parser; its template lists no tools: the server writes DeepSeek's
         # instructions into the system turn); its generation prompt opens <think> (mlx-lm's default)
         "deepseek-v3.1",
@@ -275,13 +290,17 @@ def test_family_tool_calls_whole_and_streamed(family_dirs, case):
         # (its generation prompt opens the think block)
         ("cohere2-moe", "The user wants the weather.<|END_THINKING|><|START_TEXT|>Paris is sunny, 21°C.\n\n- no rain "
                         "<|END_TEXT|>", "The user wants the weather."),
+        # mlx-lm's structural markers: its answer's, then its message's end (nothing after it is output)
+        ("kimi-k3", "The user wants the weather.<|close|>think<|sep|><|open|>response<|sep|>Paris is sunny, 21°C.\n\n"
+                    "- no rain <|close|>response<|sep|><|close|>message<|sep|>", "The user wants the weather."),
     ],
 )  # fmt: skip
 def test_answer_markers_are_not_content(family_dirs, family, output, reasoning):
-    """Cohere's models write their answer between markers (Command R7B's ``<|START_RESPONSE|>``, the
-    MoE's ``<|START_TEXT|>``) that their templates write back around the content: content is the
-    text between them, exactly (before, the markers were content too, and the next turn rendered
-    them twice, so its prompt parted from the cached turn there)."""
+    """Cohere's models and Kimi K3 write their answer between markers (Command R7B's
+    ``<|START_RESPONSE|>``, the MoE's ``<|START_TEXT|>``, Kimi K3's ``<|open|>response<|sep|>``) that
+    their templates write back around the content: content is the text between them, exactly
+    (before, the markers were content too — Kimi K3's message end as well, which mlx_lm.server
+    strips — and the next turn rendered them twice, so its prompt parted from the cached turn)."""
     fmt, prompt = fmt_and_prompt(family_dirs, family)
     start = fmt.opens_reasoning(prompt)
     for n in (1, 2, 7, len(output)):

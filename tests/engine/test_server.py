@@ -941,22 +941,32 @@ def test_seed_oss_serves_its_own_tool_format(family_server, family_dirs):
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_command_r7bs_answer_comes_back_without_its_markers(family_dirs, tmp_path):
-    """Command R7B writes its answer as ``<|START_RESPONSE|>…<|END_RESPONSE|>``: the markers were
-    the message's content, and the client sending it back made the next prompt write them twice
-    (the template wraps the content in them again), so it parted from the tokens the model wrote.
-    Now the content is the text between them, and the next prompt holds the answer as written."""
-    config = hot_config(tmp_path / "r7b")
-    scripts = [["<|START_RESPONSE|>Sunny", " in Paris.<|END_RESPONSE|>"]]
-    with serve(lambda: ScriptedTurns(Engine(family_dirs["command-r7b"], config), scripts), config) as live:
+@pytest.mark.parametrize(
+    ("family", "script", "written"),
+    [
+        ("command-r7b", ["<|START_RESPONSE|>Sunny", " in Paris.<|END_RESPONSE|>"],
+         "<|START_RESPONSE|>Sunny in Paris.<|END_RESPONSE|>"),
+        ("kimi-k3", ["Easy.<|close|>think<|sep|><|open|>response<|sep|>Sunny", " in Paris.<|close|>response<|sep|>",
+                     "<|close|>message<|sep|>"],
+         "<|open|>response<|sep|>Sunny in Paris.<|close|>response<|sep|><|close|>message<|sep|>"),
+    ],
+)  # fmt: skip
+def test_an_answer_comes_back_without_its_markers(family_dirs, tmp_path, family, script, written):
+    """Command R7B writes its answer as ``<|START_RESPONSE|>…<|END_RESPONSE|>``, Kimi K3 as
+    ``<|open|>response<|sep|>…<|close|>response<|sep|><|close|>message<|sep|>``: the markers were the
+    message's content, and the client sending it back made the next prompt write them twice (the
+    template wraps the content in them again), so it parted from the tokens the model wrote. Now
+    the content is the text between them, and the next prompt holds the answer as written."""
+    config = hot_config(tmp_path / family)
+    scripts = [script]
+    with serve(lambda: ScriptedTurns(Engine(family_dirs[family], config), scripts), config) as live:
         r = live.client.chat.completions.create(model="t", messages=USER)
         assert r.choices[0].message.content == "Sunny in Paris."
         again = USER + [{"role": "assistant", "content": r.choices[0].message.content},
                         {"role": "user", "content": "And tomorrow?"}]  # fmt: skip
         live.client.chat.completions.create(model="t", messages=again)
         prompts = live.app.state.server.engine.prompts
-    assert prompts[-1].count("<|START_RESPONSE|>Sunny in Paris.<|END_RESPONSE|>") == 1
-    assert "<|START_RESPONSE|><|START_RESPONSE|>" not in prompts[-1]
+    assert prompts[-1].count(written) == 1 and prompts[-1].count("Sunny in Paris.") == 1
 
 
 def test_gemma_2_serves_a_conversation_with_a_system_prompt(family_server):
