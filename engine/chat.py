@@ -21,7 +21,7 @@ from typing import Any
 import xxhash
 from jinja2 import TemplateError
 
-from engine.tool_calls import DS_CALL, DS_CALLS, DS_SEP, DSML, parse_json_block
+from engine.tool_calls import DS_CALL, DS_CALLS, DS_SEP, DSML, M3_NS, parse_json_block
 
 Probes = weakref.WeakKeyDictionary[Any, bool]
 #: what a template's own code raises at run time on request data it cannot use: its filters and
@@ -51,6 +51,7 @@ _text_beside_reasoning: Probes = weakref.WeakKeyDictionary()  # a call with text
 _bare_tools: Probes = weakref.WeakKeyDictionary()  # tools without a description?
 _json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
 _deepseek_calls: Probes = weakref.WeakKeyDictionary()  # ... in DeepSeek V3.1's markup?
+_m3_calls: Probes = weakref.WeakKeyDictionary()  # ... in MiniMax-M3's?
 _any_ids: Probes = weakref.WeakKeyDictionary()  # call ids other than 9 alphanumerics rendered?
 _short_ids: Probes = weakref.WeakKeyDictionary()  # call ids of 9 alphanumerics rendered?
 
@@ -295,6 +296,12 @@ def template_writes_deepseek_calls(tokenizer: Any) -> bool:
     into the system turn as DeepSeek documents, :func:`deepseek_messages`); probed once per
     tokenizer. R1's and V3's older ``function<｜tool▁sep｜>NAME`` markup is not it."""
     return _probed(_deepseek_calls, tokenizer, _CALL_PROBE, None, f"{DS_CALL}tiered_kv_probe_fn{DS_SEP}")
+
+
+def template_writes_minimax_m3_calls(tokenizer: Any) -> bool:
+    """Whether the chat template writes an assistant's calls back in MiniMax-M3's markup (each tag
+    after its namespace token, ``]<]minimax[>[<invoke name="NAME">``); probed once per tokenizer."""
+    return _probed(_m3_calls, tokenizer, _CALL_PROBE, [_PROBE_TOOL], f'{M3_NS}<invoke name="tiered_kv_probe_fn">')
 
 
 def template_dsml_block(tokenizer: Any) -> str:

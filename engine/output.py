@@ -204,12 +204,16 @@ class ChatOutput:
         self._gap_at: dict[str, int | None] = {NORMAL: None, REASONING: None}  # (None: BREAK's)
         # formats whose calls are the whole output: the output so far while it may be one
         self._lead: str | None = "" if fmt.whole and parse_tools and not start_in_reasoning else None
+        # the output so far while it may be the end of an empty think block it opens with (MiniMax-M3
+        # answers so when it does not think): never text
+        self._opening: str | None = "" if fmt.think is not None and not start_in_reasoning else None
         self.result = Delta()
 
     # -- feeding ---------------------------------------------------------------------------------
     def feed(self, text: str) -> Delta:
         out = Delta()
         self.fed += len(text)
+        text = self._opened(text) if self._opening is not None else text
         self._feed(self._leading(text) if self._lead is not None else text, out)
         self.result.merge(out)
         return out
@@ -221,6 +225,21 @@ class ChatOutput:
                 if state != self._state:  # past the marker between them
                     self._at += len(self._marker[self._state, state])
                 self._segment(state, piece, out)
+
+    def _opened(self, text: str) -> str:
+        """The output less the end of an empty think block it opens with (after whitespace): held
+        while it may be one; all of it once it cannot."""
+        assert self._opening is not None and self.fmt.think is not None
+        self._opening += text
+        head, end = self._opening.lstrip(), self.fmt.think[1]
+        if head.startswith(end):
+            self._at += len(self._opening) - len(head) + len(end)  # (characters fed, never given back)
+            self._opening, self._lstrip[NORMAL] = None, True  # nor is whitespace after it content
+            return head[len(end) :]
+        if end.startswith(head):
+            return ""
+        text, self._opening = self._opening, None
+        return text
 
     def _leading(self, text: str) -> str:
         """Held while the output may still be a whole-output call (it starts with ``{`` or the
@@ -239,6 +258,9 @@ class ChatOutput:
         ``length``, or ``cut`` by a stop string — shown as text), and the OpenAI finish reason
         (``tool_calls`` when a call ended the output)."""
         out = Delta()
+        if self._opening is not None:
+            held, self._opening = self._opening, None
+            self._feed(self._leading(held) if self._lead is not None else held, out)
         if self._lead is not None:
             held, self._lead = self._lead, None
             if not (held.strip() and self._add_calls(held, out)):
@@ -263,7 +285,7 @@ class ChatOutput:
         """Characters before this position are settled: shown as content, or never to be."""
         if self._finished:
             return sys.maxsize
-        if self._lead is not None:  # all of it may yet be a call
+        if self._lead is not None or self._opening is not None:  # all of it may yet be a call, or nothing
             return 0
         at = self._at - len(self._held[NORMAL])  # (whitespace held may yet be shown)
         if self._state == TOOL:  # the block may yet be text

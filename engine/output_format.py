@@ -28,6 +28,7 @@ from engine.tool_calls import (
     DSML,
     HERMES_END,
     HERMES_START,
+    M3_NS,
     OWN_PARSERS,
     Parser,
     parse_deepseek_v31,
@@ -36,6 +37,7 @@ from engine.tool_calls import (
     parse_hermes,
     parse_json_block,
     parse_json_calls,
+    parse_minimax_m3,
 )
 
 NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
@@ -90,16 +92,19 @@ class OutputFormat:
         :mod:`engine.chat`), so calls come back as Hermes whatever mlx-lm infers; where mlx-lm has
         no parser, the way the template writes calls back: DeepSeek's DSML, Llama 3.x's bare JSON,
         JSON or Qwen3-Coder's XML between markers of its own (:func:`chat.template_call_block`);
-        else mlx-lm's. Think markers: mlx-lm's, else :data:`THINK_PAIRS`' where the vocabulary
-        holds them, else :data:`THINK_TEXTS`' where the template does; answer markers:
+        else mlx-lm's (MiniMax-M3's: ours, before mlx-lm's JSON). Think markers: :data:`THINK_TEXTS`'
+        where the template holds them, else mlx-lm's, else :data:`THINK_PAIRS`' where the vocabulary
+        does; answer markers:
         :data:`FRAME_PAIRS`' or mlx-lm's structural markers' where the template writes text in them."""
         if _has_tokens(tokenizer, HARMONY_VOCAB):
             return HARMONY
-        if getattr(tokenizer, "has_thinking", False):
-            think: tuple[str, str] | None = (str(tokenizer.think_start), str(tokenizer.think_end))
-        else:  # pairs mlx-lm does not know: tokens of the vocabulary, or text its template writes
+        # the template's own words first (MiniMax-M3's vocabulary may hold <think> too), then mlx-lm's
+        # markers, then pairs of tokens it does not know
+        think = next((pair for pair in THINK_TEXTS if chat.template_holds(tokenizer, pair)), None)
+        if think is None and getattr(tokenizer, "has_thinking", False):
+            think = (str(tokenizer.think_start), str(tokenizer.think_end))
+        elif think is None:
             think = next((pair for pair in THINK_PAIRS if _has_tokens(tokenizer, frozenset(pair))), None)
-            think = think or next((pair for pair in THINK_TEXTS if chat.template_holds(tokenizer, pair)), None)
         fmt = cls._calls_of(tokenizer, think)
         # mlx-lm's structural markers (Kimi K3's): its answer's two, then its message's end
         structural = tuple(str(m) for m in getattr(tokenizer, "structural_markers", None) or ())
@@ -117,6 +122,8 @@ class OutputFormat:
             if chat.template_writes_deepseek_calls(tokenizer):
                 return cls(think, DS_CALLS, parse_deepseek_v31, "deepseek_v31")
             return cls(think)
+        if chat.template_writes_minimax_m3_calls(tokenizer):  # (mlx-lm takes its template for a JSON one)
+            return cls(think, (M3_NS + "<tool_call>", M3_NS + "</tool_call>"), parse_minimax_m3, "minimax_m3")
         parser = getattr(tokenizer, "tool_parser", None)
         if parser is None and (dsml := chat.template_dsml_block(tokenizer)):
             return cls(think, (f"<{DSML}{dsml}>", f"</{DSML}{dsml}>"), parse_dsml, "dsml")
@@ -274,8 +281,8 @@ THINK_PAIRS = (("<seed:think>", "</seed:think>"), ("<|START_THINKING|>", "<|END_
                ("<|inner_prefix|>", "<|inner_suffix|>"))  # fmt: skip
 
 #: think markers written as text, where the chat template holds both: Apriel 1.6's (its generation
-#: prompt opens the reasoning, ``[BEGIN FINAL RESPONSE]`` ends it)
-THINK_TEXTS = (("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]"),)
+#: prompt opens the reasoning, ``[BEGIN FINAL RESPONSE]`` ends it), MiniMax-M3's
+THINK_TEXTS = (("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]"), ("<mm:think>", "</mm:think>"))
 
 #: answer markers (:attr:`OutputFormat.frame`), each where the template writes an assistant's text
 #: between them: Command R7B's, Cohere2 MoE's
@@ -365,4 +372,5 @@ _NAMED = {
     "harmony": "{start}{name} <|constrain|>json<|message|>",
     "dsml": '{start}\n<｜DSML｜invoke name="{name}">\n',
     "deepseek_v31": "{start}" + DS_CALL + "{name}" + DS_SEP,
+    "minimax_m3": "{start}\n" + M3_NS + '<invoke name="{name}">',
 }

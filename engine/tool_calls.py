@@ -187,6 +187,106 @@ def parse_deepseek_v31(text: str, tools: Any = None) -> Any:
     return calls[0] if len(calls) == 1 else calls
 
 
+#: MiniMax-M3's markup: each tag after its namespace token, ``]<]minimax[>[<tool_call>`` holding one
+#: ``<invoke name="NAME">`` per call, each argument ``<KEY>VALUE</KEY>``, a value an object's keys as
+#: such tags, a list's items as ``<item>…</item>``, anything else its text (a boolean its JSON)
+M3_NS = "]<]minimax[>["
+_M3_INVOKE = re.compile(re.escape(M3_NS) + r'<invoke name="([^"]*)">(.*?)' + re.escape(M3_NS) + "</invoke>", re.DOTALL)
+_M3_TAG = re.compile(r"<(/?)([^<>\s/]+)>")
+
+
+def parse_minimax_m3(text: str, tools: Any = None) -> Any:
+    """MiniMax-M3's calls (mlx-lm has no parser for them; it takes its template for a JSON one):
+    each ``invoke`` a call, its elements the arguments, read as the call's tool declares them
+    (:func:`_m3_value`). Raises ValueError."""
+    calls = []
+    for name, body in _M3_INVOKE.findall(text):
+        parts = body.split(M3_NS)
+        args, end = _m3_elements(parts, 1, _properties(tools, name))
+        if end != len(parts) or parts[0].strip():
+            raise ValueError(f"{name!r}'s arguments are not its elements alone")
+        calls.append({"name": name, "arguments": args})
+    if not calls or not all(c["name"] for c in calls):
+        raise ValueError("no MiniMax-M3 invoke with a name")
+    return calls[0] if len(calls) == 1 else calls
+
+
+def _properties(tools: Any, name: str) -> dict[str, Any]:
+    """The JSON Schema properties of the request's tool ``name`` ({} where it declares none)."""
+    for t in tools or ():
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name and isinstance(fn.get("parameters"), dict):
+            props = fn["parameters"].get("properties")
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+def _m3_elements(parts: list[str], at: int, props: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The elements from ``parts[at]`` (each part an opening or closing tag and the text after it)
+    to the first closing tag (not taken), as a mapping of their values; and where they end."""
+    out: dict[str, Any] = {}
+    while at < len(parts):
+        tag = _M3_TAG.match(parts[at])
+        if tag is None:
+            raise ValueError(f"not a tag: {parts[at][:40]!r}")
+        if tag[1]:  # a closing tag: the enclosing element's
+            break
+        out[tag[2]], at = _m3_value(parts, at, _schema(props, tag[2]))
+    return out, at
+
+
+def _schema(schema: dict[str, Any], key: str) -> dict[str, Any]:
+    """``schema[key]`` where it is a schema (a mapping), else {}: nothing declared."""
+    sub = schema.get(key)
+    return sub if isinstance(sub, dict) else {}
+
+
+def _m3_value(parts: list[str], at: int, schema: dict[str, Any]) -> tuple[Any, int]:
+    """The value of the element opening at ``parts[at]`` (to its closing tag, taken), as ``schema``
+    declares it: a string as written, a number, boolean or null as JSON, an array its ``<item>``
+    elements, an object its elements; without a type, nested elements are an object (a list where
+    they are all ``<item>``) and text is JSON where it parses as a number, boolean or null."""
+    tag = _M3_TAG.match(parts[at])
+    assert tag is not None
+    text, at = parts[at][tag.end() :], at + 1
+    close = f"</{tag[2]}>"
+    if at < len(parts) and parts[at].startswith(close):  # a leaf: text
+        if parts[at][len(close) :].strip():
+            raise ValueError(f"text after {close}")
+        return _m3_leaf(text, schema), at + 1
+    if text.strip():
+        raise ValueError(f"text before {tag[2]!r}'s elements")
+    kind = schema.get("type")
+    value: Any
+    if kind == "array" or (kind is None and at < len(parts) and parts[at].startswith("<item>")):
+        value = []
+        while at < len(parts) and parts[at].startswith("<item>"):
+            item, at = _m3_value(parts, at, _schema(schema, "items"))
+            value.append(item)
+    else:
+        value, at = _m3_elements(parts, at, _schema(schema, "properties"))
+    if at >= len(parts) or not parts[at].startswith(close) or parts[at][len(close) :].strip():
+        raise ValueError(f"{tag[2]!r} not closed")
+    return value, at + 1
+
+
+def _m3_leaf(text: str, schema: dict[str, Any]) -> Any:
+    """An element's text as ``schema`` declares its value (see :func:`_m3_value`); an empty object
+    or array is written as no text."""
+    kind = schema.get("type")
+    if not text and kind in ("object", "array"):
+        return {} if kind == "object" else []
+    if kind == "string" or (kind is None and "enum" in schema and text in schema["enum"]):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        if kind in ("integer", "number", "boolean", "null"):
+            raise
+        return text
+    return value if kind is not None or isinstance(value, (int, float, bool)) or value is None else text
+
+
 #: parsers of ours in place of mlx-lm's, by its parser module's name
 OWN_PARSERS: dict[str, Parser] = {"mistral": parse_mistral}
 
@@ -199,6 +299,7 @@ _EACH_CALL = {
     "minimax_m2": re.compile(r"<invoke name=.*?</invoke>", re.DOTALL),
     "dsml": _DSML_INVOKE,
     "deepseek_v31": _DS_CALL,
+    "minimax_m3": _M3_INVOKE,
 }
 
 

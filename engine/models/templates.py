@@ -83,6 +83,10 @@ FAMILIES: dict[str, Family] = {
     "kimi-k2-thinking": Family(
         "Kimi-K2-Thinking.jinja", _KIMI + ("<think>", "</think>"), parser="kimi_k2"
     ),
+    # its tags after a namespace token (]<]minimax[>[<invoke name="NAME">), <mm:think>: neither known to
+    # mlx-lm (which takes the template for a JSON one)
+    "minimax-m3": Family("MiniMax-M3.jinja", ("]~!b[", "]~b]", "[e~[", "]<]minimax[>[", "<mm:think>", "</mm:think>"),
+                         eos="[e~["),  # fmt: skip
     # XTML markup (<|open|>NAME ATTRS<|sep|> … <|close|>NAME<|sep|>): mlx-lm finds its think and call
     # markers and its answer's structural markers by these four tokens
     "kimi-k3": Family("Kimi-K3.jinja", ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"), parser="kimi_k3",

@@ -260,12 +260,14 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
             folded.add(family)
         else:
             assert text == chat._apply(tok, chat.normalise_messages(CLAUDE_CODE_TURN_2), None)
-    # gpt-oss's drops it too, as Apertus's and Nemotron Nano v2's; Gemma 2 takes no system turn at all
-    assert folded == {"mistral-small-3.2", "minimax-m2", "gpt-oss", "gemma-2", "apertus", "nemotron-nano-v2"}
+    # gpt-oss's drops it too, as Apertus's, Nemotron Nano v2's and MiniMax-M3's; Gemma 2 takes no system
+    # turn at all
+    assert folded == {"mistral-small-3.2", "minimax-m2", "gpt-oss", "gemma-2", "apertus", "nemotron-nano-v2",
+                      "minimax-m3"}  # fmt: skip
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 25 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 26 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer

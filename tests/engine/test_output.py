@@ -23,6 +23,8 @@ from engine.output_format import OutputFormat
 from tests.engine.parsing import OSLO, PARIS, fmt_and_prompt, in_pieces, named_calls, run_output
 from tests.serving import TOOLS
 
+M3 = "]<]minimax[>["  # MiniMax-M3's namespace token, before each of its tags
+
 # family → the Hugging Face repository whose template llama.cpp keeps (templates.FAMILIES names the file)
 SOURCES = {
     "qwen3-coder": "Qwen/Qwen3-Coder-30B-A3B-Instruct (llama.cpp models/templates/Qwen3-Coder.jinja)",
@@ -32,6 +34,7 @@ SOURCES = {
     "kimi-k2": "moonshotai/Kimi-K2-Instruct (llama.cpp models/templates/moonshotai-Kimi-K2.jinja)",
     "kimi-k2-thinking": "moonshotai/Kimi-K2-Thinking (llama.cpp models/templates/Kimi-K2-Thinking.jinja)",
     "kimi-k3": "moonshotai/Kimi-K3 (llama.cpp models/templates/Kimi-K3.jinja)",
+    "minimax-m3": "MiniMaxAI/MiniMax-M3 (llama.cpp models/templates/MiniMax-M3.jinja)",
     "minimax-m2": "MiniMaxAI/MiniMax-M2 (llama.cpp models/templates/MiniMax-M2.jinja)",
     "devstral": "unsloth/Devstral-Small-2507 (llama.cpp models/templates/unsloth-mistral-Devstral-Small-2507.jinja)",
     "mistral-small-3.2": "mistralai/Mistral-Small-3.2-24B-Instruct-2506 (llama.cpp models/templates/Mistral-Small-3.2-24B-Instruct-2506.jinja)",
@@ -166,6 +169,17 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         '<|close|>call<|sep|><|open|>call tool="get_weather" index="2"<|sep|><|open|>argument key="city" '
         'type="string"<|sep|>Oslo<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
         "<|close|>message<|sep|>",
+        "Two cities.",
+        "",
+        [PARIS, OSLO],
+    ),
+    (  # its tags after a namespace token (mlx-lm has no parser: it takes the template for a JSON one);
+        # <mm:think>, its template's words
+        "minimax-m3",
+        "minimax_m3",
+        f"<mm:think>Two cities.</mm:think>{M3}<tool_call>\n{M3}<invoke name=\"get_weather\">{M3}<city>Paris{M3}</city>"
+        f"{M3}<days>3{M3}</days>{M3}</invoke>\n{M3}<invoke name=\"get_weather\">{M3}<city>Oslo{M3}</city>"
+        f"{M3}</invoke>\n{M3}</tool_call>",
         "Two cities.",
         "",
         [PARIS, OSLO],
@@ -307,6 +321,24 @@ def test_answer_markers_are_not_content(family_dirs, family, output, reasoning):
         got, finish = run_output(ChatOutput(fmt, TOOLS, start_in_reasoning=start), in_pieces(output, n))
         assert (got.reasoning, got.content, got.tool_calls, finish) == (
             reasoning, "Paris is sunny, 21°C.\n\n- no rain ", [], "stop")  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["minimax-m3", "qwen3"])
+def test_an_empty_think_block_the_output_opens_with_is_nothing(family_dirs, family):
+    """MiniMax-M3 thinks when it decides to; when it does not, it opens its answer with the think
+    block's end, as its template writes such a turn back (``</mm:think>answer``): that end is no
+    content, nor is whitespace around it, however the text comes in pieces; anywhere else it is
+    (a quoted marker stays quoted)."""
+    fmt, _ = fmt_and_prompt(family_dirs, family)
+    assert fmt.think is not None, family
+    end = fmt.think[1]
+    for n in (1, 3, 100):
+        got, finish = run_output(ChatOutput(fmt, TOOLS), in_pieces(f" {end}\nParis is sunny.", n))
+        assert (got.reasoning, got.content, finish) == ("", "Paris is sunny.", "stop")
+    got, _ = run_output(ChatOutput(fmt, TOOLS), in_pieces(f"Use {end} to end it.", 2))
+    assert got.content == f"Use {end} to end it."
+    for text in ("<", " <", "</"):  # only a start of it, then the end of the output: text
+        assert run_output(ChatOutput(fmt, TOOLS), [text])[0].content == text
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -88,7 +88,7 @@ def test_forced_prefixes(family_dirs):
     # required: the opener and the newline after it where the format writes one (GLM's name follows
     # its opener at once: it got Hermes' newline; MiniMax-M2's ``<invoke`` goes on a line of its own)
     openers = {"qwen3-coder": "<tool_call>\n", "glm-4.7": "<tool_call>", "minimax-m2": "<minimax:tool_call>\n",
-               "deepseek-v3.2": "<｜DSML｜function_calls>\n"}
+               "deepseek-v3.2": "<｜DSML｜function_calls>\n", "minimax-m3": "]<]minimax[>[<tool_call>\n"}
     for family, opener in openers.items():
         assert fmt_and_prompt(family_dirs, family)[0].forced_prefix("required") == opener, family
 

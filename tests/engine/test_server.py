@@ -878,13 +878,20 @@ DEEPSEEK_V31_OUT = [
 ]
 
 
-@pytest.mark.parametrize(("family", "script"), [("deepseek-v3.2", DEEPSEEK_V32_OUT), ("deepseek-v3.1", DEEPSEEK_V31_OUT)])
-def test_deepseeks_calls_come_back_as_tool_calls(family_server, family, script):
+MINIMAX_M3_OUT = [
+    '<mm:think>Weather first.</mm:think>]<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name="get_weather">',
+    "]<]minimax[>[<city>Paris]<]minimax[>[</city>]<]minimax[>[</invoke>\n]<]minimax[>[</tool_call>",
+]
+
+
+@pytest.mark.parametrize(("family", "script"), [("deepseek-v3.2", DEEPSEEK_V32_OUT), ("deepseek-v3.1", DEEPSEEK_V31_OUT),
+                                                ("minimax-m3", MINIMAX_M3_OUT)])  # fmt: skip
+def test_calls_mlx_lm_cannot_read_come_back_as_tool_calls(family_server, family, script):
     """DeepSeek V3.2's template tells the model to call in its DSML markup, V3.1's writes calls
     back in its own (and lists no tools: the server had asked it for Hermes calls; now it is told
-    its own format); mlx-lm has a parser for neither: the call came back as the message's text.
-    Now a tool call (its reasoning apart), and the conversation sent back renders and is served
-    from the cache."""
+    its own format), MiniMax-M3's in tags after a namespace token (mlx-lm takes it for JSON);
+    mlx-lm has a parser for none: the call came back as the message's text. Now a tool call (its
+    reasoning apart), and the conversation sent back renders and is served from the cache."""
     _call_round_trip(family_server(family, script))
 
 

@@ -223,3 +223,25 @@ def test_a_json_block_naming_no_offered_tool_is_text(family_dirs, family, output
     fmt, _ = fmt_and_prompt(family_dirs, family)
     got, finish = run_output(ChatOutput(fmt, TOOLS), [output])
     assert (got.content, got.tool_calls, finish) == (output, [], "stop")
+
+
+def test_minimax_m3_calls_read_as_their_tool_declares_them():
+    """MiniMax-M3's tags, each after its namespace token: an argument a string as written (a ``<``
+    in it too), a number or boolean as JSON, an array its ``<item>`` elements, an object its
+    elements, as the tool's schema declares them (without one, text that is a number is one); a
+    call with text outside its elements, an unclosed element or a number that is none is no call."""
+    from engine.tool_calls import M3_NS as N
+    from engine.tool_calls import parse_minimax_m3
+
+    props = {"path": {"type": "string"}, "n": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
+             "opt": {"type": "object", "properties": {"force": {"type": "boolean"}}}, "none": {"type": "array"}}
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": props}}}]
+    body = (f'{N}<invoke name="edit">{N}<path>a <b>.py{N}</path>{N}<n>3{N}</n>{N}<tags>{N}<item>x{N}</item>'
+            f"{N}<item>7{N}</item>{N}</tags>{N}<opt>{N}<force>true{N}</force>{N}</opt>{N}<none>{N}</none>{N}</invoke>\n")
+    want = {"path": "a <b>.py", "n": 3, "tags": ["x", "7"], "opt": {"force": True}, "none": []}
+    assert parse_minimax_m3(f"{N}<tool_call>\n{body}{N}</tool_call>", tools) == {"name": "edit", "arguments": want}
+    assert parse_minimax_m3(body + body.replace('"edit"', '"view"'), tools)[1]["arguments"]["tags"] == ["x", 7]
+    for bad in (body.replace(f"{N}<n>", f"{N}<n>x", 1).replace(">x3", ">three"), body.replace(f"{N}</path>", ""),
+                body.replace(f'">{N}<path>', '">oops' + N + "<path>"), "", f'{N}<invoke name="">{N}</invoke>'):
+        with pytest.raises(ValueError):
+            parse_minimax_m3(bad, tools)
