@@ -21,7 +21,7 @@ from typing import Any
 import xxhash
 from jinja2 import TemplateError
 
-from engine.tool_calls import DS_CALL, DS_CALLS, DS_SEP, DSML, M3_NS, parse_json_block
+from engine.tool_calls import DS_CALL, DS_CALL_END, DS_CALLS, DS_SEP, DSML, M3_NS, parse_json_block
 
 Probes = weakref.WeakKeyDictionary[Any, bool]
 #: what a template's own code raises at run time on request data it cannot use: its filters and
@@ -603,7 +603,7 @@ def format_tool_call(name: str, arguments: Any) -> str:
 DEEPSEEK_TOOLS = "## Tools\nYou have access to the following tools:\n"
 DEEPSEEK_TOOL_USE = (
     "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
-    + DS_CALLS[0] + DS_CALL + "tool_call_name" + DS_SEP + "tool_call_arguments<｜tool▁call▁end｜>{{additional_tool_calls}}"
+    + DS_CALLS[0] + DS_CALL + "tool_call_name" + DS_SEP + "tool_call_arguments" + DS_CALL_END + "{{additional_tool_calls}}"
     + DS_CALLS[1] + "\n\nWhere:\n\n"
     "- `tool_call_name` must be an exact match to one of the available tools\n"
     "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"

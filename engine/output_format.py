@@ -94,8 +94,8 @@ class OutputFormat:
         JSON or Qwen3-Coder's XML between markers of its own (:func:`chat.template_call_block`);
         else mlx-lm's (MiniMax-M3's: ours, before mlx-lm's JSON). Think markers: :data:`THINK_TEXTS`'
         where the template holds them, else mlx-lm's, else :data:`THINK_PAIRS`' where the vocabulary
-        does; answer markers:
-        :data:`FRAME_PAIRS`' or mlx-lm's structural markers' where the template writes text in them."""
+        does; answer markers: :data:`FRAME_PAIRS`' or mlx-lm's structural markers', where the
+        template writes text between them."""
         if _has_tokens(tokenizer, HARMONY_VOCAB):
             return HARMONY
         # the template's own words first (MiniMax-M3's vocabulary may hold <think> too), then mlx-lm's

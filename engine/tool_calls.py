@@ -3,8 +3,9 @@
 Pure functions and one small per-request reader, no state machine (``engine/output.py`` finds the
 blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are those it has
 none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
-:mod:`engine.chat`), Llama 3.x's bare JSON calls, DeepSeek V3.1's and V3.2's / V4's (DSML), and JSON between the
-markers a template writes calls back in (Apriel, Nemotron Nano v2, Cohere, ...); and one around mlx-lm's Mistral parser, for
+:mod:`engine.chat`), Llama 3.x's bare JSON calls, DeepSeek V3.1's markup and V3.2's / V4's DSML,
+MiniMax-M3's namespaced tags, and JSON between the markers a template writes calls back in (Apriel,
+Nemotron Nano v2, Cohere, …); and one around mlx-lm's Mistral parser, for
 calls written with their ids (``name[CALL_ID]id[ARGS]{…}``). Whoever parsed a block, :class:`CallParser`
 keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
 call of a multi-call block alone where the format marks each call (else a block with a call that is
