@@ -411,6 +411,36 @@ def template_holds(tokenizer: Any, texts: Sequence[str]) -> bool:
     return template is not None and all(t in template for t in texts)
 
 
+#: call openers a template names but writes no call back after (Granite 3.3's instructions: "respond
+#: only with <|tool_call|> followed by a JSON list of tools used"; its template renders each message's
+#: content alone): the assistant's calls go back into its content as its model writes them
+CALL_TEXTS = ("<|tool_call|>",)
+_writes_calls: Probes = weakref.WeakKeyDictionary()  # does its template write an assistant's calls back?
+
+
+def template_call_text(tokenizer: Any) -> str:
+    """The opener of :data:`CALL_TEXTS` the chat template names where it writes no assistant's call
+    back (probed once per tokenizer), else ""."""
+    call = {"id": "c", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {"tiered_kv_probe_arg": 1}}}
+    probe: list[dict[str, Any]] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    if _probed(_writes_calls, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_arg"):
+        return ""
+    return next((t for t in CALL_TEXTS if template_holds(tokenizer, (t,))), "")
+
+
+def calls_as_text(messages: list[dict[str, Any]], opener: str) -> list[dict[str, Any]]:
+    """Each assistant's calls written after its content as ``opener`` and their JSON list (Granite
+    3.3's: :data:`CALL_TEXTS`), for a template that renders content alone."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]} for tc in m["tool_calls"]]
+            text = (m["content"] or "") + opener + json.dumps(calls, ensure_ascii=False)
+            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
+        out.append(m)
+    return out
+
+
 _frames: dict[tuple[str, str], Probes] = {}  # per answer-marker pair, as the probes above
 
 
@@ -682,6 +712,8 @@ def render_chat(
             msgs = reasoning_for_text(msgs)
         if tools and not template_takes_bare_tools(tokenizer):
             tools = described(tools)
+        if opener := template_call_text(tokenizer):
+            msgs = calls_as_text(msgs, opener)
     elif template_writes_deepseek_calls(tokenizer):
         msgs, tools = deepseek_messages(msgs, tools), None
     else:

@@ -134,6 +134,8 @@ class OutputFormat:
             return cls(think, (block.start, block.end), qwen3_coder.parse_tool_call, "qwen3_coder")
         if block is not None and (block.start, block.end) != (HERMES_START, HERMES_END):
             return cls(think, (block.start, block.end), parse_json_block, "json_block")
+        if parser is None and (opener := chat.template_call_text(tokenizer)):  # Granite 3.3's, to the end
+            return cls(think, (opener, ""), parse_json_block, "json_block")
         if parser is None or not getattr(tokenizer, "tool_call_start", None):
             return cls(think)
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))

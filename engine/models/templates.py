@@ -192,12 +192,13 @@ FAMILIES: dict[str, Family] = {
         eos="<|END_OF_TURN_TOKEN|>",
     ),
     # ... a list of {"name", "arguments", "id"}; its reasoning ends at the text [BEGIN FINAL RESPONSE]
-    "apriel-1.6": Family(
-        "Apriel-1.6-15b-Thinker-fixed.jinja",
-        ("<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>", "<|begin_tool_result|>", "<|begin_content|>",
-         "<|end|>"),
-        eos="<|end|>",
-    ),  # fmt: skip
+    "apriel-1.6": Family("Apriel-1.6-15b-Thinker-fixed.jinja", ("<|begin_system|>", "<|begin_user|>",
+                         "<|begin_assistant|>", "<|begin_tool_result|>", "<|begin_content|>", "<|end|>"), eos="<|end|>"),  # fmt: skip
+    # ... a list of {"name", "arguments"} after <|tool_call|>, which its instructions name and its
+    # template never writes back (it renders each message's content alone)
+    "granite-3.3": Family("ibm-granite-granite-3.3-2B-Instruct.jinja", ("<|start_of_role|>", "<|end_of_role|>",
+                          "<|end_of_text|>", "<|tool_call|>", "<|start_of_cite|>", "<|end_of_cite|>"),
+                          eos="<|end_of_text|>"),  # fmt: skip
     # ... a list of {NAME: ARGUMENTS}
     "apertus": Family(
         "Apertus-8B-Instruct.jinja",

@@ -267,7 +267,7 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 26 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 27 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -332,6 +332,21 @@ def test_deepseek_v31_is_told_its_own_call_format(family_dirs):
     assert chat.template_writes_deepseek_calls(tok)
     others = {f for f, path in family_dirs.items() if chat.template_writes_deepseek_calls(load_tokenizer(path))}
     assert others == {"deepseek-v3.1"}  # the R1 distills' older markup is not it
+
+
+def test_only_granites_calls_go_back_as_text(family_dirs):
+    """Of the families, only Granite 3.3's template names a call opener (``<|tool_call|>``) and
+    writes no call back: its calls go into the assistant's content as its model writes them."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    found = {f: chat.template_call_text(load_tokenizer(path)) for f, path in family_dirs.items()}
+    assert {f: t for f, t in found.items() if t} == {"granite-3.3": "<|tool_call|>"}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": "é"}}}
+    msgs = [{"role": "assistant", "content": "On it.", "tool_calls": [call]}, {"role": "user", "content": "x"}]
+    assert chat.calls_as_text(msgs, "<|tool_call|>") == [
+        {"role": "assistant", "content": 'On it.<|tool_call|>[{"name": "f", "arguments": {"a": "é"}}]'},
+        {"role": "user", "content": "x"},
+    ]
 
 
 def test_a_call_after_a_role_header_is_no_block():

@@ -46,6 +46,7 @@ SOURCES = {
     "command-r7b": "CohereForAI/c4ai-command-r7b-12-2024 (llama.cpp models/templates/CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja)",
     "cohere2-moe": "Cohere's MoE chat models (llama.cpp models/templates/Cohere2MoE.jinja)",
     "apriel-1.6": "ServiceNow-AI/Apriel-1.6-15b-Thinker (llama.cpp models/templates/Apriel-1.6-15b-Thinker-fixed.jinja)",
+    "granite-3.3": "ibm-granite/granite-3.3-2b-instruct (llama.cpp models/templates/ibm-granite-granite-3.3-2B-Instruct.jinja)",
     "apertus": "swiss-ai/Apertus-8B-Instruct-2509 (llama.cpp models/templates/Apertus-8B-Instruct.jinja)",
     "seed-oss": "ByteDance-Seed/Seed-OSS-36B-Instruct (llama.cpp models/templates/ByteDance-Seed-OSS.jinja)",
     "gigachat-3.1": "ai-sage/GigaChat3.1-10B-A1.8B (llama.cpp models/templates/GigaChat3.1-10B-A1.8B.jinja)",
@@ -245,6 +246,15 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         '"arguments": {"city": "Paris", "days": 3}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
         "</tool_calls>",
         "The user wants two cities.",
+        "",
+        [PARIS, OSLO],
+    ),
+    (  # <|tool_call|> (its instructions name it; its template writes no call back) and a JSON list, to the end
+        "granite-3.3",
+        "json_block",
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+        "",
         "",
         [PARIS, OSLO],
     ),
