@@ -523,8 +523,8 @@ def template_takes_text_beside_reasoning(tokenizer: Any) -> bool:
 def template_takes_bare_tools(tokenizer: Any) -> bool:
     """Whether the chat template renders a tool that has no description and no declared properties
     (``parameters: {}``, as a tool without arguments may come); probed once per tokenizer. gpt-oss's
-    raises (it writes ``"// " + tool.description``), Seed-OSS's and Apertus's too (they loop over
-    ``parameters.properties``)."""
+    and Apertus's raise without a description (gpt-oss writes ``"// " + tool.description``),
+    Seed-OSS's without properties (it loops over ``parameters.properties``)."""
     bare = {"type": "function", "function": {"name": "tiered_kv_probe_fn", "parameters": {}}}
     return _probed(
         _bare_tools, tokenizer, [{"role": "user", "content": "hi"}], [bare], "tiered_kv_probe_fn"
