@@ -52,6 +52,7 @@ _bare_tools: Probes = weakref.WeakKeyDictionary()  # tools without a description
 _json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
 _deepseek_calls: Probes = weakref.WeakKeyDictionary()  # ... in DeepSeek V3.1's markup?
 _m3_calls: Probes = weakref.WeakKeyDictionary()  # ... in MiniMax-M3's?
+_hy3_calls: Probes = weakref.WeakKeyDictionary()  # ... in Hy3's?
 _any_ids: Probes = weakref.WeakKeyDictionary()  # call ids other than 9 alphanumerics rendered?
 _short_ids: Probes = weakref.WeakKeyDictionary()  # call ids of 9 alphanumerics rendered?
 
@@ -302,6 +303,12 @@ def template_writes_minimax_m3_calls(tokenizer: Any) -> bool:
     """Whether the chat template writes an assistant's calls back in MiniMax-M3's markup (each tag
     after its namespace token, ``]<]minimax[>[<invoke name="NAME">``); probed once per tokenizer."""
     return _probed(_m3_calls, tokenizer, _CALL_PROBE, [_PROBE_TOOL], f'{M3_NS}<invoke name="tiered_kv_probe_fn">')
+
+
+def template_writes_hy3_calls(tokenizer: Any) -> bool:
+    """Whether the chat template writes an assistant's calls back in Tencent Hy3's markup
+    (``<tool_call:opensource>NAME<tool_sep:opensource>``); probed once per tokenizer."""
+    return _probed(_hy3_calls, tokenizer, _CALL_PROBE, [_PROBE_TOOL], "<tool_call:opensource>tiered_kv_probe_fn<tool_sep:opensource>")
 
 
 def template_dsml_block(tokenizer: Any) -> str:

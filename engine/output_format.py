@@ -28,6 +28,7 @@ from engine.tool_calls import (
     DSML,
     HERMES_END,
     HERMES_START,
+    HY3_CALLS,
     M3_NS,
     OWN_PARSERS,
     Parser,
@@ -35,6 +36,7 @@ from engine.tool_calls import (
     parse_dsml,
     parse_harmony,
     parse_hermes,
+    parse_hy3,
     parse_json_block,
     parse_json_calls,
     parse_minimax_m3,
@@ -125,6 +127,8 @@ class OutputFormat:
         if chat.template_writes_minimax_m3_calls(tokenizer):  # (mlx-lm takes its template for a JSON one)
             return cls(think, (M3_NS + "<tool_call>", M3_NS + "</tool_call>"), parse_minimax_m3, "minimax_m3")
         parser = getattr(tokenizer, "tool_parser", None)
+        if parser is None and chat.template_writes_hy3_calls(tokenizer):
+            return cls(think, HY3_CALLS, parse_hy3, "hy3")
         if parser is None and (dsml := chat.template_dsml_block(tokenizer)):
             return cls(think, (f"<{DSML}{dsml}>", f"</{DSML}{dsml}>"), parse_dsml, "dsml")
         if parser is None and chat.template_writes_json_calls(tokenizer):
@@ -278,9 +282,9 @@ def _has_tokens(tokenizer: Any, tokens: frozenset[str]) -> bool:
 
 
 #: think markers of families mlx-lm finds none for (it knows ``<think>``, LongCat's, Gemma 4's, Kimi
-#: K3's): Seed-OSS's, Cohere's (Command R7B, Cohere2 MoE), Apertus's
+#: K3's): Seed-OSS's, Cohere's (Command R7B, Cohere2 MoE), Apertus's, Hy3's
 THINK_PAIRS = (("<seed:think>", "</seed:think>"), ("<|START_THINKING|>", "<|END_THINKING|>"),
-               ("<|inner_prefix|>", "<|inner_suffix|>"))  # fmt: skip
+               ("<|inner_prefix|>", "<|inner_suffix|>"), ("<think:opensource>", "</think:opensource>"))  # fmt: skip
 
 #: think markers written as text, where the chat template holds both: Apriel 1.6's (its generation
 #: prompt opens the reasoning, ``[BEGIN FINAL RESPONSE]`` ends it), MiniMax-M3's
@@ -375,4 +379,5 @@ _NAMED = {
     "dsml": '{start}\n<｜DSML｜invoke name="{name}">\n',
     "deepseek_v31": "{start}" + DS_CALL + "{name}" + DS_SEP,
     "minimax_m3": "{start}\n" + M3_NS + '<invoke name="{name}">',
+    "hy3": "{start}\n<tool_call:opensource>{name}<tool_sep:opensource>\n",
 }

@@ -4,7 +4,7 @@ Pure functions and one small per-request reader, no state machine (``engine/outp
 blocks). mlx-lm ships a parser per model family (``mlx_lm/tool_parsers/``); ours are those it has
 none for: Hermes, for templates that ignore ``tools`` (the server injects the Hermes instructions,
 :mod:`engine.chat`), Llama 3.x's bare JSON calls, DeepSeek V3.1's markup and V3.2's / V4's DSML,
-MiniMax-M3's namespaced tags, and JSON between the markers a template writes calls back in (Apriel,
+MiniMax-M3's namespaced tags, Hy3's, and JSON between the markers a template writes calls back in (Apriel,
 Nemotron Nano v2, Cohere, …); and one around mlx-lm's Mistral parser, for
 calls written with their ids (``name[CALL_ID]id[ARGS]{…}``). Whoever parsed a block, :class:`CallParser`
 keeps only calls that name one of the request's tools with a JSON object for arguments, judges each
@@ -254,7 +254,7 @@ def _m3_value(parts: list[str], at: int, schema: dict[str, Any]) -> tuple[Any, i
     if at < len(parts) and parts[at].startswith(close):  # a leaf: text
         if parts[at][len(close) :].strip():
             raise ValueError(f"text after {close}")
-        return _m3_leaf(text, schema), at + 1
+        return _typed(text, schema), at + 1
     if text.strip():
         raise ValueError(f"text before {tag[2]!r}'s elements")
     kind = schema.get("type")
@@ -271,9 +271,10 @@ def _m3_value(parts: list[str], at: int, schema: dict[str, Any]) -> tuple[Any, i
     return value, at + 1
 
 
-def _m3_leaf(text: str, schema: dict[str, Any]) -> Any:
-    """An element's text as ``schema`` declares its value (see :func:`_m3_value`); an empty object
-    or array is written as no text."""
+def _typed(text: str, schema: dict[str, Any]) -> Any:
+    """A value written as text (MiniMax-M3's and Hy3's) as ``schema`` declares it: a string as
+    written, anything else its JSON (an empty object or array written as no text); without a type,
+    JSON where the text is a number, boolean or null."""
     kind = schema.get("type")
     if not text and kind in ("object", "array"):
         return {} if kind == "object" else []
@@ -286,6 +287,32 @@ def _m3_leaf(text: str, schema: dict[str, Any]) -> Any:
             raise
         return text
     return value if kind is not None or isinstance(value, (int, float, bool)) or value is None else text
+
+
+#: Tencent Hy3's markup (each tag ends ``:opensource``): ``<tool_calls:opensource>`` holding one
+#: ``<tool_call:opensource>NAME<tool_sep:opensource>`` per call, each argument
+#: ``<arg_key:opensource>K</arg_key:opensource><arg_value:opensource>V</arg_value:opensource>`` (V a
+#: string as written, any other value its JSON)
+HY3_CALLS = ("<tool_calls:opensource>", "</tool_calls:opensource>")
+_HY3_CALL = re.compile(r"<tool_call:opensource>(.*?)<tool_sep:opensource>(.*?)</tool_call:opensource>", re.DOTALL)
+_HY3_ARG = re.compile(
+    r"<arg_key:opensource>(.*?)</arg_key:opensource>\s*<arg_value:opensource>(.*?)</arg_value:opensource>", re.DOTALL
+)
+
+
+def parse_hy3(text: str, tools: Any = None) -> Any:
+    """Hy3's calls (mlx-lm has no parser for them): each ``tool_call`` a call, its arguments read as
+    the call's tool declares them (:func:`_typed`). Raises ValueError."""
+    calls = []
+    for name, body in _HY3_CALL.findall(text):
+        if _HY3_ARG.sub("", body).strip():
+            raise ValueError(f"{name!r}'s arguments are not its key / value pairs alone")
+        props = _properties(tools, name.strip())
+        args = {k: _typed(v, _schema(props, k)) for k, v in _HY3_ARG.findall(body)}
+        calls.append({"name": name.strip(), "arguments": args})
+    if not calls or not all(c["name"] for c in calls):
+        raise ValueError("no Hy3 call with a name")
+    return calls[0] if len(calls) == 1 else calls
 
 
 #: parsers of ours in place of mlx-lm's, by its parser module's name
@@ -301,6 +328,7 @@ _EACH_CALL = {
     "dsml": _DSML_INVOKE,
     "deepseek_v31": _DS_CALL,
     "minimax_m3": _M3_INVOKE,
+    "hy3": _HY3_CALL,
 }
 
 

@@ -87,6 +87,12 @@ FAMILIES: dict[str, Family] = {
     # mlx-lm (which takes the template for a JSON one)
     "minimax-m3": Family("MiniMax-M3.jinja", ("]~!b[", "]~b]", "[e~[", "]<]minimax[>[", "<mm:think>", "</mm:think>"),
                          eos="[e~["),  # fmt: skip
+    # every tag ending :opensource (<tool_call:opensource>NAME<tool_sep:opensource>, GLM-like keys and
+    # values), its think markers too: neither known to mlx-lm
+    "hy3": Family("tencent-Hy3.jinja", tuple(f"<{t}:opensource>" for t in (
+        "think", "/think", "tool_calls", "/tool_calls", "tool_call", "/tool_call", "tool_sep", "arg_key", "/arg_key",
+        "arg_value", "/arg_value", "tool_responses", "/tool_responses", "tool_response", "/tool_response")) + tuple(
+        f"<｜hy_{t}:opensource｜>" for t in ("begin_of_sentence", "User", "Assistant", "eos")), eos="<｜hy_eos:opensource｜>"),  # fmt: skip
     # XTML markup (<|open|>NAME ATTRS<|sep|> … <|close|>NAME<|sep|>): mlx-lm finds its think and call
     # markers and its answer's structural markers by these four tokens
     "kimi-k3": Family("Kimi-K3.jinja", ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"), parser="kimi_k3",

@@ -267,7 +267,7 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 27 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 28 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer

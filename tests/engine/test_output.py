@@ -33,6 +33,7 @@ SOURCES = {
     "glm-4.7": "zai-org/GLM-4.7-Flash (llama.cpp models/templates/GLM-4.7-Flash.jinja)",
     "kimi-k2": "moonshotai/Kimi-K2-Instruct (llama.cpp models/templates/moonshotai-Kimi-K2.jinja)",
     "kimi-k2-thinking": "moonshotai/Kimi-K2-Thinking (llama.cpp models/templates/Kimi-K2-Thinking.jinja)",
+    "hy3": "tencent/Hy3 (llama.cpp models/templates/tencent-Hy3.jinja)",
     "kimi-k3": "moonshotai/Kimi-K3 (llama.cpp models/templates/Kimi-K3.jinja)",
     "minimax-m3": "MiniMaxAI/MiniMax-M3 (llama.cpp models/templates/MiniMax-M3.jinja)",
     "minimax-m2": "MiniMaxAI/MiniMax-M2 (llama.cpp models/templates/MiniMax-M2.jinja)",
@@ -171,6 +172,20 @@ CASES: list[tuple[str, str, str, str, str, list[dict[str, Any]]]] = [
         'type="string"<|sep|>Oslo<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
         "<|close|>message<|sep|>",
         "Two cities.",
+        "",
+        [PARIS, OSLO],
+    ),
+    (  # every tag ending :opensource, GLM-like keys and values (mlx-lm has no parser); its generation prompt
+        # closes the think block by default (no_think)
+        "hy3",
+        "hy3",
+        "<tool_calls:opensource>\n<tool_call:opensource>get_weather<tool_sep:opensource>\n"
+        "<arg_key:opensource>city</arg_key:opensource>\n<arg_value:opensource>Paris</arg_value:opensource>\n"
+        "<arg_key:opensource>days</arg_key:opensource>\n<arg_value:opensource>3</arg_value:opensource>\n"
+        "</tool_call:opensource>\n<tool_call:opensource>get_weather<tool_sep:opensource>\n"
+        "<arg_key:opensource>city</arg_key:opensource>\n<arg_value:opensource>Oslo</arg_value:opensource>\n"
+        "</tool_call:opensource>\n</tool_calls:opensource>",
+        "",
         "",
         [PARIS, OSLO],
     ),

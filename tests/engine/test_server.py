@@ -884,12 +884,20 @@ MINIMAX_M3_OUT = [
 ]
 
 
+HY3_OUT = [
+    "<think:opensource>Weather first.</think:opensource><tool_calls:opensource>\n<tool_call:opensource>get_weather",
+    "<tool_sep:opensource>\n<arg_key:opensource>city</arg_key:opensource>\n<arg_value:opensource>Paris"
+    "</arg_value:opensource>\n</tool_call:opensource>\n</tool_calls:opensource>",
+]
+
+
 @pytest.mark.parametrize(("family", "script"), [("deepseek-v3.2", DEEPSEEK_V32_OUT), ("deepseek-v3.1", DEEPSEEK_V31_OUT),
-                                                ("minimax-m3", MINIMAX_M3_OUT)])  # fmt: skip
+                                                ("minimax-m3", MINIMAX_M3_OUT), ("hy3", HY3_OUT)])  # fmt: skip
 def test_calls_mlx_lm_cannot_read_come_back_as_tool_calls(family_server, family, script):
     """DeepSeek V3.2's template tells the model to call in its DSML markup, V3.1's writes calls
     back in its own (and lists no tools: the server had asked it for Hermes calls; now it is told
-    its own format), MiniMax-M3's in tags after a namespace token (mlx-lm takes it for JSON);
+    its own format), MiniMax-M3's in tags after a namespace token (mlx-lm takes it for JSON), Hy3's
+    in tags ending ``:opensource``;
     mlx-lm has a parser for none: the call came back as the message's text. Now a tool call (its
     reasoning apart), and the conversation sent back renders and is served from the cache."""
     _call_round_trip(family_server(family, script))

@@ -245,3 +245,25 @@ def test_minimax_m3_calls_read_as_their_tool_declares_them():
                 body.replace(f'">{N}<path>', '">oops' + N + "<path>"), "", f'{N}<invoke name="">{N}</invoke>'):
         with pytest.raises(ValueError):
             parse_minimax_m3(bad, tools)
+
+
+def test_hy3_calls_read_as_their_tool_declares_them():
+    """Hy3's ``<tool_call:opensource>NAME<tool_sep:opensource>`` and key / value pairs: a string as
+    written (one that looks like a number too, where the schema says string), anything else its
+    JSON; text beside the pairs or a call without a name is no call."""
+    from engine.tool_calls import parse_hy3
+
+    props = {"path": {"type": "string"}, "n": {"type": "integer"}, "tags": {"type": "array"}, "code": {"type": "string"}}
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": props}}}]
+
+    def arg(k: str, v: str) -> str:
+        return f"<arg_key:opensource>{k}</arg_key:opensource>\n<arg_value:opensource>{v}</arg_value:opensource>\n"
+
+    body = arg("path", "a.py") + arg("n", "3") + arg("tags", '["x", 7]') + arg("code", "42")
+    call = f"<tool_call:opensource>edit<tool_sep:opensource>\n{body}</tool_call:opensource>\n"
+    want = {"path": "a.py", "n": 3, "tags": ["x", 7], "code": "42"}
+    assert parse_hy3(f"<tool_calls:opensource>\n{call}</tool_calls:opensource>", tools) == {"name": "edit", "arguments": want}
+    assert [c["name"] for c in parse_hy3(call + call.replace(">edit<", ">view<"), tools)] == ["edit", "view"]
+    for bad in (call.replace(f"{arg('n', '3')}", "oops" + arg("n", "3")), "", call.replace(">edit<", "><")):
+        with pytest.raises(ValueError):
+            parse_hy3(bad, tools)
