@@ -314,7 +314,7 @@ class ChatOutput:
             self._say(NORMAL, held, out, (at - len(held), at))
 
     def _transition(self, old: str, new: str, out: Delta) -> None:
-        if new == END and not self.calls.n:  # the message ended: its content did, as written
+        if (new == END or old == ANSWER) and not self.calls.n:  # the answer ended: its text did, as written
             self._show_held(out, self._at - len(self._marker[old, new]))
         if (old, new) == (THINK_TOOL, NORMAL):
             self._cut_call(out)  # the think block ended inside it: a mention, never parsed

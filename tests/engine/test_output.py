@@ -343,9 +343,13 @@ def test_answer_markers_are_not_content(family_dirs, family, output, reasoning):
     fmt, prompt = fmt_and_prompt(family_dirs, family)
     start = fmt.opens_reasoning(prompt)
     for n in (1, 2, 7, len(output)):
-        got, finish = run_output(ChatOutput(fmt, TOOLS, start_in_reasoning=start), in_pieces(output, n))
+        out = ChatOutput(fmt, TOOLS, start_in_reasoning=start)
+        got, finish = run_output(out, in_pieces(output, n))
         assert (got.reasoning, got.content, got.tool_calls, finish) == (
             reasoning, "Paris is sunny, 21°C.\n\n- no rain ", [], "stop")  # fmt: skip
+        # where the content is in the text (its tokens' log-probabilities are listed by it): its trailing
+        # space before the answer's end marker too
+        assert "".join(output[a:b] for a, b in zip(out.shown.starts, out.shown.ends, strict=True)) == got.content
 
 
 @pytest.mark.parametrize("family", ["minimax-m3", "qwen3"])
@@ -364,6 +368,38 @@ def test_an_empty_think_block_the_output_opens_with_is_nothing(family_dirs, fami
     assert got.content == f"Use {end} to end it."
     for text in ("<", " <", "</"):  # only a start of it, then the end of the output: text
         assert run_output(ChatOutput(fmt, TOOLS), [text])[0].content == text
+
+
+def test_every_family_streams_what_it_says_whole(family_dirs):
+    """Texts made of each family's markers (think, answer, message end, call block), words,
+    whitespace and a call, cut anywhere: the streamed result is the whole one, and the content is
+    exactly the characters its spans point at (fixed seed: 60 texts a family)."""
+    import random
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from engine import chat
+
+    rng = random.Random(7)
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    for family, path in family_dirs.items():
+        tok = load_tokenizer(path)
+        fmt = OutputFormat.of(tok)
+        if fmt.harmony:  # (engine/harmony.py reads gpt-oss's messages)
+            continue
+        start = fmt.opens_reasoning(chat.render_chat(tok, [{"role": "user", "content": "hi"}], TOOLS))
+        frags = [f for f in ("hello", " ", "\n", "x y", call, *(fmt.think or ()), *(fmt.frame or ()), fmt.close, *fmt.tool) if f]
+        for _ in range(60):
+            text = "".join(rng.choice(frags) for _ in range(rng.randint(1, 8)))
+            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6))))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            whole, finish = run_output(ChatOutput(fmt, TOOLS, start_in_reasoning=start), [text])
+            out = ChatOutput(fmt, TOOLS, start_in_reasoning=start)
+            streamed, streamed_finish = run_output(out, pieces)
+            said = (whole.content, whole.reasoning, named_calls(whole), finish)
+            assert said == (streamed.content, streamed.reasoning, named_calls(streamed), streamed_finish), (family, pieces)
+            shown = "".join(text[a:b] for a, b in zip(out.shown.starts, out.shown.ends, strict=True))
+            assert shown == streamed.content, (family, pieces)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
