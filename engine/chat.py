@@ -14,7 +14,7 @@ import json
 import re
 import string
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -423,27 +423,57 @@ def template_holds(tokenizer: Any, texts: Sequence[str]) -> bool:
 #: content alone): the assistant's calls go back into its content as its model writes them
 CALL_TEXTS = ("<|tool_call|>",)
 _writes_calls: Probes = weakref.WeakKeyDictionary()  # does its template write an assistant's calls back?
+CallWriter = Callable[[list[dict[str, Any]]], str]  # an assistant's calls → their text, as its model writes them
+
+
+def template_writes_calls(tokenizer: Any) -> bool:
+    """Whether the chat template writes an assistant's calls back at all (probed once per tokenizer):
+    Granite 3.3's and LFM2-8B-A1B's render each message's content alone."""
+    # (the call, its result and turns after it, as Nemotron's renders no call of a last assistant turn;
+    # its id 9 alphanumerics and the roles alternating, as Mistral's takes them)
+    probe = _call_and_result("a1b2c3d4e")
+    probe[1]["tool_calls"][0]["function"]["arguments"] = {"tiered_kv_probe_arg": 1}
+    return _probed(_writes_calls, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_arg")
 
 
 def template_call_text(tokenizer: Any) -> str:
     """The opener of :data:`CALL_TEXTS` the chat template names where it writes no assistant's call
-    back (probed once per tokenizer), else ""."""
-    call = {"id": "c", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {"tiered_kv_probe_arg": 1}}}
-    probe: list[dict[str, Any]] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-    if _probed(_writes_calls, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_arg"):
+    back, else ""."""
+    if template_writes_calls(tokenizer):
         return ""
     return next((t for t in CALL_TEXTS if template_holds(tokenizer, (t,))), "")
 
 
-def calls_as_text(messages: list[dict[str, Any]], opener: str) -> list[dict[str, Any]]:
-    """Each assistant's calls written after its content as ``opener`` and their JSON list (Granite
-    3.3's: :data:`CALL_TEXTS`), for a template that renders content alone."""
+def call_writer(tokenizer: Any) -> CallWriter | None:
+    """How an assistant's calls go back into its content where the chat template writes none back:
+    Granite 3.3's opener and their JSON list; LFM2's Python calls between its markers (mlx-lm's
+    pythonic format: ``<|tool_call_start|>[name(k="v")]<|tool_call_end|>``, each value its JSON, as
+    its model card writes them); None where the template writes them, or their format is neither."""
+    if opener := template_call_text(tokenizer):
+        return lambda calls: opener + json.dumps(calls, ensure_ascii=False)
+    parser = getattr(tokenizer, "tool_parser", None)
+    start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
+    if parser is None or not parser.__module__.endswith(".pythonic") or not start or template_writes_calls(tokenizer):
+        return None
+
+    def python(calls: list[dict[str, Any]]) -> str:
+        def one(c: dict[str, Any]) -> str:
+            args = c["arguments"] if isinstance(c["arguments"], dict) else {}
+            return f"{c['name']}(" + ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items()) + ")"
+
+        return f"{start}[{', '.join(one(c) for c in calls)}]{end or ''}"
+
+    return python
+
+
+def calls_as_text(messages: list[dict[str, Any]], write: CallWriter) -> list[dict[str, Any]]:
+    """Each assistant's calls written after its content as ``write`` spells them (:func:`call_writer`),
+    for a template that renders content alone."""
     out = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [{"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]} for tc in m["tool_calls"]]
-            text = (m["content"] or "") + opener + json.dumps(calls, ensure_ascii=False)
-            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
+            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": (m["content"] or "") + write(calls)}
         out.append(m)
     return out
 
@@ -719,8 +749,8 @@ def render_chat(
             msgs = reasoning_for_text(msgs)
         if tools and not template_takes_bare_tools(tokenizer):
             tools = described(tools)
-        if opener := template_call_text(tokenizer):
-            msgs = calls_as_text(msgs, opener)
+        if write := call_writer(tokenizer):
+            msgs = calls_as_text(msgs, write)
     elif template_writes_deepseek_calls(tokenizer):
         msgs, tools = deepseek_messages(msgs, tools), None
     else:

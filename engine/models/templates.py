@@ -147,6 +147,11 @@ FAMILIES: dict[str, Family] = {
         bos="<|startoftext|>",
         parser="pythonic",
     ),
+    # LFM2's Python calls (mlx-lm's pythonic parser, by the template's <|tool_list_start|>); its template
+    # renders each message's content alone, so calls go back into it
+    "lfm2-8b": Family("LFM2-8B-A1B.jinja", ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_list_start|>",
+                      "<|tool_list_end|>", "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_response_start|>",
+                      "<|tool_response_end|>"), bos="<|startoftext|>", parser="pythonic"),  # fmt: skip
     "llama-3.3": Family(
         "meta-llama-Llama-3.3-70B-Instruct.jinja",
         (

@@ -267,7 +267,7 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 28 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 29 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -334,17 +334,25 @@ def test_deepseek_v31_is_told_its_own_call_format(family_dirs):
     assert others == {"deepseek-v3.1"}  # the R1 distills' older markup is not it
 
 
-def test_only_granites_calls_go_back_as_text(family_dirs):
-    """Of the families, only Granite 3.3's template names a call opener (``<|tool_call|>``) and
-    writes no call back: its calls go into the assistant's content as its model writes them."""
+def test_calls_go_back_into_the_content_where_the_template_writes_none(family_dirs):
+    """Granite 3.3's and LFM2-8B-A1B's templates render each message's content alone (the calls of an
+    assistant's turn vanished from the next prompt): its calls go into its content as its model
+    writes them — Granite's opener and JSON list, LFM2's Python calls between its markers. No other
+    family's template drops them."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    found = {f: chat.template_call_text(load_tokenizer(path)) for f, path in family_dirs.items()}
-    assert {f: t for f, t in found.items() if t} == {"granite-3.3": "<|tool_call|>"}
-    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": "é"}}}
+    toks = {f: load_tokenizer(path) for f, path in family_dirs.items()}
+    writers = {f: w for f, tok in toks.items() if (w := chat.call_writer(tok)) is not None}
+    assert set(writers) == {"granite-3.3", "lfm2-8b"}
+    # (Gemma 2's takes no tools: the server writes its calls as Hermes text, chat.hermes_messages)
+    assert {f for f, tok in toks.items() if not chat.template_writes_calls(tok)} == {"granite-3.3", "lfm2-8b", "gemma-2"}
+    calls = [{"name": "f", "arguments": {"a": "é", "n": [1, True]}}, {"name": "g", "arguments": {}}]
+    assert writers["granite-3.3"](calls) == '<|tool_call|>[{"name": "f", "arguments": {"a": "é", "n": [1, true]}}, {"name": "g", "arguments": {}}]'
+    assert writers["lfm2-8b"](calls) == '<|tool_call_start|>[f(a="é", n=[1, true]), g()]<|tool_call_end|>'
+    call = {"id": "c", "type": "function", "function": {"name": "g", "arguments": {}}}
     msgs = [{"role": "assistant", "content": "On it.", "tool_calls": [call]}, {"role": "user", "content": "x"}]
-    assert chat.calls_as_text(msgs, "<|tool_call|>") == [
-        {"role": "assistant", "content": 'On it.<|tool_call|>[{"name": "f", "arguments": {"a": "é"}}]'},
+    assert chat.calls_as_text(msgs, writers["granite-3.3"]) == [
+        {"role": "assistant", "content": 'On it.<|tool_call|>[{"name": "g", "arguments": {}}]'},
         {"role": "user", "content": "x"},
     ]
 
