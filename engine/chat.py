@@ -45,14 +45,9 @@ _tool_support: Probes = weakref.WeakKeyDictionary()  # does its template render 
 _PROBE_NOTE = "tiered_kv_probe_note"
 _midway_system: Probes = weakref.WeakKeyDictionary()  # a system turn mid-conversation?
 _system: Probes = weakref.WeakKeyDictionary()  # a system turn at all?
-_dsml_function_calls: Probes = weakref.WeakKeyDictionary()  # calls in <｜DSML｜function_calls>?
-_dsml_tool_calls: Probes = weakref.WeakKeyDictionary()  # ... in <｜DSML｜tool_calls> (V4)?
 _text_beside_reasoning: Probes = weakref.WeakKeyDictionary()  # a call with text and reasoning?
 _bare_tools: Probes = weakref.WeakKeyDictionary()  # tools without a description?
-_json_calls: Probes = weakref.WeakKeyDictionary()  # calls written back as bare JSON objects?
-_deepseek_calls: Probes = weakref.WeakKeyDictionary()  # ... in DeepSeek V3.1's markup?
-_m3_calls: Probes = weakref.WeakKeyDictionary()  # ... in MiniMax-M3's?
-_hy3_calls: Probes = weakref.WeakKeyDictionary()  # ... in Hy3's?
+_call_markups: dict[str, Probes] = {}  # per markup, is an assistant's call written back in it?
 _any_ids: Probes = weakref.WeakKeyDictionary()  # call ids other than 9 alphanumerics rendered?
 _short_ids: Probes = weakref.WeakKeyDictionary()  # call ids of 9 alphanumerics rendered?
 
@@ -287,8 +282,14 @@ def template_writes_json_calls(tokenizer: Any) -> bool:
     """Whether the chat template writes an assistant's tool call back as a bare JSON object
     ``{"name": …, "parameters": …}`` with no markers around it (Llama 3.1–3.3, whose models answer
     with the call's JSON alone); probed once per tokenizer."""
-    written = '{"name": "tiered_kv_probe_fn", "parameters": {"a": 1}}'
-    return _probed(_json_calls, tokenizer, _CALL_PROBE, [_PROBE_TOOL], written)
+    return _writes_call_as(tokenizer, '{"name": "tiered_kv_probe_fn", "parameters": {"a": 1}}')
+
+
+def _writes_call_as(tokenizer: Any, written: str, tools: bool = True) -> bool:
+    """Whether the chat template writes the probe's call (:data:`_CALL_PROBE`) back holding
+    ``written``, probed once per tokenizer and markup (``tools``: rendered with the probe's tool)."""
+    seen = _call_markups.setdefault(written, weakref.WeakKeyDictionary())
+    return _probed(seen, tokenizer, _CALL_PROBE, [_PROBE_TOOL] if tools else None, written)
 
 
 def template_writes_deepseek_calls(tokenizer: Any) -> bool:
@@ -296,29 +297,26 @@ def template_writes_deepseek_calls(tokenizer: Any) -> bool:
     (``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>``) — V3.1's renders no ``tools`` (the server writes them
     into the system turn as DeepSeek documents, :func:`deepseek_messages`); probed once per
     tokenizer. R1's and V3's older ``function<｜tool▁sep｜>NAME`` markup is not it."""
-    return _probed(_deepseek_calls, tokenizer, _CALL_PROBE, None, f"{DS_CALL}tiered_kv_probe_fn{DS_SEP}")
+    return _writes_call_as(tokenizer, f"{DS_CALL}tiered_kv_probe_fn{DS_SEP}", tools=False)
 
 
 def template_writes_minimax_m3_calls(tokenizer: Any) -> bool:
     """Whether the chat template writes an assistant's calls back in MiniMax-M3's markup (each tag
     after its namespace token, ``]<]minimax[>[<invoke name="NAME">``); probed once per tokenizer."""
-    return _probed(_m3_calls, tokenizer, _CALL_PROBE, [_PROBE_TOOL], f'{M3_NS}<invoke name="tiered_kv_probe_fn">')
+    return _writes_call_as(tokenizer, f'{M3_NS}<invoke name="tiered_kv_probe_fn">')
 
 
 def template_writes_hy3_calls(tokenizer: Any) -> bool:
     """Whether the chat template writes an assistant's calls back in Tencent Hy3's markup
     (``<tool_call:opensource>NAME<tool_sep:opensource>``); probed once per tokenizer."""
-    return _probed(_hy3_calls, tokenizer, _CALL_PROBE, [_PROBE_TOOL], "<tool_call:opensource>tiered_kv_probe_fn<tool_sep:opensource>")
+    return _writes_call_as(tokenizer, "<tool_call:opensource>tiered_kv_probe_fn<tool_sep:opensource>")
 
 
 def template_dsml_block(tokenizer: Any) -> str:
     """The block DeepSeek V3.2's / V4's template writes an assistant's calls back in, after
     ``<｜DSML｜`` (``function_calls``, V4's ``tool_calls``); "" for any other template. Probed once per
     tokenizer: the name is built from pieces in the template's code, so only its rendering shows it."""
-    for seen, block in ((_dsml_function_calls, "function_calls"), (_dsml_tool_calls, "tool_calls")):
-        if _probed(seen, tokenizer, _CALL_PROBE, [_PROBE_TOOL], f"<{DSML}{block}>"):
-            return block
-    return ""
+    return next((b for b in ("function_calls", "tool_calls") if _writes_call_as(tokenizer, f"<{DSML}{b}>")), "")
 
 
 #: a tag as templates write call markers: ``<tool_calls>``, ``<|START_ACTION|>``, ``</TOOLCALL>``
@@ -449,11 +447,13 @@ def call_writer(tokenizer: Any) -> CallWriter | None:
     Granite 3.3's opener and their JSON list; LFM2's Python calls between its markers (mlx-lm's
     pythonic format: ``<|tool_call_start|>[name(k="v")]<|tool_call_end|>``, each value its JSON, as
     its model card writes them); None where the template writes them, or their format is neither."""
-    if opener := template_call_text(tokenizer):
+    if template_writes_calls(tokenizer):
+        return None
+    if opener := next((t for t in CALL_TEXTS if template_holds(tokenizer, (t,))), ""):
         return lambda calls: opener + json.dumps(calls, ensure_ascii=False)
     parser = getattr(tokenizer, "tool_parser", None)
     start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
-    if parser is None or not parser.__module__.endswith(".pythonic") or not start or template_writes_calls(tokenizer):
+    if parser is None or not parser.__module__.endswith(".pythonic") or not start:
         return None
 
     def python(calls: list[dict[str, Any]]) -> str:
