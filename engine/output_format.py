@@ -199,6 +199,20 @@ class OutputFormat:
         layout = _ARG_LAYOUTS.get(self.parser_name)
         return layout.close.replace("{end}", self.tool[1]) if layout else _NAMED_CLOSE.get(self.parser_name)
 
+    def next_call(self, name: str, index: int) -> str | None:
+        """What the format writes from the end of one call's arguments to the start of the next's,
+        a call to ``name`` (``index``: the calls before it in the conversation, which Kimi numbers
+        its ids by), where a forced call may be one of several (``required`` with parallel calls):
+        the call's end and a new block (Hermes, Qwen3-Coder, GLM, Gemma 4, Mistral), or the next
+        call inside the same block (Kimi-K2's section, MiniMax-M2's ``<invoke>``, LFM2's list,
+        DeepSeek V3.1's calls) — as each family's template writes two calls. None where the format
+        writes one call a turn (Llama 3.3, gpt-oss) or no grammar of its arguments is written."""
+        again, close = _AGAIN.get(self.parser_name), self.named_close()
+        if again is None or close is None:
+            return None
+        named = self.forced_prefix({"function": {"name": name}}, index)
+        return again.format(close=close, named=named, name=name, index=index)
+
     def arg_layout(self) -> ArgLayout | None:
         """Where a call writes its arguments one by one (tags: Qwen3-Coder's ``<parameter=city>``,
         MiniMax-M2's ``<parameter name="city">``, GLM's ``<arg_key>city</arg_key>``; LFM2's Python
@@ -361,6 +375,22 @@ _ARG_LAYOUTS = {
     "glm47": ArgLayout(f"{GAP}<arg_key>", f"</arg_key>{GAP}<arg_value>", "</arg_value>", f"{GAP}{{end}}"),
     "pythonic": ArgLayout("", "=", "", ")]{end}", sep=", ", quote='"', bare_keys=True, keywords=False),
     "gemma4": ArgLayout("", ":", "", "}{end}", sep=",", quote='<|"|>', bare_keys=True, sort=True),
+}
+
+# A forced call's next one (:meth:`OutputFormat.next_call`), as each family's template writes a
+# second call: {close} the call's end (:meth:`OutputFormat.named_close`), {named} a call to {name}
+# opened (:meth:`OutputFormat.forced_prefix`), {index} its number in the conversation
+_AGAIN = {
+    "hermes": "{close}\n{named}",
+    "json_tools": "{close}\n{named}",
+    "qwen3_coder": "{close}\n{named}",
+    "glm47": "{close}" + GAP + "{named}",
+    "gemma4": "{close}{named}",
+    "mistral": "{named}",
+    "kimi_k2": "<|tool_call_end|><|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>",
+    "minimax_m2": '</invoke>\n<invoke name="{name}">\n',
+    "pythonic": "), {name}(",
+    "deepseek_v31": DS_CALL_END + DS_CALL + "{name}" + DS_SEP,
 }
 
 # Forced named calls: the opening of a call to {name}, in each family's own syntax.

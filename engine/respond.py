@@ -403,12 +403,15 @@ def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
     them so — tags, Python keywords: :meth:`OutputFormat.arg_layout`), then the format's end of the
     call. "" where the format's arguments are neither: the call is free then. A schema llguidance
     cannot compile, or with a name the format cannot write, leaves a named call's arguments free;
-    ``required`` gives that tool any JSON object (where arguments are written one by one: none)."""
+    ``required`` gives that tool any JSON object (where arguments are written one by one: none).
+    ``required`` with ``parallel_tool_calls`` (OpenAI's default): one call or more, each to one of
+    the tools, where the format writes several (:meth:`OutputFormat.next_call`; a named function
+    is called once)."""
     close, forced = fmt.named_close(), req.forced_tool()
     if close is None or not req.forces_call():
         return ""
     calls_before = len(req.history_calls())
-    calls = []
+    calls, names = [], []
     for tool in req.tool_dicts() or ():
         name = str(tool.get("function", {}).get("name", ""))
         head = "" if forced is not None else fmt.call_head(name, calls_before)
@@ -424,7 +427,20 @@ def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
                 return ""
             schema = structured.ANY_OBJECT
         calls.append((head, schema))
-    return structured.call_lark(calls, close, fmt.marker_tokens, fmt.arg_layout()) if calls else ""
+        names.append(name)
+    if not calls:
+        return ""
+    again = None
+    if forced is None and req.parallel_tool_calls and fmt.next_call(names[0], calls_before + 1) is not None:
+        numbered = fmt.next_call(names[0], calls_before + 1) != fmt.next_call(names[0], calls_before + 2)
+        again = [[str(fmt.next_call(name, calls_before + k)) for name in names]
+                 for k in range(1, MAX_FORCED_CALLS if numbered else 2)]  # fmt: skip
+    return structured.call_lark(calls, close, fmt.marker_tokens, fmt.arg_layout(), again)
+
+
+#: calls a ``required`` turn may make where the format numbers them (Kimi-K2's ids: a grammar level
+#: each); elsewhere any number
+MAX_FORCED_CALLS = 16
 
 
 #: the response headers naming a request's cache hit (:func:`hit_headers`)

@@ -135,19 +135,35 @@ def lark(schema: str, think: tuple[str, str] | None = None, opened: bool = False
     return f"start: {head} value\n{marks}" + "gap: /[ \\t\\r\\n]+/\n" + f"value: %json {value}\n"
 
 
-def call_lark(calls: list[tuple[str, str]], close: str, tokens: Tokens = (), layout: ArgLayout | None = None) -> str:
+def call_lark(calls: list[tuple[str, str]], close: str, tokens: Tokens = (), layout: ArgLayout | None = None,
+              again: list[list[str]] | None = None) -> str:  # fmt: skip
     """The grammar of a forced call's rest: one of ``calls``, each the text that names its function
     (its head: "" where the prompt named it, ``tool_choice`` naming a function) then its arguments,
     the JSON value of its schema (the tool's ``parameters``); then ``close``, the format's end of
     the call (:meth:`OutputFormat.named_close`; ``tokens``: the added tokens these texts may hold,
     named as tokens). ``layout``: the arguments are written one by one (tags, Python keywords:
-    :meth:`OutputFormat.arg_layout`, :func:`_arg_rules`), not as one JSON object."""
+    :meth:`OutputFormat.arg_layout`, :func:`_arg_rules`), not as one JSON object.
+
+    ``again`` (parallel calls): more calls may follow the first, each written as
+    :meth:`OutputFormat.next_call` writes it — per level, the text before each of ``calls``'
+    arguments; one level: any number of calls alike, else at most one call per level (Kimi-K2
+    numbers its calls), and ``close`` ends the last."""
     tail = f" {_marker(close, tokens)}" if close else ""
-    heads = [f"{_marker(head, tokens)} " if head else "" for head, _ in calls]
     rules = "".join(f"value{i}: %json {_styled(schema)}\n" if layout is None else _arg_rules(i, schema, layout, tokens)
                     for i, (_, schema) in enumerate(calls))  # fmt: skip
-    one = " | ".join(f"{head}value{i}" for i, head in enumerate(heads))
-    call = one if len(calls) == 1 else f"({one})"
+
+    def choice(heads: list[str]) -> str:
+        one = " | ".join(f"{_marker(head, tokens)} value{i}" if head else f"value{i}" for i, head in enumerate(heads))
+        return one if len(heads) == 1 else f"({one})"
+
+    call = choice([head for head, _ in calls])
+    levels = again or []
+    if len(levels) == 1:
+        call += f" ({choice(levels[0])})*"
+    elif levels:  # more1: a second call, and a third after it, ...
+        call += " more1?"
+        rules += "".join(f"more{k + 1}: {choice(heads)}" + (f" more{k + 2}?" if k + 1 < len(levels) else "") + "\n"
+                         for k, heads in enumerate(levels))  # fmt: skip
     return f"start: {call}{tail}\n{rules}"
 
 

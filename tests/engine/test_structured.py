@@ -342,7 +342,7 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
     on the tiny random model (Hermes; harmony; Qwen3's json_tools; Kimi-K2's numbered sections;
     Devstral's ``[ARGS]``, a token named by its id; Llama 3.3's bare JSON; Qwen3-Coder's and
     MiniMax-M2's tags; GLM's ``<arg_key>`` tokens; LFM2's Python call; Gemma 4's keys and
-    ``<|"|>`` quotes). Before, only a named
+    ``<|"|>`` quotes); one call, ``parallel_tool_calls`` off. Before, only a named
     call was constrained: after the opener the random model wrote whatever it drew, and no call
     came back."""
     from engine.generate import Engine
@@ -360,7 +360,8 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
     with serve(lambda: Engine(model, config), config) as live:
         for seed in (0, 1, 2):
             r = live.client.chat.completions.create(model="m", messages=USER, tools=tools, max_tokens=48,
-                                                    tool_choice="required", seed=seed)  # fmt: skip
+                                                    tool_choice="required", seed=seed,
+                                                    parallel_tool_calls=False)  # fmt: skip
             choice = r.choices[0]
             assert choice.finish_reason == "tool_calls", (family, choice)
             (call,) = choice.message.tool_calls
@@ -375,7 +376,8 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     """Over the family's real tokenizer, after the prompt's opener: ``required``'s grammar takes a
     call to either tool (the added tokens of its head and end as tokens: Mistral's ``[ARGS]`` by
     its id; GLM-4.6's newlines between tags and 4.7's none) and to a tool without parameters (no
-    tags, or ``{}``), and refuses an unknown name, arguments against the schema, and a second call."""
+    tags, or ``{}``), and refuses an unknown name, arguments against the schema, and — with
+    ``parallel_tool_calls: false`` — a second call."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from engine import api, respond
@@ -402,7 +404,127 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     assert not _accepts(g, grammar, call("get_time", {"town": "Oslo"}), tok)[0]
     assert not _accepts(g, grammar, call("get_time", {}), tok)[1]  # its required argument missing
     assert _accepts(g, grammar, call("ping", {}), tok) == (True, True)  # a tool without parameters
-    assert not _accepts(g, grammar, one + fmt.forced_prefix("required") + call("get_time", {}), tok)[0]
+    single = api.ChatRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": "required",
+                                             "parallel_tool_calls": False})  # fmt: skip
+    second = one + fmt.forced_prefix("required") + call("get_time", {"city": "Oslo"})
+    assert not _accepts(g, respond.call_grammar(single, fmt), second, tok)[0]
+    assert not _accepts(g, respond.call_grammar(single, fmt), second.replace(fmt.forced_prefix("required"), "\n"), tok)[0]
+
+
+#: the families whose templates write several calls in one turn (Llama 3.3's raises "This model
+#: only supports single tool-calls at once!"; gpt-oss's renders the first alone)
+PARALLEL = ["qwen3", "qwen3-coder", "glm-4.6", "glm-4.7", "kimi-k2", "minimax-m2", "devstral", "gemma-4",
+            "gemma-2", "lfm2.5", "lfm2-8b", "deepseek-v3.1", "seed-oss"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", PARALLEL)
+def test_a_required_turn_may_make_several_calls_as_the_template_writes_them(family_dirs, family):
+    """``tool_choice: "required"`` is one call or more (OpenAI's, with ``parallel_tool_calls``, its
+    default): over the family's real tokenizer its grammar takes two and three calls written as the
+    family's template writes two calls in one turn (the same text, where the template spells the
+    arguments as the grammar does: LFM2.5 quotes with ``'``, Seed-OSS drops the newlines around a
+    value), the server's output parser reads each back, and a format of one call a turn refuses a
+    second. Before, the grammar ended the turn after the first call."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from engine import api, chat, respond
+    from engine.output import ChatOutput
+    from engine.output_format import GAP, OutputFormat
+    from tests.engine.parsing import named_calls, run_output
+
+    tok = load_tokenizer(family_dirs[family])
+    fmt = OutputFormat.of(tok)
+    vocab = json.loads((family_dirs[family] / "config.json").read_text())["vocab_size"]
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": params}}
+             for n in ("get_weather", "get_time")]  # fmt: skip
+    req = api.ChatRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": "required"})
+    grammar = respond.call_grammar(req, fmt)
+    gap = "\n" if family == "glm-4.6" else ""
+    calls = [("get_weather", {"city": "Oslo"}), ("get_time", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]
+
+    def written(k: int, seq: list[tuple[str, dict[str, str]]] = calls) -> str:
+        """The first ``k`` calls, after the prompt's opener, as the grammar spells them."""
+        text = str(fmt.call_head(seq[0][0])) + _spelled(fmt, seq[0][1])
+        for i, (name, args) in enumerate(seq[1:k], 1):
+            text += str(fmt.next_call(name, i)) + _spelled(fmt, args)
+        return (text + str(fmt.named_close())).replace(GAP, gap)
+
+    g = Grammars(tok, vocab)
+    # one tool, called twice (its one head is no alternative: the repeat still covers the whole call)
+    one_tool = api.ChatRequest.model_validate({"messages": ASK, "tools": tools[:1], "tool_choice": "required"})
+    for k in (1, 2, 3):
+        again = written(k, [calls[0], calls[2], calls[0]])
+        assert _accepts(g, respond.call_grammar(one_tool, fmt), again, tok) == (True, True), (family, k)
+    for k in (1, 2, 3):
+        assert _accepts(g, grammar, written(k), tok) == (True, True), (family, k, grammar)
+        got, finish = run_output(ChatOutput(fmt, tools), [fmt.forced_prefix("required") + written(k)])
+        assert named_calls(got) == [{"name": n, "arguments": a} for n, a in calls[:k]], (family, k, got)
+        assert finish == "tool_calls" and not got.content.strip(), (family, got)
+    # two calls as the family's own template writes them back into the conversation
+    sent = [{"id": f"functions.{n}:{i}" if family == "kimi-k2" else f"call_{i}", "type": "function",
+             "function": {"name": n, "arguments": json.dumps(a)}} for i, (n, a) in enumerate(calls[:2])]  # fmt: skip
+    turn = {"role": "assistant", "content": "", "tool_calls": sent}
+    rendered = chat.render_chat(tok, [*ASK, turn], tools, generation_prompt=False)
+    two = fmt.forced_prefix("required") + written(2)
+    if family == "lfm2.5":
+        two = two.replace('"Oslo"', "'Oslo'")
+    if family == "seed-oss":
+        two = two.replace(">\nOslo\n<", ">Oslo<")
+    assert two in rendered, (family, two, rendered)
+
+
+@pytest.mark.parametrize("family", [None, "qwen3-coder", "kimi-k2"])
+def test_a_served_required_turn_may_make_several_calls(tiny_model_dir, family_dirs, tmp_path, family):
+    """Served, ``required`` with parallel calls (the default) on the tiny random model (Hermes,
+    Qwen3-Coder's tags, Kimi-K2's numbered calls in one section): every call that comes back is to
+    one of the tools with its parameters, and the random model, free to go on after a call, makes
+    several. Before, each turn was one call."""
+    from engine.generate import Engine
+    from tests.serving import USER, hot_config, serve
+
+    params = {"type": "object", "required": ["city"], "additionalProperties": False,
+              "properties": {"city": {"enum": ["Paris", "Oslo"]}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": params}}
+             for n in ("get_weather", "get_time")]  # fmt: skip
+    model = tiny_model_dir if family is None else family_dirs[family]
+    config = hot_config(tmp_path)
+    counts = []
+    with serve(lambda: Engine(model, config), config) as live:
+        for seed in range(4):
+            r = live.client.chat.completions.create(model="m", messages=USER, tools=tools, max_tokens=200,
+                                                    tool_choice="required", seed=seed)  # fmt: skip
+            choice = r.choices[0]
+            calls = choice.message.tool_calls or []
+            assert calls and choice.finish_reason in ("tool_calls", "length"), (family, choice)
+            for call in calls:
+                assert call.function.name in ("get_weather", "get_time"), (family, call)
+                assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo"), (family, call)
+            assert len({call.id for call in calls}) == len(calls)
+            counts.append(len(calls))
+    assert max(counts) >= 2, (family, counts)
+
+
+@pytest.mark.parametrize("family", ["llama-3.3", "gpt-oss"])
+def test_a_format_of_one_call_a_turn_makes_one_under_required(family_dirs, family):
+    """Llama 3.3's and gpt-oss's formats write one call a turn: ``required`` stays one call there,
+    ``parallel_tool_calls`` or not."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from engine import api, respond
+    from engine.output_format import OutputFormat
+
+    tok = load_tokenizer(family_dirs[family])
+    fmt = OutputFormat.of(tok)
+    vocab = json.loads((family_dirs[family] / "config.json").read_text())["vocab_size"]
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    req = api.ChatRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": "required"})
+    grammar = respond.call_grammar(req, fmt)
+    one = f"{fmt.call_head('ping')}{{}}{fmt.named_close()}"
+    g = Grammars(tok, vocab)
+    assert fmt.next_call("ping", 1) is None
+    assert _accepts(g, grammar, one, tok) == (True, True)
+    assert not _accepts(g, grammar, one + "\n" + fmt.forced_prefix("required") + one, tok)[0]
 
 
 def _spelled(fmt: Any, args: dict[str, Any]) -> str:
