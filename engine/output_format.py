@@ -196,7 +196,7 @@ class OutputFormat:
         """What closes a forced named call after its arguments (:meth:`forced_prefix` opened it);
         None where no grammar of the format's arguments is written: they are neither one JSON
         object written whole nor one by one (:meth:`arg_layout`)."""
-        layout = _ARG_LAYOUTS.get(self.parser_name)
+        layout = self.arg_layout()
         return layout.close.replace("{end}", self.tool[1]) if layout else _NAMED_CLOSE.get(self.parser_name)
 
     def next_call(self, name: str, index: int) -> str | None:
@@ -217,8 +217,9 @@ class OutputFormat:
         """Where a call writes its arguments one by one (tags: Qwen3-Coder's ``<parameter=city>``,
         MiniMax-M2's ``<parameter name="city">``, GLM's ``<arg_key>city</arg_key>``; LFM2's Python
         keywords ``city="Paris"``; Gemma 4's ``city:<|"|>Paris<|"|>``): how (:class:`ArgLayout`);
-        None where they are one JSON object or free."""
-        return _ARG_LAYOUTS.get(self.parser_name)
+        None where they are one JSON object or free. Seed-OSS's Qwen3-Coder calls (in its own
+        ``<seed:tool_call>``) write a value with no newline around it."""
+        return _BLOCK_LAYOUTS.get(self.tool[0]) or _ARG_LAYOUTS.get(self.parser_name)
 
     def machine(self, tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
@@ -375,6 +376,12 @@ _ARG_LAYOUTS = {
     "glm47": ArgLayout(f"{GAP}<arg_key>", f"</arg_key>{GAP}<arg_value>", "</arg_value>", f"{GAP}{{end}}"),
     "pythonic": ArgLayout("", "=", "", ")]{end}", sep=", ", quote='"', bare_keys=True, keywords=False),
     "gemma4": ArgLayout("", ":", "", "}{end}", sep=",", quote='<|"|>', bare_keys=True, sort=True),
+}
+
+# Layouts of a format in another family's call block, by its opener: Seed-OSS's template writes
+# ``<parameter=city>Oslo</parameter>`` where Qwen3-Coder's writes the value on a line of its own
+_BLOCK_LAYOUTS = {
+    "<seed:tool_call>": ArgLayout("<parameter=", ">", "</parameter>\n", "</function>\n{end}"),
 }
 
 # A forced call's next one (:meth:`OutputFormat.next_call`), as each family's template writes a

@@ -303,13 +303,14 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2", "glm-4.7",
-                                    "lfm2.5", "gemma-4", "deepseek-v3.1"])
+                                    "lfm2.5", "gemma-4", "deepseek-v3.1", "seed-oss"])
 def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
     ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
     (Hermes-style calls; gpt-oss's harmony; Qwen3's json_tools, ``</tool_call>`` a token; Kimi-K2's
     sections, its ends tokens; Qwen3-Coder's, MiniMax-M2's and GLM's arguments as tags, one per
-    property; LFM2's Python call; Gemma 4's ``call:NAME{key:<|"|>text<|"|>}``; DeepSeek V3.1's ``NAME<｜tool▁sep｜>{…}``). Before, the random model's arguments were whatever it wrote: no
+    property; LFM2's Python call; Gemma 4's ``call:NAME{key:<|"|>text<|"|>}``; DeepSeek V3.1's ``NAME<｜tool▁sep｜>{…}``;
+    Seed-OSS's ``<parameter=city>Paris</parameter>``). Before, the random model's arguments were whatever it wrote: no
     call came back (the block was text, or cut by ``max_tokens``)."""
     from engine.generate import Engine
     from tests.serving import USER, hot_config, serve
@@ -422,8 +423,8 @@ def test_a_required_turn_may_make_several_calls_as_the_template_writes_them(fami
     """``tool_choice: "required"`` is one call or more (OpenAI's, with ``parallel_tool_calls``, its
     default): over the family's real tokenizer its grammar takes two and three calls written as the
     family's template writes two calls in one turn (the same text, where the template spells the
-    arguments as the grammar does: LFM2.5 quotes with ``'``, Seed-OSS drops the newlines around a
-    value), the server's output parser reads each back, and a format of one call a turn refuses a
+    arguments as the grammar does: LFM2.5 quotes with ``'``; Seed-OSS's values, with no newline
+    around them, were written in Qwen3-Coder's layout until 2026-12-08), the server's output parser reads each back, and a format of one call a turn refuses a
     second. Before, the grammar ended the turn after the first call."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -469,8 +470,6 @@ def test_a_required_turn_may_make_several_calls_as_the_template_writes_them(fami
     two = fmt.forced_prefix("required") + written(2)
     if family == "lfm2.5":
         two = two.replace('"Oslo"', "'Oslo'")
-    if family == "seed-oss":
-        two = two.replace(">\nOslo\n<", ">Oslo<")
     assert two in rendered, (family, two, rendered)
 
 
