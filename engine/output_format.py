@@ -376,6 +376,8 @@ _ARG_LAYOUTS = {
     "glm47": ArgLayout(f"{GAP}<arg_key>", f"</arg_key>{GAP}<arg_value>", "</arg_value>", f"{GAP}{{end}}"),
     "pythonic": ArgLayout("", "=", "", ")]{end}", sep=", ", quote='"', bare_keys=True, keywords=False),
     "gemma4": ArgLayout("", ":", "", "}{end}", sep=",", quote='<|"|>', bare_keys=True, sort=True),
+    "hy3": ArgLayout("<arg_key:opensource>", "</arg_key:opensource>\n<arg_value:opensource>",
+                     "</arg_value:opensource>\n", "</tool_call:opensource>\n{end}"),  # fmt: skip
 }
 
 # Layouts of a format in another family's call block, by its opener: Seed-OSS's template writes
@@ -398,6 +400,7 @@ _AGAIN = {
     "minimax_m2": '</invoke>\n<invoke name="{name}">\n',
     "pythonic": "), {name}(",
     "deepseek_v31": DS_CALL_END + DS_CALL + "{name}" + DS_SEP,
+    "hy3": "</tool_call:opensource>\n<tool_call:opensource>{name}<tool_sep:opensource>\n",
 }
 
 # Forced named calls: the opening of a call to {name}, in each family's own syntax.
