@@ -15,7 +15,7 @@ import re
 import string
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import xxhash
@@ -327,14 +327,34 @@ _FUNCTION_CALL = re.compile(r"<function=tiered_kv_probe_fn>\s*<parameter=a>\s*1\
 
 
 @dataclass(frozen=True)
+class CallJson:
+    """How one call is spelled as JSON in its block (:func:`call_json`): ``head``, from the block's
+    opener up to the call's arguments, with :data:`NAME_SLOT` where its function's name goes;
+    ``tail``, from the arguments to the JSON's end (its closing brackets); ``between``, from one
+    call's arguments to the next call's (None where the template writes no second call so, or
+    numbers its calls: Cohere's ``"tool_call_id": "1"``)."""
+
+    head: str
+    tail: str
+    between: str | None = None
+
+
+#: where a :class:`CallJson` holds the function's name
+NAME_SLOT = "tiered_kv_probe_fn"
+
+
+@dataclass(frozen=True)
 class CallBlock:
     """Where a template writes an assistant's calls back (:func:`template_call_block`): between
     ``start`` and ``end`` ("": to the turn's end), as JSON (``body`` "json") or as Qwen3-Coder's
-    ``<function=NAME><parameter=K>V</parameter></function>`` ("function")."""
+    ``<function=NAME><parameter=K>V</parameter></function>`` ("function"); ``json``: how the JSON
+    spells one call, where it holds nothing but the name and the arguments (Apriel's also writes
+    the call's id after them: None)."""
 
     start: str
     end: str
     body: str
+    json: CallJson | None = None
 
 
 _call_blocks: weakref.WeakKeyDictionary[Any, CallBlock | None] = weakref.WeakKeyDictionary()
@@ -362,11 +382,63 @@ def template_call_block(tokenizer: Any) -> CallBlock | None:
         block = None
     else:
         block = _call_block(with_call, as_text)
+    if block is not None and block.body == "json":
+        try:
+            with_two = _apply(tokenizer, [*_TWO_CALLS_PROBE, result, hi], [_PROBE_TOOL])
+        except Exception:  # (a template that refuses two calls writes no second one)
+            with_two = ""
+        block = replace(block, json=call_json(with_call, with_two, block.start, block.end))
     try:
         _call_blocks[tokenizer] = block
     except TypeError:
         pass
     return block
+
+
+#: the probe's call and a second one (:func:`call_json`'s ``between``)
+_TWO_CALLS_PROBE: list[dict[str, Any]] = [
+    _CALL_PROBE[0],
+    {"role": "assistant", "content": "", "tool_calls": [
+        *_CALL_PROBE[1]["tool_calls"],
+        {"id": "d", "type": "function", "function": {"name": "tiered_kv_probe_gn", "arguments": {"a": 2}}}]},
+]  # fmt: skip
+
+
+def call_json(with_call: str, with_two: str, opener: str, closer: str = "") -> CallJson | None:
+    """How ``with_call`` (a rendering of :data:`_CALL_PROBE`'s call between ``opener`` and ``closer``,
+    "": none) spells the call as JSON, and ``with_two`` (of :data:`_TWO_CALLS_PROBE`'s two calls; ""
+    for none) a second one; None where the JSON holds more than the name and the arguments."""
+    where = _probe_json_call(with_call)
+    args = _json_at(with_call, {"a": 1}, with_call.rfind(f'"{NAME_SLOT}"'))
+    at = with_call.rfind(opener, 0, where[0]) if where else -1
+    if where is None or args is None or at < 0:
+        return None
+    rest = with_call[where[1] :]
+    gap = rest[: len(rest) - len(rest.lstrip())] if closer and rest.lstrip().startswith(closer) else ""
+    head, tail = with_call[at + len(opener) : args[0]], with_call[args[1] : where[1]] + gap
+    if head.count(NAME_SLOT) != 1 or tail.strip(" \n]}"):
+        return None
+    first, second = _json_at(with_two, {"a": 1}, with_two.rfind(f'"{NAME_SLOT}"')), None
+    if first is not None:
+        second = _json_at(with_two, {"a": 2}, with_two.find('"tiered_kv_probe_gn"', first[1]))
+    between = with_two[first[1] : second[0]].replace("tiered_kv_probe_gn", NAME_SLOT) if first and second else None
+    if between is not None and (any(c.isdigit() for c in between) or between.count(NAME_SLOT) != 1):
+        between = None
+    return CallJson(head, tail, between)
+
+
+def _json_at(text: str, value: Any, after: int) -> tuple[int, int] | None:
+    """Where the JSON ``value`` is first written in ``text`` past ``after`` (None: not there)."""
+    if after < 0:
+        return None
+    for start in (i for i in range(after, len(text)) if text[i] == "{"):
+        try:
+            got, end = json.JSONDecoder().raw_decode(text, start)
+        except ValueError:
+            continue
+        if got == value:
+            return start, end
+    return None
 
 
 def _probe_json_call(text: str) -> tuple[int, int] | None:
@@ -464,6 +536,17 @@ def call_writer(tokenizer: Any) -> CallWriter | None:
         return f"{start}[{', '.join(one(c) for c in calls)}]{end or ''}"
 
     return python
+
+
+def written_call_json(tokenizer: Any) -> CallJson | None:
+    """How :func:`call_writer` spells one call as JSON, and a second (Granite's list), where the
+    chat template writes none back itself: :func:`call_json` of its writing; None where the writer
+    writes no JSON (LFM2's Python calls) or there is none."""
+    write, opener = call_writer(tokenizer), template_call_text(tokenizer)
+    if write is None or not opener:
+        return None
+    calls = [{"name": NAME_SLOT, "arguments": {"a": 1}}, {"name": "tiered_kv_probe_gn", "arguments": {"a": 2}}]
+    return call_json(write(calls[:1]), write(calls), opener)
 
 
 def calls_as_text(messages: list[dict[str, Any]], write: CallWriter) -> list[dict[str, Any]]:

@@ -75,6 +75,9 @@ class OutputFormat:
     frame: tuple[str, str] | None = None
     #: what ends the model's message, nothing after it output (Kimi K3's ``<|close|>message<|sep|>``)
     close: str | None = None
+    #: how a JSON block's call is spelled (``json_block``: :func:`chat.call_json`), where the template
+    #: writes it (or :func:`chat.call_writer` does) as the name and the arguments alone
+    call_json: chat.CallJson | None = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
@@ -137,9 +140,9 @@ class OutputFormat:
         if block is not None and block.body == "function":  # Seed-OSS's: Qwen3-Coder's calls, its own block
             return cls(think, (block.start, block.end), qwen3_coder.parse_tool_call, "qwen3_coder")
         if block is not None and (block.start, block.end) != (HERMES_START, HERMES_END):
-            return cls(think, (block.start, block.end), parse_json_block, "json_block")
+            return cls(think, (block.start, block.end), parse_json_block, "json_block", call_json=block.json)
         if parser is None and (opener := chat.template_call_text(tokenizer)):  # Granite 3.3's, to the end
-            return cls(think, (opener, ""), parse_json_block, "json_block")
+            return cls(think, (opener, ""), parse_json_block, "json_block", call_json=chat.written_call_json(tokenizer))
         if parser is None or not getattr(tokenizer, "tool_call_start", None):
             return cls(think)
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
@@ -175,6 +178,8 @@ class OutputFormat:
         if not isinstance(tool_choice, dict):
             return ""
         name = str(tool_choice["function"]["name"])
+        if self.call_json is not None:
+            return self.tool[0] + self.call_json.head.replace(chat.NAME_SLOT, name)
         named = _NAMED.get(self.parser_name)
         return (
             named.format(start=self.tool[0], name=name, index=calls_before)
@@ -196,6 +201,8 @@ class OutputFormat:
         """What closes a forced named call after its arguments (:meth:`forced_prefix` opened it);
         None where no grammar of the format's arguments is written: they are neither one JSON
         object written whole nor one by one (:meth:`arg_layout`)."""
+        if self.call_json is not None:
+            return self.call_json.tail + self.tool[1]
         layout = self.arg_layout()
         return layout.close.replace("{end}", self.tool[1]) if layout else _NAMED_CLOSE.get(self.parser_name)
 
@@ -207,6 +214,9 @@ class OutputFormat:
         call inside the same block (Kimi-K2's section, MiniMax-M2's ``<invoke>``, LFM2's list,
         DeepSeek V3.1's calls) — as each family's template writes two calls. None where the format
         writes one call a turn (Llama 3.3, gpt-oss) or no grammar of its arguments is written."""
+        if self.call_json is not None:  # JSON between a template's own markers, as it writes a second
+            between = self.call_json.between
+            return between.replace(chat.NAME_SLOT, name) if between is not None else None
         again, close = _AGAIN.get(self.parser_name), self.named_close()
         if again is None or close is None:
             return None

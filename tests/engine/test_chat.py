@@ -280,20 +280,24 @@ def test_call_blocks_found_by_rendering_a_call(family_dirs):
     """The probe behind the formats of templates mlx-lm has no parser for (engine/output_format.py):
     the tags around the call that a call adds, the end "" where it is the turn's own end (GigaChat
     3.1's); the call as JSON, or as Qwen3-Coder's XML (Seed-OSS's). None where the JSON follows a
-    role's header (Llama's: its own format) or the call is neither (the other tag formats)."""
+    role's header (Llama's: its own format) or the call is neither (the other tag formats). A JSON
+    call's spelling, up to its arguments and after them, and from one call's to the next's (the
+    forced calls' grammar, :class:`chat.CallJson`)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    Block = chat.CallBlock
+    Block, Json, fn = chat.CallBlock, chat.CallJson, chat.NAME_SLOT
     found = {f: chat.template_call_block(load_tokenizer(path)) for f, path in family_dirs.items()}
+    named = f'{{"name": "{fn}", "arguments": '
+    cohere = Json(f'[\n    {{"tool_call_id": "0", "tool_name": "{fn}", "parameters": ', "}\n]")  # (its calls numbered)
     assert {f: b for f, b in found.items() if b} == {
-        "qwen3": Block("<tool_call>", "</tool_call>", "json"),
+        "qwen3": Block("<tool_call>", "</tool_call>", "json", Json("\n" + named, "}\n", "}\n</tool_call>\n<tool_call>\n" + named)),
         "qwen3-coder": Block("<tool_call>", "</tool_call>", "function"),
-        "nemotron-nano-v2": Block("<TOOLCALL>", "</TOOLCALL>", "json"),
-        "command-r7b": Block("<|START_ACTION|>", "<|END_ACTION|>", "json"),
-        "cohere2-moe": Block("<|START_ACTION|>", "<|END_ACTION|>", "json"),
-        "apertus": Block("<|tools_prefix|>", "<|tools_suffix|>", "json"),
-        "apriel-1.6": Block("<tool_calls>", "</tool_calls>", "json"),
-        "gigachat-3.1": Block("<|function_call|>", "", "json"),
+        "nemotron-nano-v2": Block("<TOOLCALL>", "</TOOLCALL>", "json", Json("[" + named, "}]", "}, " + named)),
+        "command-r7b": Block("<|START_ACTION|>", "<|END_ACTION|>", "json", cohere),
+        "cohere2-moe": Block("<|START_ACTION|>", "<|END_ACTION|>", "json", cohere),
+        "apertus": Block("<|tools_prefix|>", "<|tools_suffix|>", "json", Json(f'[{{"{fn}": ', "}]", f'}}, {{"{fn}": ')),
+        "apriel-1.6": Block("<tool_calls>", "</tool_calls>", "json"),  # (its JSON holds each call's id: free)
+        "gigachat-3.1": Block("<|function_call|>", "", "json", Json(named, "}")),  # (one call: it renders no second)
         "seed-oss": Block("<seed:tool_call>", "</seed:tool_call>", "function"),
     }
 

@@ -303,15 +303,18 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2", "glm-4.7",
-                                    "lfm2.5", "gemma-4", "deepseek-v3.1", "seed-oss", "hy3"])
+                                    "lfm2.5", "gemma-4", "deepseek-v3.1", "seed-oss", "hy3", "nemotron-nano-v2",
+                                    "command-r7b", "apertus", "gigachat-3.1", "granite-3.3"])
 def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
     ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
     (Hermes-style calls; gpt-oss's harmony; Qwen3's json_tools, ``</tool_call>`` a token; Kimi-K2's
     sections, its ends tokens; Qwen3-Coder's, MiniMax-M2's and GLM's arguments as tags, one per
     property; LFM2's Python call; Gemma 4's ``call:NAME{key:<|"|>text<|"|>}``; DeepSeek V3.1's ``NAME<｜tool▁sep｜>{…}``;
-    Seed-OSS's ``<parameter=city>Paris</parameter>``; Hy3's ``<arg_key:opensource>`` pairs, until 2026-12-08
-    free). Before, the random model's arguments were whatever it wrote: no
+    Seed-OSS's ``<parameter=city>Paris</parameter>``; Hy3's ``<arg_key:opensource>`` pairs; the JSON of
+    Nemotron Nano v2's ``<TOOLCALL>[…]``, Command R7B's ``"tool_name"`` / ``"parameters"``, Apertus's
+    ``{NAME: ARGUMENTS}``, GigaChat 3.1's one object, Granite 3.3's list, as each template writes it — those
+    five until 2026-12-08 free). Before, the random model's arguments were whatever it wrote: no
     call came back (the block was text, or cut by ``max_tokens``)."""
     from engine.generate import Engine
     from tests.serving import USER, hot_config, serve
@@ -337,7 +340,8 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
 
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "devstral", "llama-3.3", "qwen3-coder",
-                                    "minimax-m2", "glm-4.6", "lfm2.5", "gemma-4", "deepseek-v3.1", "hy3"])
+                                    "minimax-m2", "glm-4.6", "lfm2.5", "gemma-4", "deepseek-v3.1", "hy3",
+                                    "cohere2-moe", "apertus", "granite-3.3"])
 def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice: "required"``: the prompt opens a call, then the grammar makes it a call to one
     of the tools, by its name in the format's syntax, its arguments that tool's ``parameters`` —
@@ -373,7 +377,8 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
 
 
 @pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2",
-                                    "glm-4.6", "glm-4.7", "lfm2.5", "gemma-4", "deepseek-v3.1", "hy3"])
+                                    "glm-4.6", "glm-4.7", "lfm2.5", "gemma-4", "deepseek-v3.1", "hy3",
+                                    "nemotron-nano-v2", "command-r7b", "apertus", "gigachat-3.1", "granite-3.3"])
 def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
     """Over the family's real tokenizer, after the prompt's opener: ``required``'s grammar takes a
     call to either tool (the added tokens of its head and end as tokens: Mistral's ``[ARGS]`` by
@@ -416,7 +421,8 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
 #: the families whose templates write several calls in one turn (Llama 3.3's raises "This model
 #: only supports single tool-calls at once!"; gpt-oss's renders the first alone)
 PARALLEL = ["qwen3", "qwen3-coder", "glm-4.6", "glm-4.7", "kimi-k2", "minimax-m2", "devstral", "gemma-4",
-            "gemma-2", "lfm2.5", "lfm2-8b", "deepseek-v3.1", "seed-oss", "hy3"]  # fmt: skip
+            "gemma-2", "lfm2.5", "lfm2-8b", "deepseek-v3.1", "seed-oss", "hy3", "nemotron-nano-v2", "apertus",
+            "granite-3.3"]  # fmt: skip
 
 
 @pytest.mark.parametrize("family", PARALLEL)
@@ -505,10 +511,11 @@ def test_a_served_required_turn_may_make_several_calls(tiny_model_dir, family_di
     assert max(counts) >= 2, (family, counts)
 
 
-@pytest.mark.parametrize("family", ["llama-3.3", "gpt-oss"])
+@pytest.mark.parametrize("family", ["llama-3.3", "gpt-oss", "command-r7b", "gigachat-3.1"])
 def test_a_format_of_one_call_a_turn_makes_one_under_required(family_dirs, family):
-    """Llama 3.3's and gpt-oss's formats write one call a turn: ``required`` stays one call there,
-    ``parallel_tool_calls`` or not."""
+    """Llama 3.3's and gpt-oss's formats write one call a turn, GigaChat 3.1's template renders one
+    and Command R7B's numbers its calls: ``required`` stays one call there, ``parallel_tool_calls``
+    or not."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from engine import api, respond
