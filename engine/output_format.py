@@ -212,8 +212,10 @@ class OutputFormat:
         its ids by), where a forced call may be one of several (``required`` with parallel calls):
         the call's end and a new block (Hermes, Qwen3-Coder, GLM, Gemma 4, Mistral), or the next
         call inside the same block (Kimi-K2's section, MiniMax-M2's ``<invoke>``, LFM2's list,
-        DeepSeek V3.1's calls) — as each family's template writes two calls. None where the format
-        writes one call a turn (Llama 3.3, gpt-oss) or no grammar of its arguments is written."""
+        DeepSeek V3.1's calls; a JSON block's list, as :attr:`call_json` found it) — as each
+        family's template writes two calls. None where the format writes one call a turn (Llama
+        3.3, gpt-oss; GigaChat 3.1's template renders one, Cohere's numbers them) or no grammar of
+        its arguments is written."""
         if self.call_json is not None:  # JSON between a template's own markers, as it writes a second
             between = self.call_json.between
             return between.replace(chat.NAME_SLOT, name) if between is not None else None
