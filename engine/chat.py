@@ -292,6 +292,18 @@ def _writes_call_as(tokenizer: Any, written: str, tools: bool = True) -> bool:
     return _probed(seen, tokenizer, _CALL_PROBE, [_PROBE_TOOL] if tools else None, written)
 
 
+_single_quotes: Probes = weakref.WeakKeyDictionary()
+
+
+def template_quotes_python_strings(tokenizer: Any) -> bool:
+    """Whether the chat template writes a Python call's string argument between single quotes
+    (LFM2.5-8B-A1B's ``[f(city='Oslo')]``; LFM2-8B-A1B's writes JSON's double quotes); probed once
+    per tokenizer."""
+    call = {"id": "c", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {"a": "x"}}}
+    probe = [_CALL_PROBE[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
+    return _probed(_single_quotes, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_fn(a='x')")
+
+
 def template_writes_deepseek_calls(tokenizer: Any) -> bool:
     """Whether the chat template writes an assistant's calls back in DeepSeek V3.1's markup
     (``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>``) — V3.1's renders no ``tools`` (the server writes them

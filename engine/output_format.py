@@ -78,6 +78,9 @@ class OutputFormat:
     #: how a JSON block's call is spelled (``json_block``: :func:`chat.call_json`), where the template
     #: writes it (or :func:`chat.call_writer` does) as the name and the arguments alone
     call_json: chat.CallJson | None = None
+    #: how the template writes a call's arguments where it differs from its parser's family
+    #: (:meth:`arg_layout`): Seed-OSS's Qwen3-Coder tags, LFM2.5's single-quoted Python strings
+    args: ArgLayout | None = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
@@ -138,7 +141,7 @@ class OutputFormat:
             return cls(think, ("", ""), parse_json_calls, "llama3_json", whole=True)
         block = chat.template_call_block(tokenizer) if parser is None else None
         if block is not None and block.body == "function":  # Seed-OSS's: Qwen3-Coder's calls, its own block
-            return cls(think, (block.start, block.end), qwen3_coder.parse_tool_call, "qwen3_coder")
+            return cls(think, (block.start, block.end), qwen3_coder.parse_tool_call, "qwen3_coder", args=_SEED_ARGS)
         if block is not None and (block.start, block.end) != (HERMES_START, HERMES_END):
             return cls(think, (block.start, block.end), parse_json_block, "json_block", call_json=block.json)
         if parser is None and (opener := chat.template_call_text(tokenizer)):  # Granite 3.3's, to the end
@@ -147,7 +150,8 @@ class OutputFormat:
             return cls(think)
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
         name = parser.__module__.rsplit(".", 1)[-1]
-        return cls(think, tool, OWN_PARSERS.get(name, parser), name)
+        args = _PYTHON_SINGLE_QUOTES if name == "pythonic" and chat.template_quotes_python_strings(tokenizer) else None
+        return cls(think, tool, OWN_PARSERS.get(name, parser), name, args=args)
 
     def opens_reasoning(self, prompt_text: str, continued: str = "") -> bool:
         """Whether the model starts inside a think block: the generation prompt opens one (the
@@ -229,9 +233,10 @@ class OutputFormat:
         """Where a call writes its arguments one by one (tags: Qwen3-Coder's ``<parameter=city>``,
         MiniMax-M2's ``<parameter name="city">``, GLM's ``<arg_key>city</arg_key>``; LFM2's Python
         keywords ``city="Paris"``; Gemma 4's ``city:<|"|>Paris<|"|>``): how (:class:`ArgLayout`);
-        None where they are one JSON object or free. Seed-OSS's Qwen3-Coder calls (in its own
-        ``<seed:tool_call>``) write a value with no newline around it."""
-        return _BLOCK_LAYOUTS.get(self.tool[0]) or _ARG_LAYOUTS.get(self.parser_name)
+        None where they are one JSON object or free. The template's own where it differs
+        (:attr:`args`: Seed-OSS's Qwen3-Coder calls write a value with no newline around it,
+        LFM2.5-8B-A1B's Python calls a string between single quotes)."""
+        return self.args or _ARG_LAYOUTS.get(self.parser_name)
 
     def machine(self, tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over our markers (the tool edges only when calls are parsed)."""
@@ -392,11 +397,11 @@ _ARG_LAYOUTS = {
                      "</arg_value:opensource>\n", "</tool_call:opensource>\n{end}"),  # fmt: skip
 }
 
-# Layouts of a format in another family's call block, by its opener: Seed-OSS's template writes
-# ``<parameter=city>Oslo</parameter>`` where Qwen3-Coder's writes the value on a line of its own
-_BLOCK_LAYOUTS = {
-    "<seed:tool_call>": ArgLayout("<parameter=", ">", "</parameter>\n", "</function>\n{end}"),
-}
+# Layouts a template writes in place of its parser family's (:attr:`OutputFormat.args`): Seed-OSS's
+# ``<parameter=city>Oslo</parameter>``, where Qwen3-Coder's writes the value on a line of its own;
+# LFM2.5-8B-A1B's ``city='Oslo'`` (its template quotes a string so, any other value its JSON)
+_SEED_ARGS = ArgLayout("<parameter=", ">", "</parameter>\n", "</function>\n{end}")
+_PYTHON_SINGLE_QUOTES = replace(_ARG_LAYOUTS["pythonic"], quote="'")
 
 # A forced call's next one (:meth:`OutputFormat.next_call`), as each family's template writes a
 # second call: {close} the call's end (:meth:`OutputFormat.named_close`), {named} a call to {name}

@@ -430,8 +430,8 @@ def test_a_required_turn_may_make_several_calls_as_the_template_writes_them(fami
     """``tool_choice: "required"`` is one call or more (OpenAI's, with ``parallel_tool_calls``, its
     default): over the family's real tokenizer its grammar takes two and three calls written as the
     family's template writes two calls in one turn (the same text, where the template spells the
-    arguments as the grammar does: LFM2.5 quotes with ``'``; Seed-OSS's values, with no newline
-    around them, were written in Qwen3-Coder's layout until 2026-12-08), the server's output parser reads each back, and a format of one call a turn refuses a
+    arguments as the grammar does: Seed-OSS's values, with no newline around them, and LFM2.5's
+    strings in single quotes were written in their parser family's layout until 2026-12-08), the server's output parser reads each back, and a format of one call a turn refuses a
     second. Before, the grammar ended the turn after the first call."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -475,8 +475,6 @@ def test_a_required_turn_may_make_several_calls_as_the_template_writes_them(fami
     turn = {"role": "assistant", "content": "", "tool_calls": sent}
     rendered = chat.render_chat(tok, [*ASK, turn], tools, generation_prompt=False)
     two = fmt.forced_prefix("required") + written(2)
-    if family == "lfm2.5":
-        two = two.replace('"Oslo"', "'Oslo'")
     assert two in rendered, (family, two, rendered)
 
 
