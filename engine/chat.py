@@ -304,6 +304,19 @@ def template_quotes_python_strings(tokenizer: Any) -> bool:
     return _probed(_single_quotes, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_fn(a='x')")
 
 
+_mistral_ids: Probes = weakref.WeakKeyDictionary()
+
+
+def template_writes_mistral_call_ids(tokenizer: Any) -> bool:
+    """Whether the chat template writes an assistant's call back as ``NAME[CALL_ID]ID[ARGS]{…}``
+    (Mistral Small 3.2's; Devstral's writes ``NAME[ARGS]{…}``); probed once per tokenizer, with an
+    id of the nine letters or digits Mistral's templates demand."""
+    call = {"id": "tkvprobe1", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {"a": 1}}}
+    probe = [_CALL_PROBE[0], {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "tkvprobe1", "content": "r"}]  # fmt: skip
+    return _probed(_mistral_ids, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_fn[CALL_ID]tkvprobe1[ARGS]")
+
+
 def template_writes_deepseek_calls(tokenizer: Any) -> bool:
     """Whether the chat template writes an assistant's calls back in DeepSeek V3.1's markup
     (``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>``) — V3.1's renders no ``tools`` (the server writes them

@@ -81,12 +81,15 @@ class OutputFormat:
     #: how the template writes a call's arguments where it differs from its parser's family
     #: (:meth:`arg_layout`): Seed-OSS's Qwen3-Coder tags, LFM2.5's single-quoted Python strings
     args: ArgLayout | None = None
+    #: how the template opens a call to {name} where it differs from its parser family's
+    #: (:data:`_NAMED`): Mistral Small 3.2's ``[CALL_ID]``, the model's id after it
+    named: str | None = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
         """:meth:`markers_of`, and the added tokens its markers are made of."""
         fmt = cls.markers_of(tokenizer)
-        named = fmt.forced_prefix({"function": {"name": ""}})  # a call's fixed text, less its name
+        named = fmt._opening("", 0)  # a call's fixed text, less its name
         layout = fmt.arg_layout()
         markers = (*(fmt.think or ()), *fmt.tool, named, *filter(None, [fmt.named_close()]),
                    *(layout.texts() if layout else ()))  # fmt: skip
@@ -151,7 +154,8 @@ class OutputFormat:
         tool = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end or ""))
         name = parser.__module__.rsplit(".", 1)[-1]
         args = _PYTHON_SINGLE_QUOTES if name == "pythonic" and chat.template_quotes_python_strings(tokenizer) else None
-        return cls(think, tool, OWN_PARSERS.get(name, parser), name, args=args)
+        named = _MISTRAL_CALL_IDS if name == "mistral" and chat.template_writes_mistral_call_ids(tokenizer) else None
+        return cls(think, tool, OWN_PARSERS.get(name, parser), name, args=args, named=named)
 
     def opens_reasoning(self, prompt_text: str, continued: str = "") -> bool:
         """Whether the model starts inside a think block: the generation prompt opens one (the
@@ -181,15 +185,23 @@ class OutputFormat:
             return self.tool[0] + ("\n" if newline else "")
         if not isinstance(tool_choice, dict):
             return ""
-        name = str(tool_choice["function"]["name"])
+        named = self._opening(str(tool_choice["function"]["name"]), calls_before)
+        return named.split(CALL_ID)[0] if named else self.tool[0]  # (an id is the model's to write)
+
+    def _opening(self, name: str, index: int) -> str:
+        """A call to ``name`` opened, up to its arguments, in the format's syntax ("" where we cannot
+        name a function in it); :data:`CALL_ID` where the model writes the call's id."""
         if self.call_json is not None:
             return self.tool[0] + self.call_json.head.replace(chat.NAME_SLOT, name)
-        named = _NAMED.get(self.parser_name)
-        return (
-            named.format(start=self.tool[0], name=name, index=calls_before)
-            if named
-            else self.tool[0]
-        )
+        named = self.named or _NAMED.get(self.parser_name)
+        return named.format(start=self.tool[0], name=name, index=index) if named else ""
+
+    def named_rest(self, name: str, calls_before: int = 0) -> str:
+        """What a forced call to ``name`` writes after :meth:`forced_prefix` (in the prompt) up to its
+        arguments: "" but where the model writes the call's id there (Mistral Small 3.2's
+        ``[CALL_ID]`` id ``[ARGS]``), the grammar's to enforce."""
+        named = self._opening(name, calls_before)
+        return named[len(named.split(CALL_ID)[0]) :]
 
     def call_head(self, name: str, calls_before: int = 0) -> str | None:
         """What a call to ``name`` writes after ``required``'s opening (:meth:`forced_prefix`) up to
@@ -198,7 +210,7 @@ class OutputFormat:
         if self.named_close() is None:
             return None
         opened = self.forced_prefix("required")
-        named = self.forced_prefix({"function": {"name": name}}, calls_before)
+        named = self._opening(name, calls_before)
         return named[len(opened) :] if named.startswith(opened) else None
 
     def named_close(self) -> str | None:
@@ -226,8 +238,7 @@ class OutputFormat:
         again, close = _AGAIN.get(self.parser_name), self.named_close()
         if again is None or close is None:
             return None
-        named = self.forced_prefix({"function": {"name": name}}, index)
-        return again.format(close=close, named=named, name=name, index=index)
+        return again.format(close=close, named=self._opening(name, index), name=name, index=index)
 
     def arg_layout(self) -> ArgLayout | None:
         """Where a call writes its arguments one by one (tags: Qwen3-Coder's ``<parameter=city>``,
@@ -350,6 +361,9 @@ _NAMED_CLOSE = {
 #: in an argument layout (:class:`ArgLayout`), a newline the model may write or not (a grammar reads
 #: it as an optional one): GLM-4.6 writes one before each opening tag and the call's end, 4.7 none
 GAP = "\x1d"
+#: in a call's opening, the call's id, the model's to write: nine letters or digits, as Mistral's
+#: (a grammar reads it so; the prompt's forced opening stops before it)
+CALL_ID = "\x1e"
 
 
 @dataclass(frozen=True)
@@ -402,6 +416,9 @@ _ARG_LAYOUTS = {
 # LFM2.5-8B-A1B's ``city='Oslo'`` (its template quotes a string so, any other value its JSON)
 _SEED_ARGS = ArgLayout("<parameter=", ">", "</parameter>\n", "</function>\n{end}")
 _PYTHON_SINGLE_QUOTES = replace(_ARG_LAYOUTS["pythonic"], quote="'")
+
+# Mistral Small 3.2's opening of a call (its template writes the id after ``[CALL_ID]``)
+_MISTRAL_CALL_IDS = "{start}{name}[CALL_ID]" + CALL_ID + "[ARGS]"
 
 # A forced call's next one (:meth:`OutputFormat.next_call`), as each family's template writes a
 # second call: {close} the call's end (:meth:`OutputFormat.named_close`), {named} a call to {name}

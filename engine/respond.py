@@ -414,7 +414,7 @@ def call_grammar(req: ChatRequest, fmt: OutputFormat) -> str:
     calls, names = [], []
     for tool in req.tool_dicts() or ():
         name = str(tool.get("function", {}).get("name", ""))
-        head = "" if forced is not None else fmt.call_head(name, calls_before)
+        head = fmt.named_rest(name, calls_before) if forced is not None else fmt.call_head(name, calls_before)
         if (forced is not None and name != forced) or head is None:
             continue
         params = tool["function"].get("parameters")

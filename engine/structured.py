@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.output_format import GAP, ArgLayout
+from engine.output_format import CALL_ID, GAP, ArgLayout
 
 #: the schema of OpenAI's JSON mode (``json_object``): any JSON object
 ANY_OBJECT = '{"type":"object"}'
@@ -246,12 +246,14 @@ def _ends_at_token(end: str, tokens: Tokens) -> bool:
 
 def _marker(text: str, tokens: Tokens) -> str:
     """``text`` as a lark sequence: each of ``tokens`` (longest first) in it named as a token,
-    the text between them as string literals, a :data:`GAP` as an optional newline."""
+    the text between them as string literals, a :data:`GAP` as an optional newline, a :data:`CALL_ID` as the nine letters or digits of one."""
     parts, i, j = [], 0, 0
     while j < len(text):
         tok = next(((t, name) for t, name in tokens if text.startswith(t, j)), None)
         if tok is None and text[j] == GAP:
             tok = (GAP, '"\\n"?')
+        if tok is None and text[j] == CALL_ID:
+            tok = (CALL_ID, "/[A-Za-z0-9]{9}/")
         if tok is None:
             j += 1
             continue

@@ -304,7 +304,7 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2", "glm-4.7",
                                     "lfm2.5", "gemma-4", "deepseek-v3.1", "seed-oss", "hy3", "nemotron-nano-v2",
-                                    "command-r7b", "apertus", "gigachat-3.1", "granite-3.3"])
+                                    "command-r7b", "apertus", "gigachat-3.1", "granite-3.3", "mistral-small-3.2"])
 def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
     ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
@@ -314,7 +314,7 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
     Seed-OSS's ``<parameter=city>Paris</parameter>``; Hy3's ``<arg_key:opensource>`` pairs; the JSON of
     Nemotron Nano v2's ``<TOOLCALL>[…]``, Command R7B's ``"tool_name"`` / ``"parameters"``, Apertus's
     ``{NAME: ARGUMENTS}``, GigaChat 3.1's one object, Granite 3.3's list, as each template writes it — those
-    five until 2026-12-08 free). Before, the random model's arguments were whatever it wrote: no
+    five until 2026-12-08 free; Mistral Small 3.2's ``NAME[CALL_ID]ID[ARGS]``, the id the model's). Before, the random model's arguments were whatever it wrote: no
     call came back (the block was text, or cut by ``max_tokens``)."""
     from engine.generate import Engine
     from tests.serving import USER, hot_config, serve
@@ -376,7 +376,7 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
             assert list(args) == [key] and args[key] in values, (family, call)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "devstral", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2",
+@pytest.mark.parametrize("family", ["qwen3", "devstral", "mistral-small-3.2", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2",
                                     "glm-4.6", "glm-4.7", "lfm2.5", "gemma-4", "deepseek-v3.1", "hy3",
                                     "nemotron-nano-v2", "command-r7b", "apertus", "gigachat-3.1", "granite-3.3"])
 def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
@@ -388,7 +388,7 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from engine import api, respond
-    from engine.output_format import GAP, OutputFormat
+    from engine.output_format import CALL_ID, GAP, OutputFormat
 
     tok = load_tokenizer(family_dirs[family])
     fmt = OutputFormat.of(tok)
@@ -402,7 +402,8 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
 
     def call(name: str, args: dict[str, str]) -> str:
         gap = "\n" if family == "glm-4.6" else ""  # the layout of its template
-        return f"{fmt.call_head(name)}{_spelled(fmt, args)}{fmt.named_close()}".replace(GAP, gap)
+        text = f"{fmt.call_head(name)}{_spelled(fmt, args)}{fmt.named_close()}".replace(GAP, gap)
+        return text.replace(CALL_ID, "abcDEF120")  # (Mistral Small 3.2's id, the model's to write)
 
     one = call("get_time", {"city": "Oslo"})
     assert _accepts(g, grammar, one, tok) == (True, True), (family, grammar)
@@ -420,7 +421,7 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
 
 #: the families whose templates write several calls in one turn (Llama 3.3's raises "This model
 #: only supports single tool-calls at once!"; gpt-oss's renders the first alone)
-PARALLEL = ["qwen3", "qwen3-coder", "glm-4.6", "glm-4.7", "kimi-k2", "minimax-m2", "devstral", "gemma-4",
+PARALLEL = ["qwen3", "qwen3-coder", "glm-4.6", "glm-4.7", "kimi-k2", "minimax-m2", "devstral", "mistral-small-3.2", "gemma-4",
             "gemma-2", "lfm2.5", "lfm2-8b", "deepseek-v3.1", "seed-oss", "hy3", "nemotron-nano-v2", "apertus",
             "granite-3.3"]  # fmt: skip
 
@@ -437,7 +438,7 @@ def test_a_required_turn_may_make_several_calls_as_the_template_writes_them(fami
 
     from engine import api, chat, respond
     from engine.output import ChatOutput
-    from engine.output_format import GAP, OutputFormat
+    from engine.output_format import CALL_ID, GAP, OutputFormat
     from tests.engine.parsing import named_calls, run_output
 
     tok = load_tokenizer(family_dirs[family])
@@ -450,13 +451,17 @@ def test_a_required_turn_may_make_several_calls_as_the_template_writes_them(fami
     grammar = respond.call_grammar(req, fmt)
     gap = "\n" if family == "glm-4.6" else ""
     calls = [("get_weather", {"city": "Oslo"}), ("get_time", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]
+    ids = ["abcDEF120", "abcDEF121", "abcDEF122"]  # (Mistral's templates take ids of nine letters or digits)
 
     def written(k: int, seq: list[tuple[str, dict[str, str]]] = calls) -> str:
         """The first ``k`` calls, after the prompt's opener, as the grammar spells them."""
         text = str(fmt.call_head(seq[0][0])) + _spelled(fmt, seq[0][1])
         for i, (name, args) in enumerate(seq[1:k], 1):
             text += str(fmt.next_call(name, i)) + _spelled(fmt, args)
-        return (text + str(fmt.named_close())).replace(GAP, gap)
+        text = (text + str(fmt.named_close())).replace(GAP, gap)
+        for i in range(text.count(CALL_ID)):  # ids the model writes (Mistral Small 3.2's), in call order
+            text = text.replace(CALL_ID, ids[i], 1)
+        return text
 
     g = Grammars(tok, vocab)
     # one tool, called twice (its one head is no alternative: the repeat still covers the whole call)
@@ -470,7 +475,7 @@ def test_a_required_turn_may_make_several_calls_as_the_template_writes_them(fami
         assert named_calls(got) == [{"name": n, "arguments": a} for n, a in calls[:k]], (family, k, got)
         assert finish == "tool_calls" and not got.content.strip(), (family, got)
     # two calls as the family's own template writes them back into the conversation
-    sent = [{"id": f"functions.{n}:{i}" if family == "kimi-k2" else f"call_{i}", "type": "function",
+    sent = [{"id": f"functions.{n}:{i}" if family == "kimi-k2" else ids[i], "type": "function",
              "function": {"name": n, "arguments": json.dumps(a)}} for i, (n, a) in enumerate(calls[:2])]  # fmt: skip
     turn = {"role": "assistant", "content": "", "tool_calls": sent}
     rendered = chat.render_chat(tok, [*ASK, turn], tools, generation_prompt=False)
