@@ -119,8 +119,10 @@ def _generated(tok: Any, msgs: list[dict[str, Any]], turn: dict[str, Any], eos: 
     if tag >= 0 and ">" not in full[tag:n]:  # the two part inside a marker (``<think>`` / ``<TOOLCALL>``): all of it
         n = tag
     text = full[n:]
-    cut = text.find(eos) if eos else -1
-    return (text[:cut] if cut >= 0 else text).rstrip("\n") if text else text
+    # its end: the family's, or the template's eos_token (the tiny tokenizer's, which a template such as
+    # Mistral Nemo's writes after a call: the real model's is the family's, never part of its text)
+    cuts = [i for i in (text.find(e) for e in (eos, str(getattr(tok, "eos_token", "") or "")) if e) if i >= 0]
+    return (text[: min(cuts)] if cuts else text).rstrip("\n") if text else text
 
 
 def run_family(family: str, tiny_dir: Path, tdir: Path, work: Path, send_reasoning: bool) -> Result:

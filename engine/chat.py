@@ -305,6 +305,38 @@ def template_quotes_python_strings(tokenizer: Any) -> bool:
 
 
 _mistral_ids: Probes = weakref.WeakKeyDictionary()
+_mistral_json: weakref.WeakKeyDictionary[Any, CallJson | None] = weakref.WeakKeyDictionary()
+
+
+def template_mistral_json_calls(tokenizer: Any) -> CallJson | None:
+    """How the chat template spells Mistral's calls where it writes them as a JSON list after
+    ``[TOOL_CALLS]`` (Mistral Nemo's ``[{"name": …, "arguments": …, "id": …}]``, each id the
+    model's: :data:`CALL_ID`), else None; probed once per tokenizer."""
+    try:
+        return _mistral_json[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = ("tkvprobe1", "tkvprobe2")  # (nine letters or digits, as Mistral's templates demand)
+    calls = [{"id": ids[0], "type": "function", "function": {"name": NAME_SLOT, "arguments": {"a": 1}}},
+             {"id": ids[1], "type": "function", "function": {"name": "tiered_kv_probe_gn", "arguments": {"a": 2}}}]  # fmt: skip
+
+    def rendered(n: int) -> str:
+        results = [{"role": "tool", "tool_call_id": c["id"], "content": "r"} for c in calls[:n]]
+        return _apply(tokenizer, [_CALL_PROBE[0], {"role": "assistant", "content": "", "tool_calls": calls[:n]},
+                                  *results], [_PROBE_TOOL])  # fmt: skip
+
+    try:
+        one, two = rendered(1), rendered(2)
+    except Exception:
+        found = None
+    else:
+        json_list = f'[TOOL_CALLS][{{"name": "{NAME_SLOT}"' in one
+        found = call_json(one, two, "[TOOL_CALLS]", ids=ids) if json_list else None
+    try:
+        _mistral_json[tokenizer] = found
+    except TypeError:
+        pass
+    return found
 
 
 def template_writes_mistral_call_ids(tokenizer: Any) -> bool:
@@ -366,6 +398,9 @@ class CallJson:
 
 #: where a :class:`CallJson` holds the function's name
 NAME_SLOT = "tiered_kv_probe_fn"
+#: in a call's spelling, the call's id, the model's to write: nine letters or digits, as Mistral's
+#: (a grammar reads it so; the prompt's forced opening stops before it)
+CALL_ID = "\x1e"
 
 
 @dataclass(frozen=True)
@@ -429,10 +464,11 @@ _TWO_CALLS_PROBE: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-def call_json(with_call: str, with_two: str, opener: str, closer: str = "") -> CallJson | None:
+def call_json(with_call: str, with_two: str, opener: str, closer: str = "", ids: Sequence[str] = ()) -> CallJson | None:
     """How ``with_call`` (a rendering of :data:`_CALL_PROBE`'s call between ``opener`` and ``closer``,
     "": none) spells the call as JSON, and ``with_two`` (of :data:`_TWO_CALLS_PROBE`'s two calls; ""
-    for none) a second one; None where the JSON holds more than the name and the arguments."""
+    for none) a second one; None where the JSON holds more than the name and the arguments — and
+    the call's id, where the probe's calls had ``ids`` (each then the model's: :data:`CALL_ID`)."""
     where = _probe_json_call(with_call)
     args = _json_at(with_call, {"a": 1}, with_call.rfind(f'"{NAME_SLOT}"'))
     at = with_call.rfind(opener, 0, where[0]) if where else -1
@@ -441,15 +477,24 @@ def call_json(with_call: str, with_two: str, opener: str, closer: str = "") -> C
     rest = with_call[where[1] :]
     gap = rest[: len(rest) - len(rest.lstrip())] if closer and rest.lstrip().startswith(closer) else ""
     head, tail = with_call[at + len(opener) : args[0]], with_call[args[1] : where[1]] + gap
-    if head.count(NAME_SLOT) != 1 or tail.strip(" \n]}"):
+    for i in ids:
+        tail = tail.replace(i, CALL_ID)
+    if head.count(NAME_SLOT) != 1 or _MODEL_ID.sub("", tail).strip(" \n]}"):
         return None
     first, second = _json_at(with_two, {"a": 1}, with_two.rfind(f'"{NAME_SLOT}"')), None
     if first is not None:
         second = _json_at(with_two, {"a": 2}, with_two.find('"tiered_kv_probe_gn"', first[1]))
     between = with_two[first[1] : second[0]].replace("tiered_kv_probe_gn", NAME_SLOT) if first and second else None
+    for i in ids:
+        between = between.replace(i, CALL_ID) if between is not None else None
     if between is not None and (any(c.isdigit() for c in between) or between.count(NAME_SLOT) != 1):
         between = None
     return CallJson(head, tail, between)
+
+
+#: a call's id in its JSON where the model writes it (:data:`CALL_ID`: Mistral Nemo's), the one
+#: thing a call's JSON may hold beside its name and arguments
+_MODEL_ID = re.compile(r',\s*"id":\s*"' + CALL_ID + '"')
 
 
 def _json_at(text: str, value: Any, after: int) -> tuple[int, int] | None:
@@ -726,6 +771,37 @@ def template_takes_system(tokenizer: Any) -> bool:
     return _probed(_system, tokenizer, probe, None, _PROBE_NOTE, TemplateError)
 
 
+_system_after_calls: Probes = weakref.WeakKeyDictionary()
+
+
+def template_keeps_system_after_calls(tokenizer: Any) -> bool:
+    """Whether the chat template still renders the system turn once the conversation goes on past
+    its last user turn (a call and its result); probed once per tokenizer. Mistral Nemo's writes it
+    into the last message only where that is a user's: an agent's every turn after a call lost its
+    system prompt, and its prompt parted from the turn before's at the first user turn. A template
+    that cannot render the probe keeps it (the probe's question is not what failed)."""
+    call = {"id": "tkvprobe1", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {"a": 1}}}
+    probe: list[dict[str, Any]] = [{"role": "system", "content": _PROBE_NOTE}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "tkvprobe1", "content": "r"}]  # fmt: skip
+    return _probed(_system_after_calls, tokenizer, probe, [_PROBE_TOOL], _PROBE_NOTE, ())
+
+
+def system_to_last_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system turns a conversation opens with joined, as paragraphs, to the start of its last
+    user turn — where a template that renders the system turn only into a last user message
+    (:func:`template_keeps_system_after_calls`) writes it — so it stays there after the turn's
+    calls and their results. Without a user turn, unchanged."""
+    n = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    if n == 0 or last < n:
+        return messages
+    head = "\n\n".join(m["content"] for m in messages[:n])  # contents are text (normalise_messages)
+    out = [dict(m) for m in messages[n:]]
+    out[last - n]["content"] = head + "\n\n" + out[last - n]["content"]
+    return out
+
+
 def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The system turns a conversation opens with joined, as paragraphs, to the start of the first
     user turn (none after them: they become one), for templates that take no system turn
@@ -865,4 +941,6 @@ def render_chat(
         msgs, tools = hermes_messages(msgs, tools), None
     if not template_takes_system(tokenizer):
         msgs = fold_system(msgs)
+    elif not template_keeps_system_after_calls(tokenizer):
+        msgs = system_to_last_user(msgs)
     return _apply(tokenizer, msgs, tools or None, extra, continue_final, generation_prompt)

@@ -75,8 +75,9 @@ class OutputFormat:
     frame: tuple[str, str] | None = None
     #: what ends the model's message, nothing after it output (Kimi K3's ``<|close|>message<|sep|>``)
     close: str | None = None
-    #: how a JSON block's call is spelled (``json_block``: :func:`chat.call_json`), where the template
-    #: writes it (or :func:`chat.call_writer` does) as the name and the arguments alone
+    #: how a JSON block's call is spelled (``json_block``: :func:`chat.call_json`; Mistral Nemo's
+    #: list), where the template writes it (or :func:`chat.call_writer` does) as the name and the
+    #: arguments alone (and an id the model writes)
     call_json: chat.CallJson | None = None
     #: how the template writes a call's arguments where it differs from its parser's family
     #: (:meth:`arg_layout`): Seed-OSS's Qwen3-Coder tags, LFM2.5's single-quoted Python strings
@@ -155,7 +156,8 @@ class OutputFormat:
         name = parser.__module__.rsplit(".", 1)[-1]
         args = _PYTHON_SINGLE_QUOTES if name == "pythonic" and chat.template_quotes_python_strings(tokenizer) else None
         named = _MISTRAL_CALL_IDS if name == "mistral" and chat.template_writes_mistral_call_ids(tokenizer) else None
-        return cls(think, tool, OWN_PARSERS.get(name, parser), name, args=args, named=named)
+        spelled = chat.template_mistral_json_calls(tokenizer) if name == "mistral" and named is None else None
+        return cls(think, tool, OWN_PARSERS.get(name, parser), name, args=args, named=named, call_json=spelled)
 
     def opens_reasoning(self, prompt_text: str, continued: str = "") -> bool:
         """Whether the model starts inside a think block: the generation prompt opens one (the
@@ -361,9 +363,7 @@ _NAMED_CLOSE = {
 #: in an argument layout (:class:`ArgLayout`), a newline the model may write or not (a grammar reads
 #: it as an optional one): GLM-4.6 writes one before each opening tag and the call's end, 4.7 none
 GAP = "\x1d"
-#: in a call's opening, the call's id, the model's to write: nine letters or digits, as Mistral's
-#: (a grammar reads it so; the prompt's forced opening stops before it)
-CALL_ID = "\x1e"
+CALL_ID = chat.CALL_ID
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,9 @@ _KIMI = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<
 _MISTRAL = ("<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]",
             "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[ARGS]",
             "[CALL_ID]")  # fmt: skip
+# Mistral Nemo's (Tekken v3): no [ARGS] / [CALL_ID] yet, its calls a JSON list
+_MISTRAL_V3 = ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+               "[TOOL_RESULTS]", "[/TOOL_RESULTS]")  # fmt: skip
 _GEMMA4 = ("<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
            "<tool_response|>", "<|tool>", "<tool|>", '<|"|>', "<|channel>", "<channel|>",
            "<|think|>")  # fmt: skip
@@ -121,6 +124,13 @@ FAMILIES: dict[str, Family] = {
     "mistral-small-3.2": Family(
         "Mistral-Small-3.2-24B-Instruct-2506.jinja",
         _MISTRAL,
+        bos="<s>",
+        parser="mistral",
+        eos="</s>",
+    ),
+    "mistral-nemo": Family(
+        "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+        _MISTRAL_V3,
         bos="<s>",
         parser="mistral",
         eos="</s>",

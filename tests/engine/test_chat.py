@@ -255,19 +255,44 @@ def test_claude_codes_environment_turn_renders_in_every_family(family_dirs):
         assert "Platform: linux" in text, family
         turn_1 = chat.render_chat(tok, CLAUDE_CODE_TURN_2[:3])
         head = turn_1[: turn_1.rindex("list the files")]
-        assert text.startswith(head), family
+        # (Mistral Nemo's template writes the system prompt into the last user turn: a new user turn moves it)
+        assert text.startswith(head) != (family == "mistral-nemo"), family
         if not chat.template_keeps_midway_system(tok):
             folded.add(family)
         else:
             assert text == chat._apply(tok, chat.normalise_messages(CLAUDE_CODE_TURN_2), None)
     # gpt-oss's drops it too, as Apertus's, Nemotron Nano v2's and MiniMax-M3's; Gemma 2 takes no system
-    # turn at all
+    # turn at all; Mistral Nemo's raises on one (roles must alternate), as Mistral Small 3.2's
     assert folded == {"mistral-small-3.2", "minimax-m2", "gpt-oss", "gemma-2", "apertus", "nemotron-nano-v2",
-                      "minimax-m3"}  # fmt: skip
+                      "minimax-m3", "mistral-nemo"}  # fmt: skip
+
+
+def test_a_system_prompt_stays_after_the_calls_of_its_turn(family_dirs):
+    """Mistral Nemo's template writes the system prompt into the last message only where that is a
+    user's: an agent's every turn after a call lost its system prompt (and its prompt parted from
+    the turn before's at the first user turn: the cache served none of it). The system turn now
+    goes where that template writes it, into the last user turn, and stays there after the turn's
+    calls; a conversation ending with a user turn renders as the template renders it. Every other
+    family's template keeps the system turn itself."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(family_dirs["mistral-nemo"])
+    assert not chat.template_keeps_system_after_calls(tok)
+    call = {"id": "abcDEF120", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turn_1 = [{"role": "system", "content": "You are opencode."}, {"role": "user", "content": "Weather?"}]
+    turn_2 = [*turn_1, {"role": "assistant", "content": "", "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": "abcDEF120", "content": "sunny"}]  # fmt: skip
+    first, second = chat.render_chat(tok, turn_1, TOOLS), chat.render_chat(tok, turn_2, TOOLS)
+    assert "You are opencode." in second and second.startswith(first)
+    assert first == chat._apply(tok, chat.normalise_messages(turn_1), TOOLS)
+    assert "You are opencode." not in chat._apply(tok, chat.normalise_messages(turn_2), TOOLS)  # (the template's own)
+    for family, path in family_dirs.items():
+        if family != "mistral-nemo":
+            assert chat.template_keeps_system_after_calls(load_tokenizer(path)), family
 
 
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
-    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 29 families,
+    """The probe behind Llama 3.x's output format (engine/output_format.py): of the 30 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
     alone."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -426,7 +451,7 @@ def test_ids_a_template_refuses_are_rendered_as_nine_alphanumerics(family_dirs):
     assert paris in chat.render_chat(tok, FOREIGN_IDS[:4], TOOLS)  # the next turn's: the same ids
     assert chat.short_call_id("a1B2c3D4e") == "a1B2c3D4e"
     for family, path in family_dirs.items():
-        if family != "mistral-small-3.2":
+        if family not in ("mistral-small-3.2", "mistral-nemo"):  # (Nemo's refuses them too)
             t = load_tokenizer(path)
             assert not chat.template_wants_short_call_ids(t), family
 

@@ -304,7 +304,8 @@ def test_a_think_block_of_the_models_own_tokens_is_accepted(family_dirs, family)
 
 @pytest.mark.parametrize("family", [None, "gpt-oss", "qwen3", "kimi-k2", "qwen3-coder", "minimax-m2", "glm-4.7",
                                     "lfm2.5", "gemma-4", "deepseek-v3.1", "seed-oss", "hy3", "nemotron-nano-v2",
-                                    "command-r7b", "apertus", "gigachat-3.1", "granite-3.3", "mistral-small-3.2"])
+                                    "command-r7b", "apertus", "gigachat-3.1", "granite-3.3", "mistral-small-3.2",
+                                    "mistral-nemo"])
 def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, family_dirs, tmp_path, family):
     """``tool_choice`` naming a function: the prompt opens the call, and its arguments are the tool's
     ``parameters`` as a JSON Schema, then the format's end of the call — on the tiny random model
@@ -314,7 +315,8 @@ def test_a_named_calls_arguments_follow_its_tools_parameters(tiny_model_dir, fam
     Seed-OSS's ``<parameter=city>Paris</parameter>``; Hy3's ``<arg_key:opensource>`` pairs; the JSON of
     Nemotron Nano v2's ``<TOOLCALL>[…]``, Command R7B's ``"tool_name"`` / ``"parameters"``, Apertus's
     ``{NAME: ARGUMENTS}``, GigaChat 3.1's one object, Granite 3.3's list, as each template writes it — those
-    five until 2026-12-08 free; Mistral Small 3.2's ``NAME[CALL_ID]ID[ARGS]``, the id the model's). Before, the random model's arguments were whatever it wrote: no
+    five until 2026-12-08 free; Mistral Small 3.2's ``NAME[CALL_ID]ID[ARGS]`` and Mistral Nemo's
+    ``[{"name": …, "arguments": …, "id": ID}]``, the id the model's). Before, the random model's arguments were whatever it wrote: no
     call came back (the block was text, or cut by ``max_tokens``)."""
     from engine.generate import Engine
     from tests.serving import USER, hot_config, serve
@@ -376,7 +378,8 @@ def test_a_required_call_is_one_of_the_tools_with_its_parameters(tiny_model_dir,
             assert list(args) == [key] and args[key] in values, (family, call)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "devstral", "mistral-small-3.2", "kimi-k2", "gpt-oss", "llama-3.3", "qwen3-coder", "minimax-m2",
+@pytest.mark.parametrize("family", ["qwen3", "devstral", "mistral-small-3.2", "mistral-nemo", "kimi-k2", "gpt-oss",
+                                    "llama-3.3", "qwen3-coder", "minimax-m2",
                                     "glm-4.6", "glm-4.7", "lfm2.5", "gemma-4", "deepseek-v3.1", "hy3",
                                     "nemotron-nano-v2", "command-r7b", "apertus", "gigachat-3.1", "granite-3.3"])
 def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family):
@@ -421,7 +424,8 @@ def test_a_required_grammar_takes_a_call_to_one_of_the_tools(family_dirs, family
 
 #: the families whose templates write several calls in one turn (Llama 3.3's raises "This model
 #: only supports single tool-calls at once!"; gpt-oss's renders the first alone)
-PARALLEL = ["qwen3", "qwen3-coder", "glm-4.6", "glm-4.7", "kimi-k2", "minimax-m2", "devstral", "mistral-small-3.2", "gemma-4",
+PARALLEL = ["qwen3", "qwen3-coder", "glm-4.6", "glm-4.7", "kimi-k2", "minimax-m2", "devstral", "mistral-small-3.2",
+            "mistral-nemo", "gemma-4",
             "gemma-2", "lfm2.5", "lfm2-8b", "deepseek-v3.1", "seed-oss", "hy3", "nemotron-nano-v2", "apertus",
             "granite-3.3"]  # fmt: skip
 
