@@ -16,7 +16,7 @@ import string
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 from jinja2 import TemplateError
@@ -239,6 +239,25 @@ def _raised_in_template(e: BaseException) -> bool:
     return False
 
 
+_T = TypeVar("_T")
+
+
+def _once(seen: weakref.WeakKeyDictionary[Any, _T], tokenizer: Any, probe: Callable[[], _T]) -> _T:
+    """``probe()``'s answer for ``tokenizer``, asked once and kept in ``seen`` (held weakly: an id
+    of a freed tokenizer may come back as another's; one that cannot be held weakly is asked
+    every time)."""
+    try:
+        return seen[tokenizer]
+    except (KeyError, TypeError):  # not probed yet (TypeError: it cannot be held weakly)
+        pass
+    found = probe()
+    try:
+        seen[tokenizer] = found
+    except TypeError:
+        pass
+    return found
+
+
 def _probed(
     seen: Probes, tokenizer: Any, messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None, marker: str,
@@ -247,21 +266,16 @@ def _probed(
     """Whether the template renders ``marker`` from ``messages`` (+ ``tools``), probed once per
     tokenizer (``seen``); a template that raises one of ``refusals`` on them does not (any other
     error: it does, the probe's question is not what failed)."""
-    try:
-        return seen[tokenizer]
-    except (KeyError, TypeError):  # not probed yet (TypeError: it cannot be held weakly)
-        pass
-    try:
-        found = marker in _apply(tokenizer, messages, tools)
-    except refusals:  # a template may raise on what it does not understand
-        found = False
-    except Exception:
-        found = True
-    try:
-        seen[tokenizer] = found
-    except TypeError:
-        pass
-    return found
+
+    def probe() -> bool:
+        try:
+            return marker in _apply(tokenizer, messages, tools)
+        except refusals:  # a template may raise on what it does not understand
+            return False
+        except Exception:
+            return True
+
+    return _once(seen, tokenizer, probe)
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
@@ -312,10 +326,11 @@ def template_mistral_json_calls(tokenizer: Any) -> CallJson | None:
     """How the chat template spells Mistral's calls where it writes them as a JSON list after
     ``[TOOL_CALLS]`` (Mistral Nemo's ``[{"name": …, "arguments": …, "id": …}]``, each id the
     model's: :data:`CALL_ID`), else None; probed once per tokenizer."""
-    try:
-        return _mistral_json[tokenizer]
-    except (KeyError, TypeError):
-        pass
+    return _once(_mistral_json, tokenizer, lambda: _mistral_json_calls(tokenizer))
+
+
+def _mistral_json_calls(tokenizer: Any) -> CallJson | None:
+    """:func:`template_mistral_json_calls`' probe."""
     ids = ("tkvprobe1", "tkvprobe2")  # (nine letters or digits, as Mistral's templates demand)
     calls = [{"id": ids[0], "type": "function", "function": {"name": NAME_SLOT, "arguments": {"a": 1}}},
              {"id": ids[1], "type": "function", "function": {"name": "tiered_kv_probe_gn", "arguments": {"a": 2}}}]  # fmt: skip
@@ -327,16 +342,10 @@ def template_mistral_json_calls(tokenizer: Any) -> CallJson | None:
 
     try:
         one, two = rendered(1), rendered(2)
-    except Exception:
-        found = None
-    else:
-        json_list = f'[TOOL_CALLS][{{"name": "{NAME_SLOT}"' in one
-        found = call_json(one, two, "[TOOL_CALLS]", ids=ids) if json_list else None
-    try:
-        _mistral_json[tokenizer] = found
-    except TypeError:
-        pass
-    return found
+    except Exception:  # a template that cannot render the probe writes no list we can find
+        return None
+    json_list = f'[TOOL_CALLS][{{"name": "{NAME_SLOT}"' in one
+    return call_json(one, two, "[TOOL_CALLS]", ids=ids) if json_list else None
 
 
 def template_writes_mistral_call_ids(tokenizer: Any) -> bool:
@@ -429,10 +438,11 @@ def template_call_block(tokenizer: Any) -> CallBlock | None:
     the same turn as text: the start marker is the tag before the call that the call's rendering
     adds and a text turn's text does not follow (a role's header), the end marker the tag after it
     where a text turn does not end so."""
-    try:
-        return _call_blocks[tokenizer]
-    except (KeyError, TypeError):  # not probed yet (TypeError: it cannot be held weakly)
-        pass
+    return _once(_call_blocks, tokenizer, lambda: _template_call_block(tokenizer))
+
+
+def _template_call_block(tokenizer: Any) -> CallBlock | None:
+    """:func:`template_call_block`'s probe."""
     hi = {"role": "user", "content": "hi"}
     result = {"role": "tool", "tool_call_id": "c", "content": "r"}
     try:  # (a turn after the call: a template may render a last assistant turn as the prompt's)
@@ -448,10 +458,6 @@ def template_call_block(tokenizer: Any) -> CallBlock | None:
         except Exception:  # (a template that refuses two calls writes no second one)
             with_two = ""
         block = replace(block, json=call_json(with_call, with_two, block.start, block.end))
-    try:
-        _call_blocks[tokenizer] = block
-    except TypeError:
-        pass
     return block
 
 
