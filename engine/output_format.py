@@ -363,6 +363,7 @@ _NAMED_CLOSE = {
 #: in an argument layout (:class:`ArgLayout`), a newline the model may write or not (a grammar reads
 #: it as an optional one): GLM-4.6 writes one before each opening tag and the call's end, 4.7 none
 GAP = "\x1d"
+#: in a call's opening or end, its id, the model's to write (:data:`chat.CALL_ID`: Mistral's)
 CALL_ID = chat.CALL_ID
 
 

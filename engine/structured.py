@@ -246,7 +246,8 @@ def _ends_at_token(end: str, tokens: Tokens) -> bool:
 
 def _marker(text: str, tokens: Tokens) -> str:
     """``text`` as a lark sequence: each of ``tokens`` (longest first) in it named as a token,
-    the text between them as string literals, a :data:`GAP` as an optional newline, a :data:`CALL_ID` as the nine letters or digits of one."""
+    the text between them as string literals, a :data:`GAP` as an optional newline, a
+    :data:`CALL_ID` as the nine letters or digits of a call's id."""
     parts, i, j = [], 0, 0
     while j < len(text):
         tok = next(((t, name) for t, name in tokens if text.startswith(t, j)), None)
