@@ -777,6 +777,49 @@ def template_takes_system(tokenizer: Any) -> bool:
     return _probed(_system, tokenizer, probe, None, _PROBE_NOTE, TemplateError)
 
 
+_calls_after_first: Probes = weakref.WeakKeyDictionary()
+
+
+def template_renders_calls_after_first(tokenizer: Any) -> bool:
+    """Whether the chat template renders every call of an assistant turn that holds several;
+    probed once per tokenizer. gpt-oss's and GigaChat 3.1's render the first alone (the rest, and
+    where their results belong, vanished from the prompt); Llama 3.x's raises "This model only
+    supports single tool-calls at once!" (a 400 on every later turn)."""
+    calls = [{"id": f"tkvprobe{i + 1}", "type": "function", "function": {"name": n, "arguments": {"a": i}}}
+             for i, n in enumerate((NAME_SLOT, "tiered_kv_probe_gn"))]  # fmt: skip
+    probe: list[dict[str, Any]] = [{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "", "tool_calls": calls},
+                                   *({"role": "tool", "tool_call_id": c["id"], "content": "r"} for c in calls)]  # fmt: skip
+    return _probed(_calls_after_first, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_gn", TemplateError)
+
+
+def one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each assistant turn of several calls as one turn per call, each followed by its call's
+    result (the first keeps the turn's text and reasoning; results no call claims follow the
+    last), for a template that renders one call a turn (:func:`template_renders_calls_after_first`),
+    as harmony writes calls: one message each."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if not calls or len(calls) < 2:
+            out.append(m)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(messages) and messages[j]["role"] == "tool":
+            j += 1
+        results = messages[i + 1 : j]
+        for k, call in enumerate(calls):
+            out.append(dict(m, tool_calls=[call]) if k == 0 else {"role": "assistant", "content": "", "tool_calls": [call]})
+            out.extend(r for r in results if r.get("tool_call_id") == call.get("id"))
+        claimed = {c.get("id") for c in calls}
+        out.extend(r for r in results if r.get("tool_call_id") not in claimed)
+        i = j
+    return out
+
+
 _system_after_calls: Probes = weakref.WeakKeyDictionary()
 
 
@@ -941,6 +984,8 @@ def render_chat(
             tools = described(tools)
         if write := call_writer(tokenizer):
             msgs = calls_as_text(msgs, write)
+        elif not template_renders_calls_after_first(tokenizer):
+            msgs = one_call_a_turn(msgs)
     elif template_writes_deepseek_calls(tokenizer):
         msgs, tools = deepseek_messages(msgs, tools), None
     else:

@@ -291,6 +291,38 @@ def test_a_system_prompt_stays_after_the_calls_of_its_turn(family_dirs):
             assert chat.template_keeps_system_after_calls(load_tokenizer(path)), family
 
 
+@pytest.mark.parametrize("family", ["llama-3.3", "gpt-oss", "gigachat-3.1"])
+def test_an_assistant_turn_of_several_calls_renders_each_call_with_its_result(family_dirs, family):
+    """Llama 3.x's template raises on an assistant turn of two calls ("This model only supports single
+    tool-calls at once!": a 400 on every later turn of such a conversation); gpt-oss's and GigaChat
+    3.1's rendered the first call alone, both results after it (gpt-oss's named both by the first
+    call's function). Such a turn now goes to them as one turn per call, each followed by its
+    result, as harmony writes calls; every other family's template renders both calls itself."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}} for n in ("get_weather", "get_time")]  # fmt: skip
+    calls = [{"id": f"abcDEF12{i}", "type": "function", "function": {"name": n, "arguments": '{"city": "Oslo"}'}}
+             for i, n in enumerate(("get_weather", "get_time"))]  # fmt: skip
+    msgs = [{"role": "user", "content": "Weather and time?"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "abcDEF120", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "abcDEF121", "content": "noon"}]  # fmt: skip
+    tok = load_tokenizer(family_dirs[family])
+    assert not chat.template_renders_calls_after_first(tok)
+    text = chat.render_chat(tok, msgs, tools)
+    turn = text[text.index("Weather and time?") :]
+    at = [turn.index(t) for t in ("get_weather", "sunny", "get_time", "noon")]
+    assert at == sorted(at), (family, turn)
+    assert chat.one_call_a_turn(msgs)[1:] == [
+        {**msgs[1], "tool_calls": calls[:1]}, msgs[2], {"role": "assistant", "content": "", "tool_calls": calls[1:]}, msgs[3],
+    ]  # fmt: skip
+    for other, path in family_dirs.items():
+        t = load_tokenizer(path)
+        if other not in ("llama-3.3", "gpt-oss", "gigachat-3.1") and chat.template_supports_tools(t) and not chat.call_writer(t):
+            assert chat.template_renders_calls_after_first(t), other
+
+
 def test_only_llamas_template_writes_calls_as_bare_json(family_dirs):
     """The probe behind Llama 3.x's output format (engine/output_format.py): of the 30 families,
     only Llama 3.3's template writes an assistant's call back as ``{"name": …, "parameters": …}``
