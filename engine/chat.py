@@ -331,31 +331,35 @@ def template_mistral_json_calls(tokenizer: Any) -> CallJson | None:
 
 def _mistral_json_calls(tokenizer: Any) -> CallJson | None:
     """:func:`template_mistral_json_calls`' probe."""
-    ids = ("tkvprobe1", "tkvprobe2")  # (nine letters or digits, as Mistral's templates demand)
-    calls = [{"id": ids[0], "type": "function", "function": {"name": NAME_SLOT, "arguments": {"a": 1}}},
-             {"id": ids[1], "type": "function", "function": {"name": "tiered_kv_probe_gn", "arguments": {"a": 2}}}]  # fmt: skip
-
-    def rendered(n: int) -> str:
-        results = [{"role": "tool", "tool_call_id": c["id"], "content": "r"} for c in calls[:n]]
-        return _apply(tokenizer, [_CALL_PROBE[0], {"role": "assistant", "content": "", "tool_calls": calls[:n]},
-                                  *results], [_PROBE_TOOL])  # fmt: skip
-
     try:
-        one, two = rendered(1), rendered(2)
+        one, two = (_apply(tokenizer, _calls_turn(n), [_PROBE_TOOL]) for n in (1, 2))
     except Exception:  # a template that cannot render the probe writes no list we can find
         return None
     json_list = f'[TOOL_CALLS][{{"name": "{NAME_SLOT}"' in one
-    return call_json(one, two, "[TOOL_CALLS]", ids=ids) if json_list else None
+    return call_json(one, two, "[TOOL_CALLS]", ids=_CALL_IDS) if json_list else None
+
+
+#: the ids of :func:`_calls_turn`'s calls: nine letters or digits, as Mistral's templates demand
+_CALL_IDS = ("tkvprobe1", "tkvprobe2")
+
+
+def _calls_turn(n: int) -> list[dict[str, Any]]:
+    """A user's "hi", then an assistant turn of ``n`` (1 or 2) calls — to the probe's function with
+    ``{"a": 1}``, then to ``tiered_kv_probe_gn`` with ``{"a": 2}``, ids :data:`_CALL_IDS` — and each
+    call's result: the probes of how a template writes calls back, for templates that need ids of
+    Mistral's shape and a result after each call."""
+    calls = [{"id": _CALL_IDS[i], "type": "function", "function": {"name": name, "arguments": {"a": i + 1}}}
+             for i, name in enumerate((NAME_SLOT, "tiered_kv_probe_gn")[:n])]  # fmt: skip
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": c["id"], "content": "r"} for c in calls)]  # fmt: skip
 
 
 def template_writes_mistral_call_ids(tokenizer: Any) -> bool:
     """Whether the chat template writes an assistant's call back as ``NAME[CALL_ID]ID[ARGS]{…}``
     (Mistral Small 3.2's; Devstral's writes ``NAME[ARGS]{…}``); probed once per tokenizer, with an
     id of the nine letters or digits Mistral's templates demand."""
-    call = {"id": "tkvprobe1", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {"a": 1}}}
-    probe = [_CALL_PROBE[0], {"role": "assistant", "content": "", "tool_calls": [call]},
-             {"role": "tool", "tool_call_id": "tkvprobe1", "content": "r"}]  # fmt: skip
-    return _probed(_mistral_ids, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_fn[CALL_ID]tkvprobe1[ARGS]")
+    written = f"{NAME_SLOT}[CALL_ID]{_CALL_IDS[0]}[ARGS]"
+    return _probed(_mistral_ids, tokenizer, _calls_turn(1), [_PROBE_TOOL], written)
 
 
 def template_writes_deepseek_calls(tokenizer: Any) -> bool:
@@ -785,12 +789,7 @@ def template_renders_calls_after_first(tokenizer: Any) -> bool:
     probed once per tokenizer. gpt-oss's and GigaChat 3.1's render the first alone (the rest, and
     where their results belong, vanished from the prompt); Llama 3.x's raises "This model only
     supports single tool-calls at once!" (a 400 on every later turn)."""
-    calls = [{"id": f"tkvprobe{i + 1}", "type": "function", "function": {"name": n, "arguments": {"a": i}}}
-             for i, n in enumerate((NAME_SLOT, "tiered_kv_probe_gn"))]  # fmt: skip
-    probe: list[dict[str, Any]] = [{"role": "user", "content": "hi"},
-                                   {"role": "assistant", "content": "", "tool_calls": calls},
-                                   *({"role": "tool", "tool_call_id": c["id"], "content": "r"} for c in calls)]  # fmt: skip
-    return _probed(_calls_after_first, tokenizer, probe, [_PROBE_TOOL], "tiered_kv_probe_gn", TemplateError)
+    return _probed(_calls_after_first, tokenizer, _calls_turn(2), [_PROBE_TOOL], "tiered_kv_probe_gn", TemplateError)
 
 
 def one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -829,10 +828,7 @@ def template_keeps_system_after_calls(tokenizer: Any) -> bool:
     into the last message only where that is a user's: an agent's every turn after a call lost its
     system prompt, and its prompt parted from the turn before's at the first user turn. A template
     that cannot render the probe keeps it (the probe's question is not what failed)."""
-    call = {"id": "tkvprobe1", "type": "function", "function": {"name": "tiered_kv_probe_fn", "arguments": {"a": 1}}}
-    probe: list[dict[str, Any]] = [{"role": "system", "content": _PROBE_NOTE}, {"role": "user", "content": "hi"},
-             {"role": "assistant", "content": "", "tool_calls": [call]},
-             {"role": "tool", "tool_call_id": "tkvprobe1", "content": "r"}]  # fmt: skip
+    probe = [{"role": "system", "content": _PROBE_NOTE}, *_calls_turn(1)]
     return _probed(_system_after_calls, tokenizer, probe, [_PROBE_TOOL], _PROBE_NOTE, ())
 
 
